@@ -1,0 +1,104 @@
+"""The catalogue of attention variants.
+
+Each family module registers its public variants here with what a caller needs to
+run, compare and benchmark them generically: the function, its cost in ``N``,
+whether it is exact and supports causal masking, and how to build the extra inputs
+(projections, random features, ...) it takes. ``attn-ref verify``, the conformance
+oracle, the benchmarks and the docs' comparison table all iterate over this list, so
+a new variant is picked up everywhere by registering it once.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Variant", "register", "get", "variants", "FAMILIES"]
+
+# Family modules, imported on first use of the catalogue.
+FAMILIES = ("softmax",)
+
+_REGISTRY: dict[str, Variant] = {}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One registered attention variant.
+
+    Attributes
+    ----------
+    name : str
+        Short name used everywhere (``"softmax"``, ``"linformer"``, ...).
+    fn : callable
+        ``fn(q, k, v, **params, **options)`` with ``q (..., Nq, d)``,
+        ``k (..., Nk, d)``, ``v (..., Nk, dv)``, returning ``(..., Nq, dv)``.
+    family : str
+        The module of :mod:`attn_ref` that defines it.
+    exact : bool
+        True when the variant computes softmax attention exactly.
+    causal : bool
+        True when ``fn`` accepts ``causal=True``.
+    time, memory : str
+        Cost in ``N`` (sequence length) and ``d`` (head dimension), e.g. ``"O(N^2 d)"``.
+    params : callable, optional
+        ``params(seed, nq, nk, d, dv, *, dtype, device, xp) -> dict`` building the extra
+        arguments (projections, features) deterministically from ``seed``. Arrays in
+        the dict are in namespace ``xp``; other entries are plain Python values.
+    weights : callable, optional
+        ``weights(q, k, **params, **options) -> (..., Nq, Nk)``: the attention matrix
+        the variant implies.
+    self_attention : bool
+        True when the variant needs ``Nq == Nk``.
+    options : dict
+        Keyword options that ``attn-ref verify`` passes besides ``params`` (a block
+        size, a window, ...).
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    family: str
+    exact: bool
+    causal: bool
+    time: str
+    memory: str
+    params: Callable[..., dict] | None = None
+    weights: Callable[..., Any] | None = None
+    self_attention: bool = False
+    options: dict = field(default_factory=dict)
+    summary: str = ""
+
+    def extra(self, seed, nq, nk, d, dv, *, dtype, device, xp):
+        """The extra arguments for one call: ``params(...)`` merged with ``options``."""
+        out = dict(self.options)
+        if self.params is not None:
+            out.update(self.params(seed, nq, nk, d, dv, dtype=dtype, device=device, xp=xp))
+        return out
+
+
+def register(variant: Variant) -> Variant:
+    if variant.name in _REGISTRY and _REGISTRY[variant.name].fn is not variant.fn:
+        raise ValueError(f"variant {variant.name!r} is already registered")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def _load():
+    for fam in FAMILIES:
+        importlib.import_module(f"attn_ref.{fam}")
+
+
+def variants() -> list[Variant]:
+    """Every registered variant, in registration order."""
+    _load()
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Variant:
+    """The variant called ``name``; ``KeyError`` lists the known names."""
+    _load()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown variant {name!r}; known: {sorted(_REGISTRY)}") from None

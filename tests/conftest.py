@@ -1,0 +1,39 @@
+"""The backend matrix: every reference test runs on every array library present.
+
+A backend that is not installed is skipped with its reason, unless
+``ATTN_REF_REQUIRE_BACKENDS`` lists it: then it fails, so CI cannot go green by
+silently skipping a backend.
+"""
+
+import pytest
+
+from conformance import backends as B
+
+MATRIX = B.BACKENDS
+
+
+def _backend_or_skip(name):
+    try:
+        return B.load(name)
+    except B.BackendUnavailable as exc:
+        if name in B.required():
+            pytest.fail(f"backend {name} is required by ATTN_REF_REQUIRE_BACKENDS but unavailable: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(params=MATRIX)
+def backend(request):
+    """A :class:`conformance.backends.Backend` for each library of the matrix."""
+    return _backend_or_skip(request.param)
+
+
+@pytest.fixture
+def xp(backend):
+    return backend.xp
+
+
+def pytest_report_header(config):
+    lines = []
+    for name, b in B.available().items():
+        lines.append(f"  {name}: {'available' if not isinstance(b, str) else b}")
+    return ["attn-ref backends:"] + lines
