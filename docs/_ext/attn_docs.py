@@ -1,0 +1,164 @@
+"""Sphinx extension for the attn-ref docs.
+
+* API pages are generated at build time, one per public module of ``attn_ref`` and
+  ``conformance``, so a module added by any engineer is documented without editing
+  the docs (``docs/api/generated/``, not committed).
+* ``variant-table``: the comparison table of every variant registered in
+  :mod:`attn_ref.registry`, rendered from the registry at build time, so the table
+  cannot drift from the code.
+* ``variant-error-table``: each variant's implied attention matrix against softmax's,
+  computed at build time by :func:`attn_ref.diagnostics.compare_variants`.
+* Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
+  when ``PATH`` (relative to ``docs/``) exists: pages that other parts of the project
+  produce (the conformance page, the measured scaling plot) are linked as soon as they
+  are committed, and the build does not fail before.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from docutils import nodes
+from sphinx.util.docutils import SphinxDirective
+
+PACKAGES = ("attn_ref", "conformance")
+
+_IF_EXISTS = re.compile(
+    r"^<!-- if-exists: (?P<path>\S+) -->\n(?P<body>.*?)^<!-- end-if -->\n", re.M | re.S
+)
+
+
+def _public_modules(root: Path, package: str) -> list[str]:
+    """Dotted names of the public modules of ``package`` (no leading underscore)."""
+    base = root / package
+    out = [package]
+    for path in sorted(base.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = rel.parts
+        if any(p.startswith("_") for p in parts[1:]):
+            continue
+        out.append(".".join(parts))
+    return out
+
+
+def generate_api_pages(app):
+    """Write ``api/generated/<module>.rst`` for every public module."""
+    srcdir = Path(app.srcdir)
+    outdir = srcdir / "api" / "generated"
+    outdir.mkdir(parents=True, exist_ok=True)
+    wanted = {}
+    for package in PACKAGES:
+        for mod in _public_modules(srcdir.parent, package):
+            # reStructuredText, not MyST: the section titles of module docstrings then
+            # stay implicit targets, so two modules may share one (no duplicate label).
+            title = f"``{mod}``"
+            wanted[f"{mod}.rst"] = f"{title}\n{'=' * len(title)}\n\n.. automodule:: {mod}\n   :members:\n"
+    for stale in list(outdir.glob("*.md")) + list(outdir.glob("*.rst")):
+        if stale.name not in wanted:
+            stale.unlink()
+    for name, text in wanted.items():
+        path = outdir / name
+        # Rewrite only on change, so incremental builds stay incremental.
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+
+
+def keep_if_exists(app, docname, source):
+    srcdir = Path(app.srcdir)
+
+    def repl(m):
+        return m.group("body") if (srcdir / m.group("path")).exists() else ""
+
+    source[0] = _IF_EXISTS.sub(repl, source[0])
+
+
+def _table(header, rows, widths):
+    table = nodes.table(classes=["variant-table"])
+    group = nodes.tgroup(cols=len(header))
+    table += group
+    for w in widths:
+        group += nodes.colspec(colwidth=w)
+
+    def row(cells):
+        r = nodes.row()
+        for c in cells:
+            entry = nodes.entry()
+            entry += nodes.paragraph(text="") if c == "" else _cell(c)
+            r += entry
+        return r
+
+    thead = nodes.thead()
+    thead += row(header)
+    group += thead
+    tbody = nodes.tbody()
+    for cells in rows:
+        tbody += row(cells)
+    group += tbody
+    return table
+
+
+def _cell(text):
+    para = nodes.paragraph()
+    if text.startswith("`") and text.endswith("`"):
+        para += nodes.literal(text=text.strip("`"))
+    else:
+        para += nodes.Text(text)
+    return para
+
+
+class VariantTable(SphinxDirective):
+    """The comparison table of every registered variant."""
+
+    has_content = False
+
+    def run(self):
+        from attn_ref import registry
+
+        self.env.note_dependency(registry.__file__)
+        header = ["variant", "family", "exact", "causal", "time", "memory", "what it computes"]
+        rows = []
+        for v in registry.variants():
+            rows.append([
+                f"`{v.name}`",
+                f"`{v.family}`",
+                "exact" if v.exact else "approximate",
+                "yes" if v.causal else "no",
+                f"`{v.time}`",
+                f"`{v.memory}`",
+                v.summary,
+            ])
+        return [_table(header, rows, [14, 10, 10, 7, 12, 12, 35])]
+
+
+class VariantErrorTable(SphinxDirective):
+    """Relative error of every variant's implied matrix, next to the best rank-k error.
+
+    Options: ``n`` (sequence length), ``d`` (head dimension), ``seed``.
+    """
+
+    has_content = False
+    option_spec = {"n": int, "d": int, "seed": int}
+
+    def run(self):
+        import numpy as np
+
+        from attn_ref.diagnostics import compare_variants
+        from attn_ref.random import standard_normal
+
+        n, d = self.options.get("n", 64), self.options.get("d", 16)
+        seed = self.options.get("seed", 0)
+        q = standard_normal((n, d), seed=seed, xp=np)
+        k = standard_normal((n, d), seed=seed + 1, xp=np)
+        header = ["variant", "rank of its matrix", "relative error", "best rank-k error, same k"]
+        rows = [[f"`{r.name}`", str(r.rank), f"{r.relative_error:.3f}",
+                 f"{r.relative_best_error:.3f}"] for r in compare_variants(q, k, seed=seed)]
+        return [_table(header, rows, [16, 10, 12, 16])]
+
+
+def setup(app):
+    app.connect("builder-inited", generate_api_pages)
+    app.connect("source-read", keep_if_exists)
+    app.add_directive("variant-table", VariantTable)
+    app.add_directive("variant-error-table", VariantErrorTable)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,123 @@
+"""The documentation's claims, executed in the ordinary test run.
+
+Every ``{doctest}`` block of every page in ``docs/`` runs here exactly as Sphinx's
+doctest builder runs it (one namespace per page, the setup of
+``docs/_ext/doctest_setup.py``), and so does every docstring example of every public
+module of ``attn_ref`` and ``conformance`` (with plain doctest semantics: the
+module's globals are in scope). A change in the library that falsifies a page fails
+here even when nobody builds the docs.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+sys.path.insert(0, str(DOCS / "_ext"))
+
+from doctest_setup import GLOBAL_SETUP, OPTION_NAMES  # noqa: E402
+
+FLAGS = 0
+for _name in OPTION_NAMES:
+    FLAGS |= getattr(doctest, _name)
+
+# A MyST fenced directive: ```{name} ... ``` (three or more backticks, same count to close).
+_FENCE = re.compile(r"^(?P<fence>`{3,})\{(?P<name>[\w-]+)\}[^\n]*\n(?P<body>.*?)^(?P=fence)\s*$",
+                    re.M | re.S)
+_SPHINX_ONLY = {"testcode", "testoutput", "testsetup", "testcleanup", "doctest-group"}
+
+
+def pages():
+    return sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts
+                  and "generated" not in p.parts)
+
+
+def doctest_blocks(path):
+    """``[(lineno, source)]`` of the ``{doctest}`` blocks of a page, options stripped."""
+    text = path.read_text()
+    out = []
+    for m in _FENCE.finditer(text):
+        name = m.group("name")
+        assert name not in _SPHINX_ONLY, (
+            f"{path.name}: use {{doctest}} blocks only, so that pytest runs them too "
+            f"(found {{{name}}})"
+        )
+        if name != "doctest":
+            continue
+        body = "".join(line for line in m.group("body").splitlines(keepends=True)
+                       if not line.startswith(":"))
+        out.append((text.count("\n", 0, m.start("body")) + 1, body))
+    return out
+
+
+PAGES_WITH_EXAMPLES = [p for p in pages() if doctest_blocks(p)]
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_page_examples(page):
+    globs = {}
+    exec(GLOBAL_SETUP, globs)
+    parser = doctest.DocTestParser()
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for lineno, source in doctest_blocks(page):
+        test = parser.get_doctest(source, globs, f"{page.name}:{lineno}", str(page), lineno)
+        runner.run(test, clear_globs=False)
+        globs = test.globs  # the next block of the page continues in this namespace
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {page.name} failed"
+
+
+def _public_modules():
+    names = []
+    for package in ("attn_ref", "conformance"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if any(p.startswith("_") for p in parts[1:]):
+                continue
+            names.append(".".join(parts))
+    return names
+
+
+def _docstring_tests(name):
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    return [t for t in finder.find(module, name) if t.examples]
+
+
+MODULES_WITH_EXAMPLES = [m for m in _public_modules() if _docstring_tests(m)]
+
+
+@pytest.mark.parametrize("name", MODULES_WITH_EXAMPLES)
+def test_docstring_examples(name):
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for test in _docstring_tests(name):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples in {name} failed"
+
+
+def test_every_page_has_an_executed_example_or_is_navigation():
+    # A derivation page whose identities are not executed is exactly what these docs
+    # promise not to have.
+    navigation = {"index.md", "bibliography.md", "building.md", "comparison.md",
+                  "conformance.md", "attn_ref.md"}
+    missing = [p.name for p in pages() if p.name not in navigation and p.parent.name != "api"
+               and not doctest_blocks(p)]
+    assert not missing, f"pages without executed examples: {missing}"
+
+
+def test_citations_resolve():
+    keys = set(re.findall(r"^@\w+\{([^,]+),", (DOCS / "refs.bib").read_text(), re.M))
+    cited = set()
+    for p in pages():
+        for group in re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", p.read_text()):
+            cited.update(k.strip() for k in group.split(","))
+    assert cited, "no citations found: the pattern is out of date"
+    assert cited <= keys, f"cited but not in refs.bib: {sorted(cited - keys)}"
