@@ -1,0 +1,40 @@
+"""Exact gradients (vector-Jacobian products) of the attention variants, in pure array API.
+
+The array API standard has no automatic differentiation, so the reference carries its
+backward passes in closed form. Each function here mirrors the forward of the same
+name in :mod:`attn_ref` - same positional inputs, same keyword options - with one more
+positional argument, the cotangent ``do`` of the output, and returns a dict mapping
+the name of each differentiable input to its gradient::
+
+    g = attn_ref.grad.softmax_attention(q, k, v, do, mask=mask, bias=bias, causal=True)
+    g["q"], g["k"], g["v"], g["bias"]
+
+Gradients have the shape of their input: an input that was broadcast (a bias of
+shape ``(1, Nq, Nk)`` against a batch of 4) gets the gradient summed over the
+broadcast dimensions. Non-array options (masks, ``causal``, block sizes) are not
+differentiated. :data:`VJPS` maps each registered variant name to its VJP, for the
+conformance oracle and for generic tests.
+
+Each VJP is a composition of the small VJPs in :mod:`attn_ref.grad._common` (matrix
+product, row softmax, broadcasting, feature maps) applied to the forward's named
+steps, and is tested against central finite differences in float64 and against
+``torch.autograd`` and ``jax.vjp`` applied to the forward code itself.
+"""
+
+from __future__ import annotations
+
+from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention
+
+__all__ = [
+    "VJPS",
+    "online_softmax_attention",
+    "online_softmax_forward",
+    "softmax_attention",
+]
+
+#: Variant name (as in :mod:`attn_ref.registry`) -> its VJP
+#: ``vjp(q, k, v, do, /, **same options as the forward) -> {input name: gradient}``.
+VJPS = {
+    "softmax": softmax_attention,
+    "online_softmax": online_softmax_attention,
+}
