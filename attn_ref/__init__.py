@@ -4,6 +4,19 @@ Each family lives in its own module; the most used functions are re-exported her
 :mod:`attn_ref.registry` lists every variant with its cost and capabilities.
 """
 
+from .compressed import compressed_attention, compressed_weights
+from .lowrank import linformer_attention, linformer_projection, linformer_weights
+from .reduced import (
+    clustered_attention,
+    clustered_weights,
+    iterative_pinv,
+    nystrom_attention,
+    nystrom_weights,
+    pooled_attention,
+    pooled_weights,
+    query_reduced_attention,
+    query_reduced_weights,
+)
 from .softmax import (
     BOTTOM_RIGHT,
     TOP_LEFT,
@@ -20,4 +33,18 @@ __all__ = [
     "attention_weights",
     "online_softmax_attention",
     "softmax_attention",
+    "linformer_attention",
+    "linformer_weights",
+    "linformer_projection",
+    "compressed_attention",
+    "compressed_weights",
+    "pooled_attention",
+    "pooled_weights",
+    "query_reduced_attention",
+    "query_reduced_weights",
+    "iterative_pinv",
+    "nystrom_attention",
+    "nystrom_weights",
+    "clustered_attention",
+    "clustered_weights",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 # Host-side RNG only: the standard has none. Nothing else in attn_ref imports NumPy.
 import numpy as np
 
-__all__ = ["standard_normal", "uniform", "permutation", "to_namespace"]
+__all__ = ["standard_normal", "uniform", "permutation", "to_namespace", "orthogonal_gaussian"]
 
 
 def to_namespace(a, *, dtype=None, device=None, xp):
@@ -53,3 +53,35 @@ def uniform(shape, *, seed, low=0.0, high=1.0, dtype=None, device=None, xp):
 def permutation(n, *, seed):
     """A random permutation of ``range(n)`` as a Python list (host-side indices)."""
     return [int(i) for i in _rng(seed).permutation(n)]
+
+
+def orthogonal_gaussian(m, d, *, seed, dtype=None, device=None, xp):
+    """``(m, d)`` rows with Gaussian marginals that are orthogonal within blocks of ``d``.
+
+    Each block of ``d`` rows is the ``Q`` factor of the QR decomposition of a ``d x d``
+    standard normal matrix (signs fixed by ``R``'s diagonal, so ``Q`` is Haar
+    distributed); every row is then rescaled to the norm of an independent standard
+    normal ``d``-vector, so each row on its own is distributed exactly as an i.i.d.
+    Gaussian row. The last block is truncated when ``d`` does not divide ``m``. These
+    are the orthogonal random features of Choromanski et al. (2020).
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.random import orthogonal_gaussian
+    >>> w = orthogonal_gaussian(6, 4, seed=0, xp=xp)
+    >>> g = w[:4, :] @ w[:4, :].mT
+    >>> bool(xp.max(xp.abs(g * (1.0 - xp.eye(4)))) < 1e-12)
+    True
+    """
+    for name, value in (("m", m), ("d", d)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    rng = _rng(seed)
+    blocks = []
+    for _ in range(-(-int(m) // int(d))):
+        qf, r = np.linalg.qr(rng.standard_normal((d, d)))
+        blocks.append(qf.T * np.where(np.diag(r) < 0, -1.0, 1.0)[:, None])
+    w = np.concatenate(blocks, axis=0)[:m]
+    norms = np.linalg.norm(rng.standard_normal((m, d)), axis=1)
+    return to_namespace(w * norms[:, None], dtype=dtype, device=device, xp=xp)

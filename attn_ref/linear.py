@@ -1,0 +1,542 @@
+"""Linear attention: aggregate the keys first, then let each query read the summary.
+
+When the similarity of a query and a key factorises through a feature map,
+``sim(q, k) = scale * phi(q) . phi(k)``, the attention output
+
+``o_i = sum_j sim(q_i, k_j) v_j / sum_j sim(q_i, k_j)``
+
+can be computed in either order:
+
+* quadratic, "interact then sum": ``A = phi(Q) phi(K)^T`` (``Nq x Nk``), then ``A V``;
+* linear, "sum then interact": ``S = phi(K)^T V`` (``d' x dv``) and ``z = sum_j phi(k_j)``
+  once, then ``o_i = phi(q_i)^T S / phi(q_i)^T z``.
+
+They are the same function (Katharopoulos et al. 2020, "Transformers are RNNs"); the
+second costs ``O(N d' dv)`` instead of ``O(N^2 d')``. With ``causal`` masking the
+linear order becomes a prefix sum of states; this module computes it chunk by chunk
+(inter-chunk ``phi(Q_c) S_{c-1}`` plus a masked intra-chunk ``(phi(Q_c) phi(K_c)^T * M) V_c``,
+``S`` carried by a cumulative sum over chunks), and :func:`linear_attention_step` is the
+recurrent form used for decoding. ``docs/linear.md`` derives the reordering.
+
+Conventions shared by the family
+--------------------------------
+* ``feature_map``: ``"elu+1"`` (``elu(x) + 1``, Katharopoulos et al.), ``"relu"``,
+  ``"identity"``, or a callable ``phi(x) -> (..., N, d')`` written in the array API
+  (it is applied to ``q`` and ``k`` separately and must give both the same ``d'``).
+* ``scale``: multiplies the similarity; default 1 (the kernel of Katharopoulos et al.).
+  It cancels in the normalised output; ``scale=d**-0.5`` is the convention of
+  flash-linear-attention's unnormalised kernels.
+* ``causal``: as in :mod:`attn_ref.softmax` - ``False``, ``True``/``"top-left"``
+  (query ``i`` sees keys ``j <= i``) or ``"bottom-right"`` (``j <= i + Nk - Nq``).
+* The denominator ``den_i = scale * phi(q_i) . sum_j phi(k_j)`` (over the keys query
+  ``i`` sees) is used as it is when ``|den_i| >= eps`` and replaced by ``+eps`` or
+  ``-eps`` (keeping its sign; ``+eps`` for zero) when ``|den_i| < eps``. So the output
+  is never NaN or inf for finite inputs: a query with no visible key or with all-zero
+  features (possible with ``"relu"``) returns zeros, as a fully masked row does in
+  :mod:`attn_ref.softmax`. With a non-negative feature map (``"elu+1"``, ``"relu"``)
+  ``den_i >= 0`` and every output row with ``den_i >= eps`` is a convex combination of
+  the visible values. The ``"identity"`` map (and any signed callable) gives a
+  denominator that can be negative or cross zero; the rule above still applies -
+  finite, but unbounded as ``den_i`` approaches ``eps`` - so use ``normalize=False``
+  with signed maps unless that is what you want. Unlike Katharopoulos et al., who
+  divide by ``den + eps``, a denominator at least ``eps`` is used unchanged, so the
+  normalised weights sum to exactly 1 (to rounding).
+* ``normalize=False`` returns the unnormalised ``scale * phi(Q) phi(K)^T V`` (masked).
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from ._checks import (
+    broadcast_batch,
+    check_positive_int,
+    check_qkv,
+    default_scale,
+    is_floating,
+    namespace,
+)
+from .softmax import TOP_LEFT, causal_alignment
+
+__all__ = [
+    "FEATURE_MAPS",
+    "feature_map_features",
+    "linear_attention",
+    "linear_attention_weights",
+    "linear_attention_state",
+    "linear_attention_step",
+]
+
+FEATURE_MAPS = ("elu+1", "relu", "identity")
+_ORDERS = ("linear", "quadratic")
+DEFAULT_CHUNK_SIZE = 64
+DEFAULT_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- feature maps
+
+
+def _elu_plus_one(xp, x):
+    # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
+    # so it cannot overflow (and its derivative stays finite for the VJP).
+    zero = xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
+    return xp.maximum(x, zero) + xp.exp(xp.minimum(x, zero))
+
+
+def _relu(xp, x):
+    return xp.maximum(x, xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x)))
+
+
+_NAMED = {"elu+1": _elu_plus_one, "relu": _relu, "identity": lambda xp, x: x}
+
+
+def check_feature_map(feature_map):
+    """Validate ``feature_map``: one of :data:`FEATURE_MAPS` or a callable."""
+    if callable(feature_map):
+        return feature_map
+    if isinstance(feature_map, str) and feature_map in _NAMED:
+        return feature_map
+    raise ValueError(
+        f"feature_map must be one of {', '.join(map(repr, FEATURE_MAPS))} or a callable "
+        f"phi(x) -> (..., N, d'), got {feature_map!r}"
+    )
+
+
+def feature_map_features(x, /, *, feature_map="elu+1", name="x", xp=None):
+    """Apply a feature map to the rows of ``x``: ``phi(x)``, shape ``(..., N, d')``.
+
+    Parameters
+    ----------
+    x : array, shape (..., N, d)
+    feature_map : {"elu+1", "relu", "identity"} or callable
+        A callable must return an array of the same library, floating dtype
+        ``x.dtype`` and shape ``x.shape[:-1] + (d',)``.
+    name : str
+        The argument name used in error messages (``"q"``, ``"k"``).
+
+    Returns
+    -------
+    array, shape (..., N, d')
+    """
+    xp = namespace((name, x), xp=xp)
+    feature_map = check_feature_map(feature_map)
+    if isinstance(feature_map, str):
+        return _NAMED[feature_map](xp, x)
+    f = feature_map(x)
+    what = f"feature_map applied to {name} {tuple(x.shape)}"
+    if not array_api_compat.is_array_api_obj(f):
+        raise TypeError(f"{what} must return an array, got {type(f).__name__}")
+    if f.ndim != x.ndim or tuple(f.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"{what} must return shape (..., N, d') = {tuple(x.shape[:-1]) + ('d_prime',)}, "
+            f"got shape {tuple(f.shape)}"
+        )
+    if f.dtype != x.dtype:
+        raise TypeError(f"{what} must return dtype {x.dtype}, got {f.dtype}")
+    return f
+
+
+def _features_qk(xp, q, k, feature_map):
+    fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
+    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
+    if fq.shape[-1] != fk.shape[-1]:
+        raise ValueError(
+            f"feature_map must give q and k the same feature dimension d', got "
+            f"{fq.shape[-1]} for q {tuple(q.shape)} and {fk.shape[-1]} for k {tuple(k.shape)}"
+        )
+    return fq, fk
+
+
+# ---------------------------------------------------------------- option checks
+
+
+def check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
+        math.isfinite(eps) and eps > 0
+    ):
+        raise ValueError(f"eps must be a positive finite real number, got {eps!r}")
+    return float(eps)
+
+
+def _check_order(order):
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {', '.join(map(repr, _ORDERS))}, got {order!r}")
+    return order
+
+
+def _check_scale(scale):
+    return 1.0 if scale is None else default_scale(1, scale)
+
+
+# ---------------------------------------------------------------- the engine
+
+
+def safe_denominator(xp, den, eps):
+    """``den`` where ``|den| >= eps``, else ``eps`` with the sign of ``den`` (``+eps`` at 0)."""
+    e = xp.full((), eps, dtype=den.dtype, device=array_api_compat.device(den))
+    small = xp.abs(den) < e
+    return xp.where(small, xp.where(den < 0, -e, e), den)
+
+
+def _readout(xp, num, den, normalize, eps):
+    """The output from numerator ``(..., Nq, dv)`` and denominator ``(..., Nq, 1)``."""
+    return num / safe_denominator(xp, den, eps) if normalize else num
+
+
+def _causal_visible(xp, nq, nk, alignment, device):
+    """Boolean ``(Nq, Nk)``: True where query ``i`` may see key ``j``."""
+    off = 0 if alignment == TOP_LEFT else nk - nq
+    return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
+
+
+def _quadratic(xp, fq, fk, v, alignment):
+    """Interact then sum: ``A = phi(Q) phi(K)^T`` (masked), ``(A V, rowsum A)``."""
+    a = fq @ xp.matrix_transpose(fk)
+    if alignment is not None:
+        vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
+    return a @ v, xp.sum(a, axis=-1, keepdims=True)
+
+
+def kv_state(xp, fk, v):
+    """The context summary of a set of keys: ``(S, z) = (phi(K)^T V, sum_j phi(k_j))``."""
+    return xp.matrix_transpose(fk) @ v, xp.sum(fk, axis=-2)
+
+
+def state_readout(xp, fq, s, z):
+    """Numerator ``phi(Q) S`` and denominator ``phi(Q) z`` of a summary ``(S, z)``."""
+    return fq @ s, fq @ z[..., :, None]
+
+
+def _linear_noncausal(xp, fq, fk, v):
+    s, z = kv_state(xp, fk, v)
+    return state_readout(xp, fq, s, z)
+
+
+def _pad_rows(xp, x, before, after):
+    """``x`` with ``before``/``after`` rows of zeros added on axis -2."""
+    if before == 0 and after == 0:
+        return x
+    dev = array_api_compat.device(x)
+    parts = []
+    if before:
+        parts.append(xp.zeros(tuple(x.shape[:-2]) + (before, x.shape[-1]), dtype=x.dtype, device=dev))
+    parts.append(x)
+    if after:
+        parts.append(xp.zeros(tuple(x.shape[:-2]) + (after, x.shape[-1]), dtype=x.dtype, device=dev))
+    return xp.concat(parts, axis=-2)
+
+
+def _align_square(xp, fq, fk, v, alignment):
+    """Rewrite a causal problem with any ``Nq, Nk`` as a square top-left one of length ``L``.
+
+    Query ``i`` moves to position ``i + P`` and key ``j`` to ``j + P'`` with
+    ``P - P' = offset``, so ``j <= i + offset`` becomes the usual ``j' <= i'``. Padded
+    rows carry zero features, which contribute nothing to any sum; keys no query can
+    see are dropped. Returns ``(fq, fk, v, P)``; the outputs are rows ``P:P+Nq``.
+    """
+    nq, nk = fq.shape[-2], fk.shape[-2]
+    off = 0 if alignment == TOP_LEFT else nk - nq
+    p_q, p_k = max(off, 0), max(-off, 0)
+    length = nq + p_q
+    fq = _pad_rows(xp, fq, p_q, 0)
+    keep = max(min(nk, length - p_k), 0)
+    fk, v = fk[..., :keep, :], v[..., :keep, :]
+    tail = length - p_k - keep
+    return fq, _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail), p_q
+
+
+def _chunked_causal(xp, fq, fk, v, chunk_size):
+    """Top-left causal linear attention of square ``(fq, fk, v)``, chunk by chunk.
+
+    Per chunk ``c``: ``phi(Q_c) S_{c-1} + (phi(Q_c) phi(K_c)^T * M) V_c`` with the
+    lower-triangular mask ``M`` and the exclusive prefix sum ``S_{c-1}`` of the chunk
+    states, taken over all chunks at once by a cumulative sum. A ragged tail is padded
+    with zero features. Extra memory ``O(N C + (N / C) d' dv)``.
+    """
+    n = fq.shape[-2]
+    c = min(chunk_size, n)
+    n_chunks = -(-n // c)
+    pad = n_chunks * c - n
+    fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
+    qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
+    s, z = kv_state(xp, kc, vc)  # (..., n_chunks, d', dv), (..., n_chunks, d')
+    # State of every chunk before this one: an exclusive prefix sum over chunks.
+    s_prev = xp.cumulative_sum(s, axis=-3, include_initial=True)[..., :-1, :, :]
+    z_prev = xp.cumulative_sum(z, axis=-2, include_initial=True)[..., :-1, :]
+    num, den = state_readout(xp, qc, s_prev, z_prev)
+    num_in, den_in = _quadratic(xp, qc, kc, vc, TOP_LEFT)
+    num, den = num + num_in, den + den_in
+    shape = tuple(num.shape[:-3]) + (n_chunks * c,)
+    return xp.reshape(num, shape + (num.shape[-1],))[..., :n, :], xp.reshape(den, shape + (1,))[..., :n, :]
+
+
+def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
+                         normalize=True, eps=DEFAULT_EPS, xp=None):
+    """Linear attention from precomputed features ``phi(Q)``, ``phi(K)``.
+
+    The engine behind :func:`linear_attention` and :func:`attn_ref.performer_attention`.
+    ``fq (..., Nq, d')`` should already carry the similarity scale. Options as in
+    :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+    """
+    xp = namespace(("fq", fq), ("fk", fk), ("v", v), xp=xp)
+    alignment = causal_alignment(causal)
+    _check_order(order)
+    check_positive_int("chunk_size", chunk_size)
+    eps = check_eps(eps)
+    nq, nk, dv = fq.shape[-2], fk.shape[-2], v.shape[-1]
+    if nq == 0 or nk == 0:
+        batch = broadcast_batch([("fq", tuple(fq.shape[:-2])), ("fk", tuple(fk.shape[:-2])),
+                                 ("v", tuple(v.shape[:-2]))])
+        return xp.zeros(batch + (nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
+    if order == "quadratic":
+        num, den = _quadratic(xp, fq, fk, v, alignment)
+    elif alignment is None:
+        num, den = _linear_noncausal(xp, fq, fk, v)
+    else:
+        fq2, fk2, v2, start = _align_square(xp, fq, fk, v, alignment)
+        num, den = _chunked_causal(xp, fq2, fk2, v2, chunk_size)
+        num, den = num[..., start:start + nq, :], den[..., start:start + nq, :]
+    return _readout(xp, num, den, normalize, eps)
+
+
+def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):
+    """The ``(..., Nq, Nk)`` attention matrix implied by features ``phi(Q)``, ``phi(K)``."""
+    xp = namespace(("fq", fq), ("fk", fk), xp=xp)
+    alignment = causal_alignment(causal)
+    eps = check_eps(eps)
+    a = fq @ xp.matrix_transpose(fk)
+    if alignment is not None:
+        vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
+    if not normalize:
+        return a
+    return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="linear",
+                     chunk_size=DEFAULT_CHUNK_SIZE, scale=None, normalize=True, eps=DEFAULT_EPS,
+                     xp=None):
+    """Linear (kernelised) attention ``phi(Q) (phi(K)^T V) / phi(Q) sum_j phi(k_j)``.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+        Leading (batch, head) dimensions broadcast.
+    feature_map : {"elu+1", "relu", "identity"} or callable
+        ``phi``; see the module docstring.
+    causal : {False, True, "top-left", "bottom-right"}
+        Query ``i`` sees keys ``j <= i`` (top-left) or ``j <= i + Nk - Nq``.
+    order : {"linear", "quadratic"}
+        ``"linear"`` (default) sums the keys into ``S = phi(K)^T V`` first; with
+        ``causal`` it runs the chunked form. ``"quadratic"`` forms
+        ``phi(Q) phi(K)^T`` (masked) and multiplies by ``V``. Same function.
+    chunk_size : int
+        Chunk length ``C`` of the causal linear order. ``N`` need not be a multiple
+        of it; ``chunk_size=1`` is the naive prefix sum over positions.
+    scale : float, optional
+        Multiplies the similarity ``phi(q) . phi(k)``; default 1.
+    normalize : bool
+        Divide by the denominator (default). ``False`` returns the unnormalised
+        ``scale * phi(Q) phi(K)^T V`` (masked).
+    eps : float
+        Denominators with ``|den| < eps`` are replaced by ``+-eps`` (module docstring).
+    xp : namespace, optional
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+        Queries with no visible key (``Nk == 0``, causal bottom-right with
+        ``Nq > Nk``) give zeros; ``Nq == 0`` gives ``(..., 0, dv)``.
+
+    Notes
+    -----
+    Linear order: ``O(N d' dv)`` time, ``O(d' dv)`` extra memory per head
+    (non-causal); causal chunked ``O(N (C + d') dv)`` time and
+    ``O(N C + (N / C) d' dv)`` extra memory. Quadratic order: ``O(Nq Nk (d' + dv))``
+    time, ``O(Nq Nk)`` memory. Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import linear_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(40.0)), (8, 5))
+    >>> a = linear_attention(x, x, x, causal=True, chunk_size=3)
+    >>> b = linear_attention(x, x, x, causal=True, order="quadratic")
+    >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
+    True
+    """
+    xp, _ = check_qkv(q, k, v, xp=xp)
+    scale = _check_scale(scale)
+    fq, fk = _features_qk(xp, q, k, feature_map)
+    if scale != 1.0:
+        fq = fq * scale
+    return linear_from_features(fq, fk, v, causal=causal, order=order, chunk_size=chunk_size,
+                                normalize=normalize, eps=eps, xp=xp)
+
+
+def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scale=None, normalize=True,
+                             eps=DEFAULT_EPS, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, xp=None):
+    """The attention matrix linear attention implies: ``A_ij = sim(q_i, k_j) / den_i``.
+
+    Parameters
+    ----------
+    q, k, feature_map, causal, scale, normalize, eps, xp
+        As in :func:`linear_attention`.
+    order, chunk_size
+        Checked and otherwise ignored: every order implies the same matrix. Accepted
+        so that one set of options serves :func:`linear_attention` and this function.
+
+    Returns
+    -------
+    array, shape (..., Nq, Nk)
+        ``linear_attention(q, k, v, ...) == weights @ v``. Normalised rows sum to 1
+        when ``|den_i| >= eps``; rows with no visible key are zero. Entries are
+        non-negative for non-negative feature maps.
+
+    Notes
+    -----
+    ``O(Nq Nk d')`` time and ``O(Nq Nk)`` memory: for diagnostics, not for long inputs.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import linear_attention_weights
+    >>> x = xp.reshape(xp.cos(xp.arange(12.0)), (4, 3))
+    >>> w = linear_attention_weights(x, x, causal=True)
+    >>> float(xp.sum(w[2, :])), float(w[0, 1])
+    (1.0, 0.0)
+    """
+    xp, _ = check_qkv(q, k, k, xp=xp)
+    scale = _check_scale(scale)
+    _check_order(order)
+    check_positive_int("chunk_size", chunk_size)
+    fq, fk = _features_qk(xp, q, k, feature_map)
+    if scale != 1.0:
+        fq = fq * scale
+    return weights_from_features(fq, fk, causal=causal, normalize=normalize, eps=eps, xp=xp)
+
+
+def linear_attention_state(k, v, /, *, feature_map="elu+1", xp=None):
+    """The recurrent state ``(S, z) = (phi(K)^T V, sum_j phi(k_j))`` of a key/value prefix.
+
+    Parameters
+    ----------
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+        ``Nk == 0`` gives the empty (all-zero) state that decoding starts from:
+        ``linear_attention_state(k[..., :0, :], v[..., :0, :])``.
+    feature_map, xp
+        As in :func:`linear_attention`.
+
+    Returns
+    -------
+    s : array, shape (..., d', dv)
+    z : array, shape (..., d')
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import linear_attention_state
+    >>> k = xp.ones((3, 4)); v = xp.ones((3, 2))
+    >>> s, z = linear_attention_state(k[:0, :], v[:0, :])
+    >>> s.shape, z.shape, float(xp.sum(s))
+    ((4, 2), (4,), 0.0)
+    """
+    xp, _ = check_qkv(k, k, v, xp=xp)
+    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
+    return kv_state(xp, fk, v)
+
+
+def linear_attention_step(state, q, k, v, /, *, feature_map="elu+1", scale=None, normalize=True,
+                          eps=DEFAULT_EPS, xp=None):
+    """One step of causal linear attention as a recurrence ("transformers are RNNs").
+
+    ``S' = S + phi(k) v^T``, ``z' = z + phi(k)``, ``o = phi(q)^T S' / phi(q)^T z'``:
+    the new token sees itself and every token summarised in ``state``.
+
+    Parameters
+    ----------
+    state : tuple ``(S, z)``
+        ``S (..., d', dv)``, ``z (..., d')``, from :func:`linear_attention_state` or a
+        previous step.
+    q : array, shape (..., d)
+    k : array, shape (..., d)
+    v : array, shape (..., dv)
+        One token (no sequence axis).
+    feature_map, scale, normalize, eps, xp
+        As in :func:`linear_attention`.
+
+    Returns
+    -------
+    out : array, shape (..., dv)
+    new_state : tuple ``(S', z')``
+
+    Notes
+    -----
+    ``O(d' dv)`` time and memory per step. Running it over ``q, k, v`` from the empty
+    state reproduces ``linear_attention(q, k, v, causal=True)`` to rounding.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import linear_attention, linear_attention_state, linear_attention_step
+    >>> x = xp.reshape(xp.sin(xp.arange(15.0)), (5, 3))
+    >>> state = linear_attention_state(x[:0, :], x[:0, :])
+    >>> outs = []
+    >>> for t in range(5):
+    ...     o, state = linear_attention_step(state, x[t, :], x[t, :], x[t, :])
+    ...     outs.append(o)
+    >>> ref = linear_attention(x, x, x, causal=True)
+    >>> bool(xp.max(xp.abs(xp.stack(outs) - ref)) < 1e-14)
+    True
+    """
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        raise TypeError(f"state must be a pair (S, z), got {type(state).__name__}")
+    s, z = state
+    xp = namespace(("S", s), ("z", z), ("q", q), ("k", k), ("v", v), xp=xp)
+    for name, x, want in (("q", q, "(..., d)"), ("k", k, "(..., d)"), ("v", v, "(..., dv)"),
+                          ("S", s, "(..., d', dv)"), ("z", z, "(..., d')")):
+        if x.ndim < (2 if name == "S" else 1):
+            raise ValueError(f"{name} must have shape {want}, got shape {tuple(x.shape)}")
+        if not is_floating(xp, x.dtype):
+            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
+    xp, _ = check_qkv(q[..., None, :], k[..., None, :], v[..., None, :], xp=xp)
+    if s.dtype != q.dtype or z.dtype != q.dtype:
+        raise TypeError(f"state must have the dtype of q ({q.dtype}), got S {s.dtype}, z {z.dtype}")
+    scale = _check_scale(scale)
+    eps = check_eps(eps)
+    fq, fk = _features_qk(xp, q[..., None, :], k[..., None, :], feature_map)
+    m, dv = fk.shape[-1], v.shape[-1]
+    if s.shape[-2:] != (m, dv) or z.shape[-1] != m:
+        raise ValueError(
+            f"state does not fit this token: need S (..., d', dv) = (..., {m}, {dv}) and "
+            f"z (..., {m}), got S {tuple(s.shape)} and z {tuple(z.shape)}"
+        )
+    ds, dz = kv_state(xp, fk, v[..., None, :])
+    s, z = s + ds, z + dz
+    if scale != 1.0:
+        fq = fq * scale
+    num, den = state_readout(xp, fq, s, z)
+    return _readout(xp, num, den, normalize, eps)[..., 0, :], (s, z)
+
+
+def _register():
+    from .registry import Variant, register
+
+    register(Variant(
+        name="linear", fn=linear_attention, family="linear", exact=False, causal=True,
+        time="O(N d^2)", memory="O(N d + (N/C) d^2)", weights=linear_attention_weights,
+        options={"feature_map": "elu+1", "order": "linear", "chunk_size": 8},
+        summary="linear attention phi(Q)(phi(K)^T V), elu+1 features; causal chunked",
+    ))
+
+
+_register()

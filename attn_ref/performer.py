@@ -1,0 +1,328 @@
+"""Performer (FAVOR+): softmax attention estimated by random features.
+
+The softmax kernel is an expectation over Gaussian ``w`` (Choromanski et al. 2020,
+"Rethinking Attention with Performers")::
+
+    exp(x . y) = E_w[ exp(w.x - |x|^2/2) exp(w.y - |y|^2/2) ]
+
+so ``m`` random rows ``w_1..w_m`` give features ``phi(x) = exp(W x - |x|^2/2) / sqrt(m)``
+with ``E[phi(x) . phi(y)] = exp(x . y)``, positive by construction ("positive random
+features"). Feeding ``phi(sqrt(scale) q)`` and ``phi(sqrt(scale) k)`` to linear
+attention (:mod:`attn_ref.linear`) estimates ``softmax(scale Q K^T) V`` in ``O(N m dv)``.
+The older trigonometric features ``exp(|x|^2/2) [sin(W x), cos(W x)] / sqrt(m)`` are
+also unbiased but signed, so their denominators can vanish. Orthogonal rows
+(:func:`random_features` ``kind="orthogonal"``) lower the variance at equal ``m``.
+``docs/performer.md`` derives the estimator.
+
+The stabiliser
+--------------
+``exp`` of the raw exponents overflows or underflows for large inputs. A constant
+subtracted from the exponent cancels in the normalised output when it is common to
+everything it multiplies: for a query, any per-query constant (its own maximum over
+features, as the reference implementation does); for the keys, a constant shared by
+every key a query sees. Non-causal attention uses the maximum over all keys and
+features (per batch and head), as FAVOR+ does. Causal attention must not do that - it
+would let a future key change a past output (underflow makes the "cancelling"
+constant visible) - so it uses ``max_f |w_f|^2 / 2 - log(finfo.max) / 4``, built from
+the projection alone: every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``, so key
+features stay below ``finfo.max**(1/4) / sqrt(m)`` whatever the data, and no key
+influences any other query's output. (The trigonometric kernel's key factor
+``exp(|x|^2/2)`` has no such bound; causal trigonometric attention leaves keys
+unshifted.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from . import random as _random
+from ._checks import check_positive_int, check_qkv, default_scale, is_floating, namespace
+from .linear import DEFAULT_CHUNK_SIZE, check_eps, linear_from_features, weights_from_features
+from .softmax import causal_alignment
+
+__all__ = [
+    "KERNELS",
+    "random_features",
+    "favor_features",
+    "performer_attention",
+    "performer_attention_weights",
+    "default_num_features",
+]
+
+KERNELS = ("positive", "trigonometric")
+_KINDS = ("orthogonal", "iid")
+
+
+def default_num_features(d):
+    """``m = max(2 d, round(d log d))``, the Performer paper's ``d log d`` rule."""
+    check_positive_int("d", d)
+    return max(2 * d, int(round(d * math.log(d))))
+
+
+def random_features(d, m, /, *, kind="orthogonal", seed, dtype=None, device=None, xp):
+    """The ``(m, d)`` random projection ``W`` of FAVOR+, drawn from ``seed``.
+
+    Parameters
+    ----------
+    d : int
+        Head dimension of ``q`` and ``k``.
+    m : int
+        Number of random features.
+    kind : {"orthogonal", "iid"}
+        ``"iid"``: i.i.d. standard normal rows. ``"orthogonal"``: rows orthogonal in
+        blocks of ``d`` with the norms of Gaussian rows (each row alone is still
+        ``N(0, I_d)``), which lowers the estimator's variance.
+    seed : int
+        Non-negative; the same seed gives the same ``W`` on every backend.
+    dtype, device, xp
+        Where to build ``W``; ``dtype`` defaults to ``xp.float64``.
+
+    Returns
+    -------
+    array, shape (m, d)
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import random_features
+    >>> random_features(4, 10, seed=0, xp=xp).shape
+    (10, 4)
+    """
+    check_positive_int("d", d)
+    check_positive_int("m", m)
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, _KINDS))}, got {kind!r}")
+    if kind == "iid":
+        return _random.standard_normal((m, d), seed=seed, dtype=dtype, device=device, xp=xp)
+    return _random.orthogonal_gaussian(m, d, seed=seed, dtype=dtype, device=device, xp=xp)
+
+
+def _check_kernel(kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    return kernel
+
+
+def _check_projection(xp, projection, d, dtype):
+    if not array_api_compat.is_array_api_obj(projection):
+        raise TypeError(f"projection must be an array of shape (m, d), got {type(projection).__name__}")
+    if projection.ndim != 2 or projection.shape[1] != d or projection.shape[0] < 1:
+        raise ValueError(
+            f"projection must have shape (m, d) = (m, {d}) with m >= 1 to match the head "
+            f"dimension d={d} of q and k, got shape {tuple(projection.shape)}"
+        )
+    if not is_floating(xp, projection.dtype) or projection.dtype != dtype:
+        raise TypeError(f"projection must have the dtype of q and k ({dtype}), got {projection.dtype}")
+    return projection
+
+
+# ---------------------------------------------------------------- features, in named steps
+
+
+def half_sq_norm(xp, x):
+    """``|x|^2 / 2`` of each row, shape ``(..., N, 1)``."""
+    return xp.sum(x * x, axis=-1, keepdims=True) / 2
+
+
+def feature_exponent(xp, x, projection, kernel):
+    """The log-magnitude of the features: ``W x - |x|^2/2`` (positive) or ``|x|^2/2`` (trig)."""
+    if kernel == "positive":
+        return x @ xp.matrix_transpose(projection) - half_sq_norm(xp, x)
+    return half_sq_norm(xp, x)
+
+
+def features_from_exponent(xp, x, projection, exponent, offset, kernel):
+    """``exp(exponent - offset) / sqrt(m)``, times ``[sin Wx, cos Wx]`` for the trig kernel."""
+    m = projection.shape[0]
+    e = xp.exp(exponent - offset) if offset is not None else xp.exp(exponent)
+    if kernel == "positive":
+        return e / math.sqrt(m)
+    u = x @ xp.matrix_transpose(projection)
+    return xp.concat([xp.sin(u) * e, xp.cos(u) * e], axis=-1) / math.sqrt(m)
+
+
+def query_offset(xp, exponent):
+    """Per-query stabiliser: each query's own maximum exponent (cancels per query)."""
+    return xp.max(exponent, axis=-1, keepdims=True)
+
+
+def key_offset(xp, exponent, projection, kernel, causal):
+    """Key stabiliser shared by all keys: data max (non-causal), projection bound (causal)."""
+    if not causal:
+        m = xp.max(exponent, axis=-1, keepdims=True)
+        return xp.max(m, axis=-2, keepdims=True)
+    if kernel == "trigonometric":
+        return None
+    bound = xp.max(half_sq_norm(xp, projection))
+    return bound - math.log(float(xp.finfo(projection.dtype).max)) / 4
+
+
+def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
+    """FAVOR random features ``phi(x)`` with ``E[phi(x) . phi(y)] = exp(x . y)``.
+
+    Parameters
+    ----------
+    x : array, shape (..., N, d)
+        Already scaled: pass ``sqrt(scale) q`` to estimate ``exp(scale q . k)``.
+    projection : array, shape (m, d)
+        From :func:`random_features`.
+    kernel : {"positive", "trigonometric"}
+        ``exp(W x - |x|^2/2) / sqrt(m)``, shape ``(..., N, m)``, or
+        ``exp(|x|^2/2) [sin(W x), cos(W x)] / sqrt(m)``, shape ``(..., N, 2 m)``.
+    offset : array broadcastable to (..., N, 1), optional
+        Subtracted from the exponent (features multiplied by ``exp(-offset)``); the
+        stabiliser. A per-query or all-keys constant cancels in normalised attention.
+
+    Returns
+    -------
+    array, shape (..., N, m) or (..., N, 2 m)
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import favor_features, random_features
+    >>> w = random_features(3, 5, seed=1, xp=xp)
+    >>> f = favor_features(xp.zeros((2, 3)), w)  # x = 0: every feature is 1/sqrt(m)
+    >>> f.shape, bool(xp.all(f == 1 / 5**0.5))
+    ((2, 5), True)
+    """
+    xp = namespace(("x", x), ("projection", projection), xp=xp)
+    _check_kernel(kernel)
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape (..., N, d) (rank >= 2), got shape {tuple(x.shape)}")
+    if not is_floating(xp, x.dtype):
+        raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
+    _check_projection(xp, projection, x.shape[-1], x.dtype)
+    return features_from_exponent(xp, x, projection, feature_exponent(xp, x, projection, kernel),
+                                  offset, kernel)
+
+
+def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+    root = math.sqrt(scale)
+    xq, xk = q * root, k * root
+    eq = feature_exponent(xp, xq, projection, kernel)
+    ek = feature_exponent(xp, xk, projection, kernel)
+    oq = query_offset(xp, eq) if stabilize else None
+    # No keys: nothing to stabilise (and no maximum over an empty axis).
+    ok = (key_offset(xp, ek, projection, kernel, alignment is not None)
+          if stabilize and k.shape[-2] > 0 else None)
+    return (features_from_exponent(xp, xq, projection, eq, oq, kernel),
+            features_from_exponent(xp, xk, projection, ek, ok, kernel))
+
+
+def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
+    xp, _ = check_qkv(q, k, v, xp=xp)
+    xp = namespace(("q", q), ("projection", projection), xp=xp)
+    _check_kernel(kernel)
+    _check_projection(xp, projection, q.shape[-1], q.dtype)
+    alignment = causal_alignment(causal)
+    scale = default_scale(q.shape[-1], scale)
+    if scale < 0:
+        raise ValueError(f"scale must be non-negative for random features, got {scale!r}")
+    eps = float(xp.finfo(q.dtype).smallest_normal) if eps is None else check_eps(eps)
+    return xp, alignment, scale, eps
+
+
+def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=False, stabilize=True,
+                        scale=None, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, eps=None, xp=None):
+    """Performer (FAVOR+) attention: random-feature estimate of ``softmax(scale Q K^T) V``.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    projection : array, shape (m, d)
+        Random rows from :func:`random_features` (same dtype and device as ``q``).
+    kernel : {"positive", "trigonometric"}
+        Positive random features (FAVOR+, default) or sin/cos features.
+    causal : {False, True, "top-left", "bottom-right"}
+        As in :func:`attn_ref.linear_attention`.
+    stabilize : bool
+        Shift the feature exponents (module docstring); exact in real arithmetic,
+        and never uses a future key when causal.
+    scale : float, optional
+        Softmax logit scale, default ``1/sqrt(d)``.
+    order, chunk_size
+        As in :func:`attn_ref.linear_attention`.
+    eps : float, optional
+        Denominator floor (see :mod:`attn_ref.linear`), default the smallest normal
+        number of the dtype: positive features give ``den >= 0`` and
+        ``|num| <= den max|v|``, so only an exactly-zero or underflowed denominator is
+        floored. Trigonometric denominators can be near zero or negative; outputs
+        there are large (the instability positive features were introduced to fix).
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+        Converges to softmax attention as ``m`` grows.
+
+    Notes
+    -----
+    ``O(N m (d + dv))`` time, ``O(N m + m dv)`` extra memory (non-causal);
+    causal as the chunked form of linear attention with ``d' = m``.
+    Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021).
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import performer_attention, random_features, softmax_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(24.0)), (6, 4))
+    >>> w = random_features(4, 4096, seed=0, xp=xp)
+    >>> err = xp.max(xp.abs(performer_attention(x, x, x, projection=w) - softmax_attention(x, x, x)))
+    >>> bool(err < 0.05)  # the error falls like 1/sqrt(m)
+    True
+    """
+    xp, alignment, scale, eps = _prepare(q, k, v, projection, kernel, causal, scale, eps, xp)
+    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
+                                eps=eps, xp=xp)
+
+
+def performer_attention_weights(q, k, /, *, projection, kernel="positive", causal=False, stabilize=True,
+                                scale=None, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, eps=None,
+                                xp=None):
+    """The ``(..., Nq, Nk)`` attention matrix the Performer estimate implies.
+
+    ``performer_attention(q, k, v, ...) == weights @ v``; rows sum to 1 (rows with no
+    visible key are zero) and, for the positive kernel, entries are non-negative.
+    Arguments as in :func:`performer_attention`; ``order`` and ``chunk_size`` are checked
+    and otherwise ignored (every order implies the same matrix). ``O(Nq Nk m)`` time,
+    ``O(Nq Nk)`` memory.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import performer_attention_weights, random_features
+    >>> x = xp.reshape(xp.cos(xp.arange(12.0)), (3, 4))
+    >>> p = performer_attention_weights(x, x, projection=random_features(4, 8, seed=0, xp=xp))
+    >>> bool(xp.all(xp.abs(xp.sum(p, axis=-1) - 1.0) < 1e-12))
+    True
+    """
+    xp, alignment, scale, eps = _prepare(q, k, k, projection, kernel, causal, scale, eps, xp)
+    if order not in ("linear", "quadratic"):
+        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    check_positive_int("chunk_size", chunk_size)
+    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    return weights_from_features(fq, fk, causal=alignment or False, eps=eps, xp=xp)
+
+
+def _params(seed, nq, nk, d, dv, *, dtype, device, xp):
+    return {"projection": random_features(d, default_num_features(d), kind="orthogonal", seed=seed,
+                                          dtype=dtype, device=device, xp=xp)}
+
+
+def _register():
+    from .registry import Variant, register
+
+    register(Variant(
+        name="performer", fn=performer_attention, family="performer", exact=False, causal=True,
+        time="O(N m d)", memory="O(N m + m d)", params=_params, weights=performer_attention_weights,
+        options={"kernel": "positive", "chunk_size": 8},
+        summary="Performer FAVOR+: positive orthogonal random features, m = d log d",
+    ))
+
+
+_register()

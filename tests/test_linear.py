@@ -1,0 +1,399 @@
+"""attn_ref.linear: both orders, the chunked and recurrent causal forms, on every backend."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attn_ref import (
+    linear_attention,
+    linear_attention_state,
+    linear_attention_step,
+    linear_attention_weights,
+    registry,
+)
+from attn_ref.linear import FEATURE_MAPS
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, call, host, property_test, randn
+
+CAUSAL = [False, "top-left", "bottom-right"]
+SHAPES = [
+    ((2, 3), 12, 12, 8, 8),  # batch, heads, self-attention
+    ((3,), 9, 14, 4, 6),  # cross-attention, Nq < Nk, dv != d
+    ((), 14, 5, 5, 3),  # Nq > Nk, single head
+]
+
+_PHI = {
+    "elu+1": lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0))),
+    "relu": lambda x: np.maximum(x, 0.0),
+    "identity": lambda x: x,
+}
+
+
+def _visible(nq, nk, causal):
+    if not causal:
+        return np.ones((nq, nk), dtype=bool)
+    off = 0 if causal in (True, "top-left") else nk - nq
+    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
+
+
+def np_linear(q, k, v, *, feature_map="elu+1", causal=False, scale=1.0, normalize=True, eps=1e-6):
+    """Plain NumPy float64 linear attention in the quadratic order, written independently.
+
+    Returns ``(output, weights)``; the denominator rule is the documented one.
+    """
+    phi = _PHI[feature_map] if isinstance(feature_map, str) else feature_map
+    a = scale * np.einsum("...if,...jf->...ij", phi(q), phi(k))
+    a = a * _visible(q.shape[-2], k.shape[-2], causal)
+    if normalize:
+        den = a.sum(-1, keepdims=True)
+        den = np.where(np.abs(den) < eps, np.where(den < 0, -eps, eps), den)
+        a = a / den
+    return a @ v, a
+
+
+def _qkv(backend, batch, nq, nk, d, dv, dtype="float64", seed=0):
+    q, qh = randn(backend, batch + (nq, d), dtype, seed=seed + 1)
+    k, kh = randn(backend, batch + (nk, d), dtype, seed=seed + 2)
+    v, vh = randn(backend, batch + (nk, dv), dtype, seed=seed + 3)
+    return (q, k, v), (qh, kh, vh)
+
+
+# ---------------------------------------------------------------- the function
+
+
+@pytest.mark.parametrize("order", ["linear", "quadratic"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("shapes", SHAPES)
+def test_matches_plain_numpy(backend, order, dtype, causal, shapes):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, *shapes, dtype=dtype)
+    out = call(backend, linear_attention, q, k, v, causal=causal, order=order, chunk_size=5)
+    want, _ = np_linear(qh, kh, vh, causal=causal)
+    assert_close(out, want, backend, dtype=dtype)
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_reordering_identity(backend, feature_map, causal):
+    # "sum then interact" == "interact then sum", for every map, unnormalised too
+    # (the identity map's normalised form is not bounded; see the denominator tests).
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 11, 13, 6, 4, seed=10)
+    normalize = feature_map != "identity"
+    kw = dict(feature_map=feature_map, causal=causal, normalize=normalize, scale=0.7)
+    lin = call(backend, linear_attention, q, k, v, order="linear", chunk_size=4, **kw)
+    quad = call(backend, linear_attention, q, k, v, order="quadratic", **kw)
+    assert_close(lin, host(quad), backend)
+    assert_close(lin, np_linear(qh, kh, vh, **kw)[0], backend)
+
+
+def test_identity_unnormalised_is_qkt_v(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2, 2), 10, 12, 5, 3, seed=20)
+    for order in ("linear", "quadratic"):
+        out = call(backend, linear_attention, q, k, v, feature_map="identity", normalize=False, order=order)
+        assert_close(out, (qh @ np.swapaxes(kh, -1, -2)) @ vh, backend)
+    causal = call(backend, linear_attention, q, k, v, feature_map="identity", normalize=False,
+                  causal=True, chunk_size=3)
+    assert_close(causal, (np.tril(qh @ np.swapaxes(kh, -1, -2))) @ vh, backend)
+
+
+def test_callable_feature_map_and_broadcast(backend):
+    xp = backend.xp
+
+    def phi(x):  # d' = 2 d: [relu(x), relu(-x)] + 0.1, positive
+        zero = xp.zeros_like(x)
+        return xp.concat([xp.maximum(x, zero), xp.maximum(-x, zero)], axis=-1) + 0.1
+
+    def phi_np(x):
+        return np.concatenate([np.maximum(x, 0), np.maximum(-x, 0)], axis=-1) + 0.1
+
+    q, qh = randn(backend, (2, 3, 9, 4), seed=1)
+    k, kh = randn(backend, (1, 3, 9, 4), seed=2)  # batch broadcasts
+    v, vh = randn(backend, (2, 1, 9, 5), seed=3)  # heads broadcast
+    for causal in (False, True):
+        out = call(backend, linear_attention, q, k, v, feature_map=phi, causal=causal, chunk_size=4)
+        assert_close(out, np_linear(qh, kh, vh, feature_map=phi_np, causal=causal)[0], backend)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, 12, 64])
+@pytest.mark.parametrize("causal", ["top-left", "bottom-right"])
+def test_chunked_equals_quadratic_any_chunk(backend, chunk_size, causal):
+    # Lengths 12 and 15 against chunks 1..64: exact multiples, ragged tails, C > N.
+    (q, k, v), _ = _qkv(backend, (2,), 12, 15, 4, 3, seed=30)
+    a = call(backend, linear_attention, q, k, v, causal=causal, chunk_size=chunk_size)
+    b = call(backend, linear_attention, q, k, v, causal=causal, order="quadratic")
+    assert_close(a, host(b), backend)
+
+
+def test_recurrent_equals_chunked_and_quadratic(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2, 3), 7, 7, 4, 3, seed=40)
+    xp = backend.xp
+    state = linear_attention_state(k[..., :0, :], v[..., :0, :])
+    assert tuple(state[0].shape) == (2, 3, 4, 3) and tuple(state[1].shape) == (2, 3, 4)
+    assert np.all(host(state[0]) == 0) and np.all(host(state[1]) == 0)
+    outs = []
+    for t in range(7):
+        o, state = call(backend, linear_attention_step, state, q[..., t, :], k[..., t, :], v[..., t, :])
+        outs.append(o)
+    rec = host(xp.stack(outs, axis=-2))
+    chunked = call(backend, linear_attention, q, k, v, causal=True, chunk_size=3)
+    quad = call(backend, linear_attention, q, k, v, causal=True, order="quadratic")
+    assert_close(chunked, rec, backend)
+    assert_close(quad, rec, backend)
+    assert_close(chunked, np_linear(qh, kh, vh, causal=True)[0], backend)
+    # The final state summarises every key.
+    s, z = linear_attention_state(k, v)
+    assert_close(state[0], host(s), backend)
+    assert_close(state[1], host(z), backend)
+
+
+def test_prefill_then_decode_is_bottom_right(backend):
+    # A state built from a prefix, then steps: the causal "bottom-right" convention
+    # of KV-cache decoding, with Nq < Nk.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 3, 8, 4, 2, seed=50)
+    xp = backend.xp
+    state = call(backend, linear_attention_state, k[..., :5, :], v[..., :5, :], feature_map="relu")
+    outs = []
+    for t in range(3):
+        o, state = call(backend, linear_attention_step, state, q[..., t, :], k[..., 5 + t, :],
+                        v[..., 5 + t, :], feature_map="relu", scale=0.5, normalize=False)
+        outs.append(o)
+    want = np_linear(qh, kh, vh, feature_map="relu", causal="bottom-right", scale=0.5, normalize=False)[0]
+    assert_close(xp.stack(outs, axis=-2), want, backend)
+
+
+def test_weights(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 9, 11, 5, 3, seed=60)
+    for fm in ("elu+1", "relu"):
+        for causal in CAUSAL:
+            p = call(backend, linear_attention_weights, q, k, feature_map=fm, causal=causal)
+            want_o, want_p = np_linear(qh, kh, vh, feature_map=fm, causal=causal)
+            assert_close(p, want_p, backend)
+            ph = host(p)
+            assert np.all(ph >= 0), "positive feature maps give non-negative weights"
+            sums = ph.sum(-1)
+            has_key = _visible(9, 11, causal).any(-1) & (np.abs(want_p).sum(-1) > 0)
+            np.testing.assert_allclose(sums[has_key], 1.0, rtol=0, atol=1e-14)
+            assert np.all(sums[~has_key] == 0)
+            assert np.all(ph[..., ~_visible(9, 11, causal)] == 0)
+            out = call(backend, linear_attention, q, k, v, feature_map=fm, causal=causal, chunk_size=4)
+            assert_close(out, ph @ vh, backend)
+    raw = call(backend, linear_attention_weights, q, k, feature_map="identity", normalize=False, scale=2.0)
+    assert_close(raw, 2.0 * qh @ np.swapaxes(kh, -1, -2), backend)
+
+
+@pytest.mark.parametrize("order", ["linear", "quadratic"])
+@pytest.mark.parametrize("causal", ["top-left", "bottom-right"])
+def test_causal_future_does_not_leak(backend, order, causal):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 13, 13, 4, 3, seed=70)
+    base = host(call(backend, linear_attention, q, k, v, causal=causal, order=order, chunk_size=4))
+    rng = np.random.default_rng(71)
+    for i in (0, 5, 7, 11):  # first row, mid-chunk, chunk end, last chunk
+        k2, v2 = kh.copy(), vh.copy()
+        k2[:, i + 1:] += rng.standard_normal(k2[:, i + 1:].shape) * 10
+        v2[:, i + 1:] += rng.standard_normal(v2[:, i + 1:].shape) * 10
+        out = host(call(backend, linear_attention, q, from_numpy(k2, backend), from_numpy(v2, backend),
+                        causal=causal, order=order, chunk_size=4))
+        if backend.name in ("numpy", "array_api_strict"):
+            assert np.array_equal(out[:, : i + 1], base[:, : i + 1]), f"future leaked into row <= {i}"
+        else:  # other libraries may reassociate; the past still must not move
+            np.testing.assert_allclose(out[:, : i + 1], base[:, : i + 1], rtol=1e-13, atol=1e-13)
+        if i < 12:
+            assert not np.allclose(out[:, i + 1:], base[:, i + 1:])
+
+
+# ---------------------------------------------------------------- the denominator
+
+
+def test_denominator_relu_zero_features_give_zeros(backend):
+    # relu features of a query with no positive entry are all zero: den = 0 -> output 0.
+    qh = np.abs(np.random.default_rng(1).standard_normal((2, 6, 4)))
+    qh[:, 2] = -qh[:, 2]
+    (_, k, v), _ = _qkv(backend, (2,), 6, 6, 4, 3, seed=80)
+    q = from_numpy(qh, backend)
+    for causal in (False, True):
+        for order in ("linear", "quadratic"):
+            out = host(call(backend, linear_attention, q, k, v, feature_map="relu", causal=causal,
+                            order=order, chunk_size=4))
+            assert np.all(np.isfinite(out))
+            assert np.all(out[:, 2] == 0)
+    w = host(call(backend, linear_attention_weights, q, k, feature_map="relu"))
+    assert np.all(w[:, 2] == 0)
+
+
+def test_denominator_identity_crossing_zero_is_finite(backend):
+    # Identity features are signed: den = q . sum_j k_j takes both signs and can be 0.
+    kh = np.array([[1.0, 0.0], [0.0, 1.0]])
+    vh = np.array([[1.0, 2.0], [3.0, 5.0]])
+    qh = np.array([[1.0, 1.0], [1.0, -1.0], [1.0, -1.0 - 1e-9], [-2.0, -1.0]])  # den 2, 0, -1e-9, -3
+    q, k, v = (from_numpy(a, backend) for a in (qh, kh, vh))
+    for order in ("linear", "quadratic"):
+        out = host(call(backend, linear_attention, q, k, v, feature_map="identity", order=order, eps=1e-6))
+        assert np.all(np.isfinite(out))
+        num = (qh @ kh.T) @ vh
+        np.testing.assert_allclose(out[0], num[0] / 2.0, rtol=1e-15)
+        np.testing.assert_allclose(out[1], num[1] / 1e-6, rtol=1e-12)  # den 0 -> +eps
+        np.testing.assert_allclose(out[2], num[2] / -1e-6, rtol=1e-6)  # |den| < eps -> -eps
+        np.testing.assert_allclose(out[3], num[3] / -3.0, rtol=1e-15)  # negative den kept
+
+
+def test_denominator_eps_threshold(backend):
+    # den >= eps is used as is (rows sum to exactly 1); below eps it is floored.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (), 5, 6, 3, 2, seed=90)
+    out = host(call(backend, linear_attention, q, k, v, scale=1e-9, eps=1e-6))
+    raw = np_linear(qh, kh, vh, normalize=False)[0] * 1e-9
+    den = 1e-9 * np_linear(qh, kh, np.ones((6, 1)), normalize=False)[0]
+    assert np.all(den < 1e-6)
+    np.testing.assert_allclose(out, raw / 1e-6, rtol=1e-12)
+    big = host(call(backend, linear_attention, q, k, v, scale=1e-9, eps=1e-12))
+    np.testing.assert_allclose(big, np_linear(qh, kh, vh)[0], rtol=1e-12)
+
+
+def test_empty_sequences(backend):
+    xp = backend.xp
+    z = lambda *s: xp.zeros(s, dtype=xp.float64, device=backend.device)  # noqa: E731
+    (q, k, v), _ = _qkv(backend, (2,), 3, 4, 5, 6)
+    for causal in CAUSAL:
+        for order in ("linear", "quadratic"):
+            assert tuple(linear_attention(z(2, 0, 5), k, v, causal=causal, order=order).shape) == (2, 0, 6)
+            out = linear_attention(q, z(2, 0, 5), z(2, 0, 6), causal=causal, order=order)
+            assert tuple(out.shape) == (2, 3, 6) and np.all(host(out) == 0)
+    assert tuple(linear_attention_weights(q, z(2, 0, 5)).shape) == (2, 3, 0)
+
+
+def test_bottom_right_with_more_queries_than_keys_gives_zero_rows(backend):
+    (q, k, v), _ = _qkv(backend, (), 7, 3, 4, 2, seed=95)
+    for order in ("linear", "quadratic"):
+        out = host(call(backend, linear_attention, q, k, v, causal="bottom-right", order=order, chunk_size=2))
+        assert np.all(out[:4] == 0) and np.all(out[4:] != 0)
+
+
+def test_float32_large_inputs_stay_finite(backend):
+    # elu+1 never exponentiates a positive argument, so large inputs cannot overflow.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 16, 16, 8, 4, dtype="float32", seed=96)
+    out = call(backend, linear_attention, q * 1e4, k * 1e4, v, causal=True, chunk_size=4)
+    want, _ = np_linear(qh * 1e4, kh * 1e4, vh, causal=True)
+    assert np.all(np.isfinite(host(out)))
+    assert_close(out, want, backend, dtype="float32", rtol=1e-4, atol=1e-4)
+
+
+def test_inputs_not_modified(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 9, 9, 4, 3, seed=97)
+    call(backend, linear_attention, q, k, v, causal=True, chunk_size=4)
+    state = linear_attention_state(k, v)
+    s0, z0 = host(state[0]), host(state[1])
+    call(backend, linear_attention_step, state, q[:, 0, :], k[:, 0, :], v[:, 0, :])
+    for x, h in ((q, qh), (k, kh), (v, vh), (state[0], s0), (state[1], z0)):
+        assert np.array_equal(host(x), h)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input(backend):
+    xp = backend.xp
+    r = lambda *s: randn(backend, s)[0]  # noqa: E731
+    q, k, v = r(3, 4), r(5, 4), r(5, 2)
+    cases = [
+        ((r(4), k, v), {}, ValueError, "q must have shape"),
+        ((q, r(5, 3), v), {}, ValueError, "same head dimension d"),
+        ((q, k, r(6, 2)), {}, ValueError, "same sequence length Nk"),
+        ((q, k, v), {"feature_map": "softplus"}, ValueError, "feature_map must be one of"),
+        ((q, k, v), {"feature_map": lambda x: x[..., :-1, :]}, ValueError,
+         r"feature_map applied to q \(3, 4\) must return shape \(\.\.\., N, d'\)"),
+        ((q, k, v), {"feature_map": lambda x: x[..., 0]}, ValueError, "must return shape"),
+        ((q, k, v), {"feature_map": lambda x: 3.0}, TypeError, "must return an array"),
+        ((q, k, v), {"feature_map": lambda x: xp.astype(x, xp.float32)}, TypeError, "must return dtype"),
+        ((q, k, v), {"feature_map": lambda x: x if x.shape[-2] == 3 else x[..., :2]}, ValueError,
+         "same feature dimension d'"),
+        ((q, k, v), {"order": "cubic"}, ValueError, "order must be one of"),
+        ((q, k, v), {"causal": True, "chunk_size": 0}, ValueError, "chunk_size must be a positive integer"),
+        ((q, k, v), {"chunk_size": 2.5}, ValueError, "chunk_size must be a positive integer"),
+        ((q, k, v), {"eps": 0.0}, ValueError, "eps must be a positive"),
+        ((q, k, v), {"eps": float("nan")}, ValueError, "eps must be a positive"),
+        ((q, k, v), {"scale": float("inf")}, ValueError, "scale"),
+        ((q, k, v), {"causal": "diagonal"}, ValueError, "causal must be"),
+        ((xp.ones((3, 4), dtype=xp.int32, device=backend.device), k, v), {}, TypeError, "real floating"),
+    ]
+    for args, kwargs, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            linear_attention(*args, **kwargs)
+    with pytest.raises(ValueError, match="feature_map must be one of"):
+        linear_attention_weights(q, k, feature_map="tanh")
+
+
+def test_bad_step_input(backend):
+    r = lambda *s: randn(backend, s)[0]  # noqa: E731
+    state = linear_attention_state(r(0, 4), r(0, 2))
+    q, k, v = r(4), r(4), r(2)
+    with pytest.raises(TypeError, match=r"state must be a pair \(S, z\)"):
+        linear_attention_step(state[0], q, k, v)
+    with pytest.raises(ValueError, match=r"state does not fit this token: need S \(\.\.\., d', dv\) = "
+                                         r"\(\.\.\., 4, 3\)"):
+        linear_attention_step(state, q, k, r(3))
+    with pytest.raises(ValueError, match="same head dimension"):
+        linear_attention_step(state, q, r(5), v)
+    with pytest.raises(ValueError, match=r"S must have shape \(\.\.\., d', dv\)"):
+        linear_attention_step((r(4), state[1]), q, k, v)
+    with pytest.raises(TypeError, match="state must have the dtype of q"):
+        xp = backend.xp
+        linear_attention_step((xp.astype(state[0], xp.float32), state[1]), q, k, v)
+
+
+# ---------------------------------------------------------------- properties
+
+shape_st = st.tuples(
+    st.integers(1, 9), st.integers(1, 9), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**31 - 1)
+)
+
+
+def test_property_reordering_identity(backend):
+    @property_test(backend)
+    @given(shape=shape_st, feature_map=st.sampled_from(FEATURE_MAPS), causal=st.sampled_from(CAUSAL),
+           chunk=st.integers(2, 6))
+    def check(shape, feature_map, causal, chunk):
+        nq, nk, d, dv, seed = shape
+        rng = np.random.default_rng(seed)
+        hs = [rng.standard_normal(s) for s in ((2, nq, d), (2, nk, d), (2, nk, dv))]
+        q, k, v = (from_numpy(a, backend) for a in hs)
+        kw = dict(feature_map=feature_map, causal=causal, normalize=feature_map != "identity")
+        lin = host(call(backend, linear_attention, q, k, v, chunk_size=chunk, **kw))
+        quad = host(call(backend, linear_attention, q, k, v, order="quadratic", **kw))
+        np.testing.assert_allclose(lin, quad, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lin, np_linear(*hs, **kw)[0], rtol=1e-12, atol=1e-12)
+
+    check()
+
+
+def test_property_convex_combination(backend):
+    # elu+1 features are positive: every output lies within the visible values' range.
+    @property_test(backend)
+    @given(shape=shape_st, causal=st.sampled_from(CAUSAL))
+    def check(shape, causal):
+        nq, nk, d, dv, seed = shape
+        rng = np.random.default_rng(seed)
+        hs = [rng.standard_normal(s) * 3 for s in ((nq, d), (nk, d), (nk, dv))]
+        out = host(call(backend, linear_attention, *(from_numpy(a, backend) for a in hs), causal=causal,
+                        chunk_size=3))
+        vis = _visible(nq, nk, causal)
+        for i in range(nq):
+            if not vis[i].any():
+                assert np.all(out[i] == 0)
+                continue
+            vals = hs[2][vis[i]]
+            assert np.all(out[i] >= vals.min(0) - 1e-12) and np.all(out[i] <= vals.max(0) + 1e-12)
+
+    check()
+
+
+# ---------------------------------------------------------------- catalogue
+
+
+def test_registered(backend):
+    var = registry.get("linear")
+    assert var.causal and not var.exact and var.weights is linear_attention_weights
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 10, 10, 4, 3, seed=99)
+    extra = var.extra(0, 10, 10, 4, 3, dtype=backend.xp.float64, device=backend.device, xp=backend.xp)
+    out = call(backend, var.fn, q, k, v, causal=True, **extra)
+    assert_close(out, np_linear(qh, kh, vh, causal=True)[0], backend)
+    assert_close(var.weights(q, k, causal=True, **extra), np_linear(qh, kh, vh, causal=True)[1], backend)

@@ -1,0 +1,311 @@
+"""attn_ref.performer: FAVOR+ random features, exactness of the stabiliser, convergence to softmax."""
+
+import numpy as np
+import pytest
+
+from attn_ref import (
+    favor_features,
+    performer_attention,
+    performer_attention_weights,
+    random_features,
+    registry,
+    softmax_attention,
+)
+from attn_ref.performer import KERNELS, default_num_features
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, call, host, naive_attention, randn
+
+CAUSAL = [False, "top-left", "bottom-right"]
+
+
+def np_favor(x, w, kernel="positive"):
+    """Plain NumPy float64 FAVOR features, unstabilised, written independently."""
+    u = x @ w.T
+    sq = (x * x).sum(-1, keepdims=True) / 2
+    if kernel == "positive":
+        return np.exp(u - sq) / np.sqrt(len(w))
+    return np.exp(sq) * np.concatenate([np.sin(u), np.cos(u)], axis=-1) / np.sqrt(len(w))
+
+
+def np_performer(q, k, v, w, *, kernel="positive", causal=False, scale=None):
+    """The Performer estimate in the quadratic order, NumPy float64; returns (out, weights)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    a = np_favor(q * np.sqrt(scale), w, kernel) @ np.swapaxes(np_favor(k * np.sqrt(scale), w, kernel), -1, -2)
+    nq, nk = a.shape[-2:]
+    if causal:
+        off = 0 if causal in (True, "top-left") else nk - nq
+        a = a * (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
+    den = a.sum(-1, keepdims=True)
+    a = a / np.where(den == 0, 1.0, den)
+    return a @ v, a
+
+
+def _proj(backend, d, m, seed=0, kind="orthogonal", dtype="float64"):
+    w = random_features(d, m, kind=kind, seed=seed, dtype=getattr(backend.xp, dtype),
+                        device=backend.device, xp=backend.xp)
+    return w, host(w)
+
+
+def _qkv(backend, batch, nq, nk, d, dv, dtype="float64", seed=0, scale=1.0):
+    q, qh = randn(backend, batch + (nq, d), dtype, seed=seed + 1, scale=scale)
+    k, kh = randn(backend, batch + (nk, d), dtype, seed=seed + 2, scale=scale)
+    v, vh = randn(backend, batch + (nk, dv), dtype, seed=seed + 3)
+    return (q, k, v), (qh, kh, vh)
+
+
+# ---------------------------------------------------------------- random features
+
+
+@pytest.mark.parametrize("d,m", [(4, 4), (4, 10), (6, 3)])
+def test_random_features(backend, d, m):
+    w, wh = _proj(backend, d, m, seed=3)
+    assert tuple(w.shape) == (m, d)
+    # Rows are orthogonal within each block of d.
+    for b0 in range(0, m, d):
+        blk = wh[b0:b0 + d]
+        g = blk @ blk.T
+        np.testing.assert_allclose(g - np.diag(np.diag(g)), 0, atol=1e-12)
+    # Same seed -> same matrix on every backend (host-drawn); a new seed -> a new one.
+    ref = host(random_features(d, m, seed=3, xp=np))
+    np.testing.assert_array_equal(wh, ref)
+    assert not np.allclose(wh, host(random_features(d, m, seed=4, xp=np)))
+    iid = host(random_features(d, m, kind="iid", seed=3, xp=backend.xp, device=backend.device))
+    np.testing.assert_array_equal(iid, np.random.default_rng(3).standard_normal((m, d)))
+    w32 = random_features(d, m, seed=3, dtype=backend.xp.float32, xp=backend.xp, device=backend.device)
+    assert str(w32.dtype).endswith("float32")
+
+
+def test_orthogonal_rows_have_gaussian_norms():
+    # Each row alone must be N(0, I): squared norms are chi^2_d (mean d, variance 2d).
+    d = 8
+    sq = np.concatenate([(host(random_features(d, 64, seed=s, xp=np)) ** 2).sum(1) for s in range(64)])
+    assert abs(sq.mean() - d) < 4 * np.sqrt(2 * d / sq.size)
+    assert abs(sq.var() - 2 * d) < 0.15 * 2 * d
+
+
+# ---------------------------------------------------------------- features
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_favor_features_formula(backend, kernel):
+    x, xh = randn(backend, (2, 5, 4), seed=1, scale=0.5)
+    w, wh = _proj(backend, 4, 6, seed=1)
+    f = call(backend, favor_features, x, w, kernel=kernel)
+    assert_close(f, np_favor(xh, wh, kernel), backend)
+    off, offh = randn(backend, (2, 5, 1), seed=2)
+    g = call(backend, favor_features, x, w, kernel=kernel, offset=off)
+    assert_close(g, np_favor(xh, wh, kernel) * np.exp(-offh), backend)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_favor_kernel_is_unbiased(backend, kernel):
+    # E[phi(x) . phi(y)] = exp(x . y): the mean over 64 fixed seeds lies within 4
+    # standard errors (estimated from the same 64 draws) of the true kernel.
+    x, xh = randn(backend, (3, 4), seed=5, scale=0.5)
+    y, yh = randn(backend, (5, 4), seed=6, scale=0.5)
+    est = []
+    for s in range(64):
+        w, _ = _proj(backend, 4, 16, seed=s, kind="iid")
+        est.append(host(call(backend, favor_features, x, w, kernel=kernel))
+                   @ host(call(backend, favor_features, y, w, kernel=kernel)).T)
+    est = np.array(est)
+    se = est.std(0, ddof=1) / np.sqrt(len(est))
+    assert np.all(np.abs(est.mean(0) - np.exp(xh @ yh.T)) < 4 * se + 1e-12)
+
+
+# ---------------------------------------------------------------- the estimator
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_matches_plain_numpy(backend, kernel, causal, dtype):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 11, 9, 4, 3, dtype=dtype, seed=10, scale=0.7)
+    w, wh = _proj(backend, 4, 12, seed=2, dtype=dtype)
+    want, _ = np_performer(qh, kh, vh, wh, kernel=kernel, causal=causal)
+    for order in ("linear", "quadratic"):
+        out = call(backend, performer_attention, q, k, v, projection=w, kernel=kernel, causal=causal,
+                   order=order, chunk_size=4)
+        tol = {"float32": 1e-4, "float64": 1e-11}[dtype]  # trig denominators amplify rounding
+        assert_close(out, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_stabiliser_is_exact(backend, kernel):
+    # In float64 with moderate inputs both forms are accurate, so they must agree.
+    (q, k, v), _ = _qkv(backend, (2,), 10, 10, 4, 3, seed=20)
+    w, _ = _proj(backend, 4, 16, seed=3)
+    for causal in CAUSAL:
+        a = call(backend, performer_attention, q, k, v, projection=w, kernel=kernel, causal=causal)
+        b = call(backend, performer_attention, q, k, v, projection=w, kernel=kernel, causal=causal,
+                 stabilize=False)
+        assert_close(a, host(b), backend, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_stabiliser_rescues_float32(backend, causal):
+    # Queries of norm ~40: every unstabilised query feature exp(w.x - |x|^2/2) underflows
+    # in float32 and the output collapses to zero; the stabilised one matches float64.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 8, 8, 4, 3, dtype="float32", seed=30)
+    q = q * 20.0
+    w, wh = _proj(backend, 4, 32, seed=4, dtype="float32")
+    want, _ = np_performer(qh * 20.0, kh, vh, wh, causal=causal)
+    bad = host(call(backend, performer_attention, q, k, v, projection=w, causal=causal, stabilize=False))
+    good = call(backend, performer_attention, q, k, v, projection=w, causal=causal)
+    assert np.all(np.isfinite(bad)) and np.abs(bad - want).max() > 0.1
+    assert_close(good, want, backend, dtype="float32", rtol=1e-3, atol=1e-3)
+
+
+def test_causal_stabiliser_ignores_future_keys(backend):
+    # A future key of huge norm must not move any past output by a single bit (NumPy,
+    # array-api-strict); a max over all keys as the key stabiliser would.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 12, 12, 4, 3, seed=40)
+    w, _ = _proj(backend, 4, 16, seed=5)
+    for causal in ("top-left", "bottom-right"):
+        for order in ("linear", "quadratic"):
+            base = host(call(backend, performer_attention, q, k, v, projection=w, causal=causal, order=order,
+                             chunk_size=4))
+            for i in (2, 7):
+                k2, v2 = kh.copy(), vh.copy()
+                k2[:, i + 1:] *= 6.0
+                v2[:, i + 1:] += 5.0
+                out = host(call(backend, performer_attention, q, from_numpy(k2, backend),
+                                from_numpy(v2, backend), projection=w, causal=causal, order=order,
+                                chunk_size=4))
+                if backend.name in ("numpy", "array_api_strict"):
+                    assert np.array_equal(out[:, : i + 1], base[:, : i + 1])
+                else:
+                    np.testing.assert_allclose(out[:, : i + 1], base[:, : i + 1], rtol=1e-13, atol=1e-13)
+                assert not np.allclose(out[:, i + 1:], base[:, i + 1:])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_weights(backend, kernel):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 9, 7, 4, 3, seed=50, scale=0.7)
+    w, wh = _proj(backend, 4, 12, seed=6)
+    for causal in CAUSAL:
+        p = call(backend, performer_attention_weights, q, k, projection=w, kernel=kernel, causal=causal)
+        _, want = np_performer(qh, kh, vh, wh, kernel=kernel, causal=causal)
+        assert_close(p, want, backend, rtol=1e-11, atol=1e-11)
+        ph = host(p)
+        seen = np.abs(ph).sum(-1) > 0
+        np.testing.assert_allclose(ph.sum(-1)[seen], 1.0, rtol=0, atol=1e-12)
+        if kernel == "positive":
+            assert np.all(ph >= 0)
+        out = call(backend, performer_attention, q, k, v, projection=w, kernel=kernel, causal=causal,
+                   chunk_size=3)
+        assert_close(out, ph @ vh, backend, rtol=1e-11, atol=1e-11)
+    # bottom-right with Nq > Nk: the first Nq - Nk queries see nothing.
+    p = host(call(backend, performer_attention_weights, q, k, projection=w, kernel=kernel,
+                  causal="bottom-right"))
+    assert np.all(p[:, :2] == 0) and np.allclose(p[:, 2:].sum(-1), 1.0)
+
+
+def test_empty_sequences(backend):
+    xp = backend.xp
+    z = lambda *s: xp.zeros(s, dtype=xp.float64, device=backend.device)  # noqa: E731
+    (q, k, v), _ = _qkv(backend, (2,), 3, 4, 5, 6)
+    w, _ = _proj(backend, 5, 7)
+    for causal in CAUSAL:
+        assert tuple(performer_attention(z(2, 0, 5), k, v, projection=w, causal=causal).shape) == (2, 0, 6)
+        out = performer_attention(q, z(2, 0, 5), z(2, 0, 6), projection=w, causal=causal)
+        assert tuple(out.shape) == (2, 3, 6) and np.all(host(out) == 0)
+
+
+# ---------------------------------------------------------------- convergence (fixed seeds)
+
+
+def _rms_error_vs_softmax(backend, q, k, v, ref, d, m, kind, seeds):
+    errs = []
+    for s in seeds:
+        w, _ = _proj(backend, d, m, seed=s, kind=kind)
+        out = host(call(backend, performer_attention, q, k, v, projection=w))
+        errs.append(np.sqrt(np.mean((out - ref) ** 2)))
+    return float(np.mean(errs))
+
+
+def test_error_falls_as_m_grows(backend):
+    # Mean RMS error against softmax over 16 fixed seeds; the error of a Monte-Carlo
+    # estimate falls like 1/sqrt(m), so 4x the features should roughly halve it.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 16, 16, 8, 4, seed=60, scale=0.5)
+    ref, _ = naive_attention(qh, kh, vh)
+    errs = [_rms_error_vs_softmax(backend, q, k, v, ref, 8, m, "orthogonal", range(16))
+            for m in (16, 64, 256)]
+    assert errs[1] < 0.75 * errs[0] and errs[2] < 0.75 * errs[1], errs
+    assert errs[2] < 0.04, errs
+    assert_close(call(backend, softmax_attention, q, k, v), ref, backend)
+
+
+def test_orthogonal_beats_iid(backend):
+    # At m = d, 64 fixed seeds, 8 heads of independent inputs: orthogonal features
+    # have a clearly lower mean squared error (about 0.8x here).
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (8,), 16, 16, 8, 4, seed=70, scale=0.5)
+    ref, _ = naive_attention(qh, kh, vh)
+    mse = {}
+    for kind in ("orthogonal", "iid"):
+        errs = []
+        for s in range(64):
+            w, _ = _proj(backend, 8, 8, seed=s, kind=kind)
+            errs.append(np.mean((host(call(backend, performer_attention, q, k, v, projection=w)) - ref) ** 2))
+        mse[kind] = float(np.mean(errs))
+    assert mse["orthogonal"] < 0.92 * mse["iid"], mse
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input(backend):
+    xp = backend.xp
+    r = lambda *s: randn(backend, s)[0]  # noqa: E731
+    q, k, v = r(3, 4), r(5, 4), r(5, 2)
+    w, _ = _proj(backend, 4, 6)
+    cases = [
+        ({"projection": r(6, 5)}, ValueError,
+         r"projection must have shape \(m, d\) = \(m, 4\).*got shape \(6, 5\)"),
+        ({"projection": r(6)}, ValueError, "projection must have shape"),
+        ({"projection": r(0, 4)}, ValueError, "m >= 1"),
+        ({"projection": xp.astype(w, xp.float32)}, TypeError, "projection must have the dtype of q"),
+        ({"projection": [[1.0] * 4]}, TypeError, "projection must be an array"),
+        ({"projection": w, "kernel": "hyperbolic"}, ValueError, "kernel must be one of"),
+        ({"projection": w, "causal": "diagonal"}, ValueError, "causal must be"),
+        ({"projection": w, "scale": -1.0}, ValueError, "scale must be non-negative"),
+        ({"projection": w, "eps": -1.0}, ValueError, "eps must be a positive"),
+        ({"projection": w, "order": "cubic"}, ValueError, "order must be one of"),
+        ({"projection": w, "causal": True, "chunk_size": 0}, ValueError, "chunk_size must be"),
+    ]
+    for kwargs, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            performer_attention(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="projection must have shape"):
+        performer_attention_weights(q, k, projection=r(6, 3))
+    with pytest.raises(ValueError, match="q must have shape"):
+        performer_attention(r(4), k, v, projection=w)
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., N, d\)"):
+        favor_features(r(4), w)
+    with pytest.raises(ValueError, match="projection must have shape"):
+        favor_features(r(3, 5), w)
+    for bad in (-1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="m must be a positive integer"):
+            random_features(4, bad, seed=0, xp=xp)
+        with pytest.raises(ValueError, match="d must be a positive integer"):
+            random_features(bad, 4, seed=0, xp=xp)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        random_features(4, 4, kind="sobol", seed=0, xp=xp)
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
+        random_features(4, 4, seed=-3, xp=xp)
+
+
+# ---------------------------------------------------------------- catalogue
+
+
+def test_registered(backend):
+    var = registry.get("performer")
+    assert var.causal and not var.exact and var.weights is performer_attention_weights
+    xp = backend.xp
+    extra = var.extra(3, 10, 10, 4, 3, dtype=xp.float64, device=backend.device, xp=xp)
+    assert tuple(extra["projection"].shape) == (default_num_features(4), 4)
+    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 10, 10, 4, 3, seed=80)
+    out = call(backend, var.fn, q, k, v, causal=True, **extra)
+    want, p = np_performer(qh, kh, vh, host(extra["projection"]), causal=True)
+    assert_close(out, want, backend, rtol=1e-11, atol=1e-11)
+    assert_close(var.weights(q, k, causal=True, **extra), p, backend, rtol=1e-11, atol=1e-11)
