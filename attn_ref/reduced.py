@@ -1,0 +1,643 @@
+"""Fewer keys or fewer queries: segment pooling, Nystromformer landmarks, clustered queries.
+
+Each variant here shrinks one side of the ``N x N`` problem to ``m << N``
+representatives before the softmax:
+
+* :func:`pooled_attention` - keys and values replaced by the means of ``m`` segments.
+* :func:`query_reduced_attention` - ``m`` representative queries (segment means) attend,
+  their outputs are copied back to the positions of their segments.
+* :func:`nystrom_attention` - Nystromformer (Xiong et al. 2021): landmarks are segment
+  means of queries and keys, and the softmax matrix is approximated by the Nystrom
+  formula with an iterative pseudo-inverse (:func:`iterative_pinv`).
+* :func:`clustered_attention` - Vyas et al. (2020): k-means on the queries, each
+  centroid attends every key and its members receive its output; ``topk`` gives the
+  improved variant.
+
+Segments
+--------
+``N`` positions are cut into ``m`` contiguous segments whose sizes differ by at most
+one: with ``N = c m + r`` (``0 <= r < m``) the first ``r`` segments have ``c + 1``
+positions and the other ``m - r`` have ``c``. When ``m`` divides ``N`` these are the
+equal segments of the Nystromformer code; otherwise no padding is needed and every
+position belongs to exactly one segment. :func:`segment_means` computes the means by
+two reshapes (exact, ``O(N d)``), :func:`segment_expand` copies ``m`` rows back to
+``N`` positions.
+"""
+
+from __future__ import annotations
+
+import array_api_compat
+
+from ._checks import (
+    check_nonnegative_int,
+    check_positive_int,
+    check_qkv,
+    default_scale,
+    is_floating,
+    namespace,
+)
+from .random import permutation
+from .softmax import TOP_LEFT, attention_weights, causal_alignment, softmax_attention
+
+__all__ = [
+    "segment_sizes",
+    "segment_means",
+    "segment_expand",
+    "pooled_attention",
+    "pooled_weights",
+    "query_reduced_attention",
+    "query_reduced_weights",
+    "iterative_pinv",
+    "nystrom_attention",
+    "nystrom_weights",
+    "kmeans",
+    "clustered_attention",
+    "clustered_weights",
+]
+
+
+# --------------------------------------------------------------------------- segments
+
+def segment_sizes(n, m):
+    """Sizes of the ``m`` segments of ``n`` positions: ``r`` of ``c + 1``, then ``m - r`` of ``c``."""
+    c, r = divmod(n, m)
+    return [c + 1] * r + [c] * (m - r)
+
+
+def _split(n, m):
+    c, r = divmod(n, m)
+    return c, r, r * (c + 1)
+
+
+def segment_means(x, m, /, *, xp=None):
+    """Means of ``x (..., N, d)`` over the ``m`` segments of the module docstring.
+
+    Returns ``(..., m, d)``. ``1 <= m <= N``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.reduced import segment_means
+    >>> segment_means(xp.reshape(xp.arange(5.0), (5, 1)), 2)[:, 0]   # [0,1,2] and [3,4]
+    Array([1. , 3.5], dtype=array_api_strict.float64)
+    """
+    xp = array_api_compat.array_namespace(x) if xp is None else xp
+    n, d, lead = x.shape[-2], x.shape[-1], tuple(x.shape[:-2])
+    c, r, cut = _split(n, m)
+    parts = []
+    if r:
+        parts.append(xp.mean(xp.reshape(x[..., :cut, :], lead + (r, c + 1, d)), axis=-2))
+    if m - r:
+        parts.append(xp.mean(xp.reshape(x[..., cut:, :], lead + (m - r, c, d)), axis=-2))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+
+
+def segment_expand(y, n, /, *, xp=None):
+    """Copy row ``j`` of ``y (..., m, e)`` to every position of segment ``j``: ``(..., n, e)``."""
+    xp = array_api_compat.array_namespace(y) if xp is None else xp
+    m, e, lead = y.shape[-2], y.shape[-1], tuple(y.shape[:-2])
+    c, r, cut = _split(n, m)
+    parts = []
+    if r:
+        rows = xp.broadcast_to(y[..., :r, None, :], lead + (r, c + 1, e))
+        parts.append(xp.reshape(rows, lead + (cut, e)))
+    if m - r:
+        rows = xp.broadcast_to(y[..., r:, None, :], lead + (m - r, c, e))
+        parts.append(xp.reshape(rows, lead + (n - cut, e)))
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+
+
+def _membership(xp, n, m, dtype, device):
+    """``(n, m)`` 0/1 matrix: position ``p`` belongs to segment ``j``."""
+    return segment_expand(xp.eye(m, dtype=dtype, device=device), n, xp=xp)
+
+
+def _check_count(name, value, limit, what):
+    check_positive_int(name, value)
+    if value > limit:
+        raise ValueError(f"{name} must be at most {what}, got {name}={value}")
+    return value
+
+
+def _refuse_causal(fn, causal, why):
+    if causal is not False and causal is not None:
+        raise ValueError(f"{fn} does not support causal masking: {why}; got causal={causal!r}")
+
+
+# ----------------------------------------------------------------- pooled keys/values
+
+def _pooled_mask(xp, causal, nq, nk, m, device):
+    """Segment ``j`` is visible to query ``i`` only when its last position is in the past."""
+    alignment = causal_alignment(causal)
+    if alignment is None:
+        return None
+    off = 0 if alignment == TOP_LEFT else nk - nq
+    ends, total = [], 0
+    for size in segment_sizes(nk, m):
+        total += size
+        ends.append(total - 1)
+    last = xp.asarray(ends, device=device)
+    return last[None, :] <= xp.arange(nq, device=device)[:, None] + off
+
+
+def _pooled_prepare(q, k, v, num_segments, causal, scale, xp):
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    nk = k.shape[-2]
+    _check_count("num_segments", num_segments, nk, f"the number of keys Nk={nk}")
+    mask = _pooled_mask(xp, causal, q.shape[-2], nk, num_segments, array_api_compat.device(q))
+    return xp, mask, default_scale(q.shape[-1], scale)
+
+
+def pooled_attention(q, k, v, /, *, num_segments, causal=False, scale=None, xp=None):
+    """Softmax attention over segment-mean-pooled keys and values.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    num_segments : int
+        ``1 <= m <= Nk``; segments as in the module docstring.
+    causal : {False, True, "top-left", "bottom-right"}
+        A query sees a segment only when the whole segment lies in its past (the rule
+        of :mod:`attn_ref.compressed`); queries before the end of the first segment
+        return zeros.
+    scale : float, optional
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+        ``m = Nk`` is softmax attention.
+
+    Notes
+    -----
+    ``O(Nk (d + dv) + Nq m (d + dv))`` time, ``O(Nq m)`` extra memory. Pooling is the
+    averaging-kernel case of memory-compressed attention (Liu et al. 2018) and the
+    key/value reduction of Funnel-style and PVT-style models. Good when neighbouring
+    keys are redundant (smooth signals, images); bad when single tokens matter
+    (copying, retrieval), since a key is only seen through its segment's mean.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.reduced import pooled_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(21.0)), (7, 3))
+    >>> pooled_attention(x, x, x, num_segments=3).shape
+    (7, 3)
+    """
+    xp, mask, scale = _pooled_prepare(q, k, v, num_segments, causal, scale, xp)
+    kp = segment_means(k, num_segments, xp=xp)
+    vp = segment_means(v, num_segments, xp=xp)
+    return softmax_attention(q, kp, vp, mask=mask, scale=scale, xp=xp)
+
+
+def pooled_weights(q, k, /, *, num_segments, causal=False, scale=None, xp=None):
+    """The implied ``(..., Nq, Nk)`` matrix: ``softmax(scale Q Kp^T)`` spread evenly
+    over each segment's positions."""
+    xp, mask, scale = _pooled_prepare(q, k, k, num_segments, causal, scale, xp)
+    p = attention_weights(q, segment_means(k, num_segments, xp=xp), mask=mask, scale=scale, xp=xp)
+    s = _membership(xp, k.shape[-2], num_segments, q.dtype, array_api_compat.device(q))
+    return p @ (xp.matrix_transpose(s) / xp.sum(s, axis=0)[:, None])
+
+
+# ------------------------------------------------------------------- query reduction
+
+def _query_prepare(q, k, v, num_segments, causal, scale, xp, fn):
+    _refuse_causal(fn, causal, "a representative query is the mean of its segment, so it "
+                   "carries later queries of the segment to earlier positions")
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    nq = q.shape[-2]
+    _check_count("num_segments", num_segments, nq, f"the number of queries Nq={nq}")
+    return xp, default_scale(q.shape[-1], scale)
+
+
+def query_reduced_attention(q, k, v, /, *, num_segments, expand=True, causal=False, scale=None,
+                            xp=None):
+    """``m`` representative queries (segment means) attend; outputs mapped back to ``N``.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    num_segments : int
+        ``1 <= m <= Nq``; segments as in the module docstring.
+    expand : bool
+        True: every position receives its segment's output, shape ``(..., Nq, dv)``.
+        False: the ``(..., m, dv)`` representative outputs themselves.
+    causal
+        Not supported (a segment mean contains later queries); raises ``ValueError``.
+    scale : float, optional
+
+    Returns
+    -------
+    array, shape (..., Nq, dv) or (..., m, dv)
+        ``m = Nq`` is softmax attention.
+
+    Notes
+    -----
+    ``O(Nq d + m Nk (d + dv) + Nq dv)`` time, ``O(m Nk)`` extra memory. Whether the
+    output should keep length ``N`` is case by case: shrinking it is the point of
+    Funnel-Transformer-style pooling (a shorter sequence for the next layers), while a
+    layer with a residual connection needs ``expand=True``. Since the representative's
+    logits are the mean of its members' logits, this is a good idea when queries
+    within a segment are alike (smooth inputs, downsampled images) and a bad one when
+    neighbouring queries ask different things (token-level tasks, causal decoding).
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.reduced import query_reduced_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(21.0)), (7, 3))
+    >>> query_reduced_attention(x, x, x, num_segments=2, expand=False).shape
+    (2, 3)
+    """
+    xp, scale = _query_prepare(q, k, v, num_segments, causal, scale, xp,
+                               "query_reduced_attention")
+    out = softmax_attention(segment_means(q, num_segments, xp=xp), k, v, scale=scale, xp=xp)
+    return segment_expand(out, q.shape[-2], xp=xp) if expand else out
+
+
+def query_reduced_weights(q, k, /, *, num_segments, expand=True, causal=False, scale=None,
+                          xp=None):
+    """The implied matrix: each query's row is its segment representative's softmax row."""
+    xp, scale = _query_prepare(q, k, k, num_segments, causal, scale, xp, "query_reduced_weights")
+    p = attention_weights(segment_means(q, num_segments, xp=xp), k, scale=scale, xp=xp)
+    return segment_expand(p, q.shape[-2], xp=xp) if expand else p
+
+
+# ---------------------------------------------------------------------- Nystromformer
+
+def iterative_pinv(a, /, *, iterations=6, xp=None):
+    """Moore-Penrose pseudo-inverse of ``a (..., m, m)`` by Razavi et al.'s iteration.
+
+    ``Z_{k+1} = Z_k (13 I - A Z_k (15 I - A Z_k (7 I - A Z_k))) / 4`` from
+    ``Z_0 = A^T / (||A||_1 ||A||_inf)``, the initialisation of Razavi et al. (2014)
+    that Nystromformer uses. The norms are taken **per matrix** (over the last two
+    axes), not over the whole batch: a batch-global maximum would start small
+    matrices far too close to zero and leave them unconverged after a few iterations.
+    Since ``||A||_2^2 <= ||A||_1 ||A||_inf``, the iteration converges to ``pinv(A)``
+    for every ``A``; a zero matrix gives zeros.
+
+    For a singular ``A``, stop near convergence: once ``A Z`` is a projection, the
+    step multiplies any component of ``Z`` on the null space of ``A^T`` by ``13/4``,
+    so rounding errors there grow with further iterations. The kernel that
+    Nystromformer inverts (a softmax matrix of landmarks) is non-singular in practice.
+
+    Parameters
+    ----------
+    a : array, shape (..., m, m)
+    iterations : int
+        Number of iterations (6 in Nystromformer).
+
+    Returns
+    -------
+    array, shape (..., m, m)
+
+    Notes
+    -----
+    ``O(iterations m^3)`` time. Razavi et al., *A new iterative method for finding
+    approximate inverses of complex matrices*, 2014; Xiong et al. 2021, Lemma 1.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.reduced import iterative_pinv
+    >>> a = xp.asarray([[2.0, 1.0], [1.0, 3.0]])
+    >>> bool(xp.max(xp.abs(iterative_pinv(a, iterations=20) @ a - xp.eye(2))) < 1e-14)
+    True
+    """
+    xp = namespace(("a", a), xp=xp)
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"a must have shape (..., m, m) (square), got shape {tuple(a.shape)}")
+    if not is_floating(xp, a.dtype):
+        raise TypeError(f"a must have a real floating dtype, got {a.dtype}")
+    check_nonnegative_int("iterations", iterations)
+    m = a.shape[-1]
+    absa = xp.abs(a)
+    norm1 = xp.max(xp.sum(absa, axis=-2), axis=-1)  # max column sum
+    norminf = xp.max(xp.sum(absa, axis=-1), axis=-1)  # max row sum
+    denom = norm1 * norminf
+    denom = xp.where(denom > 0, denom, xp.ones_like(denom))
+    z = xp.matrix_transpose(a) / denom[..., None, None]
+    eye = xp.eye(m, dtype=a.dtype, device=array_api_compat.device(a))
+    for _ in range(iterations):
+        az = a @ z
+        z = (z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))) * 0.25
+    return z
+
+
+def _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn):
+    _refuse_causal(fn, causal, "every landmark is a mean over the whole sequence")
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    nq, nk = q.shape[-2], k.shape[-2]
+    _check_count("num_landmarks", num_landmarks, min(nq, nk),
+                 f"the sequence lengths min(Nq, Nk) = min({nq}, {nk})")
+    if pinv_iterations is not None:
+        check_positive_int("pinv_iterations", pinv_iterations)
+    return xp, default_scale(q.shape[-1], scale)
+
+
+def _nystrom_kernels(xp, q, k, m, pinv_iterations, scale):
+    """``softmax(Q Kl^T)``, ``pinv(softmax(Ql Kl^T))``, ``softmax(Ql K^T)``."""
+    qs = q * scale  # the scale is linear, so landmarks of the scaled queries scale too
+    ql = segment_means(qs, m, xp=xp)
+    kl = segment_means(k, m, xp=xp)
+    k1 = attention_weights(qs, kl, scale=1.0, xp=xp)
+    k2 = attention_weights(ql, kl, scale=1.0, xp=xp)
+    k3 = attention_weights(ql, k, scale=1.0, xp=xp)
+    if pinv_iterations is None:
+        z = xp.linalg.pinv(k2)
+    else:
+        z = iterative_pinv(k2, iterations=pinv_iterations, xp=xp)
+    return k1, z, k3
+
+
+def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
+                      xp=None):
+    """Nystromformer attention: ``softmax(Q Kl^T) pinv(softmax(Ql Kl^T)) softmax(Ql K^T) V``.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    num_landmarks : int
+        ``1 <= m <= min(Nq, Nk)``. Landmarks ``Ql``, ``Kl`` are the means of the
+        ``m`` segments of the module docstring (any ``N``, no padding).
+    pinv_iterations : int or None
+        Iterations of :func:`iterative_pinv` (6 in the paper); ``None`` uses the exact
+        ``xp.linalg.pinv`` (needs the ``linalg`` extension).
+    causal
+        Not supported (landmarks average the whole sequence); raises ``ValueError``.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(d)`` (the paper scales ``Q`` and ``K`` by
+        ``d^{-1/4}`` each, the same thing).
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+        With ``m = Nq = Nk`` and the exact inverse this is softmax attention:
+        ``P pinv(P) P = P``.
+
+    Notes
+    -----
+    ``O(N m (d + dv) + m^3)`` time, ``O(N m + m^2)`` extra memory: the products are taken
+    right to left so no ``N x N`` matrix is formed. Xiong et al., *Nystromformer: A
+    Nystrom-Based Algorithm for Approximating Self-Attention*, AAAI 2021. The paper's
+    depthwise convolution skip on ``V`` is a separate layer, not part of attention.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import nystrom_attention, softmax_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(24.0)), (8, 3))
+    >>> a = nystrom_attention(x, x, x, num_landmarks=8, pinv_iterations=None)
+    >>> bool(xp.max(xp.abs(a - softmax_attention(x, x, x))) < 1e-12)
+    True
+    """
+    xp, scale = _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
+                                 "nystrom_attention")
+    k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+    return k1 @ (z @ (k3 @ v))
+
+
+def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
+                    xp=None):
+    """The implied ``(..., Nq, Nk)`` matrix ``softmax(Q Kl^T) pinv(...) softmax(Ql K^T)``.
+
+    Rows sum to one only approximately, and entries may be negative.
+    """
+    xp, scale = _nystrom_prepare(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
+                                 "nystrom_weights")
+    k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+    return (k1 @ z) @ k3
+
+
+# ----------------------------------------------------------------- clustered attention
+
+def _assign(xp, x, centroids):
+    """Nearest centroid of every row of ``x``: indices ``(..., N)`` and one-hot ``(..., N, C)``.
+
+    ``|x|^2`` is the same for every centroid and is left out; ties go to the lowest
+    centroid index (``argmin`` returns the first minimum).
+    """
+    d2 = xp.sum(centroids * centroids, axis=-1)[..., None, :] - 2 * (
+        x @ xp.matrix_transpose(centroids))
+    idx = xp.argmin(d2, axis=-1)
+    c = centroids.shape[-2]
+    onehot = xp.astype(idx[..., None] == xp.arange(c, device=array_api_compat.device(x)), x.dtype)
+    return idx, onehot
+
+
+def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
+    """Lloyd's k-means on the rows of ``x (..., N, d)``, deterministic from ``seed``.
+
+    The initial centroids are the rows ``permutation(N, seed)[:C]`` (the same rows in
+    every batch entry); then ``iterations`` rounds of assign-to-nearest and
+    centroid-as-mean-of-members. A centroid that loses all its members keeps its
+    position. Everything is one-hot matrices and matmuls: no data-dependent control
+    flow, so it runs under ``jax.jit``.
+
+    Returns
+    -------
+    centroids : array, shape (..., C, d)
+    assignment : int array, shape (..., N)
+    onehot : array, shape (..., N, C)
+        ``onehot[..., i, c] = 1`` when row ``i`` belongs to cluster ``c``.
+    """
+    xp = array_api_compat.array_namespace(x) if xp is None else xp
+    n = x.shape[-2]
+    _check_count("num_clusters", num_clusters, n, f"the number of queries Nq={n}")
+    check_nonnegative_int("iterations", iterations)
+    device = array_api_compat.device(x)
+    first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=device)
+    centroids = xp.take(x, first, axis=x.ndim - 2)
+    for _ in range(iterations):
+        _, onehot = _assign(xp, x, centroids)
+        counts = xp.sum(onehot, axis=-2)[..., None]
+        sums = xp.matrix_transpose(onehot) @ x
+        means = sums / xp.where(counts > 0, counts, xp.ones_like(counts))
+        centroids = xp.where(counts > 0, means, centroids)
+    idx, onehot = _assign(xp, x, centroids)
+    return centroids, idx, onehot
+
+
+def _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp, fn):
+    _refuse_causal(fn, causal, "a centroid averages queries from the whole sequence")
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    nq, nk = q.shape[-2], k.shape[-2]
+    _check_count("num_clusters", num_clusters, nq, f"the number of queries Nq={nq}")
+    check_nonnegative_int("iterations", iterations)
+    if topk is not None:
+        _check_count("topk", topk, nk, f"the number of keys Nk={nk}")
+    return xp, batch, default_scale(q.shape[-1], scale)
+
+
+def _gather_rows(xp, x, idx, batch):
+    """``x (..., Nk, e)`` rows at ``idx (batch..., R, t)``: ``(batch..., R, t, e)``."""
+    e = x.shape[-1]
+    r, t = idx.shape[-2], idx.shape[-1]
+    x = xp.broadcast_to(x, batch + tuple(x.shape[-2:]))
+    flat = xp.broadcast_to(xp.reshape(idx, batch + (r * t, 1)), batch + (r * t, e))
+    return xp.reshape(xp.take_along_axis(x, flat, axis=-2), batch + (r, t, e))
+
+
+def _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
+    """Pieces of improved clustered attention for every query.
+
+    Returns ``(p_top, keys_idx, mass, pc, order)``: each query's exact softmax over its
+    cluster's top-k keys ``(..., N, topk)``, those key indices, the centroid's
+    probability mass on them ``(..., N, 1)``, the centroids' rows ``(..., C, Nk)`` and
+    each centroid's top-k key indices ``(..., C, topk)``.
+    """
+    pc = attention_weights(centroids, k, scale=scale, xp=xp)
+    pc = xp.broadcast_to(pc, batch + tuple(pc.shape[-2:]))
+    order = xp.argsort(pc, axis=-1, descending=True, stable=True)[..., :topk]
+    mass_c = xp.sum(xp.take_along_axis(pc, order, axis=-1), axis=-1, keepdims=True)
+    nq = q.shape[-2]
+    idx = xp.broadcast_to(idx, batch + (nq,))
+    keys_idx = xp.take_along_axis(order, xp.broadcast_to(idx[..., None], batch + (nq, topk)),
+                                  axis=-2)
+    k_top = _gather_rows(xp, k, keys_idx, batch)  # (..., N, topk, d)
+    p_top = attention_weights(q[..., None, :], k_top, scale=scale, xp=xp)[..., 0, :]
+    return p_top, keys_idx, onehot @ mass_c, pc, order
+
+
+def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
+                        scale=None, xp=None):
+    """Clustered attention (Vyas et al. 2020): queries grouped by k-means share attention.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    num_clusters : int
+        ``1 <= C <= Nq``.
+    iterations : int
+        Lloyd iterations of :func:`kmeans` on the queries (fixed, not until convergence).
+    topk : int, optional
+        Improved clustered attention: each query takes exact softmax over its
+        cluster's ``topk`` highest-scoring keys, scaled by the centroid's probability
+        mass on them, and the centroid's probabilities for all other keys.
+        ``1 <= topk <= Nk``.
+    seed : int
+        Chooses the initial centroids; same seed, same clustering, on every backend.
+    causal
+        Not supported (a centroid averages queries from the whole sequence).
+    scale : float, optional
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+        ``C = Nq`` is softmax attention (every query is its own centroid; duplicate
+        queries share one, which changes nothing). ``topk = Nk`` is softmax attention
+        for every ``C``.
+
+    Notes
+    -----
+    ``O(iterations Nq C d + C Nk (d + dv) + Nq dv)`` time and ``O(Nq C + C Nk)`` memory;
+    ``topk`` adds ``O(C Nk log Nk)`` for the sort and ``O(Nq topk (d + dv))``. The paper
+    clusters Hamming codes of hashed queries; plain Euclidean k-means on the queries
+    is used here. Vyas, Katharopoulos and Fleuret, *Fast Transformers with Clustered
+    Attention*, NeurIPS 2020.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import clustered_attention, softmax_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(24.0)), (8, 3))
+    >>> a = clustered_attention(x, x, x, num_clusters=8)
+    >>> bool(xp.max(xp.abs(a - softmax_attention(x, x, x))) < 1e-14)
+    True
+    """
+    xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal,
+                                          scale, xp, "clustered_attention")
+    centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
+    if topk is None:
+        return onehot @ softmax_attention(centroids, k, v, scale=scale, xp=xp)
+    p_top, keys_idx, mass, pc, order = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                                   batch)
+    v_top = _gather_rows(xp, v, keys_idx, batch)  # (..., N, topk, dv)
+    top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
+    # The centroid's output on the keys outside its top-k: everything minus the top-k part.
+    pc_top = xp.take_along_axis(pc, order, axis=-1)
+    vc_top = _gather_rows(xp, v, order, batch)  # (..., C, topk, dv)
+    rest_c = pc @ v - (pc_top[..., None, :] @ vc_top)[..., 0, :]
+    return mass * top_out + onehot @ rest_c
+
+
+def clustered_weights(q, k, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
+                      scale=None, xp=None):
+    """The implied ``(..., Nq, Nk)`` matrix of :func:`clustered_attention`.
+
+    Without ``topk``, each query's row is its centroid's softmax row. With ``topk``,
+    the row's top-k entries are replaced by ``mass * p_top``; this builds an
+    ``(..., Nq, topk, Nk)`` selection, so it is for diagnostics at moderate sizes.
+    """
+    xp, batch, scale = _clustered_prepare(q, k, k, num_clusters, iterations, topk, seed, causal,
+                                          scale, xp, "clustered_weights")
+    centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
+    if topk is None:
+        return onehot @ attention_weights(centroids, k, scale=scale, xp=xp)
+    p_top, keys_idx, mass, pc, _ = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                               batch)
+    base = onehot @ pc
+    nk = k.shape[-2]
+    sel = keys_idx[..., None] == xp.arange(nk, device=array_api_compat.device(q))
+    zero = xp.zeros_like(base[..., None, :])
+    top = xp.sum(xp.where(sel, (mass * p_top)[..., None], zero), axis=-2)
+    return xp.where(xp.any(sel, axis=-2), top, base)
+
+
+# ----------------------------------------------------------------------- registration
+
+def _register():
+    from .registry import Variant, register
+
+    def segments(seed, nq, nk, d, dv, **_):
+        return {"num_segments": max(1, min(nk, 4))}
+
+    def query_segments(seed, nq, nk, d, dv, **_):
+        return {"num_segments": max(1, min(nq, 4))}
+
+    def landmarks(seed, nq, nk, d, dv, **_):
+        return {"num_landmarks": max(1, min(nq, nk, 4))}
+
+    def clusters(seed, nq, nk, d, dv, **_):
+        return {"num_clusters": max(1, min(nq, 4)), "seed": seed}
+
+    def clusters_topk(seed, nq, nk, d, dv, **_):
+        return {"num_clusters": max(1, min(nq, 4)), "seed": seed, "topk": max(1, min(nk, 4))}
+
+    register(Variant(
+        name="pooled", fn=pooled_attention, family="reduced", exact=False, causal=True,
+        time="O(N m d)", memory="O(N m)", params=segments, weights=pooled_weights,
+        summary="softmax over m = 4 segment-mean-pooled keys/values",
+    ))
+    register(Variant(
+        name="query_reduced", fn=query_reduced_attention, family="reduced", exact=False,
+        causal=False, time="O(N m d)", memory="O(N m)", params=query_segments,
+        weights=query_reduced_weights, self_attention=False,
+        summary="m = 4 segment-mean queries attend; outputs copied back to their segments",
+    ))
+    register(Variant(
+        name="nystrom", fn=nystrom_attention, family="reduced", exact=False, causal=False,
+        time="O(N m d + m^3)", memory="O(N m)", params=landmarks, weights=nystrom_weights,
+        summary="Nystromformer, m = 4 segment-mean landmarks, 6-step iterative pinv",
+    ))
+    register(Variant(
+        name="clustered", fn=clustered_attention, family="reduced", exact=False, causal=False,
+        time="O(N C d)", memory="O(N C)", params=clusters, weights=clustered_weights,
+        summary="clustered attention, C = 4 k-means query clusters (10 Lloyd steps)",
+    ))
+    register(Variant(
+        name="clustered_topk", fn=clustered_attention, family="reduced", exact=False,
+        causal=False, time="O(N C d + N k d)", memory="O(N C + N k)", params=clusters_topk,
+        weights=clustered_weights,
+        summary="improved clustered attention, exact softmax on each cluster's top-4 keys",
+    ))
+
+
+_register()

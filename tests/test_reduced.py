@@ -1,0 +1,390 @@
+"""attn_ref.reduced: pooled keys, query reduction, Nystromformer, clustered attention."""
+
+import numpy as np
+import pytest
+
+from attn_ref import (
+    clustered_attention,
+    clustered_weights,
+    iterative_pinv,
+    nystrom_attention,
+    nystrom_weights,
+    pooled_attention,
+    pooled_weights,
+    query_reduced_attention,
+    query_reduced_weights,
+)
+from attn_ref.random import permutation
+from attn_ref.reduced import kmeans, segment_expand, segment_means, segment_sizes
+from attn_ref.registry import get
+from conformance.backends import from_numpy, load
+from tests.helpers import assert_close, call, host, naive_attention, randn
+
+N, D, DV = 10, 4, 3
+
+
+def _qkv(backend, dtype="float64", nq=N, nk=N, batch=(2, 3)):
+    q, qh = randn(backend, batch + (nq, D), dtype, seed=1)
+    k, kh = randn(backend, batch + (nk, D), dtype, seed=2)
+    v, vh = randn(backend, batch + (nk, DV), dtype, seed=3)
+    return (q, k, v), (qh, kh, vh)
+
+
+def _bounds(n, m):
+    c, r = divmod(n, m)
+    sizes = [c + 1] * r + [c] * (m - r)
+    ends = np.cumsum(sizes)
+    return list(zip(ends - sizes, ends))
+
+
+def _naive_means(x, m):
+    return np.stack([x[..., a:b, :].mean(-2) for a, b in _bounds(x.shape[-2], m)], axis=-2)
+
+
+def _naive_expand(y, n):
+    return np.concatenate([np.repeat(y[..., j:j + 1, :], b - a, axis=-2)
+                           for j, (a, b) in enumerate(_bounds(n, y.shape[-2]))], axis=-2)
+
+
+def _rel(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+# ---------------------------------------------------------------------------- segments
+
+def test_segment_sizes():
+    import array_api_compat.numpy as xp
+
+    for n in range(1, 25):
+        for m in range(1, n + 1):
+            sizes = segment_sizes(n, m)
+            assert sum(sizes) == n and len(sizes) == m and max(sizes) - min(sizes) <= 1
+            assert sizes == sorted(sizes, reverse=True)
+            x = np.random.default_rng(n).standard_normal((n, 2))
+            np.testing.assert_allclose(segment_means(x, m, xp=xp), _naive_means(x, m), rtol=1e-14)
+            np.testing.assert_array_equal(segment_expand(x[:m], n, xp=xp), _naive_expand(x[:m], n))
+
+
+@pytest.mark.parametrize("n,m", [(10, 3), (12, 4)])
+def test_segment_means_and_expand(backend, n, m):
+    x, xh = randn(backend, (2, n, 3), seed=4)
+    means = call(backend, segment_means, x, m)
+    assert_close(means, _naive_means(xh, m), backend)
+    assert_close(call(backend, segment_expand, means, n), _naive_expand(_naive_means(xh, m), n),
+                 backend)
+
+
+# ------------------------------------------------------------------------------ pooled
+
+def _pool_mask(nq, nk, m, causal):
+    if causal is False:
+        return None
+    off = 0 if causal == "top-left" else nk - nq
+    last = [b - 1 for _, b in _bounds(nk, m)]
+    return np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
+
+
+@pytest.mark.parametrize("causal", [False, "top-left"])
+def test_pooled_all_segments_is_softmax(backend, causal):
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    out = call(backend, pooled_attention, q, k, v, num_segments=N, causal=causal)
+    want = naive_attention(qh, kh, vh, causal=None if causal is False else causal)[0]
+    assert_close(out, want, backend)
+
+
+@pytest.mark.parametrize("causal,nq", [(False, N), ("top-left", N), ("bottom-right", 6)])
+def test_pooled_matches_plain_numpy(backend, causal, nq):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nq=nq)
+    m = 3  # segments of 4, 3, 3
+    out = call(backend, pooled_attention, q, k, v, num_segments=m, causal=causal)
+    want, p = naive_attention(qh, _naive_means(kh, m), _naive_means(vh, m),
+                              mask=_pool_mask(nq, N, m, causal))
+    assert_close(out, want, backend)
+    if causal == "top-left":  # queries before the end of the first segment see nothing
+        w = host(call(backend, pooled_weights, q, k, num_segments=m, causal=causal))
+        np.testing.assert_allclose(w @ vh, want, rtol=1e-13, atol=1e-13)
+        assert np.all(host(out)[..., :3, :] == 0.0) and np.all(host(out)[..., 3:, :] != 0.0)
+
+
+# ----------------------------------------------------------------------- query reduced
+
+def test_query_reduced_all_segments_is_softmax(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nk=7)
+    out = call(backend, query_reduced_attention, q, k, v, num_segments=N)
+    assert_close(out, naive_attention(qh, kh, vh)[0], backend)
+
+
+def test_query_reduced_matches_plain_numpy(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nk=7)
+    m = 4  # segments of 3, 3, 2, 2
+    short, p = naive_attention(_naive_means(qh, m), kh, vh)
+    out = call(backend, query_reduced_attention, q, k, v, num_segments=m, expand=False)
+    assert_close(out, short, backend)
+    full = call(backend, query_reduced_attention, q, k, v, num_segments=m)
+    assert_close(full, _naive_expand(short, N), backend)
+    w = host(call(backend, query_reduced_weights, q, k, num_segments=m))
+    np.testing.assert_allclose(w, _naive_expand(p, N), rtol=1e-13, atol=1e-13)
+
+
+# ----------------------------------------------------------------------- iterative pinv
+
+def _matrices():
+    rng = np.random.default_rng(5)
+    well = np.eye(5) * 3 + rng.standard_normal((5, 5)) * 0.3
+    general = rng.standard_normal((5, 5))  # condition number ~ 80
+    s = rng.standard_normal((5, 5))
+    softmax = np.exp(s) / np.exp(s).sum(-1, keepdims=True)
+    return np.stack([well, general, softmax])
+
+
+def test_iterative_pinv_converges_to_pinv(backend):
+    xp = backend.xp
+    a = from_numpy(_matrices(), backend)
+    want = call(backend, xp.linalg.pinv, a)
+    errors = []
+    for it in (2, 6, 25):
+        z = host(call(backend, iterative_pinv, a, iterations=it))
+        errors.append(np.abs(z - host(want)).max(axis=(-2, -1)))
+    assert_close(call(backend, iterative_pinv, a, iterations=25), host(want), backend,
+                 rtol=1e-11, atol=1e-11)
+    assert np.all(errors[1] <= errors[0]) and np.all(errors[2] < 1e-11)
+    assert errors[0].max() > 1e-3  # two steps are not enough: the test can tell
+
+
+def test_iterative_pinv_rank_deficient_and_zero(backend):
+    rng = np.random.default_rng(6)
+    u = np.linalg.qr(rng.standard_normal((4, 4)))[0][:, :2]
+    low = u @ np.diag([1.0, 0.5]) @ u.T  # rank 2
+    a = from_numpy(np.stack([low, np.zeros((4, 4))]), backend)
+    z = host(call(backend, iterative_pinv, a, iterations=7))
+    np.testing.assert_allclose(z[0], np.linalg.pinv(low), rtol=1e-11, atol=1e-11)
+    assert np.all(z[1] == 0.0)
+
+
+def test_iterative_pinv_initialises_per_matrix(backend):
+    # A batch of a matrix and 1e-3 times another: with one batch-wide scale for Z_0 the
+    # small matrix would start 1e6 times too small and be nowhere near its inverse
+    # after 6 steps (relative error ~1, computed in NumPy below); per matrix it is exact.
+    m = _matrices()[0]
+    batch = np.stack([m, 1e-3 * m])
+    z = host(call(backend, iterative_pinv, from_numpy(batch, backend), iterations=6))
+    assert _rel(z[1], np.linalg.pinv(1e-3 * m)) < 1e-12
+    assert _rel(z[0], np.linalg.pinv(m)) < 1e-12
+    absb = np.abs(batch)
+    zg = np.swapaxes(batch, -1, -2) / (absb.sum(-2).max() * absb.sum(-1).max())
+    eye = np.eye(5)
+    for _ in range(6):
+        az = batch @ zg
+        zg = 0.25 * zg @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    assert _rel(zg[1], np.linalg.pinv(1e-3 * m)) > 0.5
+
+
+def test_iterative_pinv_bad_input(backend):
+    a, _ = randn(backend, (2, 3, 4))
+    msg = r"a must have shape \(..., m, m\) \(square\), got shape \(2, 3, 4\)"
+    with pytest.raises(ValueError, match=msg):
+        iterative_pinv(a)
+    sq, _ = randn(backend, (3, 3))
+    with pytest.raises(ValueError, match="iterations must be a non-negative integer, got -1"):
+        iterative_pinv(sq, iterations=-1)
+    ints = backend.xp.asarray([[1, 0], [0, 1]], device=backend.device)
+    with pytest.raises(TypeError, match="a must have a real floating dtype"):
+        iterative_pinv(ints)
+
+
+# ------------------------------------------------------------------------ Nystromformer
+
+def _naive_nystrom(qh, kh, vh, m, iterations):
+    qs = qh / np.sqrt(qh.shape[-1])
+    ql, kl = _naive_means(qs, m), _naive_means(kh, m)
+    k1 = naive_attention(qs, kl, vh[..., :m, :], scale=1.0)[1]
+    k2 = naive_attention(ql, kl, vh[..., :m, :], scale=1.0)[1]
+    k3 = naive_attention(ql, kh, vh, scale=1.0)[1]
+    if iterations is None:
+        z = np.linalg.pinv(k2)
+    else:
+        # Razavi et al. written out, Z_0 = A^T / (||A||_1 ||A||_inf) per matrix.
+        norm = np.abs(k2).sum(-2).max(-1) * np.abs(k2).sum(-1).max(-1)
+        z, eye = np.swapaxes(k2, -1, -2) / norm[..., None, None], np.eye(m)
+        for _ in range(iterations):
+            az = k2 @ z
+            z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    w = k1 @ z @ k3
+    return w @ vh, w
+
+
+@pytest.mark.parametrize("iterations", [None, 20])
+def test_nystrom_all_landmarks_is_softmax(backend, iterations):
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    out = call(backend, nystrom_attention, q, k, v, num_landmarks=N, pinv_iterations=iterations)
+    assert_close(out, naive_attention(qh, kh, vh)[0], backend, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("iterations,nq", [(6, N), (None, 7)])
+def test_nystrom_matches_plain_numpy(backend, iterations, nq):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nq=nq)
+    m = 3  # N = 10 is not a multiple of 3: segments of 4, 3, 3
+    out = call(backend, nystrom_attention, q, k, v, num_landmarks=m, pinv_iterations=iterations)
+    want, want_w = _naive_nystrom(qh, kh, vh, m, iterations)
+    assert_close(out, want, backend, rtol=1e-11, atol=1e-11)
+    if iterations is not None:
+        w = call(backend, nystrom_weights, q, k, num_landmarks=m, pinv_iterations=iterations)
+        assert_close(w, want_w, backend, rtol=1e-11, atol=1e-11)
+    # An approximation, not softmax: three landmarks cannot reproduce ten keys.
+    assert np.abs(host(out) - naive_attention(qh, kh, vh)[0]).max() > 1e-3
+
+
+def test_nystrom_float32(backend):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, "float32")
+    out = call(backend, nystrom_attention, q, k, v, num_landmarks=5)
+    want, _ = _naive_nystrom(qh, kh, vh, 5, 6)
+    assert_close(out, want, backend, dtype="float32", rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- clustered
+
+def _naive_kmeans(x, c, iterations, seed):
+    """One 2-D ``x (N, d)``: Lloyd's algorithm with explicit distances and loops."""
+    cent = x[permutation(x.shape[0], seed=seed)[:c]].copy()
+    for _ in range(iterations + 1):
+        assign = np.argmin(((x[:, None, :] - cent[None]) ** 2).sum(-1), axis=-1)
+        if _ == iterations:
+            break
+        for j in range(c):
+            if np.any(assign == j):
+                cent[j] = x[assign == j].mean(0)
+    return cent, assign
+
+
+def _naive_clustered(qh, kh, vh, c, iterations, seed, topk):
+    out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
+    weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
+    for idx in np.ndindex(qh.shape[:-2]):
+        q, k, v = qh[idx], kh[idx], vh[idx]
+        cent, assign = _naive_kmeans(q, c, iterations, seed)
+        _, pc = naive_attention(cent, k, v)
+        for i in range(q.shape[0]):
+            row = pc[assign[i]].copy()
+            if topk is not None:
+                top = np.argsort(-row, kind="stable")[:topk]
+                _, pi = naive_attention(q[i:i + 1], k[top], v[top])
+                row[top] = row[top].sum() * pi[0]
+            weights[idx + (i,)] = row
+            out[idx + (i,)] = row @ v
+    return out, weights
+
+
+def _with_duplicates(backend, dtype):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, dtype)
+    qh = qh.copy()
+    qh[..., 7, :] = qh[..., 3, :]  # duplicate queries share a centroid
+    q = from_numpy(qh, backend, dtype)
+    return (q, k, v), (host(q), kh, vh)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_clustered_all_clusters_is_softmax(backend, dtype):
+    (q, k, v), (qh, kh, vh) = _with_duplicates(backend, dtype)
+    out = call(backend, clustered_attention, q, k, v, num_clusters=N, iterations=2)
+    assert_close(out, naive_attention(qh, kh, vh)[0], backend, dtype=dtype)
+
+
+def test_clustered_topk_all_keys_is_softmax(backend):
+    # topk = Nk: every query gets exact softmax whatever its cluster.
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    out = call(backend, clustered_attention, q, k, v, num_clusters=2, iterations=2, topk=N)
+    assert_close(out, naive_attention(qh, kh, vh)[0], backend, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_clustered_matches_plain_numpy(backend, topk):
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    out = call(backend, clustered_attention, q, k, v, num_clusters=3, iterations=3, topk=topk,
+               seed=7)
+    want, want_w = _naive_clustered(qh, kh, vh, 3, 3, 7, topk)
+    assert_close(out, want, backend, rtol=1e-12, atol=1e-12)
+    # Deterministic from the seed: a second run is bit-identical.
+    again = call(backend, clustered_attention, q, k, v, num_clusters=3, iterations=3, topk=topk,
+                 seed=7)
+    assert np.array_equal(host(again), host(out))
+    w = host(call(backend, clustered_weights, q, k, num_clusters=3, iterations=3, topk=topk,
+                  seed=7))
+    np.testing.assert_allclose(w, want_w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-13)
+    np.testing.assert_allclose(w @ vh, want, rtol=1e-12, atol=1e-12)
+    if topk is None:  # members of a cluster share one output row
+        assert len(np.unique(np.round(host(out)[0, 0], 12), axis=0)) <= 3
+
+
+def test_kmeans_lloyd_never_increases_inertia():
+    import array_api_compat.numpy as xp
+
+    x = np.random.default_rng(8).standard_normal((3, 40, 2))
+    inertia = []
+    for it in range(6):
+        cent, idx, _ = kmeans(x, 5, iterations=it, seed=2, xp=xp)
+        inertia.append(((x - np.take_along_axis(cent, idx[..., None], axis=-2)) ** 2).sum((-2, -1)))
+    assert np.all(np.diff(np.array(inertia), axis=0) <= 1e-12)
+
+
+# -------------------------------------------------------------------------- refusals
+
+NO_CAUSAL = [
+    (query_reduced_attention, dict(num_segments=2)),
+    (nystrom_attention, dict(num_landmarks=2)),
+    (clustered_attention, dict(num_clusters=2)),
+]
+
+
+@pytest.mark.parametrize("fn,kw", NO_CAUSAL, ids=lambda x: getattr(x, "__name__", ""))
+def test_refuses_causal(backend, fn, kw):
+    (q, k, v), _ = _qkv(backend)
+    for causal in (True, "top-left", "bottom-right"):
+        with pytest.raises(ValueError, match=f"{fn.__name__} does not support causal masking"):
+            fn(q, k, v, causal=causal, **kw)
+
+
+def test_bad_input(backend):
+    (q, k, v), _ = _qkv(backend, nq=6)
+    cases = [
+        (pooled_attention, dict(num_segments=11), "num_segments must be at most the number of keys Nk=10"),
+        (pooled_attention, dict(num_segments=0), "num_segments must be a positive integer, got 0"),
+        (pooled_attention, dict(num_segments=2, causal="yes"), "causal must be False, True"),
+        (query_reduced_attention, dict(num_segments=7),
+         "num_segments must be at most the number of queries Nq=6"),
+        (nystrom_attention, dict(num_landmarks=7), r"num_landmarks must be at most .*min\(6, 10\)"),
+        (nystrom_attention, dict(num_landmarks=0), "num_landmarks must be a positive integer"),
+        (nystrom_attention, dict(num_landmarks=2, pinv_iterations=0), "pinv_iterations must be a positive"),
+        (nystrom_attention, dict(num_landmarks=2, pinv_iterations=2.5), "pinv_iterations must be a positive"),
+        (clustered_attention, dict(num_clusters=7),
+         "num_clusters must be at most the number of queries Nq=6"),
+        (clustered_attention, dict(num_clusters=0), "num_clusters must be a positive integer"),
+        (clustered_attention, dict(num_clusters=2, topk=11), "topk must be at most the number of keys Nk=10"),
+        (clustered_attention, dict(num_clusters=2, topk=0), "topk must be a positive integer"),
+        (clustered_attention, dict(num_clusters=2, iterations=-1),
+         "iterations must be a non-negative integer"),
+        (clustered_attention, dict(num_clusters=2, seed=-1), "seed must be a non-negative integer"),
+        (clustered_attention, dict(num_clusters=2, scale=float("inf")), "scale must be a finite real number"),
+    ]
+    for fn, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn(q, k, v, **kw)
+    with pytest.raises(ValueError, match="k and v must have the same sequence length"):
+        nystrom_attention(q, k, v[..., :9, :], num_landmarks=2)
+
+
+# -------------------------------------------------------------------------- registry
+
+@pytest.mark.parametrize("name", ["pooled", "query_reduced", "nystrom", "clustered", "clustered_topk"])
+def test_registered_variants(name):
+    # The wiring is backend-independent; the functions themselves run on every backend above.
+    backend = load("array_api_strict")
+    variant = get(name)
+    assert variant.family == "reduced" and not variant.exact
+    (q, k, v), (_, _, vh) = _qkv(backend)
+    xp = backend.xp
+    extra = variant.extra(3, N, N, D, DV, dtype=xp.float64, device=backend.device, xp=xp)
+    out = host(call(backend, variant.fn, q, k, v, **extra))
+    assert out.shape == (2, 3, N, DV) and np.all(np.isfinite(out))
+    w = host(call(backend, variant.weights, q, k, **extra))
+    np.testing.assert_allclose(w @ vh, out, rtol=1e-12, atol=1e-12)
