@@ -5,7 +5,19 @@ Each family lives in its own module; the most used functions are re-exported her
 """
 
 from .compressed import compressed_attention, compressed_weights
+from .linear import (
+    linear_attention,
+    linear_attention_state,
+    linear_attention_step,
+    linear_attention_weights,
+)
 from .lowrank import linformer_attention, linformer_projection, linformer_weights
+from .performer import (
+    favor_features,
+    performer_attention,
+    performer_attention_weights,
+    random_features,
+)
 from .reduced import (
     clustered_attention,
     clustered_weights,
@@ -47,4 +59,12 @@ __all__ = [
     "nystrom_weights",
     "clustered_attention",
     "clustered_weights",
+    "linear_attention",
+    "linear_attention_state",
+    "linear_attention_step",
+    "linear_attention_weights",
+    "random_features",
+    "favor_features",
+    "performer_attention",
+    "performer_attention_weights",
 ]
