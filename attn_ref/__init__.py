@@ -36,6 +36,15 @@ from .softmax import (
     online_softmax_attention,
     softmax_attention,
 )
+from .sparse import (
+    bigbird_attention,
+    block_sparse_attention,
+    fixed_attention,
+    local_attention,
+    local_mask,
+    longformer_attention,
+    strided_attention,
+)
 
 __version__ = "0.1.0"
 
@@ -59,6 +68,13 @@ __all__ = [
     "nystrom_weights",
     "clustered_attention",
     "clustered_weights",
+    "block_sparse_attention",
+    "local_attention",
+    "local_mask",
+    "longformer_attention",
+    "bigbird_attention",
+    "strided_attention",
+    "fixed_attention",
     "linear_attention",
     "linear_attention_state",
     "linear_attention_step",

@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["Variant", "register", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
-FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "linear", "performer")
+FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer")
 
 _REGISTRY: dict[str, Variant] = {}
 

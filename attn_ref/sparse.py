@@ -1,0 +1,1117 @@
+"""Sparse attention patterns: who may attend whom, and attention that computes only that.
+
+Two forms of every pattern, tested against each other:
+
+* the **defining form**: a boolean ``(N, N)`` mask builder (``local_mask``,
+  ``strided_mask``, ``fixed_mask``, ``global_mask``, ``longformer_mask``,
+  ``bigbird_mask``, ``layout_mask``) handed to
+  :func:`attn_ref.softmax.softmax_attention` as ``mask=`` ("dense masked softmax"), and
+  the matching ``*_weights`` function giving the implied attention matrix;
+* the **efficient form** (``block_sparse_attention``, ``local_attention``,
+  ``longformer_attention``, ``bigbird_attention``, ``strided_attention``,
+  ``fixed_attention``), which gathers only the key blocks a query block may see and
+  never builds an ``(N, N)`` array. It equals the dense masked softmax up to rounding.
+
+Conventions
+-----------
+* Masks are ``(Nq, Nk)`` boolean arrays in the caller's namespace and device;
+  True = may attend. Query ``i`` and key ``j`` are sequence positions.
+* ``window`` is the reach **per side**, counted in attended keys: two-sided, query
+  ``i`` sees ``j`` with ``|i - j| <= window * dilation`` and ``(i - j) % dilation == 0``;
+  one-sided (causal) only ``0 <= i - j``. Window 0 is the diagonal; a window of
+  ``N - 1`` or more is full attention. The dilated form is Longformer's (Beltagy et
+  al. 2020): ``window`` keys per side at gaps of ``dilation``.
+* A block layout is a host-side boolean ``(ceil(Nq/B), ceil(Nk/B))`` table (nested
+  sequences of bools, or a concrete boolean array); entry ``(a, b)`` True means query
+  block ``a`` may attend key block ``b``. It is a structural parameter, so a jitted
+  caller keeps it static (a tuple of tuples is hashable). The last block may be
+  ragged: positions past ``Nq``/``Nk`` are padding that never receives weight.
+* Rows with no key to attend to return zeros, as in :mod:`attn_ref.softmax`.
+
+Cost of the efficient forms
+---------------------------
+A query block of ``B`` rows that sees ``c`` key blocks costs ``O(B c B d)`` time and
+``O(B c B)`` logits memory, so a layout with ``c`` active blocks per row costs
+``O(N c B d)``: for a window ``w`` with ``B = w`` that is ``O(N w d)`` time and memory.
+Query blocks are grouped by their number of active blocks and each group is one
+gather and one batched matmul, so there is no Python loop over blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import array_api_compat
+
+from ._checks import check_nonnegative_int, check_positive_int, check_qkv, default_scale
+from .softmax import _causal_offset, attention_weights, causal_alignment
+
+__all__ = [
+    "local_mask",
+    "strided_mask",
+    "fixed_mask",
+    "global_mask",
+    "longformer_mask",
+    "bigbird_layout",
+    "bigbird_mask",
+    "layout_mask",
+    "block_sparse_attention",
+    "local_attention",
+    "longformer_attention",
+    "bigbird_attention",
+    "strided_attention",
+    "fixed_attention",
+    "block_sparse_weights",
+    "local_weights",
+    "longformer_weights",
+    "bigbird_weights",
+    "strided_weights",
+    "fixed_weights",
+]
+
+_STRIDED_PARTS = ("both", "local", "strided")
+_FIXED_PARTS = ("both", "block", "summary")
+
+
+# ---------------------------------------------------------------- predicates
+# Each pattern is written once, as a predicate on broadcastable integer position
+# arrays ``i`` (queries) and ``j`` (keys). The mask builders evaluate it on the full
+# grid; the efficient forms evaluate it only on the gathered blocks.
+
+
+def _local_pred(xp, i, j, reach, one_sided, dilation):
+    diff = i - j
+    ok = (diff >= 0) if one_sided else (diff >= -reach)
+    ok = xp.logical_and(ok, diff <= reach)
+    if dilation > 1:
+        ok = xp.logical_and(ok, xp.remainder(diff, dilation) == 0)
+    return ok
+
+
+def _strided_pred(xp, i, j, stride, causal, part):
+    diff = i - j
+    local = xp.logical_and(diff >= (0 if causal else -stride), diff <= stride)
+    strided = xp.remainder(diff, stride) == 0
+    if causal:
+        strided = xp.logical_and(strided, diff >= 0)
+    return {"local": local, "strided": strided, "both": xp.logical_or(local, strided)}[part]
+
+
+def _fixed_pred(xp, i, j, stride, summary, causal, part):
+    block = xp.floor_divide(i, stride) == xp.floor_divide(j, stride)
+    summ = xp.remainder(j, stride) >= stride - summary
+    ok = {"block": block, "summary": summ, "both": xp.logical_or(block, summ)}[part]
+    return xp.logical_and(ok, j <= i) if causal else ok
+
+
+def _and(xp, a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return xp.logical_and(a, b)
+
+
+def _grid(xp, nq, nk, device):
+    i = xp.arange(nq, dtype=xp.int64, device=device)[:, None]
+    j = xp.arange(nk, dtype=xp.int64, device=device)[None, :]
+    return i, j
+
+
+def _need_xp(xp, fn):
+    if xp is None:
+        raise TypeError(f"{fn} needs xp=, the array namespace to build the mask in")
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_part(name, part, allowed):
+    if part not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {part!r}")
+
+
+def _check_global_tokens(global_tokens, n):
+    if isinstance(global_tokens, (str, bytes)) or not isinstance(global_tokens, (Sequence, range)):
+        raise TypeError(
+            "global_tokens must be a sequence of token indices (a tuple or range), "
+            f"got {type(global_tokens).__name__}"
+        )
+    out = []
+    for t in global_tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+            raise ValueError(
+                f"global_tokens must hold integer positions in [0, N) = [0, {n}), got {t!r}"
+            )
+        out.append(t)
+    return tuple(sorted(set(out)))
+
+
+def _check_window(window, dilation):
+    check_nonnegative_int("window", window)
+    check_positive_int("dilation", dilation)
+    return window * dilation
+
+
+def _layout_rows(layout, nbq, nbk, block_size, nq, nk):
+    """Validate a block layout; return, per query block, the tuple of active key blocks."""
+    want = (
+        f"a boolean block layout of shape (ceil(Nq/block_size), ceil(Nk/block_size)) = "
+        f"(ceil({nq}/{block_size}), ceil({nk}/{block_size})) = ({nbq}, {nbk})"
+    )
+    if array_api_compat.is_array_api_obj(layout):
+        lxp = array_api_compat.array_namespace(layout)
+        if layout.dtype != lxp.bool:
+            raise TypeError(f"layout must be {want}, got an array of dtype {layout.dtype}")
+        if tuple(layout.shape) != (nbq, nbk):
+            raise ValueError(f"layout must be {want}, got shape {tuple(layout.shape)}")
+        return tuple(tuple(b for b in range(nbk) if bool(layout[a, b])) for a in range(nbq))
+    if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence):
+        raise TypeError(f"layout must be {want}, got {type(layout).__name__}")
+    rows = []
+    for a, row in enumerate(layout):
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != nbk:
+            got = len(row) if isinstance(row, Sequence) else type(row).__name__
+            raise ValueError(f"layout must be {want}, got row {a} of length {got}")
+        for b, x in enumerate(row):
+            if not (isinstance(x, bool) or (isinstance(x, int) and x in (0, 1))):
+                raise TypeError(f"layout must be {want}, got entry ({a}, {b}) = {x!r}")
+        rows.append(tuple(b for b, x in enumerate(row) if x))
+    if len(rows) != nbq:
+        raise ValueError(f"layout must be {want}, got {len(rows)} rows")
+    return tuple(rows)
+
+
+def _banded_rows(nb, block_size, reach, one_sided):
+    """Key blocks of a window of ``reach`` positions (per side) at block size B.
+
+    Every row has the same length; slots that fall off either end are ``-1`` (an
+    empty block), so a banded layout is one gather and one matmul.
+    """
+    lo = min(nb - 1, -(-reach // block_size))
+    hi = 0 if one_sided else min(nb - 1, (block_size - 1 + reach) // block_size)
+    return tuple(
+        tuple(b if 0 <= b < nb else -1 for b in range(a - lo, a + hi + 1)) for a in range(nb)
+    )
+
+
+# ---------------------------------------------------------------- mask builders
+
+
+def local_mask(n, /, *, window, one_sided=False, dilation=1, xp=None, device=None):
+    """Sliding-window mask: query ``i`` sees key ``j`` within ``window`` steps.
+
+    Parameters
+    ----------
+    n : int
+        Sequence length.
+    window : int
+        Keys per side (``>= 0``); see the module docstring.
+    one_sided : bool
+        Only the past and the present (``0 <= i - j``): a causal sliding window.
+    dilation : int
+        Gap between attended keys (``>= 1``); the reach is ``window * dilation``.
+    xp : namespace
+        Array namespace to build the mask in (required).
+    device : optional
+        Device of the mask.
+
+    Returns
+    -------
+    bool array, shape (n, n)
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.sparse import local_mask
+    >>> m = local_mask(5, window=1, xp=xp)
+    >>> [int(xp.sum(xp.astype(m[i, :], xp.int64))) for i in range(5)]
+    [2, 3, 3, 3, 2]
+    """
+    _need_xp(xp, "local_mask")
+    check_nonnegative_int("n", n)
+    reach = _check_window(window, dilation)
+    i, j = _grid(xp, n, n, device)
+    return _local_pred(xp, i, j, reach, bool(one_sided), dilation)
+
+
+def strided_mask(n, /, *, stride, causal=True, part="both", xp=None, device=None):
+    """The strided pattern of the Sparse Transformer (Child et al. 2019).
+
+    ``A1(i) = {j : 0 <= i - j <= stride}`` (the previous ``stride`` positions and
+    ``i`` itself) and ``A2(i) = {j : (i - j) mod stride = 0}``; the paper gives each to
+    a different head, ``part="both"`` is their union (one head attending both). With
+    ``causal=False`` both parts look both ways: ``|i - j| <= stride``.
+
+    Parameters
+    ----------
+    n : int
+    stride : int
+        ``l`` in the paper, ``>= 1``; ``sqrt(N)`` gives ``O(N sqrt(N))`` pairs.
+    causal : bool
+    part : {"both", "local", "strided"}
+    xp, device
+        As in :func:`local_mask`.
+
+    Returns
+    -------
+    bool array, shape (n, n)
+    """
+    _need_xp(xp, "strided_mask")
+    check_nonnegative_int("n", n)
+    check_positive_int("stride", stride)
+    _check_part("part", part, _STRIDED_PARTS)
+    i, j = _grid(xp, n, n, device)
+    return _strided_pred(xp, i, j, stride, bool(causal), part)
+
+
+def fixed_mask(n, /, *, stride, summary=1, causal=True, part="both", xp=None, device=None):
+    """The fixed pattern of the Sparse Transformer (Child et al. 2019).
+
+    ``A1(i) = {j : floor(j / l) = floor(i / l)}`` (the block of ``stride = l``
+    positions holding ``i``) and ``A2(i) = {j : j mod l >= l - c}`` (the last
+    ``summary = c`` positions of every block, which summarise it). ``causal=True``
+    keeps ``j <= i`` in both.
+
+    Parameters
+    ----------
+    n : int
+    stride : int
+        Block length ``l >= 1``.
+    summary : int
+        ``c`` with ``1 <= c <= stride``.
+    causal : bool
+    part : {"both", "block", "summary"}
+    xp, device
+        As in :func:`local_mask`.
+
+    Returns
+    -------
+    bool array, shape (n, n)
+    """
+    _need_xp(xp, "fixed_mask")
+    check_nonnegative_int("n", n)
+    check_positive_int("stride", stride)
+    _check_summary(summary, stride)
+    _check_part("part", part, _FIXED_PARTS)
+    i, j = _grid(xp, n, n, device)
+    return _fixed_pred(xp, i, j, stride, summary, bool(causal), part)
+
+
+def _check_summary(summary, stride):
+    check_positive_int("summary", summary)
+    if summary > stride:
+        raise ValueError(f"summary must be at most stride = {stride}, got {summary}")
+
+
+def _global_vector(xp, tokens, n, device):
+    g = [False] * n
+    for t in tokens:
+        g[t] = True
+    return xp.asarray(g, dtype=xp.bool, device=device)
+
+
+def global_mask(n, /, *, global_tokens, xp=None, device=None):
+    """Longformer's symmetric global attention: global tokens see and are seen by all.
+
+    ``mask[i, j]`` is True when ``i`` or ``j`` is in ``global_tokens``.
+
+    Parameters
+    ----------
+    n : int
+    global_tokens : sequence of int
+        Positions in ``[0, n)``; duplicates are ignored.
+    xp, device
+        As in :func:`local_mask`.
+
+    Returns
+    -------
+    bool array, shape (n, n)
+    """
+    _need_xp(xp, "global_mask")
+    check_nonnegative_int("n", n)
+    tokens = _check_global_tokens(global_tokens, n)
+    g = _global_vector(xp, tokens, n, device)
+    return xp.logical_or(g[:, None], g[None, :])
+
+
+def longformer_mask(n, /, *, window, global_tokens, dilation=1, xp=None, device=None):
+    """Longformer (Beltagy et al. 2020): a two-sided (dilated) window plus global tokens.
+
+    The union of :func:`local_mask` and :func:`global_mask`; see those for the
+    parameters.
+    """
+    local = local_mask(n, window=window, dilation=dilation, xp=xp, device=device)
+    return xp.logical_or(local, global_mask(n, global_tokens=global_tokens, xp=xp, device=device))
+
+
+def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1, seed=0):
+    """BigBird's block layout (Zaheer et al. 2020, ITC form), built on the host.
+
+    Query block ``a`` sees key blocks ``b`` with ``|a - b| <= window`` (sliding
+    blocks), the first ``global_blocks`` blocks (global columns), and
+    ``random_blocks`` further blocks drawn without replacement from the rest; the first
+    ``global_blocks`` query blocks see every block (global rows). The draw is a
+    function of ``seed`` only (through :func:`attn_ref.random.permutation`).
+
+    Returns
+    -------
+    tuple of tuples of bool, shape (num_blocks, num_blocks)
+        Hashable, so it can be a static argument of a jitted function.
+
+    Examples
+    --------
+    >>> from attn_ref.sparse import bigbird_layout
+    >>> lay = bigbird_layout(4, window=0, global_blocks=1, random_blocks=0)
+    >>> [[int(x) for x in row] for row in lay]
+    [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
+    """
+    from .random import permutation
+
+    check_nonnegative_int("num_blocks", num_blocks)
+    check_nonnegative_int("window", window)
+    check_nonnegative_int("global_blocks", global_blocks)
+    check_nonnegative_int("random_blocks", random_blocks)
+    nb = num_blocks
+    # One permutation of all (a, b) cells ranks the candidates of every row.
+    rank = permutation(nb * nb, seed=seed) if random_blocks and nb else []
+    rows = []
+    for a in range(nb):
+        if a < global_blocks:
+            rows.append((True,) * nb)
+            continue
+        active = [abs(a - b) <= window or b < global_blocks for b in range(nb)]
+        if random_blocks:
+            rest = sorted((b for b in range(nb) if not active[b]), key=lambda b: rank[a * nb + b])
+            for b in rest[:random_blocks]:
+                active[b] = True
+        rows.append(tuple(active))
+    return tuple(rows)
+
+
+def layout_mask(layout, block_size, /, *, nq=None, nk=None, xp=None, device=None):
+    """Expand a block layout into the element mask it stands for.
+
+    Parameters
+    ----------
+    layout : nested sequences of bool or bool array, shape (ceil(nq/B), ceil(nk/B))
+    block_size : int
+        ``B >= 1``.
+    nq, nk : int, optional
+        Sequence lengths; default ``B`` times the layout's number of rows / columns.
+    xp, device
+        As in :func:`local_mask`.
+
+    Returns
+    -------
+    bool array, shape (nq, nk)
+    """
+    _need_xp(xp, "layout_mask")
+    check_positive_int("block_size", block_size)
+    nbq, nbk = _layout_shape(layout)
+    nq = nbq * block_size if nq is None else check_nonnegative_int("nq", nq)
+    nk = nbk * block_size if nk is None else check_nonnegative_int("nk", nk)
+    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
+    return _rows_mask(xp, rows, block_size, nq, nk, device)
+
+
+def _layout_shape(layout):
+    """(rows, columns) of a layout, as far as it has them; :func:`_layout_rows` checks the rest."""
+    if array_api_compat.is_array_api_obj(layout):
+        shape = tuple(layout.shape)
+    elif isinstance(layout, Sequence) and not isinstance(layout, (str, bytes)):
+        first = layout[0] if len(layout) else ()
+        shape = (len(layout), len(first) if isinstance(first, Sequence) else 0)
+    else:
+        raise TypeError(f"layout must be a boolean block layout, got {type(layout).__name__}")
+    return (shape + (0, 0))[:2]
+
+
+def _rows_mask(xp, rows, block_size, nq, nk, device):
+    nbk = -(-nk // block_size)
+    table = xp.asarray([[b in set(r) for b in range(nbk)] for r in rows] or [[False] * nbk],
+                       dtype=xp.bool, device=device)
+    i, j = _grid(xp, nq, nk, device)
+    rows_of = xp.take(table, xp.floor_divide(i[:, 0], block_size), axis=0)
+    return xp.take(rows_of, xp.floor_divide(j[0, :], block_size), axis=1)
+
+
+def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0, xp=None,
+                 device=None):
+    """The element mask of :func:`bigbird_layout` for a sequence of length ``n``.
+
+    Blocks have ``block_size`` positions; the last one may be ragged.
+
+    Returns
+    -------
+    bool array, shape (n, n)
+    """
+    _need_xp(xp, "bigbird_mask")
+    check_nonnegative_int("n", n)
+    check_positive_int("block_size", block_size)
+    rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
+    return _rows_mask(xp, rows, block_size, n, n, device)
+
+
+def _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed):
+    nb = -(-n // block_size)
+    lay = bigbird_layout(nb, window=window, global_blocks=global_blocks,
+                         random_blocks=random_blocks, seed=seed)
+    return tuple(tuple(b for b, x in enumerate(row) if x) for row in lay)
+
+
+# ---------------------------------------------------------------- the block kernel
+# A "partial" is (m, l, acc): running row maximum (..., N, 1), normaliser (..., N, 1)
+# and unnormalised output (..., N, dv) of a softmax over a subset of the keys. Two
+# partials over disjoint key sets merge exactly, as in the online softmax.
+
+
+def _safe(xp, m):
+    return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+
+
+def _partial(xp, s, v, batch, core):
+    """Partial of logits ``s`` (-inf where not allowed) against values ``v``.
+
+    ``core`` is the number of trailing non-batch axes of ``s``; ``m`` and ``l`` are
+    broadcast to the full batch so that partials concatenate and merge.
+    """
+    m = xp.max(s, axis=-1, keepdims=True)
+    p = xp.exp(s - _safe(xp, m))
+    l = xp.sum(p, axis=-1, keepdims=True)
+    acc = p @ v
+    shape = batch + tuple(m.shape[m.ndim - core:])
+    return xp.broadcast_to(m, shape), xp.broadcast_to(l, shape), acc
+
+
+def _merge(xp, a, b):
+    (ma, la, acca), (mb, lb, accb) = a, b
+    m = xp.maximum(ma, mb)
+    ms = _safe(xp, m)
+    ea, eb = xp.exp(ma - ms), xp.exp(mb - ms)
+    return m, la * ea + lb * eb, acca * ea + accb * eb
+
+
+def _finish(xp, part):
+    _, l, acc = part
+    return acc / xp.where(l > 0, l, xp.ones_like(l))
+
+
+def _pad_blocks(xp, x, block_size, nblocks):
+    """``(..., n, c)`` -> ``(..., nblocks, B, c)``, zero-padding the ragged tail."""
+    pad = nblocks * block_size - x.shape[-2]
+    if pad:
+        z = xp.zeros(tuple(x.shape[:-2]) + (pad, x.shape[-1]), dtype=x.dtype,
+                     device=array_api_compat.device(x))
+        x = xp.concat([x, z], axis=-2)
+    return xp.reshape(x, tuple(x.shape[:-2]) + (nblocks, block_size, x.shape[-1]))
+
+
+def _block_partials(xp, q, k, v, rows, block_size, nk, batch, predicate):
+    """Partials of every query position over the key blocks ``rows[a]`` of its block.
+
+    ``q`` is already scaled. ``predicate(qpos, kpos)`` (or None) further restricts the
+    pairs inside the gathered blocks; padded key positions are always excluded. A
+    row entry of ``-1`` is an empty slot: it gathers an all-padding block.
+    """
+    B = block_size
+    device = array_api_compat.device(q)
+    nbq, nbk = len(rows), -(-nk // B)
+    nq, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    empty_slots = any(b < 0 for r in rows for b in r)
+    # Empty slots point at one extra block past the end, which is all padding.
+    nbk_alloc = nbk + 1 if empty_slots else nbk
+    qb, kb, vb = (_pad_blocks(xp, x, B, nb) for x, nb in ((q, nbq), (k, nbk_alloc), (v, nbk_alloc)))
+    groups: dict[int, list[int]] = {}
+    for a, r in enumerate(rows):
+        groups.setdefault(len(r), []).append(a)
+    offs = xp.arange(B, dtype=xp.int64, device=device)
+    parts, order = [], []
+    for cnt, ids in groups.items():
+        g = len(ids)
+        order.extend(ids)
+        if cnt == 0:
+            parts.append((
+                xp.full(batch + (g, B, 1), -xp.inf, dtype=q.dtype, device=device),
+                xp.zeros(batch + (g, B, 1), dtype=q.dtype, device=device),
+                xp.zeros(batch + (g, B, dv), dtype=q.dtype, device=device),
+            ))
+            continue
+        ida = xp.asarray(ids, dtype=xp.int64, device=device)
+        flat = xp.asarray([b if b >= 0 else nbk for a in ids for b in rows[a]], dtype=xp.int64,
+                          device=device)
+        qg = qb if g == nbq else xp.take(qb, ida, axis=-3)
+        kg = xp.reshape(xp.take(kb, flat, axis=-3), tuple(kb.shape[:-3]) + (g, cnt * B, d))
+        vg = xp.reshape(xp.take(vb, flat, axis=-3), tuple(vb.shape[:-3]) + (g, cnt * B, dv))
+        s = qg @ xp.matrix_transpose(kg)  # (..., g, B, cnt*B)
+        qpos = (ida[:, None] * B + offs[None, :])[:, :, None]
+        kpos = xp.reshape(xp.reshape(flat, (g, cnt))[:, :, None] * B + offs, (g, 1, cnt * B))
+        allowed = (kpos < nk) if (nk % B or empty_slots) else None
+        if predicate is not None:
+            allowed = _and(xp, allowed, predicate(qpos, kpos))
+        if allowed is not None:
+            s = xp.where(allowed, s, -xp.inf)
+        parts.append(_partial(xp, s, vg, batch, 3))
+    if len(parts) == 1:
+        m, l, acc = parts[0]
+    else:
+        m, l, acc = (xp.concat([p[t] for p in parts], axis=-3) for t in range(3))
+    if order != list(range(nbq)):
+        inverse = [0] * nbq
+        for pos, a in enumerate(order):
+            inverse[a] = pos
+        inv = xp.asarray(inverse, dtype=xp.int64, device=device)
+        m, l, acc = (xp.take(x, inv, axis=-3) for x in (m, l, acc))
+    return tuple(
+        xp.reshape(x, tuple(x.shape[:-3]) + (nbq * B, x.shape[-1]))[..., :nq, :]
+        for x in (m, l, acc)
+    )
+
+
+def _causal_pred(xp, alignment, nq, nk):
+    if alignment is None:
+        return None
+    off = _causal_offset(alignment, nq, nk)
+    return lambda i, j: j <= i + off
+
+
+def _combine(xp, *preds):
+    preds = [p for p in preds if p is not None]
+    if not preds:
+        return None
+    if len(preds) == 1:
+        return preds[0]
+
+    def both(i, j):
+        out = preds[0](i, j)
+        for p in preds[1:]:
+            out = xp.logical_and(out, p(i, j))
+        return out
+
+    return both
+
+
+def _empty(xp, q, v, batch):
+    return xp.zeros(batch + (q.shape[-2], v.shape[-1]), dtype=q.dtype,
+                    device=array_api_compat.device(q))
+
+
+def _scaled(q, scale):
+    scale = default_scale(q.shape[-1], scale)
+    return q * scale if scale != 1.0 else q
+
+
+# ---------------------------------------------------------------- efficient forms
+
+
+def block_sparse_attention(q, k, v, /, *, layout, block_size, causal=False, scale=None, xp=None):
+    """Softmax attention restricted to the active blocks of a block layout.
+
+    Equal to ``softmax_attention(q, k, v, mask=layout_mask(layout, block_size), ...)``,
+    but only active blocks are gathered and multiplied.
+
+    Parameters
+    ----------
+    q : array, shape (..., Nq, d)
+    k : array, shape (..., Nk, d)
+    v : array, shape (..., Nk, dv)
+    layout : nested sequences of bool or bool array, shape (ceil(Nq/B), ceil(Nk/B))
+        Host-side structure (see the module docstring); static under ``jax.jit``.
+    block_size : int
+        ``B >= 1``; ``Nq`` and ``Nk`` need not be multiples of it.
+    causal : {False, True, "top-left", "bottom-right"}
+        Also applied element-wise, as in :func:`attn_ref.softmax.softmax_attention`.
+    scale : float, optional
+        Logit scale, default ``1/sqrt(d)``.
+    xp : namespace, optional
+
+    Returns
+    -------
+    array, shape (..., Nq, dv)
+
+    Notes
+    -----
+    ``O(nnz(layout) B^2 (d + dv))`` time and ``O(nnz(layout) B^2)`` memory for the
+    logits (times the batch), ``nnz`` being the number of active blocks. A full layout
+    is ordinary softmax attention; a banded layout of ``c`` blocks per row is
+    ``O(N c B d)``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import softmax_attention
+    >>> from attn_ref.sparse import block_sparse_attention, layout_mask
+    >>> x = xp.reshape(xp.sin(xp.arange(35.0)), (7, 5))
+    >>> lay = ((True, False), (True, True))
+    >>> a = block_sparse_attention(x, x, x, layout=lay, block_size=4)
+    >>> b = softmax_attention(x, x, x, mask=layout_mask(lay, 4, nq=7, nk=7, xp=xp))
+    >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
+    True
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    check_positive_int("block_size", block_size)
+    nq, nk = q.shape[-2], k.shape[-2]
+    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
+    alignment = causal_alignment(causal)
+    qs = _scaled(q, scale)
+    if nq == 0 or nk == 0:
+        return _empty(xp, q, v, batch)
+    pred = _causal_pred(xp, alignment, nq, nk)
+    return _finish(xp, _block_partials(xp, qs, k, v, rows, block_size, nk, batch, pred))
+
+
+def _local_block_size(block_size, reach, n):
+    if block_size is None:
+        return max(1, min(reach, n))
+    return check_positive_int("block_size", block_size)
+
+
+def local_attention(q, k, v, /, *, window, causal=False, dilation=1, block_size=None, scale=None,
+                    xp=None):
+    """Sliding-window (local) attention in ``O(N w d)`` time and memory.
+
+    Equal to ``softmax_attention(q, k, v, mask=local_mask(N, window=window,
+    one_sided=causal, dilation=dilation))``: query ``i`` attends the ``window``
+    positions on each side (only the past with ``causal``), at gaps of ``dilation``.
+    Used by Image Transformer, Longformer, Mistral; ``window >= N - 1`` is full
+    attention.
+
+    Parameters
+    ----------
+    q, k : array, shape (..., N, d)
+    v : array, shape (..., N, dv)
+        Self-attention: ``q`` and ``k`` have the same length.
+    window : int
+        Keys per side, ``>= 0``.
+    causal : {False, True, "top-left", "bottom-right"}
+        Any causal value gives the one-sided window (the alignments agree for
+        ``Nq == Nk``).
+    dilation : int
+        ``>= 1``.
+    block_size : int, optional
+        Tile size, default ``window * dilation`` (at least 1, at most ``N``).
+    scale, xp
+        As in :func:`block_sparse_attention`.
+
+    Returns
+    -------
+    array, shape (..., N, dv)
+
+    Notes
+    -----
+    With ``B = r = window * dilation`` every query block gathers 3 key blocks
+    (2 when causal): ``O(N r (d + dv))`` time, ``O(N r)`` logits memory, never an
+    ``(N, N)`` array. Dilation keeps the reach ``r`` and so costs ``dilation`` times
+    the keys actually attended.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import softmax_attention
+    >>> from attn_ref.sparse import local_attention, local_mask
+    >>> x = xp.reshape(xp.cos(xp.arange(40.0)), (10, 4))
+    >>> a = local_attention(x, x, x, window=2, causal=True)
+    >>> b = softmax_attention(x, x, x, mask=local_mask(10, window=2, one_sided=True, xp=xp))
+    >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
+    True
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    reach = _check_window(window, dilation)
+    one_sided = causal_alignment(causal) is not None
+    n = q.shape[-2]
+    B = _local_block_size(block_size, reach, n)
+    qs = _scaled(q, scale)
+    if n == 0:
+        return _empty(xp, q, v, batch)
+    rows = _banded_rows(-(-n // B), B, reach, one_sided)
+    pred = _local_predicate(xp, reach, one_sided, dilation, B)
+    return _finish(xp, _block_partials(xp, qs, k, v, rows, B, n, batch, pred))
+
+
+def _local_predicate(xp, reach, one_sided, dilation, block_size):
+    def pred(i, j):
+        return _local_pred(xp, i, j, reach, one_sided, dilation)
+
+    # With B >= reach the banded blocks may still hold keys beyond the window; only a
+    # diagonal-only two-sided window of B = 1 needs no element test at all.
+    return None if (reach == 0 and block_size == 1) else pred
+
+
+def longformer_attention(q, k, v, /, *, window, global_tokens, causal=False, dilation=1,
+                         block_size=None, scale=None, xp=None):
+    """Longformer attention (Beltagy et al. 2020): a sliding window plus global tokens.
+
+    Equal to dense masked softmax with :func:`longformer_mask` (and the causal mask
+    when ``causal``). Global tokens attend every position and every position attends
+    them (symmetric); the paper's separate projections for global attention are the
+    caller's business (pass different ``q``/``k``).
+
+    Parameters
+    ----------
+    q, k : array, shape (..., N, d)
+    v : array, shape (..., N, dv)
+    window : int
+        Keys per side of the sliding window.
+    global_tokens : sequence of int
+        Positions in ``[0, N)``.
+    causal : {False, True, "top-left", "bottom-right"}
+        Intersects the pattern with the causal mask (global tokens then see only
+        their past); Longformer itself is bidirectional.
+    dilation, block_size, scale, xp
+        As in :func:`local_attention`.
+
+    Returns
+    -------
+    array, shape (..., N, dv)
+
+    Notes
+    -----
+    Query blocks holding a global token gather every key block; the others gather
+    their window and the blocks holding global tokens: ``O(N (w + g B) d)`` time for
+    ``g`` global tokens.
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    reach = _check_window(window, dilation)
+    n = q.shape[-2]
+    tokens = _check_global_tokens(global_tokens, n)
+    alignment = causal_alignment(causal)
+    B = _local_block_size(block_size, reach, n)
+    qs = _scaled(q, scale)
+    if n == 0:
+        return _empty(xp, q, v, batch)
+    nb = -(-n // B)
+    gblocks = {t // B for t in tokens}
+    rows = [
+        tuple(range(nb)) if a in gblocks else r + tuple(sorted(gblocks - set(r)))
+        for a, r in enumerate(_banded_rows(nb, B, reach, False))
+    ]
+    # Pad the ordinary rows to one length so that they form a single gather.
+    width = max((len(r) for a, r in enumerate(rows) if a not in gblocks), default=0)
+    rows = tuple(r if a in gblocks else r + (-1,) * (width - len(r)) for a, r in enumerate(rows))
+    # Covers the padding and the empty-slot block past the end.
+    gvec = _global_vector(xp, tokens, (nb + 1) * B, array_api_compat.device(q))
+
+    def pattern(i, j):
+        local = _local_pred(xp, i, j, reach, False, dilation)
+        gi = xp.reshape(xp.take(gvec, xp.reshape(i, (-1,)), axis=0), i.shape)
+        gj = xp.reshape(xp.take(gvec, xp.reshape(j, (-1,)), axis=0), j.shape)
+        return xp.logical_or(local, xp.logical_or(gi, gj))
+
+    pred = _combine(xp, pattern, _causal_pred(xp, alignment, n, n))
+    return _finish(xp, _block_partials(xp, qs, k, v, rows, B, n, batch, pred))
+
+
+def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
+                      causal=False, scale=None, xp=None):
+    """BigBird attention (Zaheer et al. 2020): sliding, global and random blocks.
+
+    Block-sparse attention with :func:`bigbird_layout`; equal to dense masked softmax
+    with :func:`bigbird_mask`.
+
+    Parameters
+    ----------
+    q, k : array, shape (..., N, d)
+    v : array, shape (..., N, dv)
+    block_size : int
+        ``B >= 1``; ``N`` need not be a multiple.
+    window, global_blocks, random_blocks, seed
+        As in :func:`bigbird_layout` (counted in blocks).
+    causal : {False, True, "top-left", "bottom-right"}
+        Intersects the pattern with the causal mask.
+    scale, xp
+        As in :func:`block_sparse_attention`.
+
+    Returns
+    -------
+    array, shape (..., N, dv)
+
+    Notes
+    -----
+    ``O(N B (2 window + 1 + global_blocks + random_blocks) d)`` time for the ordinary
+    rows plus ``O(global_blocks B N d)`` for the global rows.
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("block_size", block_size)
+    n = q.shape[-2]
+    rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
+    alignment = causal_alignment(causal)
+    qs = _scaled(q, scale)
+    if n == 0:
+        return _empty(xp, q, v, batch)
+    pred = _causal_pred(xp, alignment, n, n)
+    return _finish(xp, _block_partials(xp, qs, k, v, rows, block_size, n, batch, pred))
+
+
+def _to_classes(xp, x, stride, nclasses):
+    """``(..., n, c)`` -> ``(..., stride, C, c)``: row ``r``, column ``t`` is position ``t l + r``."""
+    xb = _pad_blocks(xp, x, stride, nclasses)  # (..., C, l, c)
+    nd = xb.ndim
+    return xp.permute_dims(xb, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
+
+
+def _from_classes(xp, x, n):
+    nd = x.ndim
+    x = xp.permute_dims(x, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
+    return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
+
+
+def strided_attention(q, k, v, /, *, stride, causal=True, scale=None, xp=None):
+    """Strided Sparse Transformer attention (Child et al. 2019), one head over both parts.
+
+    Equal to dense masked softmax with :func:`strided_mask` (``part="both"``). The
+    local part is :func:`local_attention` with window ``stride``; the strided part
+    attends within each residue class ``{r, r + l, r + 2l, ...}`` (offsets of two or
+    more strides; one stride is already local), and the two softmax partials are
+    merged exactly.
+
+    Parameters
+    ----------
+    q, k : array, shape (..., N, d)
+    v : array, shape (..., N, dv)
+    stride : int
+        ``l >= 1``.
+    causal : bool or {"top-left", "bottom-right"}
+        The paper's autoregressive pattern (default); False looks both ways.
+    scale, xp
+        As in :func:`block_sparse_attention`.
+
+    Returns
+    -------
+    array, shape (..., N, dv)
+
+    Notes
+    -----
+    ``O(N (l + N/l) d)`` time and ``O(N l + N^2/l)`` memory: ``O(N sqrt(N) d)`` at
+    ``l = sqrt(N)``.
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("stride", stride)
+    one_sided = causal_alignment(causal) is not None
+    n = q.shape[-2]
+    qs = _scaled(q, scale)
+    if n == 0:
+        return _empty(xp, q, v, batch)
+    B = min(stride, n)
+    rows = _banded_rows(-(-n // B), B, stride, one_sided)
+    local = _block_partials(xp, qs, k, v, rows, B, n, batch,
+                            _local_predicate(xp, stride, one_sided, 1, B))
+    C = -(-n // stride)
+    if C < 3:  # no offset of two strides or more fits
+        return _finish(xp, local)
+    device = array_api_compat.device(q)
+    qc, kc, vc = (_to_classes(xp, x, stride, C) for x in (qs, k, v))
+    s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
+    t = xp.arange(C, dtype=xp.int64, device=device)
+    r = xp.arange(stride, dtype=xp.int64, device=device)
+    gap = t[:, None] - t[None, :]
+    ok = (gap >= 2) if one_sided else (xp.abs(gap) >= 2)
+    ok = xp.logical_and(ok[None, :, :], (t[None, None, :] * stride + r[:, None, None]) < n)
+    s = xp.where(ok, s, -xp.inf)
+    far = _partial(xp, s, vc, batch, 3)
+    far = tuple(_from_classes(xp, x, n) for x in far)
+    return _finish(xp, _merge(xp, local, far))
+
+
+def fixed_attention(q, k, v, /, *, stride, summary=1, causal=True, scale=None, xp=None):
+    """Fixed Sparse Transformer attention (Child et al. 2019), one head over both parts.
+
+    Equal to dense masked softmax with :func:`fixed_mask` (``part="both"``): each
+    query attends its own block of ``stride`` positions and the last ``summary``
+    positions of every other block; the two softmax partials are merged exactly.
+
+    Parameters
+    ----------
+    q, k : array, shape (..., N, d)
+    v : array, shape (..., N, dv)
+    stride : int
+        Block length ``l >= 1``.
+    summary : int
+        ``1 <= c <= l`` summary positions per block.
+    causal : bool or {"top-left", "bottom-right"}
+        The paper's autoregressive pattern (default).
+    scale, xp
+        As in :func:`block_sparse_attention`.
+
+    Returns
+    -------
+    array, shape (..., N, dv)
+
+    Notes
+    -----
+    ``O(N (l + c N / l) d)`` time and ``O(N (l + c N / l))`` memory.
+    """
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("stride", stride)
+    _check_summary(summary, stride)
+    alignment = causal_alignment(causal)
+    n = q.shape[-2]
+    qs = _scaled(q, scale)
+    if n == 0:
+        return _empty(xp, q, v, batch)
+    nb = -(-n // stride)
+    own = _block_partials(xp, qs, k, v, tuple((a,) for a in range(nb)), stride, n, batch,
+                          _causal_pred(xp, alignment, n, n))
+    cols = [j for j in range(n) if j % stride >= stride - summary]
+    if nb < 2 or not cols:
+        return _finish(xp, own)
+    device = array_api_compat.device(q)
+    jc = xp.asarray(cols, dtype=xp.int64, device=device)
+    s = qs @ xp.matrix_transpose(xp.take(k, jc, axis=-2))  # (..., N, |cols|)
+    i, _ = _grid(xp, n, 0, device)
+    j = jc[None, :]
+    # Summary keys of the query's own block are in the block part already.
+    ok = xp.floor_divide(i, stride) != xp.floor_divide(j, stride)
+    if alignment is not None:
+        ok = xp.logical_and(ok, j <= i)
+    s = xp.where(ok, s, -xp.inf)
+    summ = _partial(xp, s, xp.take(v, jc, axis=-2), batch, 2)
+    return _finish(xp, _merge(xp, own, summ))
+
+
+# ---------------------------------------------------------------- implied matrices
+
+
+def _weights(q, k, mask, causal, scale, xp):
+    return attention_weights(q, k, mask=mask, causal=causal, scale=scale, xp=xp)
+
+
+def _ns_device(q, k, xp):
+    xp, _ = check_qkv(q, k, k, xp=xp)
+    return xp, array_api_compat.device(q)
+
+
+def block_sparse_weights(q, k, /, *, layout, block_size, causal=False, scale=None, xp=None):
+    """The attention matrix implied by :func:`block_sparse_attention`, ``(..., Nq, Nk)``."""
+    xp, device = _ns_device(q, k, xp)
+    mask = layout_mask(layout, block_size, nq=q.shape[-2], nk=k.shape[-2], xp=xp, device=device)
+    return _weights(q, k, mask, causal, scale, xp)
+
+
+def local_weights(q, k, /, *, window, causal=False, dilation=1, block_size=None, scale=None,
+                  xp=None):
+    """The attention matrix implied by :func:`local_attention`, ``(..., N, N)``.
+
+    ``block_size`` is accepted (and ignored) so the options of the efficient form
+    can be passed unchanged.
+    """
+    xp, device = _ns_device(q, k, xp)
+    one_sided = causal_alignment(causal) is not None
+    mask = local_mask(q.shape[-2], window=window, one_sided=one_sided, dilation=dilation, xp=xp,
+                      device=device)
+    return _weights(q, k, mask, False, scale, xp)
+
+
+def longformer_weights(q, k, /, *, window, global_tokens, causal=False, dilation=1, block_size=None,
+                       scale=None, xp=None):
+    """The attention matrix implied by :func:`longformer_attention`, ``(..., N, N)``."""
+    xp, device = _ns_device(q, k, xp)
+    mask = longformer_mask(q.shape[-2], window=window, global_tokens=global_tokens,
+                           dilation=dilation, xp=xp, device=device)
+    return _weights(q, k, mask, causal, scale, xp)
+
+
+def bigbird_weights(q, k, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
+                    causal=False, scale=None, xp=None):
+    """The attention matrix implied by :func:`bigbird_attention`, ``(..., N, N)``."""
+    xp, device = _ns_device(q, k, xp)
+    mask = bigbird_mask(q.shape[-2], block_size=block_size, window=window,
+                        global_blocks=global_blocks, random_blocks=random_blocks, seed=seed, xp=xp,
+                        device=device)
+    return _weights(q, k, mask, causal, scale, xp)
+
+
+def strided_weights(q, k, /, *, stride, causal=True, scale=None, xp=None):
+    """The attention matrix implied by :func:`strided_attention`, ``(..., N, N)``."""
+    xp, device = _ns_device(q, k, xp)
+    mask = strided_mask(q.shape[-2], stride=stride, causal=causal_alignment(causal) is not None,
+                        xp=xp, device=device)
+    return _weights(q, k, mask, False, scale, xp)
+
+
+def fixed_weights(q, k, /, *, stride, summary=1, causal=True, scale=None, xp=None):
+    """The attention matrix implied by :func:`fixed_attention`, ``(..., N, N)``."""
+    xp, device = _ns_device(q, k, xp)
+    mask = fixed_mask(q.shape[-2], stride=stride, summary=summary,
+                      causal=causal_alignment(causal) is not None, xp=xp, device=device)
+    return _weights(q, k, mask, False, scale, xp)
+
+
+# ---------------------------------------------------------------- registration
+
+
+def random_block_layout(num_q_blocks, num_k_blocks, /, *, density=0.5, seed=0):
+    """A seeded random block layout with every diagonal block active (host tuples).
+
+    Used to exercise :func:`block_sparse_attention` generically; ``density`` is the
+    fraction of off-diagonal blocks made active.
+    """
+    from .random import permutation
+
+    check_nonnegative_int("num_q_blocks", num_q_blocks)
+    check_nonnegative_int("num_k_blocks", num_k_blocks)
+    if not (isinstance(density, (int, float)) and 0.0 <= density <= 1.0):
+        raise ValueError(f"density must be a number in [0, 1], got {density!r}")
+    cells = num_q_blocks * num_k_blocks
+    rank = permutation(cells, seed=seed)
+    cut = math.floor(density * cells)
+    return tuple(
+        tuple(a == b or rank[a * num_k_blocks + b] < cut for b in range(num_k_blocks))
+        for a in range(num_q_blocks)
+    )
+
+
+__all__ += ["random_block_layout"]
+
+
+def _block_sparse_params(seed, nq, nk, d, dv, *, dtype, device, xp):
+    B = 4
+    return {"block_size": B, "layout": random_block_layout(-(-nq // B), -(-nk // B), seed=seed)}
+
+
+def _bigbird_params(seed, nq, nk, d, dv, *, dtype, device, xp):
+    return {"seed": seed}
+
+
+def _register():
+    from .registry import Variant, register
+
+    register(Variant(
+        name="block_sparse", fn=block_sparse_attention, family="sparse", exact=False, causal=True,
+        time="O(nnz B^2 d)", memory="O(nnz B^2)", params=_block_sparse_params,
+        weights=block_sparse_weights,
+        summary="softmax over the active blocks of a block layout (gather, then softmax)",
+    ))
+    register(Variant(
+        name="local", fn=local_attention, family="sparse", exact=False, causal=True,
+        time="O(N w d)", memory="O(N w)", weights=local_weights, self_attention=True,
+        options={"window": 3}, summary="sliding window of w keys per side (one-sided if causal)",
+    ))
+    register(Variant(
+        name="longformer", fn=longformer_attention, family="sparse", exact=False, causal=True,
+        time="O(N (w + g B) d)", memory="O(N (w + g B))", weights=longformer_weights,
+        self_attention=True, options={"window": 2, "global_tokens": (0,)},
+        summary="sliding window plus symmetric global tokens (Beltagy et al. 2020)",
+    ))
+    register(Variant(
+        name="bigbird", fn=bigbird_attention, family="sparse", exact=False, causal=True,
+        time="O(N B (2w + 1 + g + r) d)", memory="O(N B (2w + 1 + g + r))",
+        params=_bigbird_params, weights=bigbird_weights, self_attention=True,
+        options={"block_size": 4, "window": 1, "global_blocks": 1, "random_blocks": 1},
+        summary="sliding, global and seeded random blocks (Zaheer et al. 2020)",
+    ))
+    register(Variant(
+        name="strided", fn=strided_attention, family="sparse", exact=False, causal=True,
+        time="O(N (l + N/l) d)", memory="O(N (l + N/l))", weights=strided_weights,
+        self_attention=True, options={"stride": 4},
+        summary="Sparse Transformer strided pattern, both parts in one head",
+    ))
+    register(Variant(
+        name="fixed", fn=fixed_attention, family="sparse", exact=False, causal=True,
+        time="O(N (l + c N/l) d)", memory="O(N (l + c N/l))", weights=fixed_weights,
+        self_attention=True, options={"stride": 4, "summary": 1},
+        summary="Sparse Transformer fixed pattern, both parts in one head",
+    ))
+
+
+_register()
