@@ -23,12 +23,18 @@ steps, and is tested against central finite differences in float64 and against
 
 from __future__ import annotations
 
+from .linear import feature_map_backward, linear_attention, linear_from_features
+from .performer import performer_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention
 
 __all__ = [
     "VJPS",
+    "feature_map_backward",
+    "linear_attention",
+    "linear_from_features",
     "online_softmax_attention",
     "online_softmax_forward",
+    "performer_attention",
     "softmax_attention",
 ]
 
@@ -37,4 +43,6 @@ __all__ = [
 VJPS = {
     "softmax": softmax_attention,
     "online_softmax": online_softmax_attention,
+    "linear": linear_attention,
+    "performer": performer_attention,
 }
