@@ -5,6 +5,13 @@ Each family lives in its own module; the most used functions are re-exported her
 """
 
 from .compressed import compressed_attention, compressed_weights
+from .diagnostics import (
+    best_rank_k_error,
+    compare_variants,
+    effective_rank,
+    normalized_cumulative_spectrum,
+    singular_values,
+)
 from .linear import (
     linear_attention,
     linear_attention_state,
@@ -83,4 +90,9 @@ __all__ = [
     "favor_features",
     "performer_attention",
     "performer_attention_weights",
+    "singular_values",
+    "normalized_cumulative_spectrum",
+    "effective_rank",
+    "best_rank_k_error",
+    "compare_variants",
 ]
