@@ -158,10 +158,20 @@ def from_numpy(a: np.ndarray, backend: Backend, dtype: str | None = None):
 
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(torch.bfloat16)
         if backend.name == "jax":
+            import jax
             import jax.numpy as jnp
 
-            return jnp.asarray(a.astype(np.float32), dtype=jnp.bfloat16)
+            # converting on the host and placing with device_put compiles nothing
+            return jax.device_put(np.ascontiguousarray(a, dtype=np.float32).astype(jnp.bfloat16),
+                                  backend.device)
         raise TypeError(f"backend {backend.name} has no bfloat16")
+    if backend.name == "jax":
+        import jax
+
+        # jnp.asarray(..., dtype=, device=) compiles a conversion per new shape; this does not
+        host = np.ascontiguousarray(a) if a.dtype == np.bool_ else np.ascontiguousarray(
+            a, dtype=np.dtype(dtype))
+        return jax.device_put(host, backend.device)
     if a.dtype == np.bool_:
         return xp.asarray(np.ascontiguousarray(a), device=backend.device)
     host = np.ascontiguousarray(a, dtype=np.dtype(dtype))

@@ -1,0 +1,486 @@
+"""Conformance cases: data, drawn deterministically from a seed.
+
+A :class:`Case` is a frozen description - shapes, input distribution, mask kind,
+causal alignment, bias, scale - and :meth:`Case.inputs` turns it into host float64
+arrays in the canonical ``(B, H, N, d)`` layout. Catalogues are plain lists per suite:
+
+``quick``
+    A dozen small cases (seconds).
+``standard``
+    The default: lengths 1, primes and tails around block sizes (63, 65, 127, 129,
+    1000), head dims 1..256 including 80 and 96, ``Nq != Nk``, batch/head
+    broadcasting, large logits, near-ties, one-hot rows, constant keys, padding and
+    random masks, fully masked rows, causal in both alignments, additive bias, long
+    sequences.
+``exhaustive``
+    ``standard`` plus longer sequences; :func:`conformance.verify` then runs a
+    hypothesis search (:func:`case_strategy`) that shrinks a failure to the smallest
+    case that still fails.
+
+Extension points
+----------------
+* **Features** (:data:`FEATURES`): a kernel capability that a case may need. Each
+  :class:`Feature` names the reference keyword it feeds (``mask``, ``bias``,
+  ``causal``, ``scale``), the kernel parameter names that declare it (a kernel without
+  any of them is not given the case), and optional hooks: ``build`` adds or reshapes
+  inputs (GQA: fewer kv heads; varlen: ``cu_seqlens``), ``allowed`` contributes to the
+  ``(..., Nq, Nk)`` visibility matrix used for fully-masked-row semantics (windows,
+  varlen boundaries), ``to_kernel`` converts the value for the kernel (causal alignment
+  -> ``True``). Adding GQA, varlen, windows, softcap, ALiBi slopes or a dropout
+  keep-mask is one :func:`register_feature` call plus the cases that use it.
+* **Cases**: append :class:`Case` objects to :data:`CATALOGUE` under a suite name;
+  feature-specific settings go in ``Case.params`` (a tuple of ``(key, value)`` pairs,
+  read with :meth:`Case.param`), e.g. ``(("kv_heads", 2), ("window", (16, 0)))``.
+* **Outputs**: a case yields one or more named outputs (``"out"``; the gradient
+  checks add ``"dq"``, ``"dk"``, ``"dv"``); each gets its own tolerance and report row.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Case",
+    "Feature",
+    "FEATURES",
+    "CATALOGUE",
+    "SUITES",
+    "register_feature",
+    "cases",
+    "case_strategy",
+    "allowed_matrix",
+]
+
+SUITES = ("quick", "standard", "exhaustive")
+DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys")
+MASKS = (None, "padding", "random", "fully_masked_rows")
+ALIGNMENTS = (None, "top-left", "bottom-right")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case (shapes and kinds; the numbers come from :meth:`inputs`).
+
+    Attributes
+    ----------
+    batch : (B, H)
+        Leading shape of ``q`` (and of ``k``, ``v`` unless ``kv_batch`` is given).
+    nq, nk, d, dv : int
+        Query length, key length, head dim of q/k, head dim of v.
+    dist : str
+        Input distribution: ``"normal"``, ``"large_logits"`` (logits of magnitude
+        ~1e4, ~1e3 in float16: overflow without max-subtraction), ``"near_ties"``,
+        ``"one_hot"`` (peaked rows), ``"constant_keys"`` (uniform rows).
+    mask : None, "padding", "random" or "fully_masked_rows"
+    causal : None, "top-left" or "bottom-right"
+    bias : bool
+        An additive logits bias, shape ``(1, H, Nq, Nk)``.
+    scale : float or None
+        An explicit logit scale (None: the kernel's default ``1/sqrt(d)``).
+    kv_batch : (B', H') or None
+        Leading shape of ``k`` and ``v`` when it broadcasts against ``q``'s.
+    params : tuple of (key, value)
+        Feature-specific settings (see the module docstring).
+    features : tuple of str
+        Extra feature names this case needs beyond those implied by the fields.
+    tag : str
+        What the case is about, first part of its id.
+    """
+
+    tag: str
+    batch: tuple = (1, 1)
+    nq: int = 16
+    nk: int = 16
+    d: int = 16
+    dv: int = 16
+    dist: str = "normal"
+    mask: str | None = None
+    causal: str | None = None
+    bias: bool = False
+    scale: float | None = None
+    kv_batch: tuple | None = None
+    params: tuple = ()
+    features: tuple = ()
+
+    def __post_init__(self):
+        if self.dist not in DISTRIBUTIONS:
+            raise ValueError(f"dist must be one of {DISTRIBUTIONS}, got {self.dist!r}")
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.causal not in ALIGNMENTS:
+            raise ValueError(f"causal must be one of {ALIGNMENTS}, got {self.causal!r}")
+
+    @property
+    def id(self) -> str:
+        b, h = self.batch
+        parts = [self.tag, f"b{b}h{h}", f"q{self.nq}k{self.nk}", f"d{self.d}"
+                 + (f"v{self.dv}" if self.dv != self.d else "")]
+        if self.kv_batch is not None:
+            parts.append("kv{}x{}".format(*self.kv_batch))
+        if self.dist != "normal":
+            parts.append(self.dist)
+        if self.causal:
+            parts.append("causal-" + {"top-left": "tl", "bottom-right": "br"}[self.causal])
+        if self.mask:
+            parts.append("mask-" + self.mask)
+        if self.bias:
+            parts.append("bias")
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        parts += [f"{k}{_fmt(v)}" for k, v in self.params]
+        return "/".join(parts[:1]) + ":" + "-".join(parts[1:])
+
+    def param(self, key, default=None):
+        return dict(self.params).get(key, default)
+
+    @property
+    def needs(self) -> frozenset:
+        """Feature names a kernel must support to take this case."""
+        out = set(self.features)
+        if self.mask:
+            out.add("mask")
+        if self.bias:
+            out.add("bias")
+        if self.causal:
+            out.add("causal")
+        if self.scale is not None:
+            out.add("scale")
+        if self.kv_batch is not None:
+            out.add("broadcast")
+        return frozenset(out)
+
+    @property
+    def size(self) -> int:
+        """Rough work measure (multiply-adds), used to order and to time cases."""
+        b, h = self.batch
+        return b * h * self.nq * self.nk * (self.d + self.dv)
+
+    def rng(self, seed: int) -> np.random.Generator:
+        # Stable across runs and Python versions: crc32 of the id, not hash().
+        return np.random.default_rng([int(seed), zlib.crc32(self.id.encode())])
+
+    def inputs(self, seed: int = 0, dtype: str = "float32") -> tuple[dict, dict]:
+        """Host inputs of this case: ``(arrays, kwargs)``.
+
+        ``arrays`` holds float64 (or bool) NumPy arrays in the canonical layout:
+        ``q (B, H, Nq, d)``, ``k``/``v`` ``(B', H', Nk, d|dv)``, and ``mask``/``bias``
+        ``(B|1, H|1, Nq, Nk)`` when the case has them. ``kwargs`` holds plain values
+        (``causal``, ``scale``). ``dtype`` only tunes the large-logit magnitude so that
+        float16 does not overflow in ``Q K^T`` itself; rounding happens later.
+        """
+        rng = self.rng(seed)
+        b, h = self.batch
+        kb, kh = self.kv_batch or self.batch
+        q = rng.standard_normal((b, h, self.nq, self.d))
+        k = rng.standard_normal((kb, kh, self.nk, self.d))
+        v = rng.standard_normal((kb, kh, self.nk, self.dv))
+        d = self.d
+        if self.dist == "large_logits":
+            # Logits ~ target with the default scale; float16 keeps |Q K^T| < 65504.
+            target = 1e3 if dtype == "float16" else 1e4
+            s = math.sqrt(target / 3.0)
+            q, k = q * s, k * s
+            if dtype == "float16":
+                # unscaled q.k must stay below float16's max with room to spare
+                lim = 3e4 / (3.0 * math.sqrt(d) * 1.0)
+                f = min(1.0, math.sqrt(lim / (s * s)))
+                q, k = q * f, k * f
+        elif self.dist == "near_ties":
+            # pairs of keys that differ by 1e-3: logits tie to ~3 digits
+            base = rng.standard_normal((kb, kh, (self.nk + 1) // 2, d)) * 2.0
+            k = np.repeat(base, 2, axis=-2)[..., : self.nk, :]
+            k = k + 1e-3 * rng.standard_normal(k.shape)
+            q = q * 2.0
+        elif self.dist == "one_hot":
+            # each query is a multiple of one key: its own logit is ~30, the others
+            # ~30/sqrt(d) * N(0, 1), so the row is (nearly) one-hot
+            idx = rng.integers(0, self.nk, size=self.nq)
+            kk = np.broadcast_to(k, (b, h) + k.shape[2:])[..., idx, :]
+            norm = np.linalg.norm(kk, axis=-1, keepdims=True) + 1e-12
+            q = kk / norm * 30.0 * math.sqrt(d) + 0.01 * rng.standard_normal(kk.shape)
+        elif self.dist == "constant_keys":
+            k = np.broadcast_to(k[..., :1, :], k.shape).copy()
+        arrays = {"q": q, "k": k, "v": v}
+        kwargs: dict[str, Any] = {}
+        if self.mask is not None:
+            arrays["mask"] = _mask(self, rng)
+        if self.bias:
+            arrays["bias"] = rng.standard_normal((1, h, self.nq, self.nk))
+        if self.causal is not None:
+            kwargs["causal"] = self.causal
+        if self.scale is not None:
+            kwargs["scale"] = float(self.scale)
+        for name in sorted(self.needs):
+            feat = FEATURES.get(name)
+            if feat is not None and feat.build is not None:
+                feat.build(self, rng, arrays, kwargs)
+        return arrays, kwargs
+
+
+def _fmt(v):
+    if isinstance(v, (tuple, list)):
+        return "x".join(_fmt(x) for x in v)
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _mask(case, rng):
+    b, h = case.batch
+    nq, nk = case.nq, case.nk
+    if case.mask == "padding":
+        # key padding per batch entry, broadcast over heads and queries
+        m = np.ones((b, 1, 1, nk), dtype=bool)
+        for i in range(b):
+            keep = max(1, nk - int(rng.integers(0, max(1, nk // 2) + 1)))
+            m[i, 0, 0, keep:] = False
+        return m
+    m = rng.random((b, h, nq, nk)) < 0.7
+    if case.mask == "fully_masked_rows":
+        rows = rng.random((b, h, nq)) < 0.25
+        rows[0, 0, min(1, nq - 1)] = True  # at least one
+        m = np.where(rows[..., None], False, m)
+    else:
+        # a random mask keeps every row attendable so it tests the mask, not the
+        # fully-masked-row convention
+        m[..., 0] = m[..., 0] | ~m.any(-1)
+    return m
+
+
+# ----------------------------------------------------------------------------- features
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A capability a case may need from a kernel.
+
+    Attributes
+    ----------
+    name : str
+        Feature name, as used in :attr:`Case.needs` and in ``verify(supports=...)``.
+    params : tuple of str
+        Kernel parameter names that declare the feature; the first one is also the
+        keyword of the ``attn_ref`` reference it feeds. Empty for features that cannot
+        be seen in a signature (``declared_only``).
+    declared_only : bool
+        The kernel must opt in with ``verify(..., supports={name: True})``.
+    build : callable, optional
+        ``build(case, rng, arrays, kwargs)``: add or change inputs in place.
+    allowed : callable, optional
+        ``allowed(case, arrays, kwargs) -> bool (B|1, H|1, Nq, Nk)`` or None: which
+        query/key pairs this feature leaves visible (for fully-masked-row semantics).
+    to_kernel : callable, optional
+        ``to_kernel(value, case, semantics) -> value`` converting the reference value
+        for the kernel, or raising :class:`NotApplicable`.
+    doc : str
+        One line for the docs and the report.
+    """
+
+    name: str
+    params: tuple = ()
+    declared_only: bool = False
+    build: Callable | None = None
+    allowed: Callable | None = None
+    to_kernel: Callable | None = None
+    doc: str = ""
+
+
+class NotApplicable(Exception):
+    """A case the kernel (or the reference) cannot take; the message says why."""
+
+
+def _causal_to_kernel(value, case, semantics):
+    conv = semantics.get("causal", "top-left")
+    if conv == "both":
+        return value
+    if value == conv or case.nq == case.nk:
+        return True
+    raise NotApplicable(f"kernel's causal=True is {conv}; case needs {value} with Nq != Nk")
+
+
+def _causal_allowed(case, arrays, kwargs):
+    align = kwargs.get("causal")
+    if not align:
+        return None
+    off = 0 if align == "top-left" else case.nk - case.nq
+    return (np.arange(case.nk)[None, :] <= np.arange(case.nq)[:, None] + off)[None, None]
+
+
+def _mask_allowed(case, arrays, kwargs):
+    return arrays.get("mask")
+
+
+FEATURES: dict[str, Feature] = {}
+
+
+def register_feature(feature: Feature) -> Feature:
+    """Add a feature (see the module docstring); returns it."""
+    FEATURES[feature.name] = feature
+    return feature
+
+
+register_feature(Feature("mask", ("mask", "attn_mask"), allowed=_mask_allowed,
+                         doc="boolean mask broadcastable to (B, H, Nq, Nk), True = may attend"))
+register_feature(Feature("bias", ("bias", "attn_bias"),
+                         doc="additive float logits bias broadcastable to (B, H, Nq, Nk)"))
+register_feature(Feature("causal", ("causal", "is_causal"), allowed=_causal_allowed,
+                         to_kernel=_causal_to_kernel,
+                         doc="causal masking; alignment declared by semantics causal="))
+register_feature(Feature("scale", ("scale", "softmax_scale", "sm_scale"),
+                         doc="explicit logit scale (default 1/sqrt(d) otherwise)"))
+register_feature(Feature("broadcast", declared_only=True,
+                         doc="k and v with leading (batch, head) dims that broadcast against q's"))
+
+
+def allowed_matrix(case: Case, arrays: dict, kwargs: dict) -> np.ndarray | None:
+    """The ``(B|1, H|1, Nq, Nk)`` visibility matrix of a case (None: all visible)."""
+    out = None
+    for name in sorted(case.needs):
+        feat = FEATURES.get(name)
+        if feat is None or feat.allowed is None:
+            continue
+        a = feat.allowed(case, arrays, kwargs)
+        if a is not None:
+            out = a if out is None else np.logical_and(out, a)
+    return out
+
+
+# ---------------------------------------------------------------------------- catalogue
+
+
+def _quick():
+    C = Case
+    return [
+        C("basic", (2, 3), 17, 17, 16, 16),
+        C("cross", (1, 2), 9, 23, 8, 12),
+        C("cross", (1, 2), 23, 9, 8, 4),
+        C("length1", (1, 1), 1, 1, 4, 4),
+        C("length1", (1, 2), 1, 7, 8, 8),
+        C("causal", (1, 2), 13, 21, 8, 8, causal="top-left"),
+        C("causal", (1, 2), 13, 21, 8, 8, causal="bottom-right"),
+        C("causal", (2, 1), 16, 16, 8, 8, causal="top-left"),
+        C("mask", (2, 2), 16, 16, 8, 8, mask="random"),
+        C("mask", (2, 2), 12, 19, 8, 8, mask="padding"),
+        C("bias", (1, 2), 16, 16, 8, 8, bias=True),
+        C("scale", (1, 1), 16, 16, 8, 8, scale=0.3),
+        C("large-logits", (1, 2), 16, 16, 8, 8, dist="large_logits"),
+        C("fully-masked", (1, 2), 16, 16, 8, 8, mask="fully_masked_rows"),
+    ]
+
+
+def _standard():
+    C = Case
+    out = []
+    # lengths: 1, primes, tails around the usual block sizes
+    for n in (2, 3, 7, 31, 61, 63, 64, 65, 127, 129):
+        out.append(C("length", (1, 2), n, n, 32, 32))
+    out += [C("length", (1, 1), 257, 257, 16, 16), C("length", (1, 1), 1, 65, 16, 16)]
+    # head dims 1..256 including 80 and 96
+    for d in (1, 2, 80, 96, 128, 256):
+        out.append(C("headdim", (1, 2), 33, 33, d, d))
+    out.append(C("headdim", (1, 1), 33, 40, 64, 96))
+    # cross-attention both ways and causal in both alignments
+    for nq, nk in ((63, 129), (129, 63), (65, 65), (1, 100)):
+        out.append(C("cross", (2, 1), nq, nk, 32, 32))
+        out.append(C("causal", (2, 1), nq, nk, 32, 32, causal="top-left"))
+        out.append(C("causal", (2, 1), nq, nk, 32, 32, causal="bottom-right"))
+    # batch and head broadcasting of k and v
+    out += [C("broadcast", (2, 3), 17, 19, 16, 16, kv_batch=(1, 3)),
+            C("broadcast", (2, 3), 17, 19, 16, 16, kv_batch=(2, 1))]
+    # input distributions that break kernels
+    out += [
+        C("large-logits", (1, 2), 64, 64, 64, 64, dist="large_logits"),
+        C("large-logits", (1, 2), 65, 63, 64, 64, dist="large_logits", causal="top-left"),
+        C("near-ties", (1, 2), 64, 64, 32, 32, dist="near_ties"),
+        C("one-hot", (1, 2), 65, 65, 64, 64, dist="one_hot"),
+        C("constant-keys", (1, 2), 65, 65, 32, 32, dist="constant_keys"),
+    ]
+    # masks, fully masked rows, bias, scale and their combinations
+    out += [
+        C("mask", (2, 2), 64, 64, 32, 32, mask="random"),
+        C("mask", (2, 2), 63, 127, 32, 32, mask="padding"),
+        C("fully-masked", (2, 2), 33, 47, 32, 32, mask="fully_masked_rows"),
+        C("fully-masked", (1, 1), 40, 20, 16, 16, causal="bottom-right"),
+        C("bias", (2, 2), 65, 65, 32, 32, bias=True),
+        C("combo", (2, 2), 65, 129, 32, 32, mask="random", bias=True, causal="top-left"),
+        C("combo", (1, 2), 129, 65, 32, 32, mask="padding", bias=True, causal="bottom-right"),
+        C("scale", (1, 2), 65, 65, 32, 32, scale=0.05),
+        C("scale", (1, 2), 65, 65, 32, 32, scale=1.0, causal="top-left"),
+    ]
+    # long sequences, where low-precision accumulation shows
+    out += [
+        C("long", (1, 1), 1000, 1000, 64, 64),
+        C("long", (1, 1), 1000, 1000, 64, 64, causal="top-left"),
+    ]
+    return out
+
+
+def _exhaustive():
+    C = Case
+    return [
+        C("long", (1, 1), 4096, 4096, 64, 64),
+        C("long", (1, 1), 2048, 2048, 128, 128, causal="bottom-right"),
+        C("long", (1, 1), 1000, 4000, 64, 64, causal="bottom-right", mask="padding"),
+        C("headdim", (1, 1), 513, 513, 256, 256),
+    ]
+
+
+CATALOGUE: dict[str, list[Case]] = {"quick": _quick(), "standard": [], "exhaustive": []}
+CATALOGUE["standard"] = CATALOGUE["quick"] + _standard()
+CATALOGUE["exhaustive"] = CATALOGUE["standard"] + _exhaustive()
+
+
+def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
+    """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``).
+
+    ``variant`` (a registered name) drops cases the reference of that variant cannot
+    take because its signature lacks the feature or it is self-attention only; cases
+    the kernel cannot take are decided later, in :func:`conformance.verify`.
+
+    Examples
+    --------
+    >>> from conformance import cases
+    >>> cs = cases("softmax", "quick")
+    >>> arrays, kwargs = cs[0].inputs(seed=0)
+    >>> arrays["q"].shape
+    (2, 3, 17, 16)
+    """
+    if suite not in CATALOGUE:
+        raise ValueError(f"suite must be one of {tuple(CATALOGUE)}, got {suite!r}")
+    out = list(CATALOGUE[suite])
+    if variant is not None:
+        from attn_ref.registry import get
+
+        from .oracle import reference_features
+
+        v = get(variant)
+        feats = reference_features(v)
+        out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)]
+    return out
+
+
+def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128)):
+    """A hypothesis strategy over small-to-medium :class:`Case` objects.
+
+    Shrinking goes towards short sequences, small head dims and no mask/bias/causal,
+    so a failure found by search is reported at its simplest.
+    """
+    from hypothesis import strategies as st
+
+    return st.builds(
+        lambda nq, nk, d, dv, b, h, dist, mask, causal, bias: Case(
+            "search", (b, h), nq, nk, d, dv, dist=dist, mask=mask, causal=causal, bias=bias),
+        st.integers(1, max_n), st.integers(1, max_n), st.sampled_from(head_dims),
+        st.sampled_from(head_dims), st.integers(1, 2), st.integers(1, 3),
+        st.sampled_from(DISTRIBUTIONS), st.sampled_from(MASKS), st.sampled_from(ALIGNMENTS),
+        st.booleans(),
+    )
+
+
+def with_tag(case: Case, tag: str) -> Case:
+    return replace(case, tag=tag)
+

@@ -1,0 +1,197 @@
+"""The tolerance model: what error a kernel in a given dtype may make.
+
+For each case and kernel dtype:
+
+1. The inputs are rounded to the kernel's dtype (:func:`round_to`). Everything below
+   sees exactly the values the kernel sees.
+2. The **golden** output is the ``attn_ref`` reference run on NumPy in float64 on those
+   rounded inputs - in ``np.longdouble`` (80-bit extended on x86) when the kernel
+   itself is float64, so that the golden is more precise than the kernel.
+3. The **baseline** is the same reference run in the kernel's dtype (NumPy float16 /
+   float32 / float64; bfloat16 emulated, see :func:`bf16_namespace_arrays`). Its error
+   against the golden is what a plain implementation in that dtype makes.
+4. The kernel passes when, over the compared elements,
+
+   ``max_err <= fudge * baseline_max + floor_ulps * ulp(M)`` and
+   ``rms_err <= fudge_rms * baseline_rms + floor_rms_ulps * ulp(M)``,
+
+   where ``M = max |golden|`` and ``ulp(M)`` is the spacing of the dtype at ``M``.
+   The floors keep an exactly representable baseline from giving a zero tolerance.
+   A non-finite kernel value where the golden is finite always fails; a non-finite
+   golden is never a pass (it is reported as an oracle error).
+
+Defaults (:data:`DEFAULTS`) were calibrated against PyTorch SDPA and
+``jax.nn.dot_product_attention`` over 20 seeds of the standard suite (see
+``docs/conformance.md``). Gradient checks (``dq``, ``dk``, ``dv``) use the same model
+with their own golden and baseline; pass a per-output :class:`Tolerance` through
+``verify(..., tolerance={"dq": Tolerance(...)})`` to override one of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = [
+    "Tolerance",
+    "DEFAULTS",
+    "MANTISSA_BITS",
+    "ulp",
+    "round_to",
+    "host_dtype",
+    "bf16_round",
+    "BF16Array",
+    "Metrics",
+    "measure",
+]
+
+MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
+DTYPES = tuple(MANTISSA_BITS)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``max_err <= fudge*base_max + floor_ulps*ulp(M)``, same for RMS (see module doc)."""
+
+    fudge: float = 4.0
+    floor_ulps: float = 4.0
+    fudge_rms: float = 3.0
+    floor_rms_ulps: float = 1.0
+
+    def bounds(self, base_max: float, base_rms: float, magnitude: float, dtype: str):
+        u = ulp(magnitude, dtype)
+        return (self.fudge * base_max + self.floor_ulps * u,
+                self.fudge_rms * base_rms + self.floor_rms_ulps * u)
+
+    def to_dict(self):
+        return asdict(self)
+
+
+DEFAULTS: dict[str, Tolerance] = {dt: Tolerance() for dt in DTYPES}
+
+
+def ulp(magnitude: float, dtype: str) -> float:
+    """Spacing of ``dtype`` numbers at ``magnitude`` (at 1.0 when magnitude is 0)."""
+    m = abs(float(magnitude))
+    if not math.isfinite(m) or m == 0.0:
+        m = 1.0
+    return 2.0 ** (math.floor(math.log2(m)) - MANTISSA_BITS[dtype])
+
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """Round to the nearest bfloat16 (ties to even), returned as float32.
+
+    Done on the float32 bit pattern so that NumPy alone suffices; inputs are first
+    rounded to float32, exactly as a float64 -> float32 -> bfloat16 hand-over does.
+    """
+    a = np.array(x, dtype=np.float32)  # a C-contiguous copy that keeps 0-d arrays 0-d
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(a), a, out).astype(np.float32)
+
+
+def host_dtype(dtype: str):
+    """The NumPy dtype holding values of ``dtype`` on the host (bfloat16 -> float32)."""
+    return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` and returned as float64 (booleans pass through)."""
+    x = np.asarray(x)
+    if x.dtype == np.bool_:
+        return x
+    if dtype == "bfloat16":
+        return bf16_round(x).astype(np.float64)
+    return x.astype(np.dtype(dtype)).astype(np.float64)
+
+
+class BF16Array(np.ndarray):
+    """A float32 ndarray whose every operation rounds its result to bfloat16.
+
+    NumPy has no bfloat16 arithmetic and array_api_compat refuses ml_dtypes' bfloat16,
+    so the bfloat16 baseline runs the reference on float32 arrays of this subclass:
+    each ufunc (``@``, ``*``, ``exp``, ``max``, ``sum``, ...) and array function
+    (``where``, ``concat``, ...) computes in float32 and rounds its result to the
+    nearest bfloat16. This is what a plain bfloat16 implementation does: bfloat16
+    storage between operations, float32 accumulation inside a matmul or a reduction.
+    """
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = tuple(_plain(x) for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_plain(x) for x in kwargs["out"])
+        return _bf16_wrap(getattr(ufunc, method)(*inputs, **kwargs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _bf16_wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+
+
+def _plain(x):
+    return x.view(np.ndarray) if isinstance(x, BF16Array) else x
+
+
+def _unwrap(obj):
+    if isinstance(obj, BF16Array):
+        return obj.view(np.ndarray)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _unwrap(v) for k, v in obj.items()}
+    return obj
+
+
+def _bf16_wrap(out):
+    if isinstance(out, tuple):
+        return tuple(_bf16_wrap(o) for o in out)
+    if isinstance(out, np.ndarray) and out.dtype.kind == "f":
+        return bf16_round(out).view(BF16Array)
+    if isinstance(out, np.floating):
+        return np.float32(bf16_round(np.asarray(out))[()])
+    return out
+
+
+def bf16_array(x: np.ndarray) -> BF16Array:
+    return bf16_round(x).view(BF16Array)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    max_err: float
+    rms_err: float
+    worst: tuple  # index of the largest error in the canonical layout
+    magnitude: float  # max |golden| over compared elements
+    nonfinite: int  # kernel values that are NaN/Inf where the golden is finite
+    golden_nonfinite: int
+    compared: int
+
+
+def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None) -> Metrics:
+    """Errors of ``got`` against ``golden`` (float64), over elements where ``keep``."""
+    got = np.asarray(got, dtype=np.float64)
+    golden = np.asarray(golden, dtype=np.float64)
+    keep = np.ones(golden.shape, dtype=bool) if keep is None else np.broadcast_to(keep, golden.shape)
+    gfin = np.isfinite(golden)
+    golden_bad = int(np.count_nonzero(keep & ~gfin))
+    bad = keep & gfin & ~np.isfinite(got)
+    sel = keep & gfin & np.isfinite(got)
+    err = np.where(sel, np.abs(got - np.where(gfin, golden, 0.0)), 0.0)
+    n = int(np.count_nonzero(keep))
+    if np.any(bad):
+        worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), golden.shape))
+    elif err.size:
+        worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), golden.shape))
+    else:
+        worst = ()
+    mag = float(np.max(np.abs(np.where(sel, golden, 0.0)))) if err.size else 0.0
+    return Metrics(
+        max_err=float(err.max()) if err.size else 0.0,
+        rms_err=float(np.sqrt(np.sum(err * err) / max(n, 1))),
+        worst=worst,
+        magnitude=mag,
+        nonfinite=int(np.count_nonzero(bad)),
+        golden_nonfinite=golden_bad,
+        compared=n,
+    )

@@ -1,0 +1,137 @@
+"""Exported test vectors, for kernels tested outside Python (C++, CUDA, Rust, ...).
+
+``export_vectors(DIR, "softmax", dtypes=("float16",))`` writes one ``.npz`` per case and
+dtype plus ``DIR/manifest.json``. Each ``.npz`` (plain NumPy arrays, loadable without
+pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) holds
+
+* ``q``, ``k``, ``v`` - inputs in the kernel dtype and the manifest's layout
+  (float16/float32/float64 natively; **bfloat16 as uint16 bit patterns**, the upper
+  half of the float32 bits);
+* ``mask`` (bool, ``(B|1, H|1, Nq, Nk)``, True = may attend) and ``bias`` (kernel
+  dtype, same shape) when the case has them; the variant's extra parameters under
+  their own names;
+* ``golden`` - float64, the expected output in the same layout (rows excluded by
+  ``fully_masked="excluded"`` are NaN);
+* ``compare`` - bool, which golden elements are compared.
+
+``manifest.json``: ``{"format": "attn-ref-vectors", "version": 1, "variant",
+"layout", "semantics", "seed", "suite", "tolerance_model", "cases": [...]}``; each case
+entry has ``file``, ``id``, ``dtype``, ``shapes``, ``causal`` (``null``, ``"top-left"``,
+``"bottom-right"``), ``scale`` (the value to use; always given), ``params`` (plain
+options), ``arrays`` (names in the file), ``tol_max_abs`` and ``tol_rms`` (the bounds a
+kernel's max-abs and RMS errors over compared elements must stay under), and the
+``baseline_max_abs`` / ``baseline_rms`` they were derived from. A kernel passes a case
+when both errors are within bounds and it produced no NaN/Inf where the golden is
+finite. The gradient checks add ``do`` and ``golden_dq``/``golden_dk``/``golden_dv``
+with ``tol_*`` entries per output (``outputs`` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from .catalogue import NotApplicable
+from .catalogue import cases as _cases
+from .oracle import _semantics, prepare, to_layout
+from .tolerance import DEFAULTS, bf16_round
+
+__all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION"]
+
+FORMAT, VERSION = "attn-ref-vectors", 1
+
+
+def _store(x: np.ndarray, dtype: str) -> np.ndarray:
+    if x.dtype == np.bool_:
+        return np.ascontiguousarray(x)
+    if dtype == "bfloat16":
+        return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
+    return np.ascontiguousarray(x, dtype=np.dtype(dtype))
+
+
+def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16" and x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x
+
+
+def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layout="bhnd",
+                   suite="standard", seed=0, cases=None, **semantics) -> dict:
+    """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest."""
+    sem = _semantics(semantics)
+    os.makedirs(directory, exist_ok=True)
+    todo = list(cases) if cases is not None else _cases(None, suite)
+    entries, skipped = [], []
+    for dt in dtypes:
+        for i, case in enumerate(todo):
+            if layout == "nd" and (case.batch != (1, 1) or case.kv_batch is not None):
+                continue
+            try:
+                prep = prepare(case, variant, dt, seed, **sem)
+            except NotApplicable as exc:
+                skipped.append({"id": case.id, "dtype": dt, "reason": str(exc)})
+                continue
+            fname = f"{i:03d}_{dt}.npz"
+            arrays = {}
+            for n, a in prep.arrays.items():
+                arrays[n] = _store(to_layout(a, layout) if n in ("q", "k", "v")
+                                   else (a[0, 0] if layout == "nd" else a), dt)
+            for n, a in prep.params.items():
+                if isinstance(a, np.ndarray):
+                    arrays[n] = _store(a, dt)
+            keep = np.ones(prep.golden.shape, bool) if prep.keep is None else np.array(prep.keep)
+            golden = np.where(keep, prep.golden, np.nan)
+            arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
+            arrays["compare"] = np.ascontiguousarray(to_layout(keep, layout))
+            np.savez(os.path.join(directory, fname), **arrays)
+            scale = prep.kwargs.get("scale")
+            entries.append({
+                "file": fname,
+                "id": case.id,
+                "dtype": dt,
+                "storage": {n: str(a.dtype) for n, a in arrays.items()},
+                "shapes": {n: list(a.shape) for n, a in arrays.items()},
+                "causal": prep.kwargs.get("causal"),
+                "scale": scale if scale is not None else 1.0 / math.sqrt(case.d),
+                "default_scale": scale is None,
+                "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
+                | {n: p for n, p in prep.options.items()},
+                "arrays": sorted(arrays),
+                "outputs": ["golden"],
+                "tol_max_abs": prep.tol_max,
+                "tol_rms": prep.tol_rms,
+                "baseline_max_abs": prep.baseline.max_err if prep.baseline else None,
+                "baseline_rms": prep.baseline.rms_err if prep.baseline else None,
+                "golden_precision": prep.golden_dtype,
+            })
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "variant": variant if isinstance(variant, str) else variant.name,
+        "layout": layout,
+        "semantics": sem,
+        "suite": suite,
+        "seed": seed,
+        "tolerance_model": {dt: DEFAULTS[dt].to_dict() for dt in dtypes},
+        "cases": entries,
+        "skipped": skipped,
+    }
+    with open(os.path.join(directory, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+    return manifest
+
+
+def load_vectors(directory):
+    """Yield ``(entry, arrays)`` for each exported case; bfloat16 comes back as float32."""
+    with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{directory} does not hold attn-ref vectors")
+    for entry in manifest["cases"]:
+        with np.load(os.path.join(directory, entry["file"]), allow_pickle=False) as z:
+            arrays = {n: _restore(z[n], entry["dtype"]) for n in z.files}
+        yield entry, arrays
