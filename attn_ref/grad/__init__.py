@@ -24,7 +24,9 @@ steps, and is tested against central finite differences in float64 and against
 from __future__ import annotations
 
 from .linear import feature_map_backward, linear_attention, linear_from_features
+from .lowrank import linformer_attention
 from .performer import performer_attention
+from .reduced import nystrom_attention, pooled_attention, query_reduced_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention
 
 __all__ = [
@@ -32,9 +34,13 @@ __all__ = [
     "feature_map_backward",
     "linear_attention",
     "linear_from_features",
+    "linformer_attention",
+    "nystrom_attention",
     "online_softmax_attention",
     "online_softmax_forward",
     "performer_attention",
+    "pooled_attention",
+    "query_reduced_attention",
     "softmax_attention",
 ]
 
@@ -45,4 +51,8 @@ VJPS = {
     "online_softmax": online_softmax_attention,
     "linear": linear_attention,
     "performer": performer_attention,
+    "linformer": linformer_attention,
+    "pooled": pooled_attention,
+    "query_reduced": query_reduced_attention,
+    "nystrom": nystrom_attention,
 }

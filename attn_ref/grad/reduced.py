@@ -1,0 +1,210 @@
+"""Gradients of the reduced variants: pooled keys/values, query reduction, Nystromformer,
+clustered attention.
+
+Each forward is softmax attention (or a product of row softmaxes) around segment means,
+so each VJP composes the VJPs of those steps:
+
+* segment means ``y_j = mean_{p in j} x_p``: ``dx_p = dy_j / |j|`` (``segment_expand``
+  of the scaled cotangent); copying back to segments (``segment_expand``): ``dy_j =
+  sum_{p in j} dx_p``;
+* the softmax attention VJP of :mod:`attn_ref.grad.softmax` and the row-softmax VJP;
+* Nystromformer's iterative pseudo-inverse, differentiated through every iteration
+  ``Z' = Z (13 I - AZ (15 I - AZ (7 I - AZ))) / 4`` and through its per-matrix
+  initialisation ``Z_0 = A^T / (||A||_1 ||A||_inf)`` (the norms' maxima pass their
+  gradient to the maximising column/row, split evenly between exact ties); the exact
+  ``xp.linalg.pinv`` (``pinv_iterations=None``) by the pseudo-inverse's derivative
+  (Golub & Pereyra 1973), valid where the rank is locally constant;
+* clustered attention: the k-means assignment is piecewise constant in ``q``, so it is
+  held constant; gradients flow through the centroids (means of their members' queries)
+  and, for ``topk``, through the exact softmax on the selected keys (the selection is
+  held constant too).
+"""
+
+from __future__ import annotations
+
+import array_api_compat
+
+from .._checks import check_qkv
+from ..reduced import (
+    _nystrom_prepare,
+    _pooled_prepare,
+    _query_prepare,
+    iterative_pinv,
+    segment_expand,
+    segment_means,
+    segment_sizes,
+)
+from ..softmax import attention_weights
+from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
+from .softmax import softmax_attention
+
+__all__ = [
+    "pooled_attention",
+    "query_reduced_attention",
+    "nystrom_attention",
+    "iterative_pinv_vjp",
+    "segment_means_vjp",
+]
+
+
+def segment_means_vjp(xp, dy, n):
+    """Cotangent of ``x (..., n, e)`` for ``y = segment_means(x, m)`` given ``dy (..., m, e)``."""
+    m = dy.shape[-2]
+    inv = xp.asarray([1.0 / s for s in segment_sizes(n, m)], dtype=dy.dtype,
+                     device=array_api_compat.device(dy))
+    return segment_expand(dy * inv[:, None], n, xp=xp)
+
+
+def _segment_sums(xp, dx, m):
+    """Cotangent of ``y (..., m, e)`` for ``x = segment_expand(y, n)``: the sum over each segment."""
+    n = dx.shape[-2]
+    sizes = xp.asarray([float(s) for s in segment_sizes(n, m)], dtype=dx.dtype,
+                       device=array_api_compat.device(dx))
+    return segment_means(dx, m, xp=xp) * sizes[:, None]
+
+
+def pooled_attention(q, k, v, do, /, *, num_segments, causal=False, scale=None, xp=None):
+    """VJP of :func:`attn_ref.reduced.pooled_attention`: ``{"q", "k", "v"}``.
+
+    Same cost as the forward, ``O(N m d)``.
+    """
+    xp, mask, scale = _pooled_prepare(q, k, v, num_segments, causal, scale, xp)
+    kp, vp = segment_means(k, num_segments, xp=xp), segment_means(v, num_segments, xp=xp)
+    g = softmax_attention(q, kp, vp, do, mask=mask, scale=scale, xp=xp)
+    return {"q": g["q"], "k": segment_means_vjp(xp, g["k"], k.shape[-2]),
+            "v": segment_means_vjp(xp, g["v"], v.shape[-2])}
+
+
+def query_reduced_attention(q, k, v, do, /, *, num_segments, expand=True, causal=False, scale=None,
+                            xp=None):
+    """VJP of :func:`attn_ref.reduced.query_reduced_attention`: ``{"q", "k", "v"}``.
+
+    ``do`` has the forward output's shape: ``(..., Nq, dv)`` with ``expand=True``,
+    ``(..., num_segments, dv)`` without.
+    """
+    xp, scale = _query_prepare(q, k, v, num_segments, causal, scale, xp, "query_reduced_attention")
+    qr = segment_means(q, num_segments, xp=xp)
+    if expand:
+        _, batch = check_qkv(q, k, v, xp=xp)
+        do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+        do = _segment_sums(xp, do, num_segments)
+    g = softmax_attention(qr, k, v, do, scale=scale, xp=xp)
+    return {"q": segment_means_vjp(xp, g["q"], q.shape[-2]), "k": g["k"], "v": g["v"]}
+
+
+# ------------------------------------------------------------------ pseudo-inverses
+
+
+def _max_vjp(xp, x, g, axis):
+    """VJP of ``max(x, axis)``: ``g`` to the maximising entries, split evenly between ties."""
+    m = xp.max(x, axis=axis, keepdims=True)
+    hit = xp.astype(x == m, x.dtype)
+    return hit * (xp.expand_dims(g, axis=axis) / xp.sum(hit, axis=axis, keepdims=True))
+
+
+def iterative_pinv_vjp(a, dz, /, *, iterations=6, xp=None):
+    """VJP of :func:`attn_ref.reduced.iterative_pinv`: the cotangent of ``a`` given that of ``Z``.
+
+    Replays the iteration, keeping each iterate (``iterations`` is small), then runs
+    it backwards; the initialisation ``A^T / (||A||_1 ||A||_inf)`` is differentiated too.
+    """
+    xp = array_api_compat.array_namespace(a) if xp is None else xp
+    m = a.shape[-1]
+    absa = xp.abs(a)
+    colsum, rowsum = xp.sum(absa, axis=-2), xp.sum(absa, axis=-1)
+    norm1, norminf = xp.max(colsum, axis=-1), xp.max(rowsum, axis=-1)
+    raw = norm1 * norminf
+    positive = raw > 0
+    denom = xp.where(positive, raw, xp.ones_like(raw))
+    eye = xp.eye(m, dtype=a.dtype, device=array_api_compat.device(a))
+    zs = [transpose(xp, a) / denom[..., None, None]]
+    for _ in range(iterations):
+        b = a @ zs[-1]
+        zs.append((zs[-1] @ (13 * eye - b @ (15 * eye - b @ (7 * eye - b)))) * 0.25)
+    da = xp.zeros_like(a)
+    for z in reversed(zs[:-1]):
+        b = a @ z
+        mm = 7 * eye - b
+        t = 15 * eye - b @ mm
+        w = 13 * eye - b @ t
+        dw = transpose(xp, z) @ dz * 0.25
+        dz_next = dz @ transpose(xp, w) * 0.25
+        du = -dw
+        db = du @ transpose(xp, t)
+        dn = -(transpose(xp, b) @ du)
+        db = db + dn @ transpose(xp, mm) - transpose(xp, b) @ dn
+        da = da + db @ transpose(xp, z)
+        dz = dz_next + transpose(xp, a) @ db
+    # Z_0 = A^T / denom, denom = ||A||_1 ||A||_inf (held at 1 for a zero matrix).
+    dz0 = dz
+    da = da + transpose(xp, dz0) / denom[..., None, None]
+    ddenom = -xp.sum(dz0 * transpose(xp, a), axis=(-2, -1)) / (denom * denom)
+    ddenom = xp.where(positive, ddenom, xp.zeros_like(ddenom))
+    dcol = _max_vjp(xp, colsum, ddenom * norminf, -1)  # (..., m): d/d column sums
+    drow = _max_vjp(xp, rowsum, ddenom * norm1, -1)
+    sign = xp.sign(a)
+    return da + sign * (dcol[..., None, :] + drow[..., :, None])
+
+
+def pinv_vjp(a, z, dz, /, *, xp=None):
+    """VJP of the exact pseudo-inverse ``Z = pinv(A)`` (locally constant rank)."""
+    xp = array_api_compat.array_namespace(a) if xp is None else xp
+    zt = transpose(xp, z)
+    eye_m = xp.eye(a.shape[-2], dtype=a.dtype, device=array_api_compat.device(a))
+    eye_n = xp.eye(a.shape[-1], dtype=a.dtype, device=array_api_compat.device(a))
+    dzt = transpose(xp, dz)
+    return (-(zt @ dz @ zt) + (eye_m - a @ z) @ dzt @ z @ zt
+            + zt @ z @ dzt @ (eye_n - z @ a))
+
+
+def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
+                      xp=None):
+    """VJP of :func:`attn_ref.reduced.nystrom_attention`: ``{"q", "k", "v"}``.
+
+    Differentiates through the landmarks (segment means), the three row softmaxes and
+    the pseudo-inverse: through every step of the iterative one, or the exact one's
+    derivative when ``pinv_iterations=None``. ``O(N m (d + dv) + iterations m^3)``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import grad
+    >>> x = xp.reshape(xp.sin(xp.arange(24.0)), (6, 4))
+    >>> g = grad.nystrom_attention(x, x, x, x, num_landmarks=2)
+    >>> g["q"].shape, g["k"].shape, g["v"].shape
+    ((6, 4), (6, 4), (6, 4))
+    """
+    xp, scale = _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
+                                 "nystrom_attention")
+    _, batch = check_qkv(q, k, v, xp=xp)
+    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+    m = num_landmarks
+    qs = q * scale
+    ql, kl = segment_means(qs, m, xp=xp), segment_means(k, m, xp=xp)
+    k1 = attention_weights(qs, kl, scale=1.0, xp=xp)
+    k2 = attention_weights(ql, kl, scale=1.0, xp=xp)
+    k3 = attention_weights(ql, k, scale=1.0, xp=xp)
+    z = xp.linalg.pinv(k2) if pinv_iterations is None else iterative_pinv(k2, iterations=pinv_iterations,
+                                                                          xp=xp)
+    w3 = k3 @ v
+    w2 = z @ w3
+    # out = k1 @ w2
+    dk1 = do @ transpose(xp, w2)
+    dw2 = transpose(xp, k1) @ do
+    dz = dw2 @ transpose(xp, w3)
+    dw3 = transpose(xp, z) @ dw2
+    dk3 = dw3 @ transpose(xp, v)
+    dv = transpose(xp, k3) @ dw3
+    if pinv_iterations is None:
+        dk2 = pinv_vjp(k2, z, dz, xp=xp)
+    else:
+        dk2 = iterative_pinv_vjp(k2, dz, iterations=pinv_iterations, xp=xp)
+    ds1, ds2, ds3 = softmax_vjp(xp, k1, dk1), softmax_vjp(xp, k2, dk2), softmax_vjp(xp, k3, dk3)
+    dqs = ds1 @ kl
+    dkl = transpose(xp, ds1) @ qs + transpose(xp, ds2) @ ql
+    dql = ds2 @ kl + ds3 @ k
+    dk = transpose(xp, ds3) @ ql
+    dqs = dqs + segment_means_vjp(xp, dql, q.shape[-2])
+    dk = dk + segment_means_vjp(xp, dkl, k.shape[-2])
+    return {"q": unbroadcast(xp, dqs * scale, q.shape), "k": unbroadcast(xp, dk, k.shape),
+            "v": unbroadcast(xp, dv, v.shape)}

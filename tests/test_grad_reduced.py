@@ -1,0 +1,95 @@
+"""attn_ref.grad.reduced: pooled, query-reduced and Nystrom gradients."""
+
+import numpy as np
+import pytest
+
+from attn_ref import grad
+from attn_ref import reduced as R
+from attn_ref.grad.reduced import iterative_pinv_vjp, pinv_vjp
+from conformance.backends import from_numpy, load
+from tests.helpers import host
+from tests.test_grad_common import assert_grads_close, jax_vjp, numeric_vjp, run_vjp, torch_vjp
+
+FORMS = {
+    "pooled": (R.pooled_attention, grad.pooled_attention, {"num_segments": 4}),
+    "pooled-causal": (R.pooled_attention, grad.pooled_attention,
+                      {"num_segments": 3, "causal": "bottom-right"}),
+    "query-reduced": (R.query_reduced_attention, grad.query_reduced_attention, {"num_segments": 3}),
+    "nystrom": (R.nystrom_attention, grad.nystrom_attention, {"num_landmarks": 3}),
+    "nystrom-exact-pinv": (R.nystrom_attention, grad.nystrom_attention,
+                           {"num_landmarks": 3, "pinv_iterations": None}),
+}
+
+
+def _case(seed, nq=7, nk=8):
+    rng = np.random.default_rng(seed)
+    args = {
+        "q": rng.standard_normal((2, nq, 4)),
+        "k": rng.standard_normal((2, nk, 4)),
+        "v": rng.standard_normal((1, nk, 3)),
+    }
+    return args, rng.standard_normal((2, nq, 3))
+
+
+_FD = {}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_matches_finite_differences(backend, form):
+    fwd, vjp, options = FORMS[form]
+    args, do = _case(0, nq=8 if "nystrom" in form else 7)
+    if form not in _FD:
+        _FD[form] = numeric_vjp(fwd, args, do, options)
+    got = run_vjp(backend, vjp, args, do, options)
+    assert_grads_close(got, _FD[form], backend, rtol=1e-6, atol=1e-8)
+
+
+def test_query_reduced_without_expansion(backend):
+    args, do = _case(1)
+    options = {"num_segments": 3, "expand": False}
+    want = numeric_vjp(R.query_reduced_attention, args, do[:, :3], options)
+    assert_grads_close(run_vjp(backend, grad.query_reduced_attention, args, do[:, :3], options), want,
+                       backend, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("form", ["pooled-causal", "nystrom"])
+def test_matches_torch_autograd_and_jax_vjp_of_the_forward(form):
+    fwd, vjp, options = FORMS[form]
+    args, do = _case(2, nq=8)
+    for name, autodiff in (("torch", torch_vjp), ("jax", jax_vjp)):
+        try:
+            backend = load(name)
+        except Exception as exc:  # pragma: no cover
+            pytest.skip(str(exc))
+        want = autodiff(fwd, args, do, options)
+        assert_grads_close(run_vjp(backend, vjp, args, do, options), want, backend, rtol=1e-9, atol=1e-10)
+
+
+def test_pinv_vjps_match_finite_differences(backend):
+    rng = np.random.default_rng(3)
+    a = rng.random((2, 4, 4)) + np.eye(4)
+    g = rng.standard_normal((2, 4, 4))
+    for iters in (3, None):
+        if iters is None:
+            f = np.linalg.pinv
+        else:
+            def f(q, iters=iters):
+                return np.asarray(R.iterative_pinv(q, iterations=iters))
+        want = numeric_vjp(f, {"q": a}, g)["q"]
+        aa, gg = from_numpy(a, backend), from_numpy(g, backend)
+        if iters is None:
+            if not hasattr(backend.xp, "linalg"):
+                continue
+            got = pinv_vjp(aa, backend.xp.linalg.pinv(aa), gg)
+        else:
+            got = iterative_pinv_vjp(aa, gg, iterations=iters)
+        np.testing.assert_allclose(host(got), want, rtol=1e-6, atol=1e-8)
+
+
+def test_landmarks_equal_n_with_exact_pinv_is_softmax(backend):
+    args, do = _case(4, nq=6, nk=6)
+    args["v"] = args["v"][0]
+    nys = run_vjp(backend, grad.nystrom_attention, args, do, {"num_landmarks": 6, "pinv_iterations": None})
+    soft = run_vjp(backend, grad.softmax_attention, args, do)
+    for n in "qkv":
+        np.testing.assert_allclose(host(nys[n]), host(soft[n]), rtol=1e-7, atol=1e-8)
