@@ -1,0 +1,79 @@
+"""Every variant of :mod:`attn_ref.registry`, on every backend, across N.
+
+The parameter grid is read from the registry of the installed commit, so a variant
+registered later is benchmarked without touching this file; a variant missing from
+an older commit is reported as skipped there. Sizes beyond a variant's cap
+(``_common.max_n``) are skipped with the reason; slower cases run into ``timeout``.
+"""
+
+from ._common import (
+    HEAD_DIM,
+    HEADS,
+    VariantCase,
+    analytic_flops,
+    backends,
+    load_backend,
+    ns,
+    registry,
+    variant_names,
+)
+
+
+class Attention:
+    """Time and peak host memory of one forward call, ``(8, N, 64)`` float32."""
+
+    params = (variant_names(), backends(), ns())
+    param_names = ("variant", "backend", "N")
+    timeout = 900.0
+    # A call at large N takes seconds: time single calls (no calibration loop), no
+    # extra round in a second process, at most 10 s of samples per case.
+    number = 1
+    repeat = (1, 10, 10.0)
+    rounds = 1
+    warmup_time = 0.0
+
+    def setup(self, variant, backend, n):
+        self.case = VariantCase(variant, backend, n)
+
+    def teardown(self, variant, backend, n):
+        self.case = None
+
+    def time_forward(self, variant, backend, n):
+        self.case.run()
+
+    def peakmem_forward(self, variant, backend, n):
+        self.case.run()
+
+
+def _countable():
+    return [v.name for v in registry().variants() if analytic_flops(v.time, 1024) is not None]
+
+
+class FlopRate:
+    """Achieved GFLOP/s of the variants whose cost is a plain FLOP count, at one N.
+
+    Compare with ``peers.Matmul.track_gflops``, the machine's float32 matmul rate:
+    the ratio is how close the reference runs to the floor its arithmetic sets.
+    """
+
+    params = (_countable(), backends())
+    param_names = ("variant", "backend")
+    unit = "GFLOP/s"
+    timeout = 300.0
+    N_HOST, N_GPU = 2048, 16384
+
+    def setup(self, variant, backend):
+        import time
+
+        self._clock = time.perf_counter
+        n = self.N_GPU if load_backend(backend).gpu else self.N_HOST
+        self.case = VariantCase(variant, backend, n)
+        self.flops = analytic_flops(self.case.variant.time, n, HEAD_DIM, HEADS)
+
+    def track_gflops(self, variant, backend):
+        times = []
+        for _ in range(3):
+            t0 = self._clock()
+            self.case.run()
+            times.append(self._clock() - t0)
+        return self.flops / sorted(times)[1] / 1e9
