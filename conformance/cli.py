@@ -10,6 +10,8 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
     ``MODULE:FUNCTION``: that kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
+``attn-ref scaling``
+    Exponents of time and memory in ``N`` from asv results (:mod:`conformance.scaling`).
 
 The exit status is 0 only if everything checked passed.
 """
@@ -273,6 +275,21 @@ def export_vectors_command(args) -> int:
     return 0 if n else 1
 
 
+# ---------------------------------------------------------------------------- scaling
+
+
+def scaling_arguments(p):
+    from .scaling import add_arguments
+
+    add_arguments(p)
+
+
+def scaling_command(args) -> int:
+    from .scaling import command
+
+    return command(args)
+
+
 # ------------------------------------------------------------------------------- main
 
 # name -> (add arguments, run, one-line help)
@@ -281,6 +298,8 @@ COMMANDS = {
                "check a kernel (or every built-in reference) against the golden"),
     "export-vectors": (export_vectors_arguments, export_vectors_command,
                        "write test vectors (.npz + manifest.json) for other languages"),
+    "scaling": (scaling_arguments, scaling_command,
+                "fitted growth of time and memory in N from asv results, with a log-log plot"),
 }
 
 

@@ -225,3 +225,11 @@ def test_committed_results_give_the_expected_shapes():
     assert rows[("softmax", "numpy")].time_exp == pytest.approx(2.0, abs=0.4)
     assert rows[("online_softmax", "numpy")].mem_exp == pytest.approx(1.0, abs=0.4)
     assert rows[("linear", "numpy")].time_exp == pytest.approx(1.0, abs=0.4)
+
+
+def test_attn_ref_scaling_subcommand(tmp_path, capsys):
+    from conformance.cli import main
+
+    path = _results_file(tmp_path)
+    assert main(["scaling", "--results", str(path), "--plot", ""]) == 0
+    assert "linear" in capsys.readouterr().out
