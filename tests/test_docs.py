@@ -79,6 +79,8 @@ def _public_modules():
     for package in ("attn_ref", "conformance"):
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
             if any(p.startswith("_") for p in parts[1:]):
                 continue
             names.append(".".join(parts))

@@ -34,9 +34,10 @@ def _public_modules(root: Path, package: str) -> list[str]:
     base = root / package
     out = [package]
     for path in sorted(base.rglob("*.py")):
-        rel = path.relative_to(root).with_suffix("")
-        parts = rel.parts
-        if any(p.startswith("_") for p in parts[1:]):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]  # a subpackage documents itself under its own name
+        if len(parts) == 1 or any(p.startswith("_") for p in parts[1:]):
             continue
         out.append(".".join(parts))
     return out
