@@ -39,7 +39,13 @@ import math
 import array_api_compat
 
 from ._checks import broadcast_batch, check_positive_int, check_qkv, default_scale
-from .softmax import TOP_LEFT, attention_weights, causal_alignment, softmax_attention
+from .softmax import (
+    TOP_LEFT,
+    attention_weights,
+    causal_alignment,
+    online_softmax_attention,
+    softmax_attention,
+)
 
 __all__ = ["compressed_attention", "compressed_weights", "strided_conv", "num_blocks"]
 
@@ -168,7 +174,7 @@ def _mask(xp, alignment, q, k, k_weight, stride):
 
 
 def compressed_attention(q, k, v, /, *, k_weight, v_weight=None, stride=3, causal=False, scale=None,
-                         xp=None):
+                         block_q=None, xp=None):
     """Memory-compressed attention (Liu et al. 2018).
 
     Parameters
@@ -188,6 +194,11 @@ def compressed_attention(q, k, v, /, *, k_weight, v_weight=None, stride=3, causa
         The tensor2tensor rule of the module docstring.
     scale : float, optional
         Logit scale, default ``1/sqrt(d)``.
+    block_q : int, optional
+        ``None``: one-shot softmax over the compressed keys (the defining form,
+        ``O(Nq N / s)`` memory). An integer: :func:`~attn_ref.online_softmax_attention`
+        over query blocks of this size with all compressed keys in one block, the same
+        function in ``O(block_q N / s)`` memory.
 
     Returns
     -------
@@ -199,8 +210,8 @@ def compressed_attention(q, k, v, /, *, k_weight, v_weight=None, stride=3, causa
     Notes
     -----
     ``O(N c d^2 / s)`` time for the convolutions and ``O(Nq (N / s) (d + dv))`` for the
-    attention; ``O(Nq N / s)`` extra memory. Liu et al., *Generating Wikipedia by
-    Summarizing Long Sequences*, ICLR 2018.
+    attention; ``O(Nq N / s)`` extra memory, ``O(block_q N / s)`` with ``block_q``.
+    Liu et al., *Generating Wikipedia by Summarizing Long Sequences*, ICLR 2018.
 
     Examples
     --------
@@ -216,7 +227,11 @@ def compressed_attention(q, k, v, /, *, k_weight, v_weight=None, stride=3, causa
     xp, batch, alignment, scale = _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp)
     kc, vc = _compress(xp, k, v, k_weight, v_weight, stride)
     mask = _mask(xp, alignment, q, k, k_weight, stride)
-    return softmax_attention(q, kc, vc, mask=mask, scale=scale, xp=xp)
+    if block_q is None:
+        return softmax_attention(q, kc, vc, mask=mask, scale=scale, xp=xp)
+    check_positive_int("block_q", block_q)
+    return online_softmax_attention(q, kc, vc, mask=mask, scale=scale, block_q=block_q,
+                                    block_k=max(1, kc.shape[-2]), xp=xp)
 
 
 def compressed_weights(q, k, /, *, k_weight, v_weight=None, stride=3, causal=False, scale=None,

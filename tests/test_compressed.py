@@ -90,6 +90,10 @@ def test_matches_plain_numpy(backend, causal, c, s, nk):
                causal=causal)
     want = _naive_compressed(qh, kh, vh, host(wk), host(wv), s, None if causal is False else causal)
     assert_close(out, want, backend)
+    if causal:  # the query-blocked (online softmax) form computes the same function
+        blocked = call(backend, compressed_attention, q, k, v, k_weight=wk, v_weight=wv, stride=s,
+                       causal=causal, block_q=5)
+        assert_close(blocked, want, backend)
 
 
 @pytest.mark.parametrize("n,c,s", [(12, 3, 3), (10, 3, 3), (11, 4, 2), (2, 3, 3), (5, 1, 3)])
@@ -202,6 +206,7 @@ def test_bad_input(backend):
         (dict(v_weight=arr((3, D, DV))), ValueError, r"v_weight must have shape .*d_in=3"),
         (dict(causal="left"), ValueError, "causal must be False, True"),
         (dict(k_weight="w"), TypeError, "k_weight must be an array"),
+        (dict(block_q=0), ValueError, "block_q must be a positive integer, got 0"),
     ]
     for kwargs, exc, msg in cases:
         kw = {"k_weight": wk, "v_weight": wv, **kwargs}

@@ -290,8 +290,11 @@ def test_clustered_all_clusters_is_softmax(backend, dtype):
 
 
 def test_clustered_topk_all_keys_is_softmax(backend):
-    # topk = Nk: every query gets exact softmax whatever its cluster.
-    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    # topk = Nk: every query gets exact softmax whatever its cluster. Batch and head
+    # axes broadcast (q per batch, k per head), which the per-query gathers must follow.
+    q, qh = randn(backend, (2, 1, N, D), seed=1)
+    k, kh = randn(backend, (1, 3, N, D), seed=2)
+    v, vh = randn(backend, (2, 3, N, DV), seed=3)
     out = call(backend, clustered_attention, q, k, v, num_clusters=2, iterations=2, topk=N)
     assert_close(out, naive_attention(qh, kh, vh)[0], backend, rtol=1e-13, atol=1e-13)
 
