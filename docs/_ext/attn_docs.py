@@ -8,6 +8,8 @@
   cannot drift from the code.
 * ``variant-error-table``: each variant's implied attention matrix against softmax's,
   computed at build time by :func:`attn_ref.diagnostics.compare_variants`.
+* ``scaling-table PATH``: the fitted exponents of the committed asv results, analysed
+  at build time by :mod:`conformance.scaling` (the ``attn-ref scaling`` report).
 * Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
   when ``PATH`` (relative to ``docs/``) exists: pages that other parts of the project
   produce (the conformance page, the measured scaling plot) are linked as soon as they
@@ -157,9 +159,46 @@ class VariantErrorTable(SphinxDirective):
         return [_table(header, rows, [16, 10, 12, 16])]
 
 
+class ScalingTable(SphinxDirective):
+    """The ``attn-ref scaling`` report of an asv results file, as a table and notes."""
+
+    required_arguments = 1
+
+    def run(self):
+        from conformance import scaling
+
+        path = Path(self.env.srcdir) / self.arguments[0]
+        self.env.note_dependency(str(path))
+        results = scaling.load_results(str(path))
+        rows = scaling.analyse(results)
+        p = results.meta.get("params") or {}
+        commit = (results.meta.get("commit_hash") or "?")[:8]
+        intro = nodes.paragraph(text=(
+            f"asv results of commit {commit} on machine {p.get('machine', '?')} "
+            f"({p.get('cpu', '?')}, {p.get('num_cpu', '?')} CPUs); exponents fitted over the "
+            "largest sizes measured, analytic exponent in parentheses; peak memory above the "
+            "loaded-backend baseline; ratios are times at the largest N both ran."))
+        out = [intro, _table(list(scaling.HEADER), [list(r) for r in scaling.table_rows(rows)],
+                             [16, 8, 10, 10, 6, 8, 9, 7, 7, 7])]
+        notes = [f"{r.name} / {r.backend}: {n}" for r in rows for n in r.notes]
+        if notes:
+            out.append(nodes.paragraph(
+                text="Where the measurement disagrees with the analytic cost, or cannot be fitted:"))
+            items = nodes.bullet_list()
+            for n in notes:
+                item = nodes.list_item()
+                item += nodes.paragraph(text=n)
+                items += item
+            out.append(items)
+        else:
+            out.append(nodes.paragraph(text="Every fitted exponent agrees with the analytic cost."))
+        return out
+
+
 def setup(app):
     app.connect("builder-inited", generate_api_pages)
     app.connect("source-read", keep_if_exists)
     app.add_directive("variant-table", VariantTable)
     app.add_directive("variant-error-table", VariantErrorTable)
+    app.add_directive("scaling-table", ScalingTable)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
