@@ -42,6 +42,7 @@ from .softmax import (
     attention_weights,
     online_softmax_attention,
     softmax_attention,
+    varlen_attention,
 )
 from .sparse import (
     bigbird_attention,
@@ -61,6 +62,7 @@ __all__ = [
     "attention_weights",
     "online_softmax_attention",
     "softmax_attention",
+    "varlen_attention",
     "linformer_attention",
     "linformer_weights",
     "linformer_projection",

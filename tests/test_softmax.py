@@ -429,3 +429,438 @@ def test_all_causal_pairs_agree_when_square(backend):
         y = host(call(backend, FORMS[form], q, q, q, causal=b))
         z = host(call(backend, FORMS[form], q, q, q, causal=True))
         assert np.array_equal(x, y) and np.array_equal(x, z)
+
+
+# ================================================================ modern kernel options
+# GQA/MQA, sliding windows, soft-capping, ALiBi, dropout keep-masks, padded lengths,
+# KV-cache decoding and packed variable-length batches, each against the loop below.
+
+
+def _naive_modern(q, k, v, *, scale=None, causal=None, window=None, softcap=None, slopes=None,
+                  keep=None, p=0.0, lens_q=None, lens_k=None, mask=None, bias=None):
+    """Plain-loop float64 reference for ``q (B, Hq, Nq, d)``, ``k, v (B, Hkv, Nk, .)``.
+
+    Written from the published definitions, one logit at a time: FlashAttention's
+    window ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (negative = unbounded),
+    Gemma 2's ``c tanh(s / c)`` on the scaled logit before the bias, ALiBi
+    ``-slope |i + Lk - Lq - j|``, dropout ``P * keep / (1 - p)``, query head ``h`` on
+    key/value head ``h // (Hq / Hkv)``, padding rows zero.
+    """
+    nb, hq, nq, d = q.shape
+    hkv, nk, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out, probs = np.zeros((nb, hq, nq, dv)), np.zeros((nb, hq, nq, nk))
+    for b in range(nb):
+        lq = nq if lens_q is None else int(lens_q[b])
+        lk = nk if lens_k is None else int(lens_k[b])
+        off = lk - lq
+        for h in range(hq):
+            r = h // g
+            for i in range(lq):
+                logits = {}
+                for j in range(lk):
+                    if mask is not None and not mask[b, h, i, j]:
+                        continue
+                    if causal == "top-left" and j > i or causal == "bottom-right" and j > i + off:
+                        continue
+                    if window is not None:
+                        left, right = window
+                        if left >= 0 and j < i + off - left or right >= 0 and j > i + off + right:
+                            continue
+                    s = scale * float(q[b, h, i] @ k[b, r, j])
+                    if softcap is not None:
+                        s = softcap * np.tanh(s / softcap)
+                    if bias is not None:
+                        s += bias[b, h, i, j]
+                    if slopes is not None:
+                        s -= slopes[b, h] * abs(i + off - j)
+                    logits[j] = s
+                if not logits:
+                    continue
+                m = max(logits.values())
+                z = sum(np.exp(s - m) for s in logits.values())
+                for j, s in logits.items():
+                    w = np.exp(s - m) / z
+                    if keep is not None:
+                        w = w * keep[b, h, i, j] / (1 - p)
+                    probs[b, h, i, j] = w
+                out[b, h, i] = probs[b, h, i] @ v[b, r]
+    return out, probs
+
+
+MODERN_FORMS = {
+    "oneshot": softmax_attention,
+    # Two key tiles (10 + 9 keys): enough for the recurrence, cheap for JAX to compile;
+    # the property test below varies the tiling.
+    "online": lambda *a, **kw: online_softmax_attention(*a, block_q=16, block_k=10, **kw),
+}
+B, HQ, HKV, NQ, NK, D, DV = 2, 4, 2, 11, 19, 8, 5
+
+
+def _qkv(backend, hkv=HKV, nq=NQ, nk=NK, seed=0, dtype="float64"):
+    q, qh = randn(backend, (B, HQ, nq, D), dtype, seed=seed)
+    k, kh = randn(backend, (B, hkv, nk, D), dtype, seed=seed + 1)
+    v, vh = randn(backend, (B, hkv, nk, DV), dtype, seed=seed + 2)
+    return (q, k, v), (qh, kh, vh)
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+@pytest.mark.parametrize("hkv", [1, 2, 4])  # MQA, GQA with g = 2, MHA
+def test_gqa_matches_plain_loops(backend, form, hkv):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=hkv)
+    mask_h = np.random.default_rng(3).random((B, HQ, NQ, NK)) < 0.8
+    out = call(backend, MODERN_FORMS[form], q, k, v, gqa=True, causal="bottom-right",
+               mask=from_numpy(mask_h, backend))
+    want, _ = _naive_modern(qh, kh, vh, causal="bottom-right", mask=mask_h)
+    assert_close(out, want, backend)
+    # The group mapping h -> h // g, checked against an explicit copy of the kv heads.
+    g = HQ // hkv
+    kx, vx = (from_numpy(np.repeat(a, g, axis=1), backend) for a in (kh, vh))
+    plain = call(backend, MODERN_FORMS[form], q, kx, vx, causal="bottom-right",
+                 mask=from_numpy(mask_h, backend))
+    np.testing.assert_allclose(host(out), host(plain), rtol=1e-13, atol=1e-14)
+
+
+def test_gqa_broadcasts_batch_and_weights(backend):
+    # q's batch axis broadcasts against k's; masks/bias/slopes are per query head.
+    q, qh = randn(backend, (2, 6, 7, 4), seed=1)
+    k, kh = randn(backend, (1, 3, 9, 4), seed=2)
+    v, vh = randn(backend, (1, 3, 9, 3), seed=3)
+    bias_h = np.random.default_rng(0).standard_normal((6, 7, 9))
+    out = call(backend, online_softmax_attention, q, k, v, gqa=True, bias=from_numpy(bias_h, backend),
+               block_q=4, block_k=4)
+    kb, vb = (np.broadcast_to(a, (2,) + a.shape[1:]) for a in (kh, vh))
+    want, probs = _naive_modern(qh, kb, vb, bias=np.broadcast_to(bias_h, (2, 6, 7, 9)))
+    assert_close(out, want, backend)
+    p = call(backend, attention_weights, q, k, gqa=True, bias=from_numpy(bias_h, backend))
+    assert_close(p, probs, backend)
+
+
+WINDOWS = [(3, 0), (0, 2), (4, -1), (-1, 1), (0, 0), (30, 30)]
+
+
+def _few(backend, items, n=2):
+    """All of ``items``, or the first ``n`` on JAX, which compiles every static option set."""
+    return items[:n] if backend.name == "jax" else items
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_window_matches_plain_loops(backend, form, causal):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=HQ)
+    for window in _few(backend, WINDOWS if causal != "top-left" else WINDOWS[::-1]):
+        out = call(backend, MODERN_FORMS[form], q, k, v, window=window, causal=causal)
+        want, _ = _naive_modern(qh, kh, vh, window=window, causal=_causal(causal))
+        assert_close(out, want, backend)
+
+
+def test_window_limits(backend):
+    (q, k, v), _ = _qkv(backend, hkv=HQ)
+    full = host(call(backend, softmax_attention, q, k, v))
+    for window in _few(backend, [(NK, NK), (None, NK + NQ), (-1, -1), (None, None), [NK + NQ, -1]]):
+        got = host(call(backend, online_softmax_attention, q, k, v, window=tuple(window) if window
+                        else None, block_q=4, block_k=8))
+        np.testing.assert_allclose(got, full, rtol=1e-13, atol=1e-14)
+    # Right extent 0 is FlashAttention's causal (bottom-right).
+    a = host(call(backend, softmax_attention, q, k, v, window=(-1, 0)))
+    b = host(call(backend, softmax_attention, q, k, v, causal="bottom-right"))
+    np.testing.assert_array_equal(a, b)
+
+
+def _brute_coverage(spec, q0, q1, k0, k1):
+    # Decide from the definition which (i, j) of the tile are visible.
+    off = spec.nk - spec.nq
+    ok = np.ones((q1 - q0, k1 - k0), bool)
+    i, j = np.arange(q0, q1)[:, None], np.arange(k0, k1)[None, :]
+    if spec.alignment is not None:
+        ok &= j <= i + (0 if spec.alignment == "top-left" else off)
+    if spec.window is not None:
+        left, right = spec.window
+        if left is not None:
+            ok &= j >= i + off - left
+        if right is not None:
+            ok &= j <= i + off + right
+    return "none" if not ok.any() else "all" if ok.all() else "partial"
+
+
+def test_tile_coverage_skips_exactly_the_hidden_tiles():
+    from attn_ref.softmax import _Spec, _tile_coverage, check_window
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        nq, nk = rng.integers(1, 40, 2)
+        w = [int(x) if x >= 0 else -1 for x in rng.integers(-3, 12, 2)]
+        spec = _Spec(nq=int(nq), nk=int(nk), alignment=[None, "top-left", "bottom-right"][rng.integers(3)],
+                     window=check_window(w) if rng.random() < 0.8 else None)
+        q0, k0 = int(rng.integers(0, nq)), int(rng.integers(0, nk))
+        q1, k1 = int(rng.integers(q0 + 1, nq + 1)), int(rng.integers(k0 + 1, nk + 1))
+        assert _tile_coverage(spec, q0, q1, k0, k1) == _brute_coverage(spec, q0, q1, k0, k1)
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+def test_softcap_and_alibi_match_plain_loops(backend, form):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=2, seed=5)
+    qh3 = qh * 3
+    q3 = from_numpy(qh3, backend)
+    slopes_h = np.random.default_rng(1).random((B, HQ))
+    bias_h = np.random.default_rng(2).standard_normal((B, HQ, NQ, NK))
+    for kw, ref in _few(backend, [
+        ({"softcap": 1.5, "alibi_slopes": from_numpy(slopes_h, backend), "bias": from_numpy(bias_h, backend),
+          "window": (5, 2)},
+         {"softcap": 1.5, "slopes": slopes_h, "bias": bias_h, "window": (5, 2)}),
+        ({"alibi_slopes": from_numpy(slopes_h[0], backend), "causal": True},
+         {"slopes": np.broadcast_to(slopes_h[0], (B, HQ)), "causal": "top-left"}),
+        ({"softcap": 2.5}, {"softcap": 2.5}),
+        ({"alibi_slopes": from_numpy(slopes_h, backend)}, {"slopes": slopes_h}),
+    ]):
+        out = call(backend, MODERN_FORMS[form], q3, k, v, gqa=True, **kw)
+        assert_close(out, _naive_modern(qh3, kh, vh, **ref)[0], backend)
+
+
+def test_softcap_limits(backend):
+    (q, k, v), (qh, _, _) = _qkv(backend, hkv=HQ)
+    plain = host(call(backend, softmax_attention, q, k, v))
+    # c tanh(s / c) = s - s^3 / (3 c^2) + ...: for |s| < 10 and c = 1e8 that is < 1e-13.
+    huge = host(call(backend, online_softmax_attention, q, k, v, softcap=1e8, block_q=4, block_k=8))
+    np.testing.assert_allclose(huge, plain, rtol=1e-12, atol=1e-12)
+    # A tiny cap squashes every logit into (-c, c): the weights of a row differ by at
+    # most a factor exp(2c) even for logits of size 1e3.
+    big = from_numpy(qh * 1e3, backend)
+    p = host(call(backend, attention_weights, big, k, softcap=0.01))
+    ratio = p.max(-1) / p.min(-1)
+    assert np.all(ratio <= np.exp(0.02) * (1 + 1e-12)) and ratio.max() > 1.01
+
+
+def test_alibi_is_a_bias(backend):
+    # ALiBi equals passing the bias -slope |i + Nk - Nq - j| built independently here.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=HQ, seed=2)
+    slopes_h = 2.0 ** -np.arange(1, HQ + 1)  # the ALiBi paper's slopes for 4 heads, 2^(-8h/H)/16
+    dist = np.abs(np.arange(NQ)[:, None] + NK - NQ - np.arange(NK)[None, :])
+    bias_h = -slopes_h[:, None, None] * dist
+    for form in _few(backend, ["online", "oneshot"], 1):
+        a = host(call(backend, MODERN_FORMS[form], q, k, v, alibi_slopes=from_numpy(slopes_h, backend)))
+        b = host(call(backend, MODERN_FORMS[form], q, k, v, bias=from_numpy(bias_h, backend)))
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-14)
+    zero = host(call(backend, softmax_attention, q, k, v, alibi_slopes=from_numpy(np.zeros(HQ), backend)))
+    np.testing.assert_allclose(zero, host(call(backend, softmax_attention, q, k, v)), rtol=1e-14, atol=1e-15)
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+def test_dropout_keep_mask(backend, form):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=2, seed=7)
+    keep_h = np.random.default_rng(4).random((B, HQ, NQ, NK)) < 0.7
+    keep = from_numpy(keep_h, backend)
+    out = call(backend, MODERN_FORMS[form], q, k, v, gqa=True, dropout_p=0.3, dropout_mask=keep,
+               causal="bottom-right")
+    want, probs = _naive_modern(qh, kh, vh, keep=keep_h, p=0.3, causal="bottom-right")
+    assert_close(out, want, backend)
+    p = call(backend, attention_weights, q, k, gqa=True, dropout_p=0.3, dropout_mask=keep,
+             causal="bottom-right")
+    assert_close(p, probs, backend)
+    # Keeping everything only rescales by 1 / (1 - p).
+    ones = from_numpy(np.ones((NQ, NK), bool), backend)
+    a = host(call(backend, MODERN_FORMS[form], q, k, v, gqa=True, dropout_p=0.25, dropout_mask=ones))
+    b = host(call(backend, MODERN_FORMS[form], q, k, v, gqa=True))
+    np.testing.assert_allclose(a, b / 0.75, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+def test_padded_lengths_equal_each_sequence_alone(backend, form):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=2, seed=9)
+    lq_h, lk_h = np.array([7, 11]), np.array([19, 4])
+    lq, lk = from_numpy(lq_h, backend), (19, 4)  # an array, and static ints
+    slopes_h = np.array([0.5, 0.25, 0.125, 0.0625])
+    for kw in _few(backend, [{"causal": "bottom-right"}, {"window": (3, 1)}, {"causal": "top-left"}, {}]):
+        out = host(call(backend, MODERN_FORMS[form], q, k, v, gqa=True, seqlens_q=lq, seqlens_k=lk,
+                        alibi_slopes=from_numpy(slopes_h, backend), **kw))
+        for b in range(B):
+            a, c = lq_h[b], lk_h[b]
+            alone = _naive_modern(qh[b:b + 1, :, :a], kh[b:b + 1, :, :c], vh[b:b + 1, :, :c],
+                                  slopes=slopes_h[None], **{"causal": kw.get("causal"),
+                                                            "window": kw.get("window")})[0]
+            np.testing.assert_allclose(out[b, :, :a], alone[0], rtol=1e-13, atol=1e-14)
+            assert np.all(out[b, :, a:] == 0.0)  # padding query rows
+
+
+@pytest.mark.parametrize("nq", [1, 5, 16])
+def test_kv_cache_decode(backend, nq):
+    # A few new queries against a long cache of per-sequence length; the last query of
+    # each sequence sees its whole cache (bottom-right alignment).
+    nk = 250
+    q, qh = randn(backend, (B, HQ, nq, D), seed=11)
+    k, kh = randn(backend, (B, 1, nk, D), seed=12)  # MQA cache
+    v, vh = randn(backend, (B, 1, nk, DV), seed=13)
+    cache_h = np.array([nk, 37])
+    cache = from_numpy(cache_h, backend)
+    out = call(backend, online_softmax_attention, q, k, v, gqa=True, causal="bottom-right",
+               seqlens_k=cache, block_q=16, block_k=128)
+    want, _ = _naive_modern(qh, kh, vh, causal="bottom-right", lens_k=cache_h)
+    assert_close(out, want, backend)
+    one = call(backend, softmax_attention, q, k, v, gqa=True, causal="bottom-right", seqlens_k=cache)
+    np.testing.assert_allclose(host(one), host(out), rtol=1e-13, atol=1e-14)
+
+
+VARLEN = ((0, 3, 3, 12, 17), (0, 5, 9, 9, 26))  # four sequences, one with no queries, one with no keys
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_varlen_equals_each_sequence_alone(backend, online):
+    from attn_ref import varlen_attention
+
+    cq, ck = VARLEN
+    q, qh = randn(backend, (cq[-1], HQ, D), seed=21)
+    k, kh = randn(backend, (ck[-1], HKV, D), seed=22)
+    v, vh = randn(backend, (ck[-1], HKV, DV), seed=23)
+    slopes_h = np.array([0.3, 0.2, 0.1, 0.05])
+    for kw in _few(backend, [{"causal": "bottom-right", "softcap": 3.0},
+                             {"alibi_slopes": slopes_h, "window": (2, 1)}, {}, {"causal": "top-left"}]):
+        args = {n: from_numpy(a, backend) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
+        out = call(backend, varlen_attention, q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, online=online,
+                   block_q=8, block_k=6, **args)
+        assert tuple(out.shape) == (cq[-1], HQ, DV)
+        got = host(out)
+        for b in range(len(cq) - 1):
+            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            t = lambda a, s: np.swapaxes(a[s], 0, 1)[None]  # noqa: E731  (n, H, d) -> (1, H, n, d)
+            alone = _naive_modern(t(qh, qs), t(kh, ks), t(vh, ks), causal=kw.get("causal"),
+                                  window=kw.get("window"), softcap=kw.get("softcap"),
+                                  slopes=None if "alibi_slopes" not in kw else slopes_h[None])[0]
+            np.testing.assert_allclose(got[qs], np.swapaxes(alone[0], 0, 1), rtol=1e-13, atol=1e-14)
+
+
+def test_varlen_offsets_as_arrays_and_dropout(backend):
+    from attn_ref import varlen_attention
+    from attn_ref.softmax import _cu_offsets
+
+    cq, ck = (0, 4, 9), (0, 6, 8)
+    q, qh = randn(backend, (9, 2, 4), seed=31)
+    k, kh = randn(backend, (8, 1, 4), seed=32)
+    v, vh = randn(backend, (8, 1, 3), seed=33)
+    keep_h = np.random.default_rng(0).random((2, 2, 5, 6)) < 0.6  # (B, Hq, max Lq, max Lk)
+    cu_q, cu_k = from_numpy(np.array(cq, np.int32), backend), from_numpy(np.array(ck), backend)
+    assert _cu_offsets("cu_seqlens_q", cu_q, 9, "q") == list(cq)
+    if backend.name == "jax":  # offsets are read on the host: under jit they must be static
+        cu_q, cu_k = cq, ck
+    out = host(call(backend, varlen_attention, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dropout_p=0.4,
+                    dropout_mask=from_numpy(keep_h, backend), causal="bottom-right"))
+    for b in range(2):
+        a, c = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        t = lambda x, s: np.swapaxes(x[s], 0, 1)[None]  # noqa: E731
+        alone = _naive_modern(t(qh, slice(cq[b], cq[b + 1])), t(kh, slice(ck[b], ck[b + 1])),
+                              t(vh, slice(ck[b], ck[b + 1])), keep=keep_h[b:b + 1, :, :a, :c], p=0.4,
+                              causal="bottom-right")[0]
+        np.testing.assert_allclose(out[cq[b]:cq[b + 1]], np.swapaxes(alone[0], 0, 1), rtol=1e-13, atol=1e-14)
+
+
+def test_property_online_equals_oneshot_with_modern_options(backend):
+    @property_test(backend, examples=12)
+    @given(
+        seed=st.integers(0, 2**31 - 1),
+        bq=st.sampled_from([4, 7, 11]),
+        bk=st.sampled_from([5, 8, 19]),
+        causal=st.sampled_from(CAUSAL),
+        window=st.sampled_from([None, (2, 0), (0, 3), (5, -1)]),
+        softcap=st.sampled_from([None, 0.7, 20.0]),
+        lengths=st.booleans(),
+    )
+    def check(seed, bq, bk, causal, window, softcap, lengths):
+        (q, k, v), _ = _qkv(backend, hkv=2, seed=seed % 1000)
+        rng = np.random.default_rng(seed)
+        kw = dict(gqa=True, causal=causal, window=window, softcap=softcap,
+                  alibi_slopes=from_numpy(rng.random(HQ), backend),
+                  dropout_p=0.2, dropout_mask=from_numpy(rng.random((B, HQ, NQ, NK)) < 0.8, backend))
+        if lengths:
+            kw.update(seqlens_q=from_numpy(rng.integers(0, NQ + 1, B), backend),
+                      seqlens_k=from_numpy(rng.integers(0, NK + 1, B), backend))
+        a = host(call(backend, softmax_attention, q, k, v, **kw))
+        b = host(call(backend, online_softmax_attention, q, k, v, block_q=bq, block_k=bk, **kw))
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-13)
+
+    check()
+
+
+def _bad_modern_cases(backend):
+    r = lambda *s: randn(backend, s)[0]  # noqa: E731
+    i = lambda *a: from_numpy(np.array(a), backend)  # noqa: E731
+    q, k, v = r(2, 4, 3, 8), r(2, 2, 5, 8), r(2, 2, 5, 6)
+    qkv = (q, k, v)
+    gq = dict(gqa=True)
+    return [
+        (qkv, {**gq, "window": 3}, TypeError, "window must be None or a pair"),
+        (qkv, {**gq, "window": (1, 2, 3)}, TypeError, "window must be None or a pair"),
+        (qkv, {**gq, "window": (2.5, 1)}, TypeError, "left extent is 2.5"),
+        (qkv, {**gq, "window": (1, -2)}, ValueError, "right extent is -2"),
+        (qkv, {**gq, "window": (True, 1)}, TypeError, "left extent is True"),
+        ((r(2, 3, 3, 8), k, v), gq, ValueError, "Hq must be a multiple of the key/value heads Hkv"),
+        ((q, k, r(2, 1, 5, 6)), gq, ValueError, "k and v must have the same number of heads"),
+        ((r(3, 8), r(5, 8), r(5, 6)), gq, ValueError, "with gqa=True, q must have shape"),
+        (qkv, {}, ValueError, "pass gqa=True"),
+        (qkv, {"gqa": 1}, TypeError, "gqa must be True or False"),
+        (qkv, {**gq, "softcap": 0.0}, ValueError, "softcap must be None"),
+        (qkv, {**gq, "softcap": -1.0}, ValueError, "softcap must be None"),
+        (qkv, {**gq, "softcap": float("inf")}, ValueError, "softcap must be None"),
+        (qkv, {**gq, "softcap": "2"}, TypeError, "softcap must be None"),
+        (qkv, {**gq, "alibi_slopes": r(3)}, ValueError, r"alibi_slopes must have shape \(H,\)"),
+        (qkv, {**gq, "alibi_slopes": r(4, 1)}, ValueError, "alibi_slopes must have shape"),
+        (qkv, {**gq, "alibi_slopes": i(1, 2, 3, 4)}, TypeError, "alibi_slopes must have a real floating"),
+        (qkv, {**gq, "dropout_p": 1.0, "dropout_mask": i(True)}, ValueError,
+         r"dropout_p must be a real number in \[0, 1\)"),
+        (qkv, {**gq, "dropout_p": -0.1}, ValueError, "dropout_p must be"),
+        (qkv, {**gq, "dropout_p": 0.1}, ValueError, "needs dropout_mask"),
+        (qkv, {**gq, "dropout_p": 0.1, "dropout_mask": r(3, 5)}, TypeError, "dropout_mask must have dtype"),
+        (qkv, {**gq, "dropout_p": 0.1, "dropout_mask": from_numpy(np.ones((3, 4), bool), backend)},
+         ValueError, "dropout_mask must be"),
+        (qkv, {**gq, "seqlens_k": r(2)}, TypeError, "seqlens_k must have an integer dtype"),
+        (qkv, {**gq, "seqlens_k": i(3, 4, 5)}, ValueError, r"seqlens_k must have shape \(B,\)"),
+        (qkv, {**gq, "seqlens_q": i(1, 2, 3, 4)}, ValueError, r"seqlens_q must have shape \(B,\)"),
+        (qkv, {**gq, "seqlens_q": [1.5, 2]}, TypeError, "seqlens_q must be an integer array or a sequence"),
+    ]
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+def test_bad_modern_input(backend, form):
+    for args, kwargs, exc, msg in _bad_modern_cases(backend):
+        with pytest.raises(exc, match=msg):
+            MODERN_FORMS[form](*args, **kwargs)
+
+
+def test_bad_varlen_input(backend):
+    from attn_ref import varlen_attention
+
+    r = lambda *s: randn(backend, s)[0]  # noqa: E731
+    q, k, v = r(6, 4, 8), r(7, 2, 8), r(7, 2, 3)
+    ok = dict(cu_seqlens_q=(0, 2, 6), cu_seqlens_k=(0, 3, 7))
+    cases = [
+        ({"cu_seqlens_q": (0, 4, 2, 6)}, ValueError, "cu_seqlens_q must be non-decreasing.*4 > .*2"),
+        ({"cu_seqlens_q": (0, 2, 5)}, ValueError, r"must end at the number of packed tokens, q.shape.0. = 6"),
+        ({"cu_seqlens_k": (1, 3, 7)}, ValueError, "cu_seqlens_k must be cumulative offsets .* starting at 0"),
+        ({"cu_seqlens_k": (0, 7)}, ValueError, "same number of sequences, got 2 and 1"),
+        ({"cu_seqlens_q": from_numpy(np.array([0.0, 2.0, 6.0]), backend)}, TypeError, "integer dtype"),
+        ({"cu_seqlens_q": from_numpy(np.array([[0, 2, 6]]), backend)}, ValueError, r"1-D, shape \(B \+ 1,\)"),
+        ({"cu_seqlens_q": "0,2,6"}, TypeError, "cu_seqlens_q must be a 1-D integer array"),
+        ({"cu_seqlens_q": from_numpy(np.array([0, 3, 2, 6]), backend)}, ValueError, "non-decreasing"),
+        ({"online": True, "block_k": 0}, ValueError, "block_k must be a positive integer"),
+        ({"window": (-3, 0)}, ValueError, "window"),
+    ]
+    for kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            varlen_attention(q, k, v, **{**ok, **kw})
+    with pytest.raises(ValueError, match=r"q must have the packed shape \(total_q, Hq, d\)"):
+        varlen_attention(r(2, 6, 4, 8), k, v, **ok)
+    with pytest.raises(ValueError, match="Hq must be a multiple"):
+        varlen_attention(r(6, 3, 8), k, v, **ok)
+
+
+def test_modern_inputs_not_modified(backend):
+    if backend.name == "jax":
+        pytest.skip("JAX arrays are immutable")
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=2)
+    keep_h = np.random.default_rng(1).random((NQ, NK)) < 0.5
+    slopes, sh = randn(backend, (HQ,), seed=3)
+    lens = from_numpy(np.array([5, 9]), backend)
+    for form in MODERN_FORMS.values():
+        form(q, k, v, gqa=True, window=(3, 2), softcap=2.0, alibi_slopes=slopes, dropout_p=0.1,
+             dropout_mask=from_numpy(keep_h, backend), seqlens_k=lens)
+    for x, h in ((q, qh), (k, kh), (v, vh), (slopes, sh)):
+        assert np.array_equal(host(x), h)
