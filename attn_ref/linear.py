@@ -215,18 +215,26 @@ def _linear_noncausal(xp, fq, fk, v):
     return state_readout(xp, fq, s, z)
 
 
-def _pad_rows(xp, x, before, after):
-    """``x`` with ``before``/``after`` rows of zeros added on axis -2."""
+def _pad_rows(xp, x, before, after, fill=0.0):
+    """``x`` with ``before``/``after`` rows of ``fill`` (zeros by default) added on axis -2."""
     if before == 0 and after == 0:
         return x
     dev = array_api_compat.device(x)
     parts = []
     if before:
-        parts.append(xp.zeros(tuple(x.shape[:-2]) + (before, x.shape[-1]), dtype=x.dtype, device=dev))
+        parts.append(xp.full(tuple(x.shape[:-2]) + (before, x.shape[-1]), fill, dtype=x.dtype, device=dev))
     parts.append(x)
     if after:
-        parts.append(xp.zeros(tuple(x.shape[:-2]) + (after, x.shape[-1]), dtype=x.dtype, device=dev))
+        parts.append(xp.full(tuple(x.shape[:-2]) + (after, x.shape[-1]), fill, dtype=x.dtype, device=dev))
     return xp.concat(parts, axis=-2)
+
+
+def causal_plan(nq, nk, alignment):
+    """How :func:`_align_square` pads: ``(P, P', keep, tail)`` (see there)."""
+    off = 0 if alignment == TOP_LEFT else nk - nq
+    p_q, p_k = max(off, 0), max(-off, 0)
+    keep = max(min(nk, nq + p_q - p_k), 0)
+    return p_q, p_k, keep, nq + p_q - p_k - keep
 
 
 def _align_square(xp, fq, fk, v, alignment):
@@ -237,14 +245,9 @@ def _align_square(xp, fq, fk, v, alignment):
     rows carry zero features, which contribute nothing to any sum; keys no query can
     see are dropped. Returns ``(fq, fk, v, P)``; the outputs are rows ``P:P+Nq``.
     """
-    nq, nk = fq.shape[-2], fk.shape[-2]
-    off = 0 if alignment == TOP_LEFT else nk - nq
-    p_q, p_k = max(off, 0), max(-off, 0)
-    length = nq + p_q
+    p_q, p_k, keep, tail = causal_plan(fq.shape[-2], fk.shape[-2], alignment)
     fq = _pad_rows(xp, fq, p_q, 0)
-    keep = max(min(nk, length - p_k), 0)
     fk, v = fk[..., :keep, :], v[..., :keep, :]
-    tail = length - p_k - keep
     return fq, _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail), p_q
 
 

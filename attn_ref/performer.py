@@ -23,12 +23,14 @@ features, as the reference implementation does); for the keys, a constant shared
 every key a query sees. Non-causal attention uses the maximum over all keys and
 features (per batch and head), as FAVOR+ does. Causal attention must not do that - it
 would let a future key change a past output (underflow makes the "cancelling"
-constant visible) - so it uses ``max_f |w_f|^2 / 2 - log(finfo.max) / 4``, built from
-the projection alone: every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``, so key
-features stay below ``finfo.max**(1/4) / sqrt(m)`` whatever the data, and no key
-influences any other query's output. (The trigonometric kernel's key factor
-``exp(|x|^2/2)`` has no such bound; causal trigonometric attention leaves keys
-unshifted.)
+constant visible). Causally, each key ``j`` is shifted by its own maximum exponent
+``c_j`` (for the trigonometric kernel ``c_j = |x_j|^2/2``) and carries the weight
+``exp(c_j - R_i)`` towards query ``i``, where ``R_i = max_{j visible to i} c_j`` is a
+running maximum over the past only. As in online softmax, the summed states are
+rescaled when the running maximum grows: chunk states at their chunk's maximum, an
+exclusive prefix over chunks by a log-depth doubling scan with rescaling, and a masked
+running maximum inside each chunk. Every factor is at most 1, nothing overflows, and
+no key influences an earlier query's output, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +41,17 @@ import array_api_compat
 
 from . import random as _random
 from ._checks import check_positive_int, check_qkv, default_scale, is_floating, namespace
-from .linear import DEFAULT_CHUNK_SIZE, check_eps, linear_from_features, weights_from_features
+from .linear import (
+    DEFAULT_CHUNK_SIZE,
+    _causal_visible,
+    _pad_rows,
+    _readout,
+    causal_plan,
+    check_eps,
+    linear_from_features,
+    safe_denominator,
+    weights_from_features,
+)
 from .softmax import causal_alignment
 
 __all__ = [
@@ -149,7 +161,14 @@ def query_offset(xp, exponent):
 
 
 def key_offset(xp, exponent, projection, kernel, causal):
-    """Key stabiliser shared by all keys: data max (non-causal), projection bound (causal)."""
+    """Key stabiliser shared by all keys: data max (non-causal), projection bound (causal).
+
+    The causal bound ``max_f |w_f|^2/2 - log(finfo.max)/4`` depends on the projection
+    alone (every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``), so it cannot leak a
+    future key; it serves :func:`attn_ref.grad.performer_attention`, which differentiates
+    the same function through it. The forward pass uses the sharper per-key form
+    (:func:`key_log_scales`), which does not underflow for large ``d``.
+    """
     if not causal:
         m = xp.max(exponent, axis=-1, keepdims=True)
         return xp.max(m, axis=-2, keepdims=True)
@@ -157,6 +176,117 @@ def key_offset(xp, exponent, projection, kernel, causal):
         return None
     bound = xp.max(half_sq_norm(xp, projection))
     return bound - math.log(float(xp.finfo(projection.dtype).max)) / 4
+
+
+def key_log_scales(xp, exponent):
+    """Per-key offsets ``c_j``, shape ``(..., Nk, 1)``: each key's own maximum exponent."""
+    return xp.max(exponent, axis=-1, keepdims=True)
+
+
+def _very_negative(xp, dtype):
+    # A finite stand-in for -inf: exp() of it (or of it minus a real number) is 0, and
+    # the difference of two of them is 0, never NaN.
+    return -float(xp.finfo(dtype).max) / 4
+
+
+def _logscaled_quadratic(xp, fq, fk, ck, alignment):
+    """Causal ``A_ij = (phi(q_i) . phi(k_j)) exp(c_j - R_i)`` (masked), ``R_i`` the visible max."""
+    dev = array_api_compat.device(fq)
+    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
+    e = xp.where(vis, xp.matrix_transpose(ck), _very_negative(xp, ck.dtype))
+    w = xp.exp(e - xp.max(e, axis=-1, keepdims=True))
+    a = (fq @ xp.matrix_transpose(fk)) * w
+    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=dev))
+
+
+def _rescaled_prefix_scan(xp, t, tz, g):
+    """Inclusive prefix sums over axis -3 of states ``t`` (and ``tz``) held at log-scales ``g``.
+
+    Entry ``b`` becomes ``sum_{b' <= b} exp(g_b' - G_b) t_b'`` with ``G_b = max_{b' <= b} g_b'``
+    (returned too). Hillis-Steele doubling: ``ceil(log2 n)`` steps, each combining an entry
+    with the one ``2^s`` before it after rescaling both to their common maximum.
+    """
+    n = g.shape[-1]
+    dev = array_api_compat.device(t)
+    neg = _very_negative(xp, g.dtype)
+    s = 1
+    while s < n:
+        g_sh = xp.concat([xp.full(tuple(g.shape[:-1]) + (s,), neg, dtype=g.dtype, device=dev),
+                          g[..., :n - s]], axis=-1)
+        t_sh = xp.concat([xp.zeros(tuple(t.shape[:-3]) + (s,) + tuple(t.shape[-2:]), dtype=t.dtype,
+                                   device=dev), t[..., :n - s, :, :]], axis=-3)
+        tz_sh = xp.concat([xp.zeros(tuple(tz.shape[:-2]) + (s, tz.shape[-1]), dtype=tz.dtype, device=dev),
+                           tz[..., :n - s, :]], axis=-2)
+        g_new = xp.maximum(g, g_sh)
+        a, b = xp.exp(g_sh - g_new), xp.exp(g - g_new)
+        t = t_sh * a[..., None, None] + t * b[..., None, None]
+        tz = tz_sh * a[..., None] + tz * b[..., None]
+        g = g_new
+        s *= 2
+    return t, tz, g
+
+
+def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
+    """Square top-left causal attention with per-key log-weights ``c_j``, chunk by chunk.
+
+    The chunked form of :mod:`attn_ref.linear` with online-softmax-style rescaling:
+    chunk states at the chunk's maximum ``c``, an exclusive rescaled prefix over chunks,
+    and per query ``R_i = max(prefix max of earlier chunks, running max inside its chunk)``.
+    """
+    n = fq.shape[-2]
+    c = min(chunk_size, n)
+    n_chunks = -(-n // c)
+    pad = n_chunks * c - n
+    neg = _very_negative(xp, ck.dtype)
+    dev = array_api_compat.device(fq)
+    fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
+    ck = _pad_rows(xp, ck, 0, pad, fill=neg)
+    qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
+    cc = xp.reshape(ck, tuple(ck.shape[:-2]) + (n_chunks, c))
+    top = xp.max(cc, axis=-1)  # (..., n_chunks)
+    kw = kc * xp.exp(cc - top[..., None])[..., None]
+    t, tz, g = _rescaled_prefix_scan(xp, xp.matrix_transpose(kw) @ vc, xp.sum(kw, axis=-2), top)
+    # Exclusive: chunk b reads the scan up to chunk b - 1.
+    t = xp.concat([xp.zeros(tuple(t.shape[:-3]) + (1,) + tuple(t.shape[-2:]), dtype=t.dtype, device=dev),
+                   t[..., :-1, :, :]], axis=-3)
+    tz = xp.concat([xp.zeros(tuple(tz.shape[:-2]) + (1, tz.shape[-1]), dtype=tz.dtype, device=dev),
+                    tz[..., :-1, :]], axis=-2)
+    g = xp.concat([xp.full(tuple(g.shape[:-1]) + (1,), neg, dtype=g.dtype, device=dev), g[..., :-1]], axis=-1)
+    tril = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+    e = xp.where(tril, cc[..., None, :], neg)  # (..., n_chunks, C, C): c_j for j <= i
+    r = xp.maximum(xp.max(e, axis=-1), g[..., None])  # R_i, (..., n_chunks, C)
+    inter = xp.exp(g[..., None] - r)[..., None]
+    num = (qc @ t) * inter
+    den = (qc @ tz[..., None]) * inter
+    a = (qc @ xp.matrix_transpose(kc)) * xp.where(tril, xp.exp(e - r[..., None]), xp.zeros((), dtype=e.dtype,
+                                                                                          device=dev))
+    num, den = num + a @ vc, den + xp.sum(a, axis=-1, keepdims=True)
+    shape = tuple(num.shape[:-3]) + (n_chunks * c,)
+    return xp.reshape(num, shape + (num.shape[-1],))[..., :n, :], xp.reshape(den, shape + (1,))[..., :n, :]
+
+
+def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps):
+    """Causal, stabilised Performer: per-key offsets and past-only running maxima."""
+    root = math.sqrt(scale)
+    xq, xk = q * root, k * root
+    eq = feature_exponent(xp, xq, projection, kernel)
+    ek = feature_exponent(xp, xk, projection, kernel)
+    ck = key_log_scales(xp, ek)
+    fq = features_from_exponent(xp, xq, projection, eq, query_offset(xp, eq), kernel)
+    fk = features_from_exponent(xp, xk, projection, ek, ck, kernel)
+    if v is None:  # the weights
+        return _logscaled_quadratic(xp, fq, fk, ck, alignment)
+    if order == "quadratic":
+        a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
+        return _readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
+    nq = fq.shape[-2]
+    p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
+    fq = _pad_rows(xp, fq, p_q, 0)
+    fk, v, ck = fk[..., :keep, :], v[..., :keep, :], ck[..., :keep, :]
+    fk, v = _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail)
+    ck = _pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
+    num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
+    return _readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
 
 
 def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
@@ -276,6 +406,11 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     True
     """
     xp, alignment, scale, eps = _prepare(q, k, v, projection, kernel, causal, scale, eps, xp)
+    if order not in ("linear", "quadratic"):
+        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    check_positive_int("chunk_size", chunk_size)
+    if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
+        return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
     fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
                                 eps=eps, xp=xp)
@@ -305,6 +440,9 @@ def performer_attention_weights(q, k, /, *, projection, kernel="positive", causa
     if order not in ("linear", "quadratic"):
         raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
     check_positive_int("chunk_size", chunk_size)
+    if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
+        a = _causal_stabilised(xp, q, k, None, projection, kernel, alignment, scale, order, chunk_size, eps)
+        return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
     fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return weights_from_features(fq, fk, causal=alignment or False, eps=eps, xp=xp)
 
