@@ -155,6 +155,8 @@ def verify_arguments(p):
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds per call")
     p.add_argument("--json", metavar="PATH", help="write the report(s) as JSON")
     p.add_argument("--show-na", action="store_true", help="list not-applicable cases too")
+    p.add_argument("--grads", action="store_true",
+                   help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel), one row each")
     _semantics_args(p)
 
 
@@ -170,7 +172,7 @@ def verify_command(args) -> int:
             rep = verify(kernel, variant, backend=backend, dtypes=tuple(args.dtype or ["float32"]),
                          layout=args.layout, suite=args.suite or "standard", seed=args.seed,
                          supports=_supports(args.supports), deterministic=args.deterministic,
-                         time_limit=args.time_limit, **_semantics(args))
+                         time_limit=args.time_limit, grads=args.grads, **_semantics(args))
             print(rep.table(show_na=args.show_na))
             reports.append(rep)
     _write_json(args.json, reports)
@@ -261,6 +263,8 @@ def export_vectors_arguments(p):
     p.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd", "nd"))
     p.add_argument("--suite", default="standard", choices=("quick", "standard", "exhaustive"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grads", action="store_true",
+                   help="also write do and the golden gradients golden_dq, golden_dk, golden_dv")
     _semantics_args(p)
 
 
@@ -269,7 +273,7 @@ def export_vectors_command(args) -> int:
 
     manifest = export_vectors(args.directory, args.variant, dtypes=tuple(args.dtype or ["float32"]),
                               layout=args.layout, suite=args.suite, seed=args.seed,
-                              **_semantics(args))
+                              grads=args.grads, **_semantics(args))
     n = len(manifest["cases"])
     print(f"wrote {n} cases and manifest.json to {args.directory}")
     return 0 if n else 1

@@ -616,6 +616,10 @@ def run_case(ctx: _Ctx, case: Case, dtype: str) -> list[CaseResult]:
             words = diagnose(prep, got, res, rerun=lambda c: _rerun(ctx, c, dtype))
             if words:
                 res.diagnosis = (res.diagnosis + "; " if res.diagnosis else "") + words
+    if ctx.extra.get("grads"):
+        from .grads import grad_results
+
+        return [res] + grad_results(ctx, prep, inputs, kw, shapes, dtype)
     return [res]
 
 
@@ -637,7 +641,7 @@ def _kernel_name(fn):
 
 def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd", seed=0,
             supports=None, tolerance=None, deterministic=False, time_limit=60.0, diagnose=True,
-            **semantics) -> _Ctx:
+            grads=False, backward=None, **semantics) -> _Ctx:
     """A prepared kernel: ``session(...).run(case, dtype) -> CaseResult`` (one case at a time)."""
     sem = _semantics(semantics)
     if layout not in LAYOUTS:
@@ -651,14 +655,17 @@ def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd"
         raise TypeError("backend must be a backend name or a (to_kernel, to_host) pair of "
                         f"functions, got {backend!r}")
     spec = KernelSpec.of(kernel, supports)
+    if backward is not None and not callable(backward):
+        raise TypeError(f"backward must be a callable (q, k, v, do, **kw) -> (dq, dk, dv), got {backward!r}")
     return _Ctx(spec, v, be, device, layout, sem, tolerance, deterministic, time_limit,
-                diagnose, seed, name=_kernel_name(kernel), backend_name=bname)
+                diagnose, seed, name=_kernel_name(kernel), backend_name=bname,
+                extra={"grads": bool(grads) or backward is not None, "backward": backward})
 
 
 def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float32",),
            layout="bhnd", suite="standard", seed=0, supports=None, tolerance=None,
            deterministic=False, time_limit=60.0, diagnose=True, progress=None,
-           search_examples=100, cases=None, **semantics) -> Report:
+           search_examples=100, cases=None, grads=False, backward=None, **semantics) -> Report:
     """Check ``kernel`` against the ``attn_ref`` reference of ``variant``.
 
     Parameters
@@ -699,6 +706,15 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         Hypothesis examples for the ``exhaustive`` suite's search.
     cases : list of Case, optional
         Run these instead of the suite's catalogue.
+    grads : bool
+        Also check the gradients ``dq``, ``dk``, ``dv`` (and ``dbias``) of the kernel
+        against :data:`attn_ref.grad.VJPS`, one report row each, each with its own
+        tolerance from the same model (:mod:`conformance.grads`). The kernel is
+        differentiated by ``torch.autograd`` or ``jax.vjp``, or by ``backward``.
+    backward : callable, optional
+        ``backward(q, k, v, do, **kw) -> (dq, dk, dv)`` (or with ``dbias``, or a dict):
+        the kernel's explicit backward, for kernels without autodiff (raw CUDA/Triton,
+        NumPy). Implies ``grads=True``.
     **semantics
         ``fully_masked="zeros"|"mean"|"excluded"``, ``causal="top-left"|"bottom-right"|"both"``.
 
@@ -722,7 +738,8 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
             raise ValueError(f"dtypes must be among {tuple(MANTISSA_BITS)}, got {dt!r}")
     ctx = session(kernel, variant, backend=backend, device=device, layout=layout, seed=seed,
                   supports=supports, tolerance=tolerance, deterministic=deterministic,
-                  time_limit=time_limit, diagnose=diagnose, **semantics)
+                  time_limit=time_limit, diagnose=diagnose, grads=grads, backward=backward,
+                  **semantics)
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
     todo = list(cases) if cases is not None else _cases(None, suite)
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,

@@ -33,6 +33,8 @@ def pytest_addoption(parser):
     g.addoption("--attn-causal", default=None, choices=("top-left", "bottom-right", "both"))
     g.addoption("--attn-supports", action="append", default=None,
                 metavar="FEATURE[=PARAM|false]", help="override signature detection")
+    g.addoption("--attn-grads", action="store_true", default=False,
+                help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel)")
 
 
 class _Item:
@@ -50,6 +52,16 @@ class _Item:
                 f"worst at (batch, head, query) {tuple(res.worst)}\n  -> {res.diagnosis}",
                 pytrace=False,
             )
+        if self.sess.extra.get("grads"):
+            from .oracle import run_case
+
+            bad = [r for r in run_case(self.sess, self.case, self.dtype)[1:]
+                   if r.verdict not in ("pass", "n/a")]
+            if bad:
+                pytest.fail("\n".join(
+                    f"{r.verdict}: {self.case.id} [{self.dtype}] {r.output} max err {r.max_err:.3g} "
+                    f"(tol {r.tol_max:.3g}), rms err {r.rms_err:.3g} (tol {r.tol_rms:.3g})"
+                    f"\n  -> {r.diagnosis}" for r in bad), pytrace=False)
 
 
 def _session(config):
@@ -66,7 +78,8 @@ def _session(config):
         sess = session(load_kernel(config.getoption("attn_kernel")),
                        config.getoption("attn_variant"), backend=config.getoption("attn_backend"),
                        layout=config.getoption("attn_layout"), seed=config.getoption("attn_seed"),
-                       supports=_supports(config.getoption("attn_supports")), **sem)
+                       supports=_supports(config.getoption("attn_supports")),
+                       grads=config.getoption("attn_grads"), **sem)
         setattr(config, key, sess)
     return getattr(config, key)
 

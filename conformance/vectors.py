@@ -22,8 +22,11 @@ options), ``arrays`` (names in the file), ``tol_max_abs`` and ``tol_rms`` (the b
 kernel's max-abs and RMS errors over compared elements must stay under), and the
 ``baseline_max_abs`` / ``baseline_rms`` they were derived from. A kernel passes a case
 when both errors are within bounds and it produced no NaN/Inf where the golden is
-finite. The gradient checks add ``do`` and ``golden_dq``/``golden_dk``/``golden_dv``
-with ``tol_*`` entries per output (``outputs`` lists them).
+finite. With ``grads=True`` (CLI ``--grads``) each file also holds ``do`` (the output
+cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv`` (``golden_dbias``
+when the case has a bias; float64, ``dq`` rows excluded by ``fully_masked="excluded"``
+are NaN); ``outputs`` lists them and ``output_tolerances`` gives each one's
+``tol_max_abs``/``tol_rms`` and baselines.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layout="bhnd",
-                   suite="standard", seed=0, cases=None, **semantics) -> dict:
+                   suite="standard", seed=0, cases=None, grads=False, **semantics) -> dict:
     """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest."""
     sem = _semantics(semantics)
     os.makedirs(directory, exist_ok=True)
@@ -86,6 +89,9 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
             arrays["compare"] = np.ascontiguousarray(to_layout(keep, layout))
+            outputs, grad_tols = ["golden"], {}
+            if grads:
+                outputs, grad_tols = _add_grads(prep, arrays, layout, dt)
             np.savez(os.path.join(directory, fname), **arrays)
             scale = prep.kwargs.get("scale")
             entries.append({
@@ -100,7 +106,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},
                 "arrays": sorted(arrays),
-                "outputs": ["golden"],
+                "outputs": outputs,
+                "output_tolerances": grad_tols,
                 "tol_max_abs": prep.tol_max,
                 "tol_rms": prep.tol_rms,
                 "baseline_max_abs": prep.baseline.max_err if prep.baseline else None,
@@ -123,6 +130,31 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
         json.dump(manifest, f, indent=1)
         f.write("\n")
     return manifest
+
+
+def _add_grads(prep, arrays, layout, dtype):
+    """``do`` (kernel dtype) and ``golden_dq``... (float64) into ``arrays``; their bounds."""
+    from .grads import GRAD_OUTPUTS, prepare_grads
+
+    try:
+        g = prepare_grads(prep)
+    except NotApplicable:
+        return ["golden"], {}
+    arrays["do"] = _store(to_layout(g["do"], layout), dtype)
+    outputs, tols = ["golden"], {}
+    for n in ("q", "k", "v", "bias"):
+        if n not in g:
+            continue
+        gold, keep, tmax, trms, bm = g[n]
+        name = "golden_" + GRAD_OUTPUTS[n]
+        gold = np.where(keep, gold, np.nan) if keep is not None else gold
+        arrays[name] = np.ascontiguousarray(
+            (gold[0, 0] if layout == "nd" else gold) if n == "bias" else to_layout(gold, layout))
+        outputs.append(name)
+        tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,
+                      "baseline_max_abs": bm.max_err if bm else None,
+                      "baseline_rms": bm.rms_err if bm else None}
+    return outputs, tols
 
 
 def load_vectors(directory):

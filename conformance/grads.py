@@ -1,0 +1,394 @@
+"""Gradient checks: ``verify(..., grads=True)`` judges a kernel's ``dq``, ``dk``, ``dv``
+(and ``dbias`` when the case has a bias the kernel takes).
+
+For each case and dtype:
+
+1. an output cotangent ``do`` (standard normal, drawn from the seed and the case id,
+   rounded to the kernel dtype; zero on rows with no key to attend to unless the kernel
+   declared ``fully_masked="zeros"``, so a ``"mean"`` or ``"excluded"`` convention does
+   not leak into ``dk``/``dv``);
+2. golden gradients: the reference VJP :data:`attn_ref.grad.VJPS` of the variant on the
+   rounded inputs, in float64 (longdouble for float64 kernels), exactly like the
+   forward golden;
+3. a baseline per gradient: the same VJP run in the kernel dtype; each gradient's
+   tolerance comes from :class:`conformance.tolerance.Tolerance` with its own baseline
+   and magnitude (override one with ``tolerance={"dq": Tolerance(...)}``);
+4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
+   backend, ``jax.vjp`` on JAX) or from an explicit ``backward(q, k, v, do, **kw)``
+   returning ``(dq, dk, dv)`` or ``(dq, dk, dv, dbias)`` or a dict with those names
+   (what a raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
+
+Each gradient is a report row of its own (``output`` ``dq``, ``dk``, ``dv``, ``dbias``).
+A failing softmax gradient is compared with the known backward mistakes
+(:data:`MISTAKES`) and the one that explains it is named.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+
+import numpy as np
+
+from .catalogue import NotApplicable, allowed_matrix
+from .report import CaseResult
+from .tolerance import measure
+
+__all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS"]
+
+GRAD_OUTPUTS = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias"}
+
+
+def _np():
+    import array_api_compat.numpy as npx
+
+    return npx
+
+
+def _vjp(prep):
+    from attn_ref.grad import VJPS
+
+    try:
+        return VJPS[prep.variant.name]
+    except KeyError:
+        raise NotApplicable(f"no reference gradient for variant {prep.variant.name!r} "
+                            f"(attn_ref.grad.VJPS has {sorted(VJPS)})") from None
+
+
+def _cotangent(prep) -> np.ndarray:
+    from .tolerance import round_to
+
+    seed = zlib.crc32(f"{prep.case.id}/do".encode()) ^ prep.seed
+    rng = np.random.default_rng(seed)
+    do = rng.standard_normal(prep.golden.shape)
+    if prep.dead_rows is not None and prep.semantics["fully_masked"] != "zeros":
+        do = np.where(prep.dead_rows[..., None], 0.0, do)
+    return round_to(do, prep.dtype)
+
+
+def _reference_grads(prep, do, dtype, vjp=None):
+    from .oracle import _BASE_KEYS, _as
+
+    a = {n: _as(x, dtype) for n, x in prep.arrays.items()}
+    p = {n: _as(x, dtype) for n, x in prep.params.items()}
+    g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], _as(do, dtype),
+                   **{n: x for n, x in a.items() if n not in _BASE_KEYS},
+                   **prep.kwargs, **p, **prep.options, xp=_np())
+    return {n: np.asarray(x, dtype=np.float64) if dtype != "longdouble" else np.asarray(x)
+            for n, x in g.items() if n in GRAD_OUTPUTS}
+
+
+def _baselines(prep):
+    """The plain implementations whose error in the kernel dtype sets the baseline.
+
+    Each is ``f(prep, do, dtype) -> grads``. For softmax there are three common ways to
+    get ``dS``, which round differently, and the baseline is the largest error of them:
+    autograd through a softmax (``P * (dP - rowsum(P * dP))``); FlashAttention's
+    backward (``D = rowsum(dO * O)``, ``P`` recomputed from the saved log-sum-exp); and
+    that backward with the saved ``out``/``lse`` correctly rounded from a float64
+    forward, so that - as in a real kernel whose forward and backward tile differently
+    - the recomputed logits do not round exactly like the ones ``lse`` came from (on
+    peaked rows with logits of size ``L`` this moves ``P`` by ``ulp(L)``).
+    """
+    from attn_ref import grad
+
+    if prep.variant.name not in ("softmax", "online_softmax"):
+        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype)]
+    return [
+        lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.softmax_attention),
+        lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.online_softmax_attention),
+        _flash_with_exact_lse,
+    ]
+
+
+def _flash_with_exact_lse(prep, do, dtype):
+    from attn_ref import grad
+
+    from .oracle import _BASE_KEYS, _as
+
+    def call(fn, dt, *extra, **kw):
+        a = {n: _as(x, dt) for n, x in prep.arrays.items()}
+        return fn(a["q"], a["k"], a["v"], *extra, **{n: x for n, x in a.items() if n not in _BASE_KEYS},
+                  **prep.kwargs, **prep.options, **kw, xp=_np())
+
+    out, lse = call(grad.online_softmax_forward, "float64")
+    g = call(grad.online_softmax_attention, dtype, _as(do, dtype), out=_as(np.asarray(out), dtype),
+             lse=_as(np.asarray(lse), dtype))
+    return {n: np.asarray(x, dtype=np.float64) for n, x in g.items() if n in GRAD_OUTPUTS}
+
+
+def prepare_grads(prep, tolerance=None) -> dict:
+    """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``."""
+    from .oracle import _tolerance
+
+    cache = prep.__dict__.setdefault("_grads", {})
+    key = repr(tolerance)
+    if key in cache:
+        return cache[key]
+    do = _cotangent(prep)
+    try:
+        gold = _reference_grads(prep, do, prep.golden_dtype)
+    except NotApplicable:
+        raise
+    except Exception as exc:
+        raise NotApplicable(f"the reference gradient cannot take this case: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    gold = {n: np.asarray(x, dtype=np.float64) for n, x in gold.items()}
+    bases = []
+    for plain in _baselines(prep):
+        try:
+            with np.errstate(all="ignore"):
+                bases.append(plain(prep, do, prep.dtype))
+        except Exception:
+            pass
+    out = {"do": do}
+    for n, g in gold.items():
+        keep = None
+        if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
+            # fully_masked="excluded": a dead row's dq is as arbitrary as its output.
+            keep = np.broadcast_to(prep.keep[..., :1], g.shape)
+        ms = [measure(b[n], g, keep) for b in bases if n in b]
+        ms = [m for m in ms if not m.nonfinite]
+        bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
+        mag = float(np.max(np.abs(g))) if g.size else 0.0
+        tol = _tolerance(tolerance, prep.dtype, GRAD_OUTPUTS[n])
+        if bm is None:
+            from .tolerance import ulp
+
+            b_max = b_rms = 16 * ulp(mag, prep.dtype)
+        else:
+            b_max, b_rms = bm.max_err, bm.rms_err
+        tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype)
+        out[n] = (g, keep, tmax, trms, bm)
+    cache[key] = out
+    return out
+
+
+# ------------------------------------------------------------- the kernel's gradients
+
+
+def _autodiff(ctx, inputs, kw, bias_name, do_k):
+    """``{name: kernel-layout gradient}`` from the kernel's own framework."""
+    name = getattr(ctx.backend, "name", "custom")
+    names = ["q", "k", "v"] + (["bias"] if bias_name else [])
+    if name == "torch":
+        import torch
+
+        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+        kw = dict(kw)
+        if bias_name:
+            leaves["bias"] = kw[bias_name].detach().clone().requires_grad_(True)
+            kw[bias_name] = leaves["bias"]
+        out = ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=do_k,
+                                    allow_unused=True)
+        return dict(zip(names, grads))
+    if name == "jax":
+        import jax
+
+        def f(*xs):
+            kw2 = dict(kw)
+            if bias_name:
+                kw2[bias_name] = xs[3]
+            out = ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2)
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        vals = [inputs["q"], inputs["k"], inputs["v"]] + ([kw[bias_name]] if bias_name else [])
+
+        def vjp(*args):
+            return jax.vjp(f, *args[:-1])[1](args[-1])
+
+        # One compilation of forward + backward instead of one per operation; a kernel
+        # that cannot be traced runs eagerly.
+        try:
+            grads = jax.jit(vjp)(*vals, do_k)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError):
+            grads = vjp(*vals, do_k)
+        return dict(zip(names, grads))
+    raise NotApplicable(f"backend {name!r} has no automatic differentiation: pass "
+                        "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv)")
+
+
+def _explicit(backward, inputs, kw, do_k, bias_name):
+    got = backward(inputs["q"], inputs["k"], inputs["v"], do_k, **kw)
+    if isinstance(got, dict):
+        return {n.removeprefix("d") if n.startswith("d") and n[1:] in GRAD_OUTPUTS else n: x
+                for n, x in got.items()}
+    names = ["q", "k", "v", "bias"]
+    if not isinstance(got, (tuple, list)) or len(got) not in (3, 4):
+        raise TypeError(f"backward must return (dq, dk, dv), (dq, dk, dv, dbias) or a dict, "
+                        f"got {type(got).__name__}")
+    return dict(zip(names, got))
+
+
+def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
+    """The gradient rows of one case (see the module docstring); never raises for a kernel's fault."""
+    from .oracle import from_layout, to_layout
+
+    base = {"case": prep.case.id, "dtype": dtype}
+    try:
+        g = prepare_grads(prep, ctx.tolerance)
+    except NotApplicable as exc:
+        return [CaseResult.na(reason=str(exc), output="grads", **base)]
+    do = g["do"]
+    bias_name = None
+    if "bias" in g and "bias" in prep.arrays:
+        pname = ctx.kernel.names.get("bias")
+        if pname in kw:
+            bias_name = pname
+    t0 = time.perf_counter()
+    try:
+        do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
+        with np.errstate(all="ignore"):
+            backward = ctx.extra.get("backward")
+            got = (_explicit(backward, inputs, kw, do_k, bias_name) if backward is not None
+                   else _autodiff(ctx, inputs, kw, bias_name, do_k))
+    except NotApplicable as exc:
+        return [CaseResult.na(reason=str(exc), output="grads", **base)]
+    except Exception as exc:
+        return [CaseResult.error(f"kernel backward raised {type(exc).__name__}: {exc}",
+                                 output="grads", time_s=time.perf_counter() - t0, shapes=shapes,
+                                 **base)]
+    elapsed = time.perf_counter() - t0
+    rows = []
+    hosts = {}
+    for n in ("q", "k", "v", "bias"):
+        if n not in g or (n == "bias" and bias_name is None):
+            continue
+        gold, keep, tmax, trms, bm = g[n]
+        out_name = GRAD_OUTPUTS[n]
+        x = got.get(n)
+        if x is None:
+            rows.append(CaseResult.error(f"the kernel returned no gradient for {n}", verdict="fail",
+                                         output=out_name, time_s=elapsed, shapes=shapes, **base))
+            continue
+        h = np.asarray(ctx.to_host(x), dtype=np.float64)
+        h = (h[None, None] if ctx.layout == "nd" else h) if n == "bias" else from_layout(h, ctx.layout)
+        if h.shape != gold.shape:
+            rows.append(CaseResult.error(f"{out_name} has shape {h.shape}, expected {gold.shape}",
+                                         verdict="fail", output=out_name, time_s=elapsed,
+                                         shapes=shapes, **base))
+            continue
+        hosts[n] = h
+        m = measure(h, gold, keep)
+        res = _judge(prep, m, out_name, tmax, trms, bm)
+        res.time_s, res.shapes = elapsed, shapes
+        rows.append(res)
+    if ctx.diagnose and any(r.verdict == "fail" and not r.diagnosis for r in rows):
+        with np.errstate(all="ignore"):
+            words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
+        for r in rows:
+            n = r.output[1:]
+            if r.verdict == "fail" and not r.diagnosis and words.get(n):
+                r.diagnosis = words[n]
+    return rows
+
+
+def _judge(prep, m, output, tmax, trms, bm):
+    ratio = max(m.max_err / tmax if tmax > 0 else math.inf, m.rms_err / trms if trms > 0 else math.inf)
+    if m.golden_nonfinite:
+        verdict, why = "error", f"oracle: golden {output} has {m.golden_nonfinite} non-finite values"
+    elif m.nonfinite:
+        verdict, why, ratio = "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
+    elif m.max_err <= tmax and m.rms_err <= trms:
+        verdict, why = "pass", ""
+    else:
+        verdict, why = "fail", ""
+    return CaseResult(case=prep.case.id, dtype=prep.dtype, output=output, max_err=m.max_err,
+                      rms_err=m.rms_err, tol_max=tmax, tol_rms=trms, ratio=ratio, worst=m.worst[:3],
+                      verdict=verdict, diagnosis=why,
+                      baseline_max=bm.max_err if bm else float("nan"),
+                      baseline_rms=bm.rms_err if bm else float("nan"))
+
+
+# ---------------------------------------------------------------------- diagnosis
+
+#: Known backward-pass mistakes of softmax attention, tested in this order.
+MISTAKES = {
+    "no_rowsum_term": "the rowsum(dO * O) term is missing from dS (dS = P * dP instead of "
+                      "P * (dP - rowsum(dO * O)))",
+    "ds_not_transposed": "dS is applied untransposed (dK = scale dS Q instead of scale dS^T Q)",
+    "dk_no_scale": "dK is missing the softmax scale",
+    "dq_no_scale": "dQ is missing the softmax scale",
+    "p_unnormalised": "P is recomputed with the row maximum instead of the log-sum-exp "
+                      "(unnormalised exp(S - max) in the backward)",
+    "mask_leak": "gradients leak through the mask: the backward recomputes P without the "
+                 "mask/causal restriction",
+    "dq_dk_swapped": "dq and dk are swapped",
+}
+
+
+def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None):
+    """Plain float64 softmax-attention gradients, optionally with one known mistake."""
+    s = np.einsum("...id,...jd->...ij", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s_un = s
+        s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    den = e.sum(-1, keepdims=True)
+    p = e / np.where(den > 0, den, 1.0)
+    out = p @ v
+    pb = p
+    if mistake == "p_unnormalised":
+        pb = e
+    elif mistake == "mask_leak" and allowed is not None:
+        mu = np.max(s_un, axis=-1, keepdims=True)
+        eu = np.exp(s_un - mu)
+        pb = eu / eu.sum(-1, keepdims=True)
+    dv = np.swapaxes(pb, -1, -2) @ do
+    dp = do @ np.swapaxes(v, -1, -2)
+    dcoef = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
+    ds = pb * (dp - dcoef)
+    dq = ds @ k * (1.0 if mistake == "dq_no_scale" else scale)
+    if mistake == "ds_not_transposed":
+        dk = ds @ q * scale if ds.shape[-1] == ds.shape[-2] else None
+    else:
+        dk = np.swapaxes(ds, -1, -2) @ q * (1.0 if mistake == "dk_no_scale" else scale)
+    if mistake == "dq_dk_swapped":
+        dq, dk = dk, dq
+    return {"q": dq, "k": dk, "v": dv, "bias": ds}
+
+
+def _reduce(x, shape):
+    if x is None:
+        return None
+    x = np.asarray(x)
+    while x.ndim > len(shape):
+        x = x.sum(0)
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and x.shape[i] != 1)
+    return x.sum(axes, keepdims=True) if axes else x
+
+
+def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:
+    """``{name: words}`` for failing softmax gradients that a known mistake explains."""
+    if prep.variant.name not in ("softmax", "online_softmax"):
+        return {}
+    a = prep.arrays
+    scale = prep.kwargs.get("scale")
+    scale = 1.0 / math.sqrt(prep.case.d) if scale is None else scale
+    allowed = allowed_matrix(prep.case, a, prep.kwargs)
+    out = {}
+    for mistake, words in MISTAKES.items():
+        try:
+            cand = _softmax_grads(a["q"], a["k"], a["v"], do, scale, a.get("bias"), allowed, mistake)
+        except ValueError:
+            continue
+        for n, h in got.items():
+            if n in out or cand.get(n) is None:
+                continue
+            c = _reduce(cand[n], gold[n][0].shape)
+            if c.shape != h.shape:
+                continue
+            _, keep, tmax, trms, _ = gold[n]
+            mt = measure(h, c, keep)
+            mg = measure(h, gold[n][0], keep)
+            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
+                out[n] = f"matches a known mistake: {words}"
+    return out

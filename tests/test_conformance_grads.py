@@ -1,0 +1,235 @@
+"""conformance.grads: verify(..., grads=True) - gradient rows, calibration, broken backwards."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import attn_ref
+from conformance import verify
+from conformance.catalogue import cases
+from conformance.grads import MISTAKES
+from conformance.vectors import export_vectors, load_vectors
+
+QUICK = cases(None, "quick")
+
+
+# ------------------------------------------------------------- a NumPy kernel and its backward
+
+
+def _allowed(nq, nk, mask, causal):
+    allowed = np.ones((nq, nk), dtype=bool)
+    if causal:
+        off = 0 if causal in (True, "top-left") else nk - nq
+        allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
+    return allowed if mask is None else allowed & mask
+
+
+def _logits(q, k, mask, bias, causal, scale):
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    allowed = _allowed(q.shape[-2], k.shape[-2], mask, causal)
+    return np.where(allowed, s, -np.inf), s, allowed, scale
+
+
+def _softmax(s):
+    m = np.max(s, -1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+    d = e.sum(-1, keepdims=True)
+    return e / np.where(d > 0, d, 1.0), e
+
+
+def np_kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    s, _, _, _ = _logits(q, k, mask, bias, causal, scale)
+    return (_softmax(s)[0] @ v).astype(q.dtype)
+
+
+def make_backward(mistake=None):
+    """An explicit FlashAttention-style backward in NumPy, optionally with one mistake."""
+
+    def backward(q, k, v, do, *, mask=None, bias=None, causal=False, scale=None):
+        s, raw, allowed, sc = _logits(q, k, mask, bias, causal, scale)
+        p, e = _softmax(s)
+        out = p @ v
+        if mistake == "p_unnormalised":
+            p = e
+        elif mistake == "mask_leak":
+            p = _softmax(raw)[0]
+        dv = np.swapaxes(p, -1, -2) @ do
+        dp = do @ np.swapaxes(v, -1, -2)
+        d = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
+        ds = p * (dp - d)
+        dq = ds @ k * (1.0 if mistake == "dq_no_scale" else sc)
+        if mistake == "ds_not_transposed":
+            dk = ds @ q * sc
+        else:
+            dk = np.swapaxes(ds, -1, -2) @ q * (1.0 if mistake == "dk_no_scale" else sc)
+        dbias = ds
+        if bias is not None:
+            dbias = ds.sum(tuple(range(ds.ndim - bias.ndim)))
+            dbias = dbias.sum(tuple(i for i, n in enumerate(bias.shape) if n == 1), keepdims=True)
+        grads = {"dq": dq, "dk": dk, "dv": dv}
+        if mistake == "dq_dk_swapped":
+            grads = {"dq": dk, "dk": dq, "dv": dv}
+        if bias is not None:
+            grads["dbias"] = dbias
+        return {n: x.astype(q.dtype) for n, x in grads.items()}
+
+    return backward
+
+
+def test_correct_explicit_backward_passes_with_a_row_per_gradient():
+    rep = verify(np_kernel, "softmax", backend="numpy", dtypes=("float32", "float64"), suite="quick",
+                 backward=make_backward(), causal="both")
+    assert rep.passed, rep.table()
+    outputs = {r.output for r in rep.results if r.verdict == "pass"}
+    assert outputs == {"out", "dq", "dk", "dv", "dbias"}
+    per_case = {}
+    for r in rep.results:
+        per_case.setdefault((r.case, r.dtype), set()).add(r.output)
+    assert all({"out", "dq", "dk", "dv"} <= s for s in per_case.values())
+    table = rep.table()
+    assert " dq " in table and " dbias" in table
+
+
+# The mutation catalogue of broken backward passes: each must fail, most with the
+# diagnosis that names the mistake (a mistake that coincides with the truth on a case,
+# such as the mask leak on unmasked cases, still fails on the cases where it matters).
+MUTANTS = {
+    "no_rowsum_term": "rowsum(dO * O) term is missing",
+    "ds_not_transposed": "applied untransposed",
+    "dk_no_scale": "dK is missing the softmax scale",
+    "dq_no_scale": "dQ is missing the softmax scale",
+    "p_unnormalised": "row maximum instead of the log-sum-exp",
+    "mask_leak": "gradients leak through the mask",
+    "dq_dk_swapped": "dq and dk are swapped",
+}
+
+
+@pytest.mark.parametrize("mistake", MUTANTS)
+def test_broken_backward_fails_with_its_diagnosis(mistake):
+    assert mistake in MISTAKES
+    rep = verify(np_kernel, "softmax", backend="numpy", suite="quick", backward=make_backward(mistake),
+                 causal="both")
+    assert not rep.passed
+    grad_fails = [r for r in rep.failures if r.output != "out"]
+    assert grad_fails and not [r for r in rep.failures if r.output == "out"]
+    diagnosed = [r for r in grad_fails if MUTANTS[mistake] in r.diagnosis]
+    # Shape errors (dS untransposed with Nq != Nk) and rows equally explained by another
+    # mistake are not diagnosed; the rest are.
+    assert len(diagnosed) >= len(grad_fails) // 3, [(r.case, r.output, r.diagnosis) for r in grad_fails]
+
+
+def test_gradients_that_leak_through_a_causal_mask_fail_on_causal_cases():
+    causal = [c for c in QUICK if c.param("causal") or "causal" in c.id]
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=causal, backward=make_backward("mask_leak"),
+                 causal="both")
+    assert {r.case for r in rep.failures} == {c.id for c in causal}
+
+
+def test_torch_sdpa_autograd_passes_in_every_dtype():
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale)
+
+    rep = verify(sdpa, "softmax", backend="torch", dtypes=("float32", "bfloat16", "float16"),
+                 suite="quick", grads=True)
+    assert rep.passed, rep.table()
+    assert sum(r.output == "dq" and r.verdict == "pass" for r in rep.results) >= 30
+
+
+def test_torch_bias_gradient_is_checked():
+    torch = pytest.importorskip("torch")
+
+    def sdpa_bias(q, k, v, *, bias=None, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+    bias_cases = [c for c in QUICK if c.id.startswith("bias")]
+    rep = verify(sdpa_bias, "softmax", backend="torch", cases=bias_cases, grads=True)
+    assert rep.passed, rep.table()
+    assert "dbias" in {r.output for r in rep.results}
+
+    def detached_bias(q, k, v, *, bias=None, scale=None):
+        return sdpa_bias(q, k, v, bias=None if bias is None else bias.detach(), scale=scale)
+
+    rep = verify(detached_bias, "softmax", backend="torch", cases=bias_cases, grads=True)
+    assert [r.output for r in rep.failures] == ["dbias"]
+    assert "no gradient for bias" in rep.failures[0].diagnosis
+
+
+def test_jax_vjp_of_attn_ref_on_jax_passes():
+    jax = pytest.importorskip("jax")
+
+    @jax.jit
+    def _ref(q, k, v):
+        return attn_ref.softmax_attention(q, k, v)
+
+    def ref(q, k, v):
+        return _ref(q, k, v)
+
+    rep = verify(ref, "softmax", backend="jax", cases=QUICK[:2], grads=True)
+    assert rep.passed, rep.table()
+    assert {"dq", "dk", "dv"} <= {r.output for r in rep.results}
+
+
+def test_no_autodiff_and_no_backward_is_not_applicable():
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:2], grads=True)
+    na = [r for r in rep.results if r.output == "grads"]
+    assert na and all(r.verdict == "n/a" and "backward=" in r.diagnosis for r in na)
+    assert rep.passed  # the forward rows still pass; gradients were not claimed
+
+
+def test_backward_that_raises_or_returns_nan_fails():
+    def raising(q, k, v, do, **kw):
+        raise RuntimeError("boom")
+
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:1], backward=raising)
+    assert not rep.passed and "kernel backward raised RuntimeError: boom" in rep.failures[0].diagnosis
+
+    def nan_dead_rows(q, k, v, do, **kw):
+        g = make_backward()(q, k, v, do, **kw)
+        g["dq"] = np.where(np.isfinite(g["dq"]) & (g["dq"] != 0), g["dq"], np.nan)
+        return g
+
+    dead = [c for c in QUICK if "fully_masked" in c.id]
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=dead, backward=nan_dead_rows)
+    assert [r.output for r in rep.failures] == ["dq"]
+    assert "NaN/Inf" in rep.failures[0].diagnosis
+
+
+def test_export_vectors_with_gradients(tmp_path):
+    man = export_vectors(tmp_path, "softmax", dtypes=("float16",), cases=QUICK[:3] + QUICK[10:11],
+                         grads=True)
+    entry = man["cases"][0]
+    assert entry["outputs"] == ["golden", "golden_dq", "golden_dk", "golden_dv"]
+    assert set(entry["output_tolerances"]) == {"golden_dq", "golden_dk", "golden_dv"}
+    with open(tmp_path / "manifest.json", encoding="utf-8") as f:
+        assert json.load(f)["cases"][0]["output_tolerances"]["golden_dq"]["tol_max_abs"] > 0
+    for entry, arrays in load_vectors(tmp_path):
+        assert arrays["do"].dtype == np.float16 and arrays["do"].shape == arrays["golden"].shape
+        assert arrays["golden_dq"].shape == arrays["q"].shape
+        assert arrays["golden_dv"].dtype == np.float64
+        # The golden gradients are the reference VJP of the stored inputs.
+        q, k, v, do = (arrays[n].astype(np.float64) for n in ("q", "k", "v", "do"))
+        kw = {"scale": entry["scale"]}
+        if "bias" in arrays:
+            kw["bias"] = arrays["bias"].astype(np.float64)
+        g = attn_ref.grad.softmax_attention(q, k, v, do, causal=entry["causal"] or False, **kw)
+        np.testing.assert_allclose(g["k"], arrays["golden_dk"], rtol=1e-10, atol=1e-12)
+    assert "golden_dbias" in man["cases"][-1]["outputs"]
+
+
+def test_cli_and_pytest_flags_exist():
+    from conformance.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["verify", "m:f", "--grads"]).grads is True
+    assert p.parse_args(["export-vectors", "d", "--grads"]).grads is True
+    import conformance.pytest_plugin as plugin
+
+    assert "--attn-grads" in open(plugin.__file__, encoding="utf-8").read()
