@@ -4,8 +4,9 @@ Every case is one batch of ``HEADS = 8`` heads of dimension ``HEAD_DIM = 64`` in
 float32, for sequence lengths ``N`` in powers of two from 256 to 65536, cut at the
 largest ``N`` that fits the machine for the variant (:func:`max_n`).
 
-asv imports this suite once in a server process and forks every benchmark from it,
-and CUDA does not survive a fork: nothing here touches a GPU at import. Whether one
+asv either imports this suite afresh for every benchmark process (its default) or
+once in a server that forks them (``--launch-method forkserver``), and CUDA does not
+survive a fork: nothing here touches a GPU at import. Whether one
 is usable is asked of a child process (:func:`gpu_probe`); the device is opened in
 ``setup``, inside the forked process.
 
@@ -16,6 +17,10 @@ Environment variables (read at import, so discovery and runs agree):
     (default: every one that is installed and usable here).
 ``ATTN_REF_BENCH_MIN_N``, ``ATTN_REF_BENCH_MAX_N``
     Limit the ``N`` values, e.g. ``ATTN_REF_BENCH_MAX_N=512`` for a quick check.
+``ATTN_REF_BENCH_GPU``
+    ``cupy,torch-cuda`` (or a part, or ``none``): the GPU libraries that work here,
+    instead of probing. asv imports the suite afresh in every benchmark process, and
+    a probe costs a CUDA initialisation each time.
 """
 
 from __future__ import annotations
@@ -86,6 +91,13 @@ def gpu_probe() -> dict[str, bool]:
     driver. The child keeps CUDA out of this (forking) process.
     """
     none = {"cupy": False, "torch-cuda": False}
+    given = os.environ.get("ATTN_REF_BENCH_GPU")
+    if given is not None:
+        names = {g.strip() for g in given.split(",") if g.strip()} - {"none"}
+        unknown = sorted(names - set(none))
+        if unknown:
+            raise ValueError(f"ATTN_REF_BENCH_GPU names {unknown}; known: cupy, torch-cuda, none")
+        return {k: k in names for k in none}
     if not (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")):
         return none
     if not (_have("cupy") or _have("torch")):

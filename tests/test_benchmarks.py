@@ -101,6 +101,22 @@ def test_environment_narrows_the_grid(monkeypatch):
         C.backends()
 
 
+def test_gpu_probe_can_be_given(monkeypatch):
+    C.gpu_probe.cache_clear()
+    try:
+        monkeypatch.setenv("ATTN_REF_BENCH_GPU", "torch-cuda")
+        assert C.gpu_probe() == {"cupy": False, "torch-cuda": True}
+        C.gpu_probe.cache_clear()
+        monkeypatch.setenv("ATTN_REF_BENCH_GPU", "none")
+        assert C.gpu_probe() == {"cupy": False, "torch-cuda": False}
+        C.gpu_probe.cache_clear()
+        monkeypatch.setenv("ATTN_REF_BENCH_GPU", "tpu")
+        with pytest.raises(ValueError, match="ATTN_REF_BENCH_GPU names \\['tpu'\\]"):
+            C.gpu_probe()
+    finally:
+        C.gpu_probe.cache_clear()
+
+
 def test_gpu_probe_without_a_gpu():
     probe = C.gpu_probe()
     assert set(probe) == {"cupy", "torch-cuda"} and all(isinstance(v, bool) for v in probe.values())
