@@ -153,6 +153,8 @@ class Case:
             out.add("scale")
         if self.kv_batch is not None:
             out.add("broadcast")
+        if self.dv != self.d:
+            out.add("value_dim")
         return frozenset(out)
 
     @property
@@ -268,6 +270,8 @@ class Feature:
         be seen in a signature (``declared_only``).
     declared_only : bool
         The kernel must opt in with ``verify(..., supports={name: True})``.
+    assumed : bool
+        Supported unless the kernel opts out with ``supports={name: False}``.
     build : callable, optional
         ``build(case, rng, arrays, kwargs)``: add or change inputs in place.
     allowed : callable, optional
@@ -283,6 +287,7 @@ class Feature:
     name: str
     params: tuple = ()
     declared_only: bool = False
+    assumed: bool = False
     build: Callable | None = None
     allowed: Callable | None = None
     to_kernel: Callable | None = None
@@ -332,8 +337,102 @@ register_feature(Feature("causal", ("causal", "is_causal"), allowed=_causal_allo
                          doc="causal masking; alignment declared by semantics causal="))
 register_feature(Feature("scale", ("scale", "softmax_scale", "sm_scale"),
                          doc="explicit logit scale (default 1/sqrt(d) otherwise)"))
+register_feature(Feature("value_dim", declared_only=True, assumed=True,
+                         doc="v with a head dim dv different from q/k's d (opt out with False)"))
 register_feature(Feature("broadcast", declared_only=True,
                          doc="k and v with leading (batch, head) dims that broadcast against q's"))
+
+
+
+# ------------------------------------------------------------- features of modern kernels
+# Grouped-query heads, sliding windows, soft-capping, ALiBi, dropout keep-masks and
+# per-sequence lengths (KV-cache decoding, varlen batches in their padded form). The
+# reference keywords are those of attn_ref.softmax; positions follow FlashAttention:
+# query i sits at key position i + Lk - Lq of its own sequence.
+
+
+def _lengths(case, kwargs):
+    """Per-batch ``(Lq, Lk)`` int arrays shaped ``(B, 1, 1, 1)``."""
+    b = case.batch[0]
+    lq = np.asarray(kwargs.get("seqlens_q", (case.nq,) * b)).reshape(b, 1, 1, 1)
+    lk = np.asarray(kwargs.get("seqlens_k", (case.nk,) * b)).reshape(b, 1, 1, 1)
+    return lq, lk
+
+
+def _gqa_build(case, rng, arrays, kwargs):
+    hkv = case.param("kv_heads")
+    arrays["k"], arrays["v"] = arrays["k"][:, :hkv].copy(), arrays["v"][:, :hkv].copy()
+    kwargs["gqa"] = True
+
+
+def _window_build(case, rng, arrays, kwargs):
+    kwargs["window"] = tuple(int(w) for w in case.param("window"))
+
+
+def _window_allowed(case, arrays, kwargs):
+    left, right = kwargs["window"]
+    lq, lk = _lengths(case, kwargs)
+    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
+    ok = np.ones((case.batch[0], 1, case.nq, case.nk), dtype=bool)
+    if left >= 0:
+        ok &= j >= i + lk - lq - left
+    if right >= 0:
+        ok &= j <= i + lk - lq + right
+    return ok
+
+
+def _softcap_build(case, rng, arrays, kwargs):
+    kwargs["softcap"] = float(case.param("softcap"))
+
+
+def _alibi_build(case, rng, arrays, kwargs):
+    # The ALiBi paper's geometric slopes 2^(-8 h / H), h = 1..H.
+    h = case.batch[1]
+    arrays["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
+
+
+def _dropout_build(case, rng, arrays, kwargs):
+    p = float(case.param("dropout_p"))
+    b, h = case.batch
+    arrays["dropout_mask"] = rng.random((b, h, case.nq, case.nk)) >= p
+    kwargs["dropout_p"] = p
+
+
+def _seqlens_build(which):
+    def build(case, rng, arrays, kwargs):
+        kwargs[f"seqlens_{which}"] = tuple(int(x) for x in case.param(f"seqlens_{which}"))
+    return build
+
+
+def _seqlens_allowed(case, arrays, kwargs):
+    lq, lk = _lengths(case, kwargs)
+    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
+    return (i < lq) & (j < lk)
+
+
+register_feature(Feature("gqa", ("gqa", "enable_gqa"), build=_gqa_build,
+                         to_kernel=lambda value, case, semantics: True,
+                         doc="grouped-query/multi-query attention: k, v with Hkv heads, query "
+                             "head h uses kv head h // (Hq / Hkv)"))
+register_feature(Feature("window", ("window", "window_size"), build=_window_build,
+                         allowed=_window_allowed,
+                         doc="sliding window (left, right), FlashAttention's window_size, -1 = "
+                             "unbounded, bottom-right aligned"))
+register_feature(Feature("softcap", ("softcap", "logit_softcap"), build=_softcap_build,
+                         doc="logit soft-capping c tanh(s / c) of the scaled logits, before bias"))
+register_feature(Feature("alibi", ("alibi_slopes",), build=_alibi_build,
+                         doc="ALiBi slopes (H,): bias -slope |i + Lk - Lq - j|"))
+register_feature(Feature("dropout_mask", ("dropout_mask",), build=_dropout_build,
+                         doc="dropout keep-mask (B, H, Nq, Nk), True = kept"))
+register_feature(Feature("dropout_p", ("dropout_p",),
+                         doc="dropout rate: kept weights scaled by 1 / (1 - p)"))
+register_feature(Feature("seqlens_k", ("seqlens_k", "cache_seqlens"), build=_seqlens_build("k"),
+                         allowed=_seqlens_allowed,
+                         doc="per-sequence key lengths (B,): KV-cache lengths, key padding"))
+register_feature(Feature("seqlens_q", ("seqlens_q",), build=_seqlens_build("q"),
+                         allowed=_seqlens_allowed,
+                         doc="per-sequence query lengths (B,): padded varlen batches; padding "
+                             "rows count as rows with no key"))
 
 
 def allowed_matrix(case: Case, arrays: dict, kwargs: dict) -> np.ndarray | None:
@@ -432,6 +531,72 @@ def _exhaustive():
 CATALOGUE: dict[str, list[Case]] = {"quick": _quick(), "standard": [], "exhaustive": []}
 CATALOGUE["standard"] = CATALOGUE["quick"] + _standard()
 CATALOGUE["exhaustive"] = CATALOGUE["standard"] + _exhaustive()
+
+
+
+def _modern_standard():
+    C = Case
+    gqa, win = ("gqa",), ("window",)
+    out = [
+        # grouped-query and multi-query heads
+        C("gqa", (2, 8), 65, 65, 64, 64, params=(("kv_heads", 2),), features=gqa),
+        C("gqa", (1, 8), 33, 129, 64, 64, causal="bottom-right", params=(("kv_heads", 1),),
+          features=gqa),
+        C("gqa", (2, 6), 63, 63, 32, 32, mask="random", params=(("kv_heads", 3),), features=gqa),
+        # sliding windows, alone, with causal, with Nq != Nk
+        C("window", (1, 2), 129, 129, 32, 32, params=(("window", (16, 0)),), features=win),
+        C("window", (1, 2), 129, 129, 32, 32, params=(("window", (8, 8)),), features=win),
+        C("window", (1, 2), 65, 129, 32, 32, params=(("window", (0, 5)),), features=win),
+        C("window", (1, 2), 129, 65, 32, 32, params=(("window", (32, -1)),), features=win),
+        C("window", (1, 2), 127, 127, 32, 32, causal="bottom-right", params=(("window", (31, -1)),),
+          features=win),
+        # soft-capping (Gemma 2 uses 50 for attention logits)
+        C("softcap", (1, 2), 65, 65, 64, 64, params=(("softcap", 5.0),), features=("softcap",)),
+        C("softcap", (1, 2), 64, 64, 64, 64, dist="large_logits", params=(("softcap", 50.0),),
+          features=("softcap",)),
+        # ALiBi
+        C("alibi", (1, 4), 65, 129, 32, 32, features=("alibi",)),
+        C("alibi", (2, 4), 65, 65, 32, 32, causal="bottom-right", features=("alibi",)),
+        # dropout with the caller's keep-mask
+        C("dropout", (2, 2), 64, 64, 32, 32, params=(("dropout_p", 0.1),),
+          features=("dropout_mask", "dropout_p")),
+        C("dropout", (1, 2), 65, 129, 32, 32, causal="bottom-right", params=(("dropout_p", 0.5),),
+          features=("dropout_mask", "dropout_p")),
+        # varlen in its padded form: per-sequence lengths, self-attention per sequence
+        C("varlen", (3, 2), 64, 64, 32, 32, params=(("seqlens_q", (64, 17, 1)),
+                                                    ("seqlens_k", (64, 17, 1))),
+          features=("seqlens_q", "seqlens_k")),
+        C("varlen", (3, 2), 64, 64, 32, 32, causal="bottom-right",
+          params=(("seqlens_q", (5, 64, 33)), ("seqlens_k", (5, 64, 33))),
+          features=("seqlens_q", "seqlens_k")),
+        # everything a Gemma/Mistral-style kernel combines
+        C("combo", (2, 4), 65, 65, 64, 64, causal="bottom-right",
+          params=(("kv_heads", 2), ("softcap", 30.0), ("window", (16, -1))),
+          features=("gqa", "softcap", "window")),
+    ]
+    # KV-cache decoding: Nq = 1..16 new queries against caches of different lengths
+    for nq in (1, 2, 5, 16):
+        out.append(C("decode", (2, 8), nq, 1000, 64, 64, causal="bottom-right",
+                     params=(("kv_heads", 2), ("seqlens_k", (1000, 200 + nq))),
+                     features=("gqa", "seqlens_k")))
+    return out
+
+
+def _modern_long():
+    C = Case
+    out = []
+    for nq in (1, 16):
+        for nk in (16384, 65536):
+            out.append(C("decode", (1, 4), nq, nk, 64, 64, causal="bottom-right",
+                         params=(("kv_heads", 1), ("seqlens_k", (nk - 7,))),
+                         features=("gqa", "seqlens_k")))
+    out.append(C("window", (1, 1), 4096, 4096, 64, 64, causal="bottom-right",
+                 params=(("window", (255, -1)),), features=("window",)))
+    return out
+
+
+CATALOGUE["standard"] += _modern_standard()
+CATALOGUE["exhaustive"] += _modern_standard() + _modern_long()
 
 
 def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:

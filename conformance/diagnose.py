@@ -63,13 +63,16 @@ def _scale(prep):
     return 1.0 / math.sqrt(prep.case.d) if s is None else s
 
 
-def _logits(prep, *, scale=None, allowed="case", bias="case"):
+_CASE = object()  # "as the case has it"
+
+
+def _logits(prep, *, scale=None, allowed=_CASE, bias=_CASE):
     a = prep.arrays
     s = (a["q"] @ np.swapaxes(a["k"], -1, -2)) * (_scale(prep) if scale is None else scale)
-    b = a.get("bias") if bias == "case" else bias
+    b = a.get("bias") if bias is _CASE else bias
     if b is not None:
         s = s + b
-    al = allowed_matrix(prep.case, a, prep.kwargs) if allowed == "case" else allowed
+    al = allowed_matrix(prep.case, a, prep.kwargs) if allowed is _CASE else allowed
     if al is not None:
         s = np.where(al, s, -np.inf)
     return s
@@ -356,13 +359,16 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
             continue
         try:
             for message, cand in sig.candidates(prep):
-                cand = _finish(prep, cand)
-                m = measure(got, cand, prep.keep)
-                if m.nonfinite or m.golden_nonfinite:
-                    continue
-                if m.max_err <= max(res.tol_max, res.max_err / 50.0):
-                    if best is None or m.max_err < best[0]:
-                        best = (m.max_err, message)
+                # the mistake may change which rows are empty: try the candidate as it is
+                # and with the declared convention applied to the case's empty rows
+                raw = np.broadcast_to(cand, prep.golden.shape).astype(np.float64)
+                for c in (_finish(prep, cand), raw):
+                    m = measure(got, c, prep.keep)
+                    if m.nonfinite or m.golden_nonfinite:
+                        continue
+                    if m.max_err <= max(res.tol_max, res.max_err / 50.0):
+                        if best is None or m.max_err < best[0]:
+                            best = (m.max_err, message)
         except Exception:  # a signature that cannot be built for this case says nothing
             continue
     if best is not None:

@@ -126,6 +126,9 @@ class KernelSpec:
                 if alias in accepts:
                     names[feat.name] = alias
                     break
+        for feat in FEATURES.values():
+            if feat.assumed and feat.name not in names:
+                names[feat.name] = feat.params[0] if feat.params else None
         for feat_name, val in (supports or {}).items():
             if feat_name not in FEATURES:
                 raise ValueError(f"supports= names unknown feature {feat_name!r}; known: "
@@ -581,7 +584,7 @@ def run_case(ctx: _Ctx, case: Case, dtype: str) -> list[CaseResult]:
     try:
         with np.errstate(all="ignore"):
             out = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
-            if isinstance(out, (tuple, list)):
+            if isinstance(out, tuple):
                 out = out[0]
             host = ctx.to_host(out)  # forces asynchronous libraries to finish
     except Exception as exc:
@@ -624,7 +627,7 @@ def run_case(ctx: _Ctx, case: Case, dtype: str) -> list[CaseResult]:
 
 
 def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _rerun(ctx, case, dtype):

@@ -488,19 +488,24 @@ def format_table(rows, results: Results | None = None, *, markdown=False) -> str
 
 
 def plot(results: Results, path, *, title=None):
-    """Log-log plot of time and peak memory (minus baseline) against N; writes ``path``."""
+    """Log-log plot of time and peak memory (minus baseline) against N; writes ``path``.
+
+    Peers are dashed; grey guides of slope 1 and 2 start at the lowest point of each
+    panel.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
     names = sorted({(s.name, s.backend) for s in results.series})
-    cmap = plt.get_cmap("tab20")
-    colour = {nb: cmap(i % 20) for i, nb in enumerate(names)}
+    cmap = plt.get_cmap("tab10")
+    markers = "os^vD<>ph*"
+    style = {nb: (cmap(i % 10), markers[(i // 10) % len(markers)]) for i, nb in enumerate(names)}
     for ax, kind, label in ((axes[0], "time", "time per call [s]"),
-                            (axes[1], "peakmem", "peak memory - baseline [bytes]")):
-        lo = hi = None
+                            (axes[1], "peakmem", "peak memory - loaded baseline [bytes]")):
+        drawn = []
         for s in sorted(results.series, key=lambda s: (s.name, s.backend)):
             if s.kind != kind or not s.points:
                 continue
@@ -509,28 +514,39 @@ def plot(results: Results, path, *, title=None):
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, "--" if s.peer else "-", marker="o", ms=3,
-                    color=colour[(s.name, s.backend)], label=f"{s.name} ({s.backend})")
-            lo = min(ys) if lo is None else min(lo, min(ys))
-            hi = max(ys) if hi is None else max(hi, max(ys))
-        if lo is not None:
-            # Guide slopes N and N^2 through the middle of the data.
-            n0, n1 = 256, 65536
-            mid = math.sqrt(lo * hi)
-            for p, style in ((1, ":"), (2, "-.")):
-                ax.plot([n0, n1], [mid, mid * (n1 / n0) ** p], style, color="0.5", lw=0.8)
-                ax.annotate(f"N^{p}", (n1, mid * (n1 / n0) ** p), fontsize=8, color="0.4")
-            ax.set_ylim(lo / 2, hi * 2)
+            colour, marker = style[(s.name, s.backend)]
+            ax.plot(xs, ys, "--" if s.peer else "-", marker=marker, ms=4, color=colour,
+                    label=f"{s.name} ({s.backend})")
+            drawn += pts
+        ax.set_xlabel("N (sequence length); 8 heads, d = 64, float32")
+        ax.set_ylabel(label)
+        if not drawn:
+            ax.text(0.5, 0.5, f"no {kind} results", ha="center", va="center",
+                    transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        n0, n1 = min(n for n, _ in drawn), max(n for n, _ in drawn)
+        y0 = min(v for _, v in drawn)
+        for p, ls in ((1, ":"), (2, "-.")):
+            ax.plot([n0, n1], [y0, y0 * (n1 / n0) ** p], ls, color="0.55", lw=0.9)
+            ax.annotate(f"~N^{p}", (n1, y0 * (n1 / n0) ** p), fontsize=8, color="0.4",
+                        textcoords="offset points", xytext=(3, 0))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("N (sequence length), 8 heads, d = 64, float32")
-        ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+        ax.set_ylim(y0 / 2, max(v for _, v in drawn) * 3)
+        ax.grid(True, which="major", alpha=0.3)
+    handles, labels = [], []
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    rows = max(1, math.ceil(len(labels) / 4))
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.16, 1, 0.96))
+    fig.tight_layout(rect=(0, min(0.4, 0.035 * rows + 0.02), 1, 0.97))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,167 @@
+"""Deliberately broken kernels: the oracle's own test.
+
+Each :class:`Mutant` is a NumPy float32 kernel with one classic mistake, and the words
+its diagnosis should contain. The oracle must fail every one of them; ``catch_rate``
+runs the catalogue and reports how many were caught and how many were diagnosed right::
+
+    python -m conformance.mutants            # quick suite
+    python -m conformance.mutants standard   # the standard suite
+
+Extension point: append to :data:`MUTANTS` (the gradient checks add broken backward
+passes, the GQA/window/varlen features their mutants, each with its expected words).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Mutant", "MUTANTS", "correct_kernel", "catch_rate"]
+
+
+def _allowed(nq, nk, causal, mask, shift=0):
+    al = None
+    if causal:
+        off = (0 if causal in (True, "top-left") else nk - nq) + shift
+        al = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
+    if mask is not None:
+        al = mask if al is None else (al & mask)
+    return al
+
+
+def _kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None, dtype=None,
+            scale_rule=None, shift=0, axis=-1, max_sub=True, eps=0.0, nan_rows=False,
+            drop_tail=None, no_rescale=None, invert_mask=False, ignore=()):
+    out_dtype = q.dtype
+    ct = np.dtype(dtype) if dtype is not None else q.dtype
+    q, k, v = q.astype(ct), k.astype(ct), v.astype(ct)
+    d = q.shape[-1]
+    if scale is None or "scale" in ignore:
+        scale = 1.0 / math.sqrt(d) if scale_rule is None else scale_rule(d)
+    if drop_tail is not None and k.shape[-2] % drop_tail:
+        j0 = (k.shape[-2] // drop_tail) * drop_tail
+        k, v = k[..., :j0, :], v[..., :j0, :]
+        mask = None if mask is None else mask[..., :j0]
+        bias = None if bias is None else bias[..., :j0]
+    s = (q @ np.swapaxes(k, -1, -2)) * ct.type(scale)
+    if bias is not None and "bias" not in ignore:
+        s = s + bias.astype(ct)
+    if invert_mask and mask is not None:
+        mask = ~mask
+    al = _allowed(q.shape[-2], k.shape[-2], None if "causal" in ignore else causal,
+                  None if "mask" in ignore else mask, shift)
+    if al is not None:
+        s = np.where(al, s, -np.inf)
+    if no_rescale:
+        from .diagnose import online_no_rescale
+
+        return online_no_rescale(s.astype(np.float64), v.astype(np.float64),
+                                 no_rescale).astype(out_dtype)
+    m = np.max(s, axis=axis, keepdims=True) if max_sub else np.zeros_like(s[..., :1])
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    den = np.sum(e, axis=axis, keepdims=True)
+    if nan_rows:
+        p = e / den
+    else:
+        p = e / np.where(den + eps > 0, den + eps, 1)
+    return (p @ v).astype(out_dtype)
+
+
+def correct_kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    """A correct NumPy kernel (``causal`` takes "top-left"/"bottom-right"); mutants derive from it."""
+    return _kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale)
+
+
+def _mut(**knobs):
+    def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+        return _kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, **knobs)
+
+    return kernel
+
+
+def _wrong_dtype(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    return correct_kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale).astype(np.float64)
+
+
+def _inplace_q(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    q *= (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale  # the mistake
+    return _kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=1.0)
+
+
+def _layout_mixed(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    # declared (B, H, N, d) but computed as if (B, N, H, d)
+    sw = [np.swapaxes(x, 1, 2) for x in (q, k, v)]
+    return np.swapaxes(_kernel(*sw, causal=causal, scale=scale), 1, 2)
+
+
+def _wrong_alignment(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    flip = {"top-left": "bottom-right", "bottom-right": "top-left"}.get(causal, causal)
+    return correct_kernel(q, k, v, mask=mask, bias=bias, causal=flip, scale=scale)
+
+
+@dataclass
+class Mutant:
+    name: str
+    kernel: Any
+    expect: str  # words the diagnosis should contain
+    options: dict = field(default_factory=dict)  # extra verify() keywords
+
+
+MUTANTS: list[Mutant] = [
+    Mutant("scale 1/d", _mut(scale_rule=lambda d: 1.0 / d), "1/d instead of 1/sqrt(d)"),
+    Mutant("no scale", _mut(scale_rule=lambda d: 1.0), "not scaled"),
+    Mutant("scale argument ignored", _mut(ignore=("scale",)), "scale argument is ignored"),
+    Mutant("causal off by one", _mut(shift=1), "off by one"),
+    Mutant("causal ignored", _mut(ignore=("causal",)), "causal mask is ignored"),
+    Mutant("causal alignment flipped", _wrong_alignment, "aligned"),
+    Mutant("inverted mask", _mut(invert_mask=True), "inverted"),
+    Mutant("mask ignored", _mut(ignore=("mask",)), "mask is ignored"),
+    Mutant("softmax over the wrong axis", _mut(axis=-2), "query axis"),
+    Mutant("no max-subtraction", _mut(max_sub=False), "row maximum is not subtracted"),
+    Mutant("low-precision accumulation", _mut(dtype="float16"), "float16"),
+    Mutant("online softmax without rescaling", _mut(no_rescale=16), "not rescaled"),
+    Mutant("dropped tail key block", _mut(drop_tail=16), "last partial key block"),
+    Mutant("keys and values swapped", lambda q, k, v, *, mask=None, bias=None, causal=False,
+           scale=None: correct_kernel(q, v, k, mask=mask, bias=bias, causal=causal, scale=scale),
+           "swapped"),
+    Mutant("bias ignored", _mut(ignore=("bias",)), "bias is ignored"),
+    Mutant("wrong output dtype", _wrong_dtype, "output dtype"),
+    Mutant("in-place write into q", _inplace_q, "modified its input 'q'"),
+    Mutant("NaN for fully masked rows", _mut(nan_rows=True), "no key to attend to"),
+    Mutant("layout mixed up", _layout_mixed, "layout is mixed up"),
+    Mutant("denominator epsilon 1e-3", _mut(eps=1e-3), "epsilon of 0.001"),
+]
+
+
+def run_mutant(m: Mutant, suite="quick", seed=0):
+    from .oracle import verify
+
+    opts = {"causal": "both", "supports": {"broadcast": True}, **m.options}
+    return verify(m.kernel, "softmax", backend="numpy", suite=suite, seed=seed, **opts)
+
+
+def catch_rate(suite="quick", seed=0, out=sys.stdout):
+    """Run every mutant; print one line each; return ``(caught, diagnosed, total)``."""
+    caught = diagnosed = 0
+    for m in MUTANTS:
+        rep = run_mutant(m, suite, seed)
+        fails = rep.failures
+        hit = [r for r in fails if m.expect in r.diagnosis]
+        caught += bool(fails)
+        diagnosed += bool(hit)
+        words = (hit or fails or [None])[0]
+        print(f"{m.name:<34} {'caught' if fails else 'MISSED':<7} "
+              f"{len(fails):>3} failing cases  diagnosis {'right' if hit else 'other'}: "
+              f"{words.diagnosis if words else '-'}"[:220], file=out)
+    n = len(MUTANTS)
+    print(f"caught {caught}/{n}, diagnosed {diagnosed}/{n} ({suite} suite, seed {seed})", file=out)
+    return caught, diagnosed, n
+
+
+if __name__ == "__main__":
+    catch_rate(sys.argv[1] if len(sys.argv) > 1 else "quick")

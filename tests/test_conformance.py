@@ -1,0 +1,392 @@
+"""conformance: the oracle's own accuracy, cases, tolerance model, report, CLI, vectors, plugin.
+
+The mutation catalogue lives in :mod:`conformance.mutants`; the calibration against
+real kernels in ``tests/test_conformance_calibration.py``.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import mpmath
+import numpy as np
+import pytest
+
+from conformance import Case, cases, prepare, verify
+from conformance.catalogue import CATALOGUE
+from conformance.mutants import MUTANTS, correct_kernel, run_mutant
+from conformance.oracle import _Progress, judge, session
+from conformance.tolerance import BF16Array, bf16_round, measure, round_to, ulp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------ the golden itself
+
+
+def _mp_attention(prep):
+    """The case's exact output with 40-digit mpmath arithmetic."""
+    mpmath.mp.dps = 40
+    a = prep.arrays
+    q, k, v = a["q"], a["k"], a["v"]
+    scale = prep.kwargs.get("scale") or 1 / mpmath.sqrt(q.shape[-1])
+    from conformance.catalogue import allowed_matrix
+
+    al = allowed_matrix(prep.case, a, prep.kwargs)
+    B, H, nq, _ = q.shape
+    out = np.zeros(prep.golden.shape)
+    for b in range(B):
+        for h in range(H):
+            for i in range(nq):
+                kb, kh = min(b, k.shape[0] - 1), min(h, k.shape[1] - 1)
+                s = []
+                for j in range(k.shape[2]):
+                    ok = True if al is None else al[min(b, al.shape[0] - 1), min(h, al.shape[1] - 1),
+                                                    i, j]
+                    if ok:
+                        x = mpmath.fsum(mpmath.mpf(float(q[b, h, i, t])) * mpmath.mpf(float(k[kb, kh, j, t]))
+                                        for t in range(q.shape[-1])) * scale
+                        if "bias" in a:
+                            x += mpmath.mpf(float(a["bias"][0, h, i, j]))
+                        s.append((j, x))
+                if not s:
+                    continue
+                m = max(x for _, x in s)
+                w = [(j, mpmath.exp(x - m)) for j, x in s]
+                den = mpmath.fsum(e for _, e in w)
+                for c in range(v.shape[-1]):
+                    out[b, h, i, c] = float(mpmath.fsum(e * mpmath.mpf(float(v[kb, kh, j, c]))
+                                                        for j, e in w) / den)
+    return out
+
+
+MP_CASES = [
+    Case("mp", (1, 2), 5, 7, 4, 3),
+    Case("mp", (1, 1), 6, 6, 4, 4, dist="large_logits"),
+    Case("mp", (1, 1), 6, 8, 4, 4, dist="near_ties"),
+    Case("mp", (2, 1), 5, 6, 3, 3, mask="fully_masked_rows", bias=True),
+    Case("mp", (1, 1), 7, 5, 4, 4, causal="bottom-right"),
+]
+
+
+@pytest.mark.parametrize("case", MP_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_golden_against_mpmath(case, dtype):
+    prep = prepare(case, "softmax", dtype, seed=3)
+    want = _mp_attention(prep)
+    err = np.linalg.norm(prep.golden - want) / max(np.linalg.norm(want), 1e-300)
+    if dtype == "float64":
+        # computed in longdouble, then rounded once to float64: within an ulp of exact,
+        # where a float64 computation would carry several roundings
+        assert prep.golden_dtype == "longdouble"
+        assert err < 1.2e-16
+    else:
+        assert err < 1e-13
+
+
+# ------------------------------------------------------------------- tolerance model
+
+
+def test_bf16_rounding_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.random.default_rng(0).standard_normal(20000) * np.logspace(-30, 30, 20000)
+    want = x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(bf16_round(x), want)
+    assert np.array_equal(round_to(x, "bfloat16"), want.astype(np.float64))
+
+
+def test_bf16_array_rounds_every_operation():
+    a = bf16_round(np.linspace(0.1, 3.0, 12).reshape(3, 4)).view(BF16Array)
+    for out in (a @ a.T, np.exp(a), a / 3.0, np.sum(a, axis=-1), np.where(a > 1, a * 1.1, a)):
+        assert isinstance(out, BF16Array)
+        assert np.array_equal(np.asarray(out), bf16_round(np.asarray(out)))
+
+
+def test_floor_makes_tolerance_positive_for_exact_baselines():
+    # one key: output is exactly v in every dtype, so the baseline error is zero
+    prep = prepare(Case("one", (1, 1), 3, 1, 4, 4), "softmax", "float16")
+    assert prep.baseline.max_err == 0.0
+    assert prep.tol_max >= 4 * ulp(np.abs(prep.golden).max(), "float16") > 0
+    assert ulp(1.0, "float32") == 2.0**-23 and ulp(3.0, "float16") == 2.0**-9
+
+
+def test_nonfinite_fails_and_nan_golden_never_passes():
+    prep = prepare(Case("x", (1, 1), 4, 4, 4, 4), "softmax", "float32")
+    got = prep.golden.copy()
+    got[0, 0, 1, 2] = np.nan
+    r = prep.check(got)
+    assert r.verdict == "fail" and "NaN" in r.diagnosis and r.worst == (0, 0, 1)
+    bad = prep.golden.copy()
+    bad[0, 0, 0, 0] = np.nan
+    m = measure(bad, bad)
+    assert judge(prep, m).verdict == "error"
+
+
+def test_tolerance_scales_with_dtype():
+    c = Case("t", (1, 2), 33, 33, 16, 16)
+    tols = [prepare(c, "softmax", dt).tol_max for dt in ("float64", "float32", "bfloat16", "float16")]
+    assert tols[0] < 1e-13 < tols[1] < 1e-5 < tols[3] < tols[2] < 0.2
+
+
+# ---------------------------------------------------------------------------- cases
+
+
+def test_cases_are_deterministic_and_cover_the_issue():
+    std = cases(None, "standard")
+    ids = [c.id for c in std]
+    assert len(ids) == len(set(ids))
+    a1, _ = std[5].inputs(seed=4)
+    a2, _ = std[5].inputs(seed=4)
+    a3, _ = std[5].inputs(seed=5)
+    assert np.array_equal(a1["q"], a2["q"]) and not np.array_equal(a1["q"], a3["q"])
+    lengths = {c.nk for c in std} | {c.nq for c in std}
+    assert {1, 63, 65, 127, 129, 1000} <= lengths
+    assert {1, 80, 96, 256} <= {c.d for c in std}
+    assert {"large_logits", "near_ties", "one_hot", "constant_keys"} <= {c.dist for c in std}
+    assert {"padding", "random", "fully_masked_rows"} <= {c.mask for c in std}
+    assert {"top-left", "bottom-right"} <= {c.causal for c in std}
+    assert any(c.kv_batch for c in std) and any(c.bias for c in std)
+    assert any(c.nq != c.nk for c in std)
+    assert len(CATALOGUE["quick"]) < len(std) < len(CATALOGUE["exhaustive"])
+
+
+def test_case_inputs_have_the_advertised_properties():
+    arr, _ = Case("x", (1, 1), 8, 8, 8, 8, mask="fully_masked_rows").inputs(0)
+    assert (~arr["mask"].any(-1)).any()
+    arr, _ = Case("x", (1, 1), 8, 8, 8, 8, dist="constant_keys").inputs(0)
+    assert np.all(arr["k"] == arr["k"][..., :1, :])
+    arr, _ = Case("x", (1, 1), 8, 8, 64, 64, dist="large_logits").inputs(0, "float32")
+    s = arr["q"] @ np.swapaxes(arr["k"], -1, -2) / 8
+    assert np.abs(s).max() > 5e3
+    arr, _ = Case("x", (1, 1), 8, 8, 64, 64, dist="large_logits").inputs(0, "float16")
+    assert np.abs(arr["q"] @ np.swapaxes(arr["k"], -1, -2)).max() < 6e4
+
+
+def test_cases_filtered_by_reference_capabilities():
+    # every softmax case is computable by the softmax reference
+    assert len(cases("softmax", "standard")) == len(cases(None, "standard"))
+
+
+# --------------------------------------------------------------------- verify
+
+def _plain(q, k, v):
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1]).astype(q.dtype)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+def test_capabilities_come_from_the_signature():
+    rep = verify(_plain, "softmax", backend="numpy", suite="quick", progress=False)
+    assert rep.passed, rep.table()
+    na = [r for r in rep.results if r.verdict == "n/a"]
+    assert na and all("does not declare" in r.diagnosis for r in na)
+    assert not any(r.verdict == "pass" for r in rep.results if "mask" in r.case)
+    assert rep.features == ["value_dim"]
+    full = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="both",
+                  progress=False)
+    assert full.counts["n/a"] == 0 and full.passed
+    # supports= can take a feature away, or name the parameter
+    rep2 = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="both",
+                  supports={"mask": False}, progress=False)
+    assert all(r.verdict == "n/a" for r in rep2.results if "mask-" in r.case)
+
+
+def test_layouts_and_custom_backend_pair():
+    for layout in ("bnhd", "nd"):
+        def k_layout(q, k, v, *, causal=False, _l=layout):
+            if _l == "bnhd":
+                q, k, v = (np.swapaxes(x, 1, 2) for x in (q, k, v))
+            out = correct_kernel(q, k, v, causal=causal)
+            return np.swapaxes(out, 1, 2) if _l == "bnhd" else out
+
+        rep = verify(k_layout, "softmax", backend="numpy", layout=layout, suite="quick",
+                     causal="both", progress=False)
+        assert rep.passed, rep.table()
+        if layout == "nd":
+            assert all(r.verdict == "n/a" for r in rep.results if "b1h1" not in r.case)
+    pair = (lambda a, dt: np.asarray(a, dtype=dt).tolist(), lambda x: np.asarray(x))
+
+    def list_kernel(q, k, v):
+        return _plain(*(np.asarray(x, dtype=np.float32) for x in (q, k, v))).tolist()
+
+    rep = verify(list_kernel, "softmax", backend=pair, suite="quick", progress=False)
+    assert rep.passed and rep.backend == "custom"
+
+
+def test_semantics_are_declared_not_guessed():
+    def mean_rows(q, k, v, *, mask=None):
+        import jax  # noqa: F401  (the convention of jax.nn.dot_product_attention)
+
+        s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+        s = np.where(mask, s, np.float32(-1e30))
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return ((e / e.sum(-1, keepdims=True)) @ v).astype(q.dtype)
+
+    only = [c for c in cases(None, "quick") if c.mask == "fully_masked_rows"]
+    assert verify(mean_rows, "softmax", backend="numpy", cases=only, fully_masked="mean",
+                  progress=False).passed
+    rep = verify(mean_rows, "softmax", backend="numpy", cases=only, progress=False)
+    assert not rep.passed and "fully_masked='mean'" in rep.failures[0].diagnosis
+    assert verify(mean_rows, "softmax", backend="numpy", cases=only, fully_masked="excluded",
+                  progress=False).passed
+    with pytest.raises(ValueError, match="fully_masked"):
+        verify(mean_rows, "softmax", backend="numpy", fully_masked="nan")
+    with pytest.raises(TypeError, match="semantics"):
+        verify(mean_rows, "softmax", backend="numpy", fully_maskd="zeros")
+
+
+def test_determinism_and_time_limit():
+    calls = []
+
+    def flaky(q, k, v):
+        calls.append(1)
+        return _plain(q, k, v) + np.float32(len(calls) % 2) * np.float32(1e-9)
+
+    c = cases(None, "quick")[:2]
+    rep = verify(flaky, "softmax", backend="numpy", cases=c, deterministic=True, progress=False)
+    assert not rep.passed and "deterministic" in rep.failures[0].diagnosis
+
+    def slow(q, k, v):
+        time.sleep(0.05)
+        return _plain(q, k, v)
+
+    rep = verify(slow, "softmax", backend="numpy", cases=c, time_limit=0.01, progress=False)
+    assert not rep.passed and "time limit" in rep.failures[0].diagnosis
+
+
+def test_kernel_exceptions_are_errors_not_crashes():
+    def broken(q, k, v):
+        raise RuntimeError("no kernel image")
+
+    rep = verify(broken, "softmax", backend="numpy", suite="quick", progress=False)
+    c = rep.counts
+    assert c["error"] > 0 and c["pass"] == c["fail"] == 0 and not rep.passed
+    assert "RuntimeError: no kernel image" in rep.table()
+
+
+def test_report_table_and_json(tmp_path):
+    rep = run_mutant(MUTANTS[0])
+    text = rep.table()
+    assert "FAIL" in text and "1/d instead of 1/sqrt(d)" in text and "worst at" in text
+    path = tmp_path / "r.json"
+    rep.to_json(path)
+    d = json.loads(path.read_text())
+    assert d["passed"] is False and d["counts"]["fail"] == len(rep.failures)
+    r0 = d["results"][0]
+    for key in ("case", "dtype", "shapes", "max_err", "rms_err", "tol_max", "ratio", "worst",
+                "verdict", "diagnosis"):
+        assert key in r0
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+def test_mutants_are_caught_and_diagnosed(mutant):
+    rep = run_mutant(mutant)
+    assert not rep.passed
+    assert any(mutant.expect in r.diagnosis for r in rep.failures), rep.table()
+
+
+def test_search_shrinks_to_a_small_failing_case():
+    def drops_keys_after_40(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+        cut = {n: None if x is None else x[..., :40] for n, x in (("mask", mask), ("bias", bias))}
+        return correct_kernel(q, k[..., :40, :], v[..., :40, :], causal=causal, scale=scale, **cut)
+
+    from conformance.oracle import _search
+
+    sess = session(drops_keys_after_40, "softmax", backend="numpy", diagnose=False,
+                   causal="both", supports={"broadcast": True})
+    res = _search(sess, "float32", 100)
+    assert res is not None and res.verdict == "fail"
+    assert "smallest failing case" in res.diagnosis
+    assert res.case == "search:b1h1-q1k41-d1"  # shrunk: one query, 41 keys, d = 1
+
+
+def test_progress_only_on_terminals():
+    buf = io.StringIO()
+    p = _Progress(enabled=False, stream=buf)
+    p.t0 -= 10
+    p.update(1, 2, "x")
+    assert buf.getvalue() == ""
+    p = _Progress(enabled=True, stream=buf)
+    p.t0 -= 10
+    p.update(1, 2, "case-id")
+    p.done()
+    assert "[1/2] case-id" in buf.getvalue()
+    assert _Progress(stream=io.StringIO()).enabled is False  # not a tty
+
+
+# ---------------------------------------------------------------------- vectors
+
+
+def test_export_vectors_round_trip(tmp_path):
+    from conformance.vectors import export_vectors, load_vectors
+
+    quick = cases(None, "quick")
+    man = export_vectors(tmp_path, "softmax", dtypes=("float16", "bfloat16"), cases=quick,
+                         layout="bnhd")
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    assert raw["format"] == "attn-ref-vectors" and len(raw["cases"]) == 2 * len(quick)
+    with np.load(tmp_path / man["cases"][0]["file"], allow_pickle=False) as z:
+        assert z["q"].dtype == np.float16 and z["golden"].dtype == np.float64
+    n = 0
+    for entry, arrays in load_vectors(tmp_path):
+        if entry["dtype"] == "bfloat16":
+            assert arrays["q"].dtype == np.float32
+        q, k, v = (np.swapaxes(arrays[x].astype(np.float64), 1, 2) for x in "qkv")
+        out = correct_kernel(q, k, v, mask=arrays.get("mask"),
+                             bias=arrays["bias"].astype(np.float64) if "bias" in arrays else None,
+                             causal=entry["causal"] or False, scale=entry["scale"])
+        err = np.abs(np.swapaxes(out, 1, 2) - arrays["golden"])[arrays["compare"]]
+        assert err.max() <= entry["tol_max_abs"]
+        n += 1
+    assert n == 2 * len(quick)
+
+
+# --------------------------------------------------------------------- CLI, plugin
+
+
+def _cli(*args):
+    from conformance.cli import main
+
+    return main(list(args))
+
+
+def test_cli_verify_kernel_and_builtin(tmp_path, capsys):
+    assert _cli("verify", "conformance.mutants:correct_kernel", "--suite", "quick",
+                "--causal", "both", "--json", str(tmp_path / "r.json")) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["passed"] is True
+    bad = tmp_path / "bad.py"
+    bad.write_text("import numpy as np\n"
+                   "def k(q, k, v):\n"
+                   "    s = q @ np.swapaxes(k, -1, -2) / q.shape[-1]\n"
+                   "    e = np.exp(s - s.max(-1, keepdims=True))\n"
+                   "    return (e / e.sum(-1, keepdims=True)) @ v\n")
+    assert _cli("verify", f"{bad}:k", "--suite", "quick", "--dtype", "float16") == 1
+    assert "1/d instead of 1/sqrt(d)" in capsys.readouterr().out
+    assert _cli("verify", "--backend", "numpy", "--variant", "softmax",
+                "--variant", "online_softmax") == 0
+    out = capsys.readouterr().out
+    assert "online_softmax" in out and "float64" in out and "all passed" in out
+
+
+def test_cli_export_vectors(tmp_path, capsys):
+    assert _cli("export-vectors", str(tmp_path), "--suite", "quick", "--dtype", "float32") == 0
+    assert (tmp_path / "manifest.json").exists() and "wrote" in capsys.readouterr().out
+
+
+def test_plugin_is_inert_and_light():
+    code = ("import sys, conformance.pytest_plugin as p; "
+            "print(sorted(m for m in ('numpy', 'torch', 'jax', 'attn_ref') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_plugin_runs_one_item_per_case(tmp_path):
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
+           "--attn-kernel", "conformance.mutants:correct_kernel", "--attn-suite", "quick",
+           "--attn-causal", "top-left", "-rs"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "13 passed, 1 skipped" in out.stdout and "bottom-right" in out.stdout

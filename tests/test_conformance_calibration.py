@@ -1,0 +1,106 @@
+"""Calibration of the oracle: real, correct kernels must pass every applicable case.
+
+CI runs a few seeds per dtype. The full calibration (20 seeds of the standard suite)::
+
+    ATTN_REF_CALIBRATION_SEEDS=20 .venv/bin/python -m pytest tests/test_conformance_calibration.py
+
+Kernels: ``torch.nn.functional.scaled_dot_product_attention`` (float64, float32,
+bfloat16, float16; masks, bias and causal through a thin wrapper),
+``jax.nn.dot_product_attention`` (float32, bfloat16; layout ``bnhd``, rows with no key
+give the mean of V, causal top-left, dv == d only) and attn_ref's own functions run on PyTorch and JAX.
+"""
+
+import functools
+import math
+import os
+
+import pytest
+
+from conformance import verify
+
+SEEDS = int(os.environ.get("ATTN_REF_CALIBRATION_SEEDS", "0"))
+
+
+def _seeds(ci):
+    return list(range(SEEDS)) if SEEDS else ci
+
+
+def sdpa(q, k, v, *, mask=None, bias=None, is_causal=False, scale=None):
+    """PyTorch SDPA with separate mask and bias (SDPA takes one ``attn_mask``)."""
+    import torch
+    import torch.nn.functional as F
+
+    attn = mask
+    if bias is not None:
+        attn = bias if mask is None else bias.masked_fill(~mask, -math.inf)
+    if is_causal and attn is not None:
+        nq, nk = q.shape[-2], k.shape[-2]
+        tri = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril()
+        attn = (attn & tri) if attn.dtype == torch.bool else attn.masked_fill(~tri, -math.inf)
+        is_causal = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, is_causal=is_causal, scale=scale)
+    if attn is not None and attn.dtype != torch.bool:
+        # SDPA gives NaN on a row whose float mask is all -inf; its boolean-mask path gives 0
+        dead = torch.isinf(attn).all(-1, keepdim=True) if mask is None else ~(
+            (attn > -math.inf).any(-1, keepdim=True))
+        out = torch.where(dead, torch.zeros((), dtype=out.dtype), out)
+    return out
+
+
+@functools.cache
+def _jitted_dpa(is_causal, scale):
+    import jax
+
+    return jax.jit(lambda q, k, v, bias, mask: jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal))
+
+
+def jax_dpa(q, k, v, *, mask=None, bias=None, is_causal=False, scale=None):
+    """``jax.nn.dot_product_attention``, jit-compiled (eager JAX compiles every op)."""
+    return _jitted_dpa(is_causal, scale)(q, k, v, bias, mask)
+
+
+def _check(rep):
+    assert rep.passed, rep.table()
+    # every case of the suite ran or was skipped with a stated reason
+    assert all(r.diagnosis for r in rep.results if r.verdict == "n/a")
+
+
+@pytest.mark.parametrize("dtype,ci_seeds", [("float64", [0]), ("float32", [0, 1]),
+                                            ("bfloat16", [0, 1]), ("float16", [0, 1])])
+def test_torch_sdpa_passes(dtype, ci_seeds):
+    pytest.importorskip("torch")
+    for seed in _seeds(ci_seeds):
+        rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), seed=seed,
+                     supports={"broadcast": True}, progress=False)
+        _check(rep)
+        ran = rep.counts["pass"]
+        assert ran >= 50, rep.summary()  # masks, bias and causal cases all ran
+
+
+@pytest.mark.parametrize("dtype,ci_seeds", [("float32", [0]), ("bfloat16", [0])])
+def test_jax_dot_product_attention_passes(dtype, ci_seeds):
+    pytest.importorskip("jax")
+    for seed in _seeds(ci_seeds):
+        rep = verify(jax_dpa, "softmax", backend="jax", dtypes=(dtype,), layout="bnhd", seed=seed,
+                     supports={"value_dim": False}, fully_masked="mean", causal="top-left",
+                     progress=False)
+        _check(rep)
+        assert rep.counts["pass"] >= 40, rep.summary()
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("name", ["softmax", "online_softmax"])
+def test_attn_ref_on_backends_passes(backend, name):
+    from attn_ref.registry import get
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    be = B.load(backend)
+    v = get(name)
+    suite = "quick" if backend == "jax" and not SEEDS else "standard"
+    for seed in _seeds([0]):
+        rep = verify(reference_kernel(v, be), name, backend=backend, dtypes=("float32", "float64"),
+                     suite=suite, seed=seed, causal="both", supports={"broadcast": True},
+                     progress=False)
+        _check(rep)
