@@ -18,7 +18,10 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
 "layout", "semantics", "seed", "suite", "tolerance_model", "cases": [...]}``; each case
 entry has ``file``, ``id``, ``dtype``, ``shapes``, ``causal`` (``null``, ``"top-left"``,
 ``"bottom-right"``), ``scale`` (the value to use; always given), ``params`` (plain
-options), ``arrays`` (names in the file), ``tol_max_abs`` and ``tol_rms`` (the bounds a
+options), ``options`` (the case's feature options: ``gqa``, ``window`` ``[left, right]``
+with -1 unbounded, ``softcap``, ``dropout_p``, ``seqlens_q``/``seqlens_k``; the arrays
+``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file),
+``arrays`` (names in the file), ``tol_max_abs`` and ``tol_rms`` (the bounds a
 kernel's max-abs and RMS errors over compared elements must stay under), and the
 ``baseline_max_abs`` / ``baseline_rms`` they were derived from. A kernel passes a case
 when both errors are within bounds and it produced no NaN/Inf where the golden is
@@ -105,6 +108,10 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "default_scale": scale is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},
+                # the case's other plain reference options: gqa, window, softcap,
+                # dropout_p, seqlens_q/seqlens_k (see conformance.catalogue.FEATURES)
+                "options": {n: list(x) if isinstance(x, tuple) else x
+                            for n, x in prep.kwargs.items() if n not in ("causal", "scale")},
                 "arrays": sorted(arrays),
                 "outputs": outputs,
                 "output_tolerances": grad_tols,

@@ -1,0 +1,279 @@
+"""The oracle's cases for what modern kernels take: grouped-query heads, sliding windows,
+soft-capping, ALiBi, dropout keep-masks, per-sequence lengths (varlen in padded form,
+KV-cache decoding). Calibration: PyTorch SDPA (``enable_gqa=True``, masks built for
+windows and lengths, ALiBi as a float bias) and attn_ref's own online form pass; the
+mutants (window off by one on either side, group mapping ``h % Hkv``, a varlen kernel
+that leaks across sequence boundaries, the scale applied again after the soft-cap) fail.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from attn_ref import online_softmax_attention, softmax_attention, varlen_attention
+from conformance import cases, verify
+from conformance.catalogue import FEATURES, Case
+from conformance.oracle import reference_features
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+MODERN = {"gqa", "window", "softcap", "alibi", "dropout_mask", "dropout_p", "seqlens_k", "seqlens_q"}
+
+
+def _modern(suite="standard"):
+    return [c for c in cases(None, suite) if c.needs & MODERN]
+
+
+# ---------------------------------------------------------------- kernels under test
+
+
+def _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k, *, window_shift=(0, 0)):
+    """Bool (B, 1|H, Nq, Nk) visibility and the per-sequence offset Lk - Lq (B, 1, 1, 1)."""
+    b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
+    lq = torch.tensor(seqlens_q if seqlens_q is not None else [nq] * b).view(b, 1, 1, 1)
+    lk = torch.tensor(seqlens_k if seqlens_k is not None else [nk] * b).view(b, 1, 1, 1)
+    off = lk - lq
+    i, j = torch.arange(nq).view(nq, 1), torch.arange(nk).view(1, nk)
+    ok = (i < lq) & (j < lk)
+    if attn_mask is not None:
+        ok = ok & attn_mask
+    if is_causal:
+        ok = ok & (j <= i + (0 if is_causal == "top-left" else off))
+    if window is not None:
+        left, right = window[0] + window_shift[0], window[1] + window_shift[1]
+        if window[0] >= 0:
+            ok = ok & (j >= i + off - left)
+        if window[1] >= 0:
+            ok = ok & (j <= i + off + right)
+    return ok, off, i, j
+
+
+def sdpa_modern(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
+                window=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None, _shift=(0, 0),
+                _gqa_tile=False):
+    """PyTorch SDPA with windows, lengths and causal as a mask and ALiBi as a float bias.
+
+    Rows with no visible key are set to zero, as FlashAttention's un-padding does.
+    """
+    ok, off, i, j = _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k,
+                                window_shift=_shift)
+    bias = torch.zeros(ok.shape, dtype=q.dtype).masked_fill(~ok, -math.inf)
+    if alibi_slopes is not None:
+        bias = bias - alibi_slopes.to(q.dtype).view(1, -1, 1, 1) * (i + off - j).abs().to(q.dtype)
+    if _gqa_tile:  # mutant: query head h reads kv head h % Hkv
+        g = q.shape[1] // k.shape[1]
+        k, v, enable_gqa = k.repeat(1, g, 1, 1), v.repeat(1, g, 1, 1), False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=enable_gqa)
+    return torch.where(ok.any(-1, keepdim=True), out, torch.zeros((), dtype=out.dtype))
+
+
+def attn_ref_online(q, k, v, *, mask=None, bias=None, causal=False, scale=None, gqa=False,
+                    window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
+                    seqlens_q=None, seqlens_k=None):
+    return online_softmax_attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, gqa=gqa,
+                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    dropout_p=dropout_p, dropout_mask=dropout_mask, seqlens_q=seqlens_q,
+                                    seqlens_k=seqlens_k, block_q=32, block_k=64)
+
+
+def softcap_scale_twice(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, window=None,
+                        softcap=None):
+    """Mutant: the logit scale applied before the soft-cap and once more after it."""
+    ok, _, _, _ = _visibility(q, k, None, is_causal, window, None, None)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if enable_gqa:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q.float() @ k.float().transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap) * scale
+    s = s.masked_fill(~ok, -math.inf)
+    return (torch.softmax(s, -1).nan_to_num() @ v.float()).to(q.dtype)
+
+
+def _packed_adapter(packed_kernel):
+    """A kernel over padded ``(B, H, N, d)`` batches with ``seqlens_q``/``seqlens_k`` built
+    from a FlashAttention-style packed kernel ``(total, H, d)`` + ``cu_seqlens`` (the
+    ``unpad_input``/``pad_input`` of FlashAttention's tests)."""
+
+    def kernel(q, k, v, *, is_causal=False, seqlens_q, seqlens_k):
+        def pack(x, lens):
+            return torch.cat([x[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)], 0)
+
+        cq = [0] + np.cumsum(seqlens_q).tolist()
+        ck = [0] + np.cumsum(seqlens_k).tolist()
+        o = packed_kernel(pack(q, seqlens_q), pack(k, seqlens_k), pack(v, seqlens_k), cq, ck, is_causal)
+        out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+        for b, n in enumerate(seqlens_q):
+            out[b, :, :n] = o[cq[b]:cq[b] + n].transpose(0, 1)
+        return out
+
+    return kernel
+
+
+def _varlen_ref(q, k, v, cq, ck, causal):
+    return varlen_attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, causal=causal or False)
+
+
+def _varlen_leaky(q, k, v, cq, ck, causal):
+    """Mutant: the whole pack attends to the whole pack (no sequence boundaries)."""
+    return varlen_attention(q, k, v, cu_seqlens_q=[0, q.shape[0]], cu_seqlens_k=[0, k.shape[0]],
+                            causal=causal or False)
+
+
+def _by_feature(report, feature):
+    ids = {c.id for c in _modern() if feature in c.needs}
+    return [r for r in report.results if r.case in ids]
+
+
+# ---------------------------------------------------------------- catalogue
+
+
+def test_modern_features_and_cases_are_catalogued():
+    assert MODERN <= set(FEATURES)
+    assert MODERN <= reference_features(__import__("attn_ref.registry").registry.get("softmax"))
+    std = _modern("standard")
+    decode = [c for c in std if c.tag == "decode"]
+    assert sorted(c.nq for c in decode) == [1, 2, 5, 16] and all(c.nk >= 1000 for c in decode)
+    long = [c for c in _modern("exhaustive") if c.tag == "decode"]
+    assert max(c.nk for c in long) == 65536 and {c.nq for c in long} >= {1, 16}
+    for feat in MODERN:
+        assert any(feat in c.needs for c in std), feat
+    ids = [c.id for c in cases(None, "exhaustive")]
+    assert len(ids) == len(set(ids))
+
+
+def test_case_inputs_follow_the_feature():
+    c = next(c for c in _modern() if c.tag == "gqa" and c.param("kv_heads") == 2)
+    arrays, kwargs = c.inputs(seed=3)
+    assert arrays["k"].shape[1] == 2 and arrays["q"].shape[1] == 8 and kwargs["gqa"] is True
+    c = Case("t", (2, 4), 5, 9, 4, 4, causal="bottom-right",
+             params=(("window", (1, 0)), ("seqlens_k", (9, 3)), ("dropout_p", 0.25)),
+             features=("window", "seqlens_k", "alibi", "dropout_mask", "dropout_p"))
+    arrays, kwargs = c.inputs(seed=1)
+    assert kwargs["window"] == (1, 0) and kwargs["seqlens_k"] == (9, 3) and kwargs["dropout_p"] == 0.25
+    assert arrays["dropout_mask"].dtype == np.bool_ and arrays["dropout_mask"].shape == (2, 4, 5, 9)
+    np.testing.assert_allclose(arrays["alibi_slopes"], 2.0 ** (-2.0 * np.arange(1, 5)))
+    from conformance.catalogue import allowed_matrix
+
+    allowed = np.broadcast_to(allowed_matrix(c, arrays, kwargs), (2, 4, 5, 9))
+    # sequence 1: Lk = 3, off = 3 - 5 = -2: query i sees keys i - 3 <= j <= i - 2, j < 3
+    want = np.array([[i - 3 <= j <= i - 2 and j < 3 for j in range(9)] for i in range(5)])
+    np.testing.assert_array_equal(allowed[1, 0], want)
+
+
+# ---------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize("dtype,seeds", [("float32", (0, 1)), ("bfloat16", (2,)), ("float16", (3,))])
+def test_sdpa_with_masks_and_alibi_bias_passes(dtype, seeds):
+    for seed in seeds:
+        rep = verify(sdpa_modern, "softmax", backend="torch", dtypes=(dtype,), cases=_modern(),
+                     seed=seed, causal="both", progress=False)
+        assert rep.passed, rep.table()
+        ran = {r.case for r in rep.results if r.verdict == "pass"}
+        for feat in ("gqa", "window", "alibi", "seqlens_k", "seqlens_q"):
+            assert any(r.case in ran for r in _by_feature(rep, feat)), feat
+        # SDPA has no soft-cap and no keep-mask: those cases are n/a, never passed
+        assert all(r.verdict == "n/a" for f in ("softcap", "dropout_mask") for r in _by_feature(rep, f))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attn_ref_online_on_torch_passes_every_modern_case(dtype):
+    rep = verify(attn_ref_online, "softmax", backend="torch", dtypes=(dtype,), cases=_modern(),
+                 causal="both", progress=False)
+    assert rep.passed, rep.table()
+    assert all(r.verdict == "pass" for r in rep.results), rep.table()
+
+
+def test_attn_ref_on_jax_passes_the_small_modern_cases():
+    # Under jax.jit (eager JAX costs tens of ms an op): options are static, lengths too.
+    jax = pytest.importorskip("jax")
+    static = ("causal", "gqa", "window", "softcap", "dropout_p", "seqlens_q", "seqlens_k")
+    jitted = jax.jit(softmax_attention, static_argnames=static)
+
+    def kernel(q, k, v, *, mask=None, causal=False, gqa=False, window=None, softcap=None,
+               alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None):
+        return jitted(q, k, v, mask=mask, causal=causal, gqa=gqa, window=window, softcap=softcap,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
+                      seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+
+    small = [c for c in _modern() if c.nk <= 129]  # every feature; fewer shapes to compile
+    rep = verify(kernel, "softmax", backend="jax", dtypes=("float32",), cases=small, causal="both",
+                 progress=False)
+    assert rep.passed and all(r.verdict == "pass" for r in rep.results), rep.table()
+
+
+def test_packed_varlen_kernel_passes_and_a_leaky_one_fails():
+    varlen = [c for c in _modern() if c.tag == "varlen"]
+    good = verify(_packed_adapter(_varlen_ref), "softmax", backend="torch", cases=varlen,
+                  causal="both", progress=False)
+    assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+    bad = verify(_packed_adapter(_varlen_leaky), "softmax", backend="torch", cases=varlen,
+                 causal="both", progress=False)
+    assert not bad.passed
+    assert all(r.verdict == "fail" for r in bad.results), bad.table()
+
+
+# ---------------------------------------------------------------- mutants
+
+
+def _window_left(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, window=None, attn_mask=None,
+                 seqlens_q=None, seqlens_k=None):
+    return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
+                       attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _shift=(1, 0))
+
+
+def _window_right(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, window=None, attn_mask=None,
+                  seqlens_q=None, seqlens_k=None):
+    return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
+                       attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _shift=(0, -1))
+
+
+def _gqa_modulo(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, attn_mask=None,
+                seqlens_q=None, seqlens_k=None):
+    return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                       attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _gqa_tile=True)
+
+
+@pytest.mark.parametrize("mutant,feature", [
+    (_window_left, "window"), (_window_right, "window"), (_gqa_modulo, "gqa"),
+    (softcap_scale_twice, "softcap"),
+], ids=["window-left+1", "window-right-1", "gqa-h%Hkv", "softcap-scale-twice"])
+def test_mutants_fail(mutant, feature):
+    rep = verify(mutant, "softmax", backend="torch", dtypes=("float32",), cases=_modern(),
+                 causal="both", progress=False)
+    assert not rep.passed
+    hits = [r for r in _by_feature(rep, feature) if r.verdict != "n/a"]
+    failed = [r for r in hits if r.verdict == "fail"]
+    # every case of the feature that the bug can change fails (a window side that is
+    # unbounded cannot be off by one), with the error far beyond the tolerance
+    assert len(failed) >= max(1, len(hits) - 2), rep.table()
+    assert min(r.ratio for r in failed) > 10
+    # and nothing else is blamed: cases without the feature still pass
+    others = [r for r in rep.results if r.case not in {h.case for h in hits}]
+    assert all(r.verdict in ("pass", "n/a") for r in others), rep.table()
+
+
+def test_exported_vectors_carry_the_options(tmp_path):
+    # A reader outside Python gets everything it needs from the files: each golden is
+    # recomputed from the stored inputs and the manifest's options alone.
+    from conformance import export_vectors, load_vectors
+
+    tags = ("gqa", "window", "alibi", "dropout", "varlen", "combo", "decode")
+    picked = [next(c for c in _modern() if c.tag == t) for t in tags]
+    export_vectors(tmp_path, "softmax", dtypes=("float32",), cases=picked, causal="both")
+    seen = 0
+    for entry, arrays in load_vectors(tmp_path):
+        opts = entry["options"]
+        kw = {n: tuple(x) if isinstance(x, list) else x for n, x in opts.items()}
+        for n in ("alibi_slopes", "dropout_mask", "mask", "bias"):
+            if n in arrays:
+                kw[n] = arrays[n].astype(np.float64) if arrays[n].dtype != np.bool_ else arrays[n]
+        q, k, v = (arrays[n].astype(np.float64) for n in ("q", "k", "v"))
+        out = softmax_attention(q, k, v, causal=entry["causal"] or False, scale=entry["scale"], **kw)
+        np.testing.assert_allclose(out, arrays["golden"], rtol=1e-12, atol=1e-12)
+        seen += 1
+    assert seen == len(picked)
