@@ -254,7 +254,8 @@ for n in (16384, 65536):
             continue
         t = s.points[n]
         tf = flops(n, s.name) / t / 1e12
-        ref = rate.get("torch-cuda-bfloat16" if "bfloat16" in s.backend else "cupy")
+        ref = rate.get("torch-cuda-bfloat16" if "bfloat16" in s.backend
+                       else "torch-cuda-float32" if s.backend.startswith("torch") else "cupy")
         frac = f"{tf / ref:.1%}" if ref else "-"
         print(f"{n:>6}  {s.name:<16} {s.backend:<28} {t * 1e3:>8.2f}ms {tf:>8.2f} {frac:>9}")
 EOF
