@@ -274,6 +274,80 @@ for _sig in (
     register_signature(_sig)
 
 
+# ---------------------------------------------- features of modern kernels (GQA, window, ...)
+
+
+def _window_sigs(prep):
+    w = prep.kwargs.get("window")
+    if w is None:
+        return
+    left, right = w
+    for side, dl, dr in (("left", 1, 0), ("left", -1, 0), ("right", 0, 1), ("right", 0, -1)):
+        bound = left if side == "left" else right
+        if bound < 0 or bound + dl + dr < 0:
+            continue  # an unbounded side cannot be off by one
+        new = (left + dl, right + dr)
+        yield (f"the sliding window's {side} extent is off by one (window {new} instead of "
+               f"{tuple(w)})", _ref(prep, window=new))
+
+
+def _gqa_sigs(prep):
+    if not prep.kwargs.get("gqa"):
+        return
+    a = prep.arrays
+    hq, hkv = a["q"].shape[1], a["k"].shape[1]
+    g = hq // hkv
+    if g > 1 and hkv > 1:
+        yield (f"query head h reads key/value head h % Hkv instead of h // (Hq / Hkv) "
+               f"(Hq={hq}, Hkv={hkv})",
+               _ref(prep, k=np.tile(a["k"], (1, g, 1, 1)), v=np.tile(a["v"], (1, g, 1, 1)), gqa=None))
+
+
+def _softcap_sigs(prep):
+    c = prep.kwargs.get("softcap")
+    if c is None:
+        return
+    s = _scale(prep)
+    # c' tanh(s' q.k / c') with the reference's (softcap, scale) = (c', s')
+    yield "the soft-cap is ignored", _ref(prep, softcap=None)
+    yield "the scale is applied again after the soft-cap", _ref(prep, softcap=c * s, scale=s * s)
+    yield "the soft-cap is applied before the scale", _ref(prep, softcap=c * s)
+
+
+def _varlen_sigs(prep):
+    lq, lk = prep.kwargs.get("seqlens_q"), prep.kwargs.get("seqlens_k")
+    if lq is None or lk is None:
+        return
+    from attn_ref.softmax import varlen_attention
+
+    a = prep.arrays
+
+    def pack(x, lens):
+        return np.concatenate([np.swapaxes(x[b, :, :n], 0, 1) for b, n in enumerate(lens)])
+
+    kw = {n: prep.kwargs[n] for n in ("window", "softcap") if n in prep.kwargs}
+    if "alibi_slopes" in a:
+        kw["alibi_slopes"] = a["alibi_slopes"]
+    o = varlen_attention(pack(a["q"], lq), pack(a["k"], lk), pack(a["v"], lk),
+                         cu_seqlens_q=[0, sum(lq)], cu_seqlens_k=[0, sum(lk)],
+                         causal=prep.kwargs.get("causal") or False, scale=_scale(prep), **kw)
+    out = np.zeros(prep.golden.shape)
+    start = 0
+    for b, n in enumerate(lq):
+        out[b, :, :n] = np.swapaxes(o[start:start + n], 0, 1)
+        start += n
+    yield "tokens attend across sequence boundaries (the packed batch is one sequence)", out
+
+
+for _sig in (
+    Signature("window", _window_sigs),
+    Signature("gqa", _gqa_sigs),
+    Signature("softcap", _softcap_sigs),
+    Signature("varlen", _varlen_sigs),
+):
+    register_signature(_sig)
+
+
 # --------------------------------------------------------------------------- diagnose
 
 

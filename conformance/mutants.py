@@ -138,6 +138,67 @@ MUTANTS: list[Mutant] = [
 ]
 
 
+
+# ------------------------------------------ features of modern kernels (GQA, window, ...)
+
+
+def _modern(mistake):
+    """A NumPy kernel taking GQA, windows, soft-capping and lengths (attn_ref's reference
+    run on NumPy) with one ``mistake``."""
+
+    def kernel(q, k, v, *, mask=None, causal=False, scale=None, gqa=False, window=None,
+               softcap=None, seqlens_q=None, seqlens_k=None):
+        from attn_ref.softmax import softmax_attention, varlen_attention
+
+        kw = dict(mask=mask, causal=causal, scale=scale, gqa=gqa, window=window, softcap=softcap,
+                  seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        if mistake in ("window left", "window right") and window is not None:
+            left, right = window
+            kw["window"] = (left + 1 if mistake == "window left" and left >= 0 else left,
+                            right - 1 if mistake == "window right" and right > 0 else right)
+        if mistake == "gqa modulo" and gqa:
+            g = q.shape[1] // k.shape[1]
+            k, v, kw["gqa"] = np.tile(k, (1, g, 1, 1)), np.tile(v, (1, g, 1, 1)), False
+        if mistake == "softcap scale twice" and softcap is not None:
+            s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            kw.update(softcap=softcap * s, scale=s * s)  # s * c tanh(s q.k / c)
+        if mistake == "varlen leak" and seqlens_q is not None:
+            def pack(x, lens):
+                return np.concatenate([np.swapaxes(x[b, :, :n], 0, 1) for b, n in enumerate(lens)])
+
+            o = varlen_attention(pack(q, seqlens_q), pack(k, seqlens_k), pack(v, seqlens_k),
+                                 cu_seqlens_q=[0, sum(seqlens_q)], cu_seqlens_k=[0, sum(seqlens_k)],
+                                 causal=causal, scale=scale, window=window, softcap=softcap)
+            out, start = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype), 0
+            for b, n in enumerate(seqlens_q):
+                out[b, :, :n] = np.swapaxes(o[start:start + n], 0, 1)
+                start += n
+            return out
+        return np.asarray(softmax_attention(q, k, v, **kw), dtype=q.dtype)
+
+    return kernel
+
+
+def _feature_cases(name):
+    from .catalogue import CATALOGUE
+
+    return [c for c in CATALOGUE["standard"] if name in c.needs and c.nk <= 256]
+
+
+MUTANTS += [
+    Mutant("window left extent off by one", _modern("window left"), "left extent is off by one",
+           {"cases": _feature_cases("window")}),
+    Mutant("window right extent off by one", _modern("window right"), "right extent is off by one",
+           {"cases": _feature_cases("window")}),
+    Mutant("GQA head h -> kv head h % Hkv", _modern("gqa modulo"), "h % Hkv",
+           {"cases": _feature_cases("gqa")}),
+    Mutant("varlen leak across sequences", _modern("varlen leak"), "across sequence boundaries",
+           {"cases": _feature_cases("seqlens_q")}),
+    Mutant("softcap: scale applied twice", _modern("softcap scale twice"),
+           "scale is applied again after the soft-cap", {"cases": _feature_cases("softcap")}),
+]
+
+
 def run_mutant(m: Mutant, suite="quick", seed=0):
     from .oracle import verify
 
