@@ -188,6 +188,8 @@ class Baseline:
 
     params = (backends(),)
     param_names = ("backend",)
+    # Importing torch or JAX on a busy machine can take a minute.
+    timeout = 300.0
 
     def setup(self, backend):
         self.b = load_backend(backend)

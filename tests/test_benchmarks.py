@@ -51,8 +51,8 @@ def test_params_are_well_formed(name):
     if "N" in names:
         n = params[names.index("N")]
         assert all(v & (v - 1) == 0 and 256 <= v <= 65536 for v in n), n
-    for attr in ("timeout",):
-        assert getattr(cls, attr, 60) > 0
+    # asv's default of 60 s is less than an import of torch takes on a busy machine.
+    assert getattr(cls, "timeout", 60) >= 300, f"{name}: timeout below 300 s"
     if hasattr(cls, "unit"):
         assert cls.unit == "GFLOP/s"
 
