@@ -25,6 +25,7 @@ Environment variables (read at import, so discovery and runs agree):
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
@@ -253,6 +254,31 @@ def inputs(n: int, *, heads: int = HEADS, d: int = HEAD_DIM, seed: int = SEED):
     """Host float32 ``q, k, v`` of shape ``(heads, n, d)``, scaled like real activations."""
     rng = np.random.default_rng(seed)
     return tuple(rng.standard_normal((heads, n, d), dtype=np.float32) for _ in range(3))
+
+
+def discovered_params(key: str):
+    """The parameter grid asv discovered for benchmark ``key``, inside an asv run; else None.
+
+    asv discovers the suite once, with the newest commit of the run installed, and
+    then imports it afresh for every benchmark at every commit; the grid must not
+    change in between, but the registry does (an older commit has fewer variants).
+    So a benchmark process reads the grid back from the ``benchmarks.json`` that the
+    discovery wrote, and a variant missing at its commit is skipped in ``setup``.
+    """
+    if len(sys.argv) < 2 or sys.argv[1] not in ("run", "run_server"):
+        return None
+    conf_dir = os.environ.get("ASV_CONF_DIR")
+    if not conf_dir:
+        return None
+    try:
+        with open(os.path.join(conf_dir, "asv.conf.json")) as fh:
+            conf = json.loads(re.sub(r"^\s*//.*$", "", fh.read(), flags=re.M))
+        path = os.path.join(conf_dir, conf.get("results_dir", "results"), "benchmarks.json")
+        with open(path) as fh:
+            params = json.load(fh)[key]["params"]
+        return [[ast.literal_eval(p) for p in values] for values in params]
+    except (OSError, KeyError, TypeError, ValueError, SyntaxError):
+        return None
 
 
 def registry():

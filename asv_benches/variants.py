@@ -1,8 +1,9 @@
 """Every variant of :mod:`attn_ref.registry`, on every backend, across N.
 
-The parameter grid is read from the registry of the installed commit, so a variant
-registered later is benchmarked without touching this file; a variant missing from
-an older commit is reported as skipped there. Sizes beyond a variant's cap
+The parameter grid is read from the registry (at discovery, of the newest commit of
+the run), so a variant registered later is benchmarked without touching this file; a
+variant missing from an older commit is reported as skipped there
+(``_common.discovered_params``). Sizes beyond a variant's cap
 (``_common.max_n``) are skipped with the reason; slower cases run into ``timeout``.
 """
 
@@ -12,6 +13,7 @@ from ._common import (
     VariantCase,
     analytic_flops,
     backends,
+    discovered_params,
     load_backend,
     ns,
     registry,
@@ -22,7 +24,7 @@ from ._common import (
 class Attention:
     """Time and peak host memory of one forward call, ``(8, N, 64)`` float32."""
 
-    params = (variant_names(), backends(), ns())
+    params = discovered_params("variants.Attention.time_forward") or (variant_names(), backends(), ns())
     param_names = ("variant", "backend", "N")
     timeout = 900.0
     # A call at large N takes seconds: time single calls (no calibration loop), no
@@ -56,7 +58,7 @@ class FlopRate:
     the ratio is how close the reference runs to the floor its arithmetic sets.
     """
 
-    params = (_countable(), backends())
+    params = discovered_params("variants.FlopRate.track_gflops") or (_countable(), backends())
     param_names = ("variant", "backend")
     unit = "GFLOP/s"
     timeout = 300.0

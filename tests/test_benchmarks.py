@@ -101,6 +101,22 @@ def test_environment_narrows_the_grid(monkeypatch):
         C.backends()
 
 
+def test_runs_reuse_the_discovered_grid(monkeypatch, tmp_path):
+    conf = tmp_path / "asv.conf.json"
+    conf.write_text('{\n  // comment\n  "version": 1, "results_dir": "res"\n}')
+    (tmp_path / "res").mkdir()
+    grid = [["'softmax'", "'not_yet'"], ["'numpy'"], ["256", "512"]]
+    (tmp_path / "res" / "benchmarks.json").write_text(
+        json.dumps({"variants.Attention.time_forward": {"params": grid}}))
+    monkeypatch.setenv("ASV_CONF_DIR", str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["benchmark.py", "discover"])
+    assert C.discovered_params("variants.Attention.time_forward") is None
+    monkeypatch.setattr("sys.argv", ["benchmark.py", "run", "x"])
+    assert C.discovered_params("variants.Attention.time_forward") == [
+        ["softmax", "not_yet"], ["numpy"], [256, 512]]
+    assert C.discovered_params("variants.Other.time_x") is None
+
+
 def test_gpu_probe_can_be_given(monkeypatch):
     C.gpu_probe.cache_clear()
     try:
