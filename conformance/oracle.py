@@ -804,7 +804,7 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
 def _search(ctx, dtype, examples):
     """Hypothesis search for a failing case, shrunk to the smallest that still fails."""
     try:
-        from hypothesis import HealthCheck, find, settings
+        from hypothesis import HealthCheck, Phase, find, settings
         from hypothesis.errors import NoSuchExample
     except ImportError as exc:
         raise RuntimeError("the exhaustive suite needs hypothesis (pip install hypothesis)") from exc
@@ -817,7 +817,7 @@ def _search(ctx, dtype, examples):
     try:
         case = find(case_strategy(), fails,
                     settings=settings(max_examples=examples, database=None, deadline=None,
-                                      derandomize=True,
+                                      derandomize=True, phases=(Phase.generate, Phase.shrink),
                                       suppress_health_check=list(HealthCheck)))
     except NoSuchExample:
         return None

@@ -66,8 +66,9 @@ def _check(rep):
     assert all(r.diagnosis for r in rep.results if r.verdict == "n/a")
 
 
-@pytest.mark.parametrize("dtype,ci_seeds", [("float64", [0]), ("float32", [0, 1]),
-                                            ("bfloat16", [0, 1]), ("float16", [0, 1])])
+# CI: one seed per dtype, a different one for each, so that CI sees four draws
+@pytest.mark.parametrize("dtype,ci_seeds", [("float64", [0]), ("float32", [1]),
+                                            ("bfloat16", [2]), ("float16", [3])])
 def test_torch_sdpa_passes(dtype, ci_seeds):
     pytest.importorskip("torch")
     for seed in _seeds(ci_seeds):
@@ -78,7 +79,7 @@ def test_torch_sdpa_passes(dtype, ci_seeds):
         assert ran >= 50, rep.summary()  # masks, bias and causal cases all ran
 
 
-@pytest.mark.parametrize("dtype,ci_seeds", [("float32", [0]), ("bfloat16", [0])])
+@pytest.mark.parametrize("dtype,ci_seeds", [("float32", [0]), ("bfloat16", [1])])
 def test_jax_dot_product_attention_passes(dtype, ci_seeds):
     pytest.importorskip("jax")
     for seed in _seeds(ci_seeds):
