@@ -4,8 +4,9 @@ Each :class:`Mutant` is a NumPy float32 kernel with one classic mistake, and the
 its diagnosis should contain. The oracle must fail every one of them; ``catch_rate``
 runs the catalogue and reports how many were caught and how many were diagnosed right::
 
-    python -m conformance.mutants            # quick suite
-    python -m conformance.mutants standard   # the standard suite
+    python -m conformance.mutants               # quick suite, seed 0
+    python -m conformance.mutants standard      # the standard suite
+    python -m conformance.mutants quick 20      # seeds 0..19
 
 Extension point: append to :data:`MUTANTS` (the gradient checks add broken backward
 passes, the GQA/window/varlen features their mutants, each with its expected words).
@@ -224,5 +225,20 @@ def catch_rate(suite="quick", seed=0, out=sys.stdout):
     return caught, diagnosed, n
 
 
+def main(argv=None):
+    """``python -m conformance.mutants [SUITE] [SEEDS]``: catch rate over seeds 0..SEEDS-1."""
+    argv = sys.argv[1:] if argv is None else argv
+    suite = argv[0] if argv else "quick"
+    seeds = int(argv[1]) if len(argv) > 1 else 1
+    totals = [0, 0, 0]
+    for seed in range(seeds):
+        for i, x in enumerate(catch_rate(suite, seed)):
+            totals[i] += x
+    c, d, n = totals
+    print(f"overall: caught {c}/{n} ({100 * c / n:.0f}%), diagnosed {d}/{n} ({100 * d / n:.0f}%) "
+          f"over {seeds} seed(s)")
+    return 0 if c == n else 1
+
+
 if __name__ == "__main__":
-    catch_rate(sys.argv[1] if len(sys.argv) > 1 else "quick")
+    sys.exit(main())
