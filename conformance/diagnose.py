@@ -284,11 +284,22 @@ def _window_sigs(prep):
     left, right = w
     for side, dl, dr in (("left", 1, 0), ("left", -1, 0), ("right", 0, 1), ("right", 0, -1)):
         bound = left if side == "left" else right
-        if bound < 0 or bound + dl + dr < 0:
+        if bound < 0:
             continue  # an unbounded side cannot be off by one
         new = (left + dl, right + dr)
-        yield (f"the sliding window's {side} extent is off by one (window {new} instead of "
-               f"{tuple(w)})", _ref(prep, window=new))
+        words = f"the sliding window's {side} extent is off by one (window {new} instead of {tuple(w)})"
+        if bound + dl + dr >= 0:
+            yield words, _ref(prep, window=new)
+            continue
+        # extent 0 - 1: the window also hides the query's own position i + Lk - Lq
+        from .catalogue import _lengths
+
+        lq, lk = _lengths(prep.case, prep.kwargs)
+        i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
+        al = (j <= i + lk - lq - 1) if side == "right" else (j >= i + lk - lq + 1)
+        if "mask" in prep.arrays:
+            al = np.logical_and(al, prep.arrays["mask"])
+        yield words, _ref(prep, mask=al)
 
 
 def _gqa_sigs(prep):

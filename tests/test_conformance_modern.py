@@ -214,7 +214,8 @@ def test_packed_varlen_kernel_passes_and_a_leaky_one_fails():
     bad = verify(_packed_adapter(_varlen_leaky), "softmax", backend="torch", cases=varlen,
                  causal="both", progress=False)
     assert not bad.passed
-    assert all(r.verdict == "fail" for r in bad.results), bad.table()
+    assert all(r.verdict == "fail" and "across sequence boundaries" in r.diagnosis
+               for r in bad.results), bad.table()
 
 
 # ---------------------------------------------------------------- mutants
@@ -238,11 +239,13 @@ def _gqa_modulo(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, attn_
                        attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _gqa_tile=True)
 
 
-@pytest.mark.parametrize("mutant,feature", [
-    (_window_left, "window"), (_window_right, "window"), (_gqa_modulo, "gqa"),
-    (softcap_scale_twice, "softcap"),
+@pytest.mark.parametrize("mutant,feature,words", [
+    (_window_left, "window", "left extent is off by one"),
+    (_window_right, "window", "right extent is off by one"),
+    (_gqa_modulo, "gqa", "h % Hkv"),
+    (softcap_scale_twice, "softcap", "scale is applied again after the soft-cap"),
 ], ids=["window-left+1", "window-right-1", "gqa-h%Hkv", "softcap-scale-twice"])
-def test_mutants_fail(mutant, feature):
+def test_mutants_fail(mutant, feature, words):
     rep = verify(mutant, "softmax", backend="torch", dtypes=("float32",), cases=_modern(),
                  causal="both", progress=False)
     assert not rep.passed
@@ -252,6 +255,7 @@ def test_mutants_fail(mutant, feature):
     # unbounded cannot be off by one), with the error far beyond the tolerance
     assert len(failed) >= max(1, len(hits) - 2), rep.table()
     assert min(r.ratio for r in failed) > 10
+    assert all(words in r.diagnosis for r in failed), rep.table()  # and the right diagnosis
     # and nothing else is blamed: cases without the feature still pass
     others = [r for r in rep.results if r.case not in {h.case for h in hits}]
     assert all(r.verdict in ("pass", "n/a") for r in others), rep.table()
