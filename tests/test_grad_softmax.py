@@ -46,7 +46,8 @@ _FD = {}
 
 def _fd(key, args, do, options):
     if key not in _FD:
-        _FD[key] = numeric_vjp(attn_ref.softmax_attention, args, do, options)
+        fwd = attn_ref.varlen_attention if key == ("varlen",) else attn_ref.softmax_attention
+        _FD[key] = numeric_vjp(fwd, args, do, options)
     return _FD[key]
 
 
@@ -267,3 +268,83 @@ def test_vjps_table_names_registered_variants():
     assert set(grad.VJPS) <= names
     assert grad.VJPS["softmax"] is grad.softmax_attention
     assert grad.VJPS["online_softmax"] is grad.online_softmax_attention
+
+
+# ---------------------------------------------------------------- the forward's options
+
+_RNG = np.random.default_rng(12)
+_KEEP = _RNG.random((2, 4, 7, 9)) < 0.8
+OPTIONS = {
+    "gqa-bias": ({"kv_heads": 2, "bias": True}, {"gqa": True}),
+    "gqa-window": ({"kv_heads": 2}, {"gqa": True, "causal": "bottom-right", "window": (3, 1)}),
+    "softcap": ({"bias": True, "q_scale": 3.0}, {"softcap": 2.0}),
+    "alibi": ({}, {"alibi_slopes": np.array([0.5, 0.25, 0.1, 0.05]), "causal": True}),
+    "dropout": ({}, {"dropout_p": 0.2, "dropout_mask": _KEEP}),
+    "seqlens": ({}, {"seqlens_q": np.array([5, 7]), "seqlens_k": np.array([9, 4]),
+                     "causal": "bottom-right"}),
+}
+
+
+def _option_case(name):
+    spec, options = OPTIONS[name]
+    rng = np.random.default_rng(13)
+    hkv = spec.get("kv_heads", 4)
+    args = {
+        "q": rng.standard_normal((2, 4, 7, 3)) * spec.get("q_scale", 1.0),
+        "k": rng.standard_normal((2, hkv, 9, 3)),
+        "v": rng.standard_normal((2, hkv, 9, 2)),
+    }
+    if spec.get("bias"):
+        args["bias"] = rng.standard_normal((4, 7, 9))
+    return args, rng.standard_normal((2, 4, 7, 2)), dict(options)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", OPTIONS)
+def test_options_match_finite_differences(backend, form, name):
+    args, do, options = _option_case(name)
+    want = _fd(("option", name), args, do, options)
+    got = run_vjp(backend, FORMS[form], args, do, options)
+    assert_grads_close(got, want, backend, rtol=1e-7, atol=1e-8)
+
+
+def test_options_match_torch_autograd():
+    pytest.importorskip("torch")
+    from conformance.backends import load
+
+    backend = load("torch")
+    args, do, options = _option_case("gqa-bias")
+    options.update(softcap=1.5, dropout_p=0.1, dropout_mask=_KEEP, causal=True)
+    want = torch_vjp(attn_ref.softmax_attention, args, do, options)
+    for form in FORMS:
+        assert_grads_close(run_vjp(backend, FORMS[form], args, do, options), want, backend)
+
+
+def test_gqa_gradients_sum_over_the_group(backend):
+    # GQA equals plain attention on keys/values repeated to Hq heads; the repeated
+    # heads' gradients summed over each group are the GQA gradients.
+    args, do, options = _option_case("gqa-bias")
+    rep = dict(args, k=np.repeat(args["k"], 2, axis=1), v=np.repeat(args["v"], 2, axis=1))
+    a = run_vjp(backend, grad.softmax_attention, args, do, options)
+    b = run_vjp(backend, grad.softmax_attention, rep, do, {})
+    for n in ("k", "v"):
+        summed = host(b[n]).reshape(2, 2, 2, *host(b[n]).shape[2:]).sum(2)
+        np.testing.assert_allclose(host(a[n]), summed, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_varlen_matches_finite_differences_and_keeps_sequences_apart(backend, online):
+    rng = np.random.default_rng(14)
+    args = {"q": rng.standard_normal((9, 4, 3)), "k": rng.standard_normal((11, 2, 3)),
+            "v": rng.standard_normal((11, 2, 2))}
+    do = rng.standard_normal((9, 4, 2))
+    options = {"cu_seqlens_q": (0, 4, 9), "cu_seqlens_k": (0, 6, 11), "causal": "bottom-right"}
+    want = _fd(("varlen",), args, do, options)
+    got = run_vjp(backend, grad.varlen_attention, args, do, dict(options, online=online, block_q=4,
+                                                                 block_k=4))
+    assert_grads_close(got, want, backend, rtol=1e-7, atol=1e-8)
+    # do of the second sequence only: no gradient reaches the first sequence's keys.
+    do2 = do.copy()
+    do2[:4] = 0.0
+    g = run_vjp(backend, grad.varlen_attention, args, do2, options)
+    assert np.all(host(g["k"])[:6] == 0.0) and np.all(host(g["v"])[:6] == 0.0)

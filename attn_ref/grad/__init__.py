@@ -23,14 +23,16 @@ steps, and is tested against central finite differences in float64 and against
 
 from __future__ import annotations
 
+from .compressed import compressed_attention
 from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import nystrom_attention, pooled_attention, query_reduced_attention
-from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention
+from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
 
 __all__ = [
     "VJPS",
+    "compressed_attention",
     "feature_map_backward",
     "linear_attention",
     "linear_from_features",
@@ -42,6 +44,7 @@ __all__ = [
     "pooled_attention",
     "query_reduced_attention",
     "softmax_attention",
+    "varlen_attention",
 ]
 
 #: Variant name (as in :mod:`attn_ref.registry`) -> its VJP
@@ -55,4 +58,5 @@ VJPS = {
     "pooled": pooled_attention,
     "query_reduced": query_reduced_attention,
     "nystrom": nystrom_attention,
+    "compressed": compressed_attention,
 }

@@ -11,6 +11,14 @@ With logits ``S = scale Q K^T + B`` (masked entries ``-inf``), ``P = softmax(S)`
 never holds more than one ``block_q x block_k`` tile, recomputing ``P`` per tile as
 ``exp(S - lse)`` from the log-sum-exp that :func:`online_softmax_forward` saves.
 
+The options of the forward are differentiated through as the forward applies them:
+soft-capping ``S = c tanh(S0 / c)`` multiplies ``dS`` by ``1 - tanh^2(S0 / c)``; ALiBi
+and ``bias`` are additive (``dB = dS``; the slopes are not differentiated); a dropout
+keep-mask ``K`` with rate ``p`` gives ``dV = (P K / (1 - p))^T dO`` and
+``dP = (dO V^T) K / (1 - p)``, and ``rowsum(dO * O)`` is still the softmax VJP's row
+term; grouped-query attention (``gqa=True``) sums ``dK``, ``dV`` over each group of
+query heads; per-sequence lengths and windows mask like ``mask``.
+
 Masked entries have ``P = 0`` and so ``dS = 0``: gradients never leak through a mask
 or a causal boundary, and a query row with no key to attend to (output zero) gives
 zero gradients, not NaN. Its ``lse`` is ``+inf`` (as in FlashAttention), so the
@@ -19,111 +27,104 @@ recomputed ``P`` of that row is ``exp(-inf) = 0``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import array_api_compat
 
-from .._checks import check_bias, check_mask, check_positive_int, check_qkv, default_scale
-from ..softmax import TOP_LEFT, attention_weights, causal_alignment
-from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
+from .._checks import check_positive_int
+from ..softmax import (
+    _cu_offsets,
+    _dropout_scale,
+    _group,
+    _keep_tile,
+    _row_max,
+    _setup,
+    _tile_coverage,
+    _tile_logits,
+    _transposed_copy,
+    _unpack_index,
+)
+from ._common import check_cotangent, transpose, unbroadcast
 
-__all__ = ["softmax_attention", "online_softmax_attention", "online_softmax_forward"]
-
-
-def _prepare(q, k, v, mask, bias, causal, scale, xp):
-    xp, batch = check_qkv(q, k, v, xp=xp)
-    nq, nk = q.shape[-2], k.shape[-2]
-    mask = check_mask(xp, mask, batch, nq, nk)
-    bias = check_bias(xp, bias, batch, nq, nk, q.dtype)
-    return xp, batch, nq, nk, mask, bias, causal_alignment(causal), default_scale(q.shape[-1], scale)
-
-
-def _row_major(xp, x):
-    """A fresh row-major copy of ``x``: NumPy's stacked matmul only calls BLAS on those."""
-    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
+__all__ = ["softmax_attention", "online_softmax_attention", "online_softmax_forward", "varlen_attention"]
 
 
-def _offset(alignment, nq, nk):
-    # Query i may see key j iff j <= i + offset.
-    return 0 if alignment == TOP_LEFT else nk - nq
+def _problem(q, k, v, opts, xp):
+    return _setup(q, k, v, xp=xp, **opts)
 
 
-def _coverage(alignment, nq, nk, q0, q1, k0, k1):
-    """Is the causal tile ``[q0, q1) x [k0, k1)`` fully visible, fully hidden or mixed?"""
-    if alignment is None:
-        return "all"
-    off = _offset(alignment, nq, nk)
-    if k1 - 1 <= q0 + off:
-        return "all"
-    if k0 > q1 - 1 + off:
-        return "none"
-    return "partial"
+def _grouped_cotangent(pb, x, name, last):
+    """Check ``x`` (shape ``batch + (Nq, last)``) and view it like the grouped queries."""
+    xp = pb.xp
+    x = check_cotangent(xp, x, pb.batch + (pb.spec.nq,) + ((last,) if last is not None else ()),
+                        pb.q.dtype, name=name)
+    if not pb.grouped:
+        return x
+    hkv, g = pb.q.shape[-4], pb.q.shape[-3]
+    if last is None:
+        return xp.reshape(x, tuple(x.shape[:-2]) + (hkv, g, x.shape[-1]))
+    return _group(xp, x, hkv, g)
 
 
-def _tile(x, q0, q1, k0, k1):
-    """Slice a ``(..., Nq|1, Nk|1)`` broadcastable array to one tile."""
-    rows = slice(q0, q1) if x.shape[-2] != 1 else slice(None)
-    cols = slice(k0, k1) if x.shape[-1] != 1 else slice(None)
-    return x[..., rows, cols]
-
-
-def _tile_logits(xp, qs, kt, mask, bias, alignment, nq, nk, q0, k0):
-    """Logits ``qs @ kt + bias`` of one tile (scale already in ``qs``), ``-inf`` where not allowed."""
-    q1, k1 = q0 + qs.shape[-2], k0 + kt.shape[-1]
-    s = qs @ kt
-    if bias is not None:
-        s = s + _tile(bias, q0, q1, k0, k1)
-    allowed = None if mask is None else _tile(mask, q0, q1, k0, k1)
-    if _coverage(alignment, nq, nk, q0, q1, k0, k1) != "all":
-        device = array_api_compat.device(qs)
-        qi = xp.arange(q0, q1, device=device)
-        kj = xp.arange(k0, k1, device=device)
-        causal = kj[None, :] <= (qi[:, None] + _offset(alignment, nq, nk))
-        allowed = causal if allowed is None else xp.logical_and(allowed, causal)
-    return s if allowed is None else xp.where(allowed, s, -xp.inf)
-
-
-def _cotangent(xp, q, v, do, batch):
-    return check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
-
-
-def _finish(xp, q, k, v, bias, bias_dtype, dq, dk, dv, dbias):
+def _finish(pb, q, k, v, bias, bias_dtype, dq, dk, dv, dbias):
+    """Reduce grouped, broadcast gradients to the inputs' shapes."""
+    xp = pb.xp
     out = {
-        "q": unbroadcast(xp, dq, q.shape),
-        "k": unbroadcast(xp, dk, k.shape),
-        "v": unbroadcast(xp, dv, v.shape),
+        "q": xp.reshape(unbroadcast(xp, dq, pb.q.shape), q.shape),
+        "k": xp.reshape(unbroadcast(xp, dk, pb.k.shape), k.shape),
+        "v": xp.reshape(unbroadcast(xp, dv, pb.v.shape), v.shape),
     }
     if bias is not None:
-        db = unbroadcast(xp, dbias, bias.shape)
+        db = unbroadcast(xp, pb.ungroup(dbias), bias.shape)
         out["bias"] = db if db.dtype == bias_dtype else xp.astype(db, bias_dtype)
     return out
 
 
-def _zeros_like_inputs(xp, q, k, v, bias, bias_dtype, batch):
-    device = array_api_compat.device(q)
-    z = lambda shape, dt=q.dtype: xp.zeros(shape, dtype=dt, device=device)  # noqa: E731
-    out = {"q": z(q.shape), "k": z(k.shape), "v": z(v.shape)}
+def _zeros(pb, q, k, v, bias, bias_dtype):
+    xp, device = pb.xp, array_api_compat.device(q)
+    out = {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
     if bias is not None:
-        out["bias"] = z(bias.shape, bias_dtype)
+        out["bias"] = xp.zeros(bias.shape, dtype=bias_dtype, device=device)
     return out
 
 
-def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, xp=None):
+def _softcap_vjp(xp, spec, ds, s0):
+    """``dS0`` from ``dS`` through ``S = c tanh(S0 / c)`` (``s0``: the scaled raw logits)."""
+    if spec.softcap is None:
+        return ds
+    t = xp.tanh(s0 / spec.softcap)
+    return ds * (1 - t * t)
+
+
+_OPTIONS = """
+    mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask,
+    seqlens_q, seqlens_k, gqa, xp
+        As in :func:`attn_ref.softmax_attention`. Only ``bias`` among them is
+        differentiated."""
+
+
+def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None,
+                      softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None,
+                      seqlens_k=None, gqa=False, xp=None):
     """VJP of :func:`attn_ref.softmax_attention`: the gradients of ``<do, O>``.
 
     Parameters
     ----------
     q, k, v : arrays, shapes (..., Nq, d), (..., Nk, d), (..., Nk, dv)
     do : array, shape (..., Nq, dv)
-        Cotangent of the output, in the broadcast batch shape of the output.
-    mask, bias, causal, scale, xp
-        As in :func:`attn_ref.softmax_attention` (they are not differentiated, except
-        ``bias``).
+        Cotangent of the output, in the (broadcast) batch shape of the output.
+    mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask,
+    seqlens_q, seqlens_k, gqa, xp
+        As in :func:`attn_ref.softmax_attention`. Only ``bias`` among them is
+        differentiated.
 
     Returns
     -------
     dict
         ``{"q": dq, "k": dk, "v": dv}`` plus ``"bias": dbias`` when a bias was given,
         each of the shape (and, for ``bias``, the dtype) of that input: gradients of
-        broadcast inputs are summed over the broadcast dimensions.
+        broadcast inputs are summed over the broadcast dimensions, those of grouped
+        keys and values over their query-head group.
 
     Notes
     -----
@@ -141,20 +142,78 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     Array([1., 1.], dtype=array_api_strict.float64)
     """
     bias_dtype = None if bias is None else bias.dtype
-    xp, batch, nq, nk, mask, bias, alignment, scale = _prepare(q, k, v, mask, bias, causal, scale, xp)
-    do = _cotangent(xp, q, v, do, batch)
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                gqa=gqa), xp)
+    xp, spec = pb.xp, pb.spec
+    do = _grouped_cotangent(pb, do, "do", v.shape[-1])
+    if spec.nq == 0 or spec.nk == 0:
+        return _zeros(pb, q, k, v, bias, bias_dtype)
+    kt = xp.matrix_transpose(pb.k)
+    s, _ = _tile_logits(xp, pb.q, kt, spec, 0, 0)
+    p = xp.exp(s - _row_max(xp, s))
+    denom = xp.sum(p, axis=-1, keepdims=True)
+    p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
+    drop = _dropout_scale(spec)
+    pd = _keep_tile(xp, p, spec, 0, 0)
+    if drop != 1.0:
+        pd = pd * drop
+    dv = transpose(xp, pd) @ do
+    dp = _keep_tile(xp, do @ transpose(xp, pb.v), spec, 0, 0)
+    if drop != 1.0:
+        dp = dp * drop
+    ds = p * (dp - xp.sum(p * dp, axis=-1, keepdims=True))
+    ds0 = _softcap_vjp(xp, spec, ds, (pb.q @ kt) * spec.scale if spec.softcap is not None else None)
+    dq = (ds0 @ pb.k) * spec.scale
+    dk = (transpose(xp, ds0) @ pb.q) * spec.scale
+    return _finish(pb, q, k, v, bias, bias_dtype, dq, dk, dv, ds)
+
+
+def _forward(pb, block_q, block_k):
+    """The online recurrence over key blocks, returning ``(out, lse)`` in grouped shapes."""
+    xp, spec = pb.xp, pb.spec
+    nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
+    device, dtype = array_api_compat.device(pb.q), pb.q.dtype
     if nq == 0 or nk == 0:
-        return _zeros_like_inputs(xp, q, k, v, bias, bias_dtype, batch)
-    p = attention_weights(q, k, mask=mask, bias=bias, causal=alignment or False, scale=scale, xp=xp)
-    dv = transpose(xp, p) @ do
-    ds = softmax_vjp(xp, p, do @ transpose(xp, v))
-    dq = (ds @ k) * scale
-    dk = (transpose(xp, ds) @ q) * scale
-    return _finish(xp, q, k, v, bias, bias_dtype, dq, dk, dv, ds)
+        return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
+    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
+    tile_spec = dataclasses.replace(spec, scale=1.0)
+    kt = _transposed_copy(xp, pb.k)
+    outs, lses = [], []
+    for q0 in range(0, nq, block_q):
+        q1 = min(q0 + block_q, nq)
+        shape = pb.batch_g + (q1 - q0, 1)
+        m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
+        l = xp.zeros(shape, dtype=dtype, device=device)
+        acc = xp.zeros(pb.batch_g + (q1 - q0, dv), dtype=dtype, device=device)
+        for k0 in range(0, nk, block_k):
+            k1 = min(k0 + block_k, nk)
+            if _tile_coverage(spec, q0, q1, k0, k1) == "none":
+                continue
+            s, _ = _tile_logits(xp, qs[..., q0:q1, :], kt[..., k0:k1], tile_spec, q0, k0)
+            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+            m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)
+            p = xp.exp(s - m_safe)
+            alpha = xp.exp(m - m_safe)
+            l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
+            acc = acc * alpha + _keep_tile(xp, p, spec, q0, k0) @ pb.v[..., k0:k1, :]
+            m = m_new
+        empty = l == 0
+        one = xp.ones_like(l)
+        outs.append(acc / xp.where(empty, one, l))
+        lse = xp.where(empty, xp.full_like(l, xp.inf),
+                       xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
+        lses.append(lse[..., 0])
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
+    drop = _dropout_scale(spec)
+    return (out * drop if drop != 1.0 else out), (lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1))
 
 
 def online_softmax_forward(
-    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, block_q=512, block_k=1024, xp=None,
+    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
+    block_q=512, block_k=1024, xp=None,
 ):
     """:func:`attn_ref.online_softmax_attention` that also returns the row log-sum-exp.
 
@@ -163,9 +222,9 @@ def online_softmax_forward(
     out : array, shape (..., Nq, dv)
         The attention output.
     lse : array, shape (..., Nq)
-        ``log(sum_j exp(S_ij))`` of the masked logits ``S = scale Q K^T + bias``;
-        ``+inf`` for a row with no key to attend to (FlashAttention's convention), so
-        that ``exp(S - lse)`` is 0 on that row.
+        ``log(sum_j exp(S_ij))`` of the masked logits ``S`` (scaled, soft-capped, plus
+        bias and ALiBi; before dropout); ``+inf`` for a row with no key to attend to
+        (FlashAttention's convention), so that ``exp(S - lse)`` is 0 on that row.
 
     Notes
     -----
@@ -181,69 +240,46 @@ def online_softmax_forward(
     >>> float(lse[0]) == float(xp.log(xp.asarray(3.0)))
     True
     """
-    xp, batch, nq, nk, mask, bias, alignment, scale = _prepare(q, k, v, mask, bias, causal, scale, xp)
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                gqa=gqa), xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    device = array_api_compat.device(q)
-    dv = v.shape[-1]
-    if nq == 0 or nk == 0:
-        return (xp.zeros(batch + (nq, dv), dtype=q.dtype, device=device),
-                xp.full(batch + (nq,), xp.inf, dtype=q.dtype, device=device))
-    qs = q * scale
-    kt = _row_major(xp, xp.matrix_transpose(k))
-    outs, lses = [], []
-    for q0 in range(0, nq, block_q):
-        q1 = min(q0 + block_q, nq)
-        shape = batch + (q1 - q0, 1)
-        m = xp.full(shape, -xp.inf, dtype=q.dtype, device=device)
-        l = xp.zeros(shape, dtype=q.dtype, device=device)
-        acc = xp.zeros(batch + (q1 - q0, dv), dtype=q.dtype, device=device)
-        for k0 in range(0, nk, block_k):
-            k1 = min(k0 + block_k, nk)
-            if _coverage(alignment, nq, nk, q0, q1, k0, k1) == "none":
-                continue
-            s = _tile_logits(xp, qs[..., q0:q1, :], kt[..., k0:k1], mask, bias, alignment, nq, nk, q0, k0)
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
-            m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)
-            p = xp.exp(s - m_safe)
-            alpha = xp.exp(m - m_safe)
-            l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
-            acc = acc * alpha + p @ v[..., k0:k1, :]
-            m = m_new
-        empty = l == 0
-        outs.append(acc / xp.where(empty, xp.ones_like(l), l))
-        m_safe = xp.where(empty, xp.zeros_like(m), m)
-        lse = xp.where(empty, xp.full_like(l, xp.inf), m_safe + xp.log(xp.where(empty, xp.ones_like(l), l)))
-        lses.append(lse[..., 0])
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return xp.concat(outs, axis=-2), xp.concat(lses, axis=-1)
+    out, lse = _forward(pb, block_q, block_k)
+    lse = pb.ungroup(lse[..., None])[..., 0] if pb.grouped else lse
+    return pb.ungroup(out), lse
 
 
-def _bias_piece(xp, ds, bias, batch):
-    """Sum a tile's ``dS`` over the dimensions along which ``bias`` broadcasts."""
+def _bias_piece(xp, ds, bias):
+    """Sum a tile's ``dS`` over the dimensions along which the (grouped) ``bias`` broadcasts."""
     g = unbroadcast(xp, ds, tuple(bias.shape[:-2]) + tuple(ds.shape[-2:]))
     axes = tuple(a for a in (-2, -1) if bias.shape[a] == 1)
     return xp.sum(g, axis=axes, keepdims=True) if axes else g
 
 
 def online_softmax_attention(
-    q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, block_q=512, block_k=1024,
-    out=None, lse=None, xp=None,
+    q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+    alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
+    block_q=512, block_k=1024, out=None, lse=None, xp=None,
 ):
     """Blockwise VJP of :func:`attn_ref.online_softmax_attention` (FlashAttention-2 backward).
 
-    For each key block ``j`` and query block ``i`` (causal tiles wholly in the future
-    are skipped)::
+    For each key block ``j`` and query block ``i`` (tiles that causal masking or a
+    window hide entirely are skipped)::
 
-        P_ij = exp(S_ij - lse_i)           (recomputed, S_ij from q, k, bias, mask)
-        dV_j += P_ij^T dO_i                dP_ij = dO_i V_j^T
+        P_ij = exp(S_ij - lse_i)           (recomputed from q, k, bias, mask, ...)
+        dV_j += (P_ij K_ij / (1-p))^T dO_i dP_ij = (dO_i V_j^T) K_ij / (1-p)
         dS_ij = P_ij * (dP_ij - D_i)       with D = rowsum(dO * O), computed once
         dQ_i += scale dS_ij K_j            dK_j += scale dS_ij^T Q_i
 
+    (``K_ij``: the dropout keep-mask tile, 1 without dropout; soft-capping multiplies
+    ``dS`` by ``1 - tanh^2`` of the tile's capped logits before ``dQ``, ``dK``.)
+
     Parameters
     ----------
-    q, k, v, do, mask, bias, causal, scale, xp
+    q, k, v, do, mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p,
+    dropout_mask, seqlens_q, seqlens_k, gqa, xp
         As in :func:`softmax_attention`.
     block_q, block_k : int
         Tile sizes; sequence lengths need not be multiples of them.
@@ -259,10 +295,10 @@ def online_softmax_attention(
 
     Notes
     -----
-    ``O(Nq Nk (d + dv))`` time (about 2.5x the forward's matrix products);
-    ``O(block_q block_k)`` extra memory per batch entry for the tile, plus the
-    gradients themselves - never ``O(Nq Nk)``, except ``dbias`` when ``bias`` itself
-    is ``(Nq, Nk)``.
+    ``O(Nq Nk (d + dv))`` time (five matrix products per tile, 2.5x the forward's);
+    ``O(block_q block_k)`` extra memory per batch entry for the tile plus ``O(N d)`` for
+    transposed copies and the gradients - never ``O(Nq Nk)``, except ``dbias`` when
+    ``bias`` itself is ``(Nq, Nk)``.
 
     Examples
     --------
@@ -275,30 +311,33 @@ def online_softmax_attention(
     True
     """
     bias_dtype = None if bias is None else bias.dtype
-    xp, batch, nq, nk, mask, bias, alignment, scale = _prepare(q, k, v, mask, bias, causal, scale, xp)
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
+                                gqa=gqa), xp)
+    xp, spec = pb.xp, pb.spec
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    do = _cotangent(xp, q, v, do, batch)
+    do = _grouped_cotangent(pb, do, "do", v.shape[-1])
     if (out is None) != (lse is None):
         raise ValueError("give both out and lse (from online_softmax_forward) or neither")
     if out is None:
-        out, lse = online_softmax_forward(q, k, v, mask=mask, bias=bias, causal=alignment or False,
-                                          scale=scale, block_q=block_q, block_k=block_k, xp=xp)
+        out, lse = _forward(pb, block_q, block_k)
     else:
-        out = check_cotangent(xp, out, batch + (nq, v.shape[-1]), q.dtype, name="out")
-        lse = check_cotangent(xp, lse, batch + (nq,), q.dtype, name="lse")
+        out = _grouped_cotangent(pb, out, "out", v.shape[-1])
+        lse = _grouped_cotangent(pb, lse, "lse", None)
+    nq, nk = spec.nq, spec.nk
     if nq == 0 or nk == 0:
-        return _zeros_like_inputs(xp, q, k, v, bias, bias_dtype, batch)
-    device = array_api_compat.device(q)
-
-    qs = q * scale
-    # Every matrix product below takes row-major operands (see _row_major): the
-    # transposed ones are copied once here, O(N d), and dK, dV are accumulated
-    # transposed, dK_j^T += (scale Q_i)^T dS_ij and dV_j^T += dO_i^T P_ij.
-    kt = _row_major(xp, transpose(xp, k))
-    vt = _row_major(xp, transpose(xp, v))
-    qst = _row_major(xp, transpose(xp, qs))
-    dot = _row_major(xp, transpose(xp, do))
+        return _zeros(pb, q, k, v, bias, bias_dtype)
+    device, dtype = array_api_compat.device(pb.q), pb.q.dtype
+    tile_spec = dataclasses.replace(spec, scale=1.0)
+    drop = _dropout_scale(spec)
+    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
+    # Every matrix product below takes row-major operands (NumPy's stacked matmul only
+    # calls BLAS on those): the transposed ones are copied once here, O(N d), and dK, dV
+    # are accumulated transposed, dK_j^T += (scale Q_i)^T dS_ij, dV_j^T += dO_i^T P_ij.
+    kt, vt = _transposed_copy(xp, pb.k), _transposed_copy(xp, pb.v)
+    qst, dot = _transposed_copy(xp, qs), _transposed_copy(xp, do)
     # D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i): the softmax VJP's row term.
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)
     lse = lse[..., None]
@@ -306,50 +345,123 @@ def online_softmax_attention(
     kblocks = [(k0, min(k0 + block_k, nk)) for k0 in range(0, nk, block_k)]
     dq = [None] * len(qblocks)
     dkt, dvt = [], []
-    bias_rows = None if bias is None else (1 if bias.shape[-2] == 1 else len(qblocks))
-    bias_cols = None if bias is None else (1 if bias.shape[-1] == 1 else len(kblocks))
+    sb = spec.bias
+    bias_rows = None if sb is None else (1 if sb.shape[-2] == 1 else len(qblocks))
+    bias_cols = None if sb is None else (1 if sb.shape[-1] == 1 else len(kblocks))
     db = {}
     for j, (k0, k1) in enumerate(kblocks):
-        kb, ktb, vtb = k[..., k0:k1, :], kt[..., k0:k1], vt[..., k0:k1]
+        kb, ktb, vtb = pb.k[..., k0:k1, :], kt[..., k0:k1], vt[..., k0:k1]
         dkt_j = dvt_j = None
         for i, (q0, q1) in enumerate(qblocks):
-            if _coverage(alignment, nq, nk, q0, q1, k0, k1) == "none":
+            if _tile_coverage(spec, q0, q1, k0, k1) == "none":
                 continue
-            s = _tile_logits(xp, qs[..., q0:q1, :], ktb, mask, bias, alignment, nq, nk, q0, k0)
-            # Row-wise exp(S - lse) is P exactly: the forward's normaliser is in lse.
+            qb = qs[..., q0:q1, :]
+            s, _ = _tile_logits(xp, qb, ktb, tile_spec, q0, k0)
+            # exp(S - lse) is P exactly: the forward's normaliser is in lse.
             p = xp.exp(s - lse[..., q0:q1, :])
-            ds = p * (do[..., q0:q1, :] @ vtb - dcoef[..., q0:q1, :])
-            dvt_ij = dot[..., q0:q1] @ p
-            dkt_ij = qst[..., q0:q1] @ ds
-            dq_ij = ds @ kb
+            pd = _keep_tile(xp, p, spec, q0, k0)
+            dp = _keep_tile(xp, do[..., q0:q1, :] @ vtb, spec, q0, k0)
+            if drop != 1.0:
+                pd, dp = pd * drop, dp * drop
+            ds = p * (dp - dcoef[..., q0:q1, :])
+            ds0 = _softcap_vjp(xp, spec, ds, qb @ ktb if spec.softcap is not None else None)
+            dvt_ij = dot[..., q0:q1] @ pd
+            dkt_ij = qst[..., q0:q1] @ ds0
+            dq_ij = ds0 @ kb
             dvt_j = dvt_ij if dvt_j is None else dvt_j + dvt_ij
             dkt_j = dkt_ij if dkt_j is None else dkt_j + dkt_ij
             dq[i] = dq_ij if dq[i] is None else dq[i] + dq_ij
-            if bias is not None:
+            if sb is not None:
                 key = (i if bias_rows > 1 else 0, j if bias_cols > 1 else 0)
-                piece = _bias_piece(xp, ds, bias, batch)
+                piece = _bias_piece(xp, ds, sb)
                 db[key] = piece if key not in db else db[key] + piece
-        # Causal tiles wholly in the future leave whole key blocks without a contribution.
-        dkt.append(xp.zeros(batch + (q.shape[-1], k1 - k0), dtype=q.dtype, device=device)
+        # Tiles hidden by causal masking or a window leave whole key blocks untouched.
+        dkt.append(xp.zeros(pb.batch_g + (pb.q.shape[-1], k1 - k0), dtype=dtype, device=device)
                    if dkt_j is None else dkt_j)
-        dvt.append(xp.zeros(batch + (v.shape[-1], k1 - k0), dtype=q.dtype, device=device)
+        dvt.append(xp.zeros(pb.batch_g + (pb.v.shape[-1], k1 - k0), dtype=dtype, device=device)
                    if dvt_j is None else dvt_j)
-    dq = [xp.zeros(batch + (q1 - q0, q.shape[-1]), dtype=q.dtype, device=device) if g is None else g
+    dq = [xp.zeros(pb.batch_g + (q1 - q0, pb.q.shape[-1]), dtype=dtype, device=device) if g is None else g
           for g, (q0, q1) in zip(dq, qblocks)]
-    cat = lambda xs, axis: xs[0] if len(xs) == 1 else xp.concat(xs, axis=axis)  # noqa: E731
+
+    def cat(xs, axis):
+        return xs[0] if len(xs) == 1 else xp.concat(xs, axis=axis)
+
     dbias = None
-    if bias is not None:
-        lead = tuple(bias.shape[:-2])
+    if sb is not None:
+        lead = tuple(sb.shape[:-2])
         rows = []
         for i in range(bias_rows):
-            r = 1 if bias.shape[-2] == 1 else qblocks[i][1] - qblocks[i][0]
+            r = 1 if sb.shape[-2] == 1 else qblocks[i][1] - qblocks[i][0]
             cols = []
             for j in range(bias_cols):
-                c = 1 if bias.shape[-1] == 1 else kblocks[j][1] - kblocks[j][0]
-                cols.append(db.get((i, j), xp.zeros(lead + (r, c), dtype=q.dtype, device=device)))
+                c = 1 if sb.shape[-1] == 1 else kblocks[j][1] - kblocks[j][0]
+                cols.append(db.get((i, j), xp.zeros(lead + (r, c), dtype=dtype, device=device)))
             rows.append(cat(cols, -1))
         dbias = cat(rows, -2)
-    dk = transpose(xp, cat(dkt, -1))
-    dv = transpose(xp, cat(dvt, -1))
-    return _finish(xp, q, k, v, bias, bias_dtype, cat(dq, -2) * scale, dk, dv, dbias)
+        if pb.grouped and dbias.ndim >= 4:
+            # The grouped bias view (..., Hkv|1, g|1, ., .) back to per-query-head.
+            dbias = xp.reshape(dbias, tuple(dbias.shape[:-4]) + (dbias.shape[-4] * dbias.shape[-3],)
+                               + tuple(dbias.shape[-2:]))
+        dbias = unbroadcast(xp, dbias, bias.shape) if dbias.ndim >= bias.ndim else dbias
+        dbias = dbias if dbias.dtype == bias_dtype else xp.astype(dbias, bias_dtype)
+    g = _finish(pb, q, k, v, None, None, cat(dq, -2) * spec.scale, transpose(xp, cat(dkt, -1)),
+                transpose(xp, cat(dvt, -1)), None)
+    if bias is not None:
+        g["bias"] = xp.reshape(dbias, bias.shape)
+    return g
 
+
+def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
+                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
+                     online=False, block_q=512, block_k=1024, xp=None):
+    """VJP of :func:`attn_ref.varlen_attention` (packed variable-length batches).
+
+    ``q (total_q, Hq, d)``, ``k (total_k, Hkv, d)``, ``v (total_k, Hkv, dv)`` and
+    ``do (total_q, Hq, dv)``; returns ``{"q", "k", "v"}`` in the packed shapes. The
+    sequences are unpacked to a padded batch exactly as the forward does, differentiated
+    with :func:`softmax_attention` (or blockwise with ``online=True``) with per-sequence
+    lengths, and the gradients of the real rows are packed back: no gradient crosses a
+    sequence boundary.
+    """
+    xp = array_api_compat.array_namespace(q, k, v) if xp is None else xp
+    for name, x, want in (("q", q, "(total_q, Hq, d)"), ("k", k, "(total_k, Hkv, d)"),
+                          ("v", v, "(total_k, Hkv, dv)"), ("do", do, "(total_q, Hq, dv)")):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have the packed shape {want}, got shape {tuple(x.shape)}")
+    cq = _cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    ck = _cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+    if len(cq) != len(ck):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+            f"got {len(cq) - 1} and {len(ck) - 1}"
+        )
+    device = array_api_compat.device(q)
+    nb = len(cq) - 1
+    lq = [b - a for a, b in zip(cq[:-1], cq[1:])]
+    lk = [b - a for a, b in zip(ck[:-1], ck[1:])]
+    wq, wk = max(lq, default=0), max(lk, default=0)
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
+
+    def unpack(x, offsets, width):
+        idx = xp.asarray(_unpack_index(offsets, width), dtype=xp.int64, device=device)
+        x = xp.reshape(xp.take(x, idx, axis=0), (nb, width) + tuple(x.shape[1:]))
+        return xp.permute_dims(x, (0, 2, 1, 3))
+
+    def pack(x, lens, width):
+        x = xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (nb * width,) + (x.shape[1], x.shape[3]))
+        rows = [b * width + i for b in range(nb) for i in range(lens[b])]
+        return xp.take(x, xp.asarray(rows, dtype=xp.int64, device=device), axis=0)
+
+    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+              dropout_p=dropout_p, dropout_mask=dropout_mask,
+              seqlens_q=xp.asarray(lq, dtype=xp.int64, device=device),
+              seqlens_k=xp.asarray(lk, dtype=xp.int64, device=device), gqa=True, xp=xp)
+    args = (unpack(q, cq, wq), unpack(k, ck, wk), unpack(v, ck, wk), unpack(do, cq, wq))
+    if online:
+        g = online_softmax_attention(*args, block_q=block_q, block_k=block_k, **kw)
+    else:
+        g = softmax_attention(*args, **kw)
+    # Padding slots repeat a real row, but they are masked, so their gradients are zero
+    # and keeping only the real rows is the exact VJP of the unpacking gather.
+    return {"q": pack(g["q"], lq, wq), "k": pack(g["k"], lk, wk), "v": pack(g["v"], lk, wk)}
