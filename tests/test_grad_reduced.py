@@ -93,3 +93,23 @@ def test_landmarks_equal_n_with_exact_pinv_is_softmax(backend):
     soft = run_vjp(backend, grad.softmax_attention, args, do)
     for n in "qkv":
         np.testing.assert_allclose(host(nys[n]), host(soft[n]), rtol=1e-7, atol=1e-8)
+
+
+def test_clustered_matches_finite_differences(backend):
+    # The k-means assignment is piecewise constant: held constant, and finite
+    # differences (small steps) do not change it, so the two agree.
+    rng = np.random.default_rng(6)
+    args = {"q": rng.standard_normal((2, 9, 3)), "k": rng.standard_normal((2, 7, 3)),
+            "v": rng.standard_normal((1, 7, 2))}
+    do = rng.standard_normal((2, 9, 2))
+    options = {"num_clusters": 3, "iterations": 4, "seed": 1}
+    if "clustered" not in _FD:
+        _FD["clustered"] = numeric_vjp(R.clustered_attention, args, do, options)
+    got = run_vjp(backend, grad.clustered_attention, args, do, options)
+    assert_grads_close(got, _FD["clustered"], backend, rtol=1e-7, atol=1e-8)
+
+
+def test_clustered_with_topk_is_refused(backend):
+    q = from_numpy(np.ones((4, 3)), backend)
+    with pytest.raises(NotImplementedError, match="topk"):
+        grad.clustered_attention(q, q, q, q, num_clusters=2, topk=2)

@@ -27,11 +27,12 @@ from .compressed import compressed_attention
 from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
-from .reduced import nystrom_attention, pooled_attention, query_reduced_attention
+from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
 
 __all__ = [
     "VJPS",
+    "clustered_attention",
     "compressed_attention",
     "feature_map_backward",
     "linear_attention",
@@ -59,4 +60,5 @@ VJPS = {
     "query_reduced": query_reduced_attention,
     "nystrom": nystrom_attention,
     "compressed": compressed_attention,
+    "clustered": clustered_attention,
 }

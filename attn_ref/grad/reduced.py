@@ -39,6 +39,7 @@ from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
 from .softmax import softmax_attention
 
 __all__ = [
+    "clustered_attention",
     "pooled_attention",
     "query_reduced_attention",
     "nystrom_attention",
@@ -208,3 +209,60 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     dk = dk + segment_means_vjp(xp, dkl, k.shape[-2])
     return {"q": unbroadcast(xp, dqs * scale, q.shape), "k": unbroadcast(xp, dk, k.shape),
             "v": unbroadcast(xp, dv, v.shape)}
+
+
+def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
+                        scale=None, xp=None):
+    """VJP of :func:`attn_ref.reduced.clustered_attention` (without ``topk``).
+
+    The k-means assignments are piecewise constant in ``q`` and held constant (the
+    derivative almost everywhere). Given them, every centroid is linear in ``q``: the
+    mean of its members in the last Lloyd step that gave it members, and finally a row
+    of ``q`` chosen by the seed. The VJP runs the Lloyd steps backwards through those
+    means. ``topk`` (a data-dependent key selection) is not differentiated: it raises
+    ``NotImplementedError``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref import grad
+    >>> x = xp.reshape(xp.sin(xp.arange(24.0)), (6, 4))
+    >>> a = grad.clustered_attention(x, x, x, x, num_clusters=6)   # C = N: softmax
+    >>> b = grad.softmax_attention(x, x, x, x)
+    >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-12) for n in "qkv")
+    True
+    """
+    from ..random import permutation
+    from ..reduced import _assign, _clustered_prepare
+
+    xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
+                                          "clustered_attention")
+    if topk is not None:
+        raise NotImplementedError("the gradient of clustered attention with topk (a data-dependent "
+                                  "selection of keys) is not provided; use topk=None")
+    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+    n = q.shape[-2]
+    device = array_api_compat.device(q)
+    first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=device)
+    centroids = xp.take(q, first, axis=q.ndim - 2)
+    steps = []
+    for _ in range(iterations):
+        _, onehot = _assign(xp, q, centroids)
+        counts = xp.sum(onehot, axis=-2)[..., None]
+        has = counts > 0
+        safe = xp.where(has, counts, xp.ones_like(counts))
+        steps.append((onehot, has, safe))
+        centroids = xp.where(has, (transpose(xp, onehot) @ q) / safe, centroids)
+    _, onehot = _assign(xp, q, centroids)
+    g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)
+    dc = g["q"]
+    dq = None
+    zero = xp.zeros((), dtype=q.dtype, device=device)
+    for onehot_t, has, safe in reversed(steps):
+        piece = onehot_t @ xp.where(has, dc / safe, zero)
+        dq = piece if dq is None else dq + piece
+        dc = xp.where(has, zero, dc)
+    pick = xp.astype(xp.arange(n, device=device)[None, :] == first[:, None], q.dtype)
+    piece = transpose(xp, pick) @ dc
+    dq = piece if dq is None else dq + piece
+    return {"q": unbroadcast(xp, dq, q.shape), "k": g["k"], "v": g["v"]}
