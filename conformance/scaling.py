@@ -284,9 +284,11 @@ def load_results(path) -> Results:
                     combo[1], value, peer=True)
             elif cls == "NumpyOneShot" and kind in ("time", "peakmem"):
                 add(kind, "numpy_oneshot", "numpy", combo[0], value, peer=True)
-            elif cls == "Matmul" and value is not None:
+            elif value is None or not math.isfinite(float(value)):
+                continue  # failed (None) or skipped (NaN)
+            elif cls == "Matmul":
                 matmul[combo[0]] = float(value)
-            elif cls == "Baseline" and value is not None:
+            elif cls == "Baseline":
                 baseline[combo[0]] = float(value)
     meta = {k: data.get(k) for k in ("commit_hash", "env_name", "date", "params")}
     return Results(list(series.values()), matmul, baseline, meta)
@@ -565,6 +567,8 @@ def add_arguments(p):
                    help="where to write the log-log plot ('' for none; default scaling.png)")
     p.add_argument("--markdown", default=None, metavar="PATH",
                    help="also write the table as Markdown")
+    p.add_argument("--title", default=None,
+                   help="plot title (default: the commit of the results); say where it was measured")
     p.add_argument("--fit-points", type=int, default=4,
                    help="fit over this many of the largest sizes (default 4)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -592,7 +596,8 @@ def command(args) -> int:
             fh.write(format_table(rows, results, markdown=True) + "\n")
     if args.plot:
         commit = (results.meta.get("commit_hash") or "?")[:8]
-        plot(results, args.plot, title=f"attn-ref scaling, asv results of commit {commit}")
+        plot(results, args.plot,
+             title=args.title or f"attn-ref scaling, asv results of commit {commit}")
         print(f"plot: {args.plot}")
     return 0
 

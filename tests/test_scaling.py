@@ -108,7 +108,8 @@ def _results_file(tmp_path, *, online_mem=1.0, name="abc.json"):
             "peers.NumpyOneShot.time_forward": _entry([2e-9 * n * n for n in ns], [nstr]),
             "peers.NumpyOneShot.peakmem_forward": _entry([base + 40.0 * n * n for n in ns],
                                                          [nstr]),
-            "peers.Matmul.track_gflops": _entry([100.0, 50.0], [["'numpy'", "'torch'"]]),
+            "peers.Matmul.track_gflops": _entry([100.0, 50.0, math.nan],
+                                                [["'numpy'", "'torch'", "'jax'"]]),
             "peers.Baseline.peakmem_loaded": _entry([base, 3 * base], [["'numpy'", "'torch'"]]),
         },
     }
