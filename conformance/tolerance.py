@@ -58,7 +58,9 @@ class Tolerance:
     fudge: float = 4.0
     floor_ulps: float = 4.0
     fudge_rms: float = 3.0
-    floor_rms_ulps: float = 1.0
+    # 2, not 1: with one key (O = V) the baseline is exact and a correct kernel's
+    # normalisation still rounds every element by up to an ulp (performer, torch float64)
+    floor_rms_ulps: float = 2.0
 
     def bounds(self, base_max: float, base_rms: float, magnitude: float, dtype: str):
         u = ulp(magnitude, dtype)
