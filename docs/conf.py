@@ -38,7 +38,8 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "README.md", "Thumbs.db", ".DS_Store"]
+# _static holds files copied as they are (the scaling report, its Markdown table), not pages.
+exclude_patterns = ["_build", "_static", "README.md", "Thumbs.db", ".DS_Store"]
 nitpicky = False
 
 # --- MyST ---------------------------------------------------------------------------
