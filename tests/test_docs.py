@@ -35,8 +35,9 @@ _SPHINX_ONLY = {"testcode", "testoutput", "testsetup", "testcleanup", "doctest-g
 
 
 def pages():
-    return sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts
-                  and "generated" not in p.parts)
+    # The pages Sphinx reads (docs/conf.py excludes _build and _static).
+    return sorted(p for p in DOCS.rglob("*.md")
+                  if not {"_build", "_static", "generated"} & set(p.relative_to(DOCS).parts))
 
 
 def doctest_blocks(path):
