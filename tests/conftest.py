@@ -9,10 +9,10 @@ import os
 
 # JAX compiles every traced function for the CPU; the tests' arrays are tiny, so LLVM's
 # expensive optimisation passes buy nothing and cost most of the suite's time (compiles
-# 1.5-3x faster without them). Set before anything imports jax; an explicit XLA_FLAGS wins.
-os.environ.setdefault(
-    "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-)
+# about 2x faster without them). XLA's own optimisation level stays at its default: level
+# 0 changed inf/NaN handling in jax.vjp of masked rows. Set before anything imports jax;
+# an explicit XLA_FLAGS wins.
+os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
 
 import pytest  # noqa: E402
 
