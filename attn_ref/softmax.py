@@ -860,6 +860,28 @@ def _unpack_index(offsets, width):
     return idx
 
 
+def _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, extra=()):
+    """Check the packed ``(total, H, d)`` layout; return the offsets and sequence lengths.
+
+    ``extra`` holds further ``(name, array, expected shape)`` triples (the backward's
+    ``do``). Returns ``(cu_q, cu_k, lengths_q, lengths_k)`` as host lists.
+    """
+    for name, x, want in (("q", q, "(total_q, Hq, d)"), ("k", k, "(total_k, Hkv, d)"),
+                          ("v", v, "(total_k, Hkv, dv)"), *extra):
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have the packed shape {want}, got shape {tuple(x.shape)}")
+    cq = _cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    ck = _cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+    if len(cq) != len(ck):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+            f"got {len(cq) - 1} and {len(ck) - 1}"
+        )
+    lq = [b - a for a, b in zip(cq[:-1], cq[1:])]
+    lk = [b - a for a, b in zip(ck[:-1], ck[1:])]
+    return cq, ck, lq, lk
+
+
 def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
                      window=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
                      dropout_mask=None, online=False, block_q=512, block_k=1024, xp=None):
@@ -915,23 +937,11 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     True
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
-    for name, x, want in (("q", q, "(total_q, Hq, d)"), ("k", k, "(total_k, Hkv, d)"),
-                          ("v", v, "(total_k, Hkv, dv)")):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have the packed shape {want}, got shape {tuple(x.shape)}")
     if not isinstance(online, bool):
         raise TypeError(f"online must be True or False, got {online!r}")
-    cq = _cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
-    ck = _cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
-    if len(cq) != len(ck):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
-            f"got {len(cq) - 1} and {len(ck) - 1}"
-        )
+    cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
     device = array_api_compat.device(q)
     nb = len(cq) - 1
-    lq = [b - a for a, b in zip(cq[:-1], cq[1:])]
-    lk = [b - a for a, b in zip(ck[:-1], ck[1:])]
     wq, wk = max(lq, default=0), max(lk, default=0)
 
     def unpack(x, offsets, width):

@@ -33,10 +33,10 @@ import array_api_compat
 
 from .._checks import check_positive_int
 from ..softmax import (
-    _cu_offsets,
     _dropout_scale,
     _group,
     _keep_tile,
+    _packed_layout,
     _row_max,
     _setup,
     _tile_coverage,
@@ -424,21 +424,10 @@ def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False
     sequence boundary.
     """
     xp = array_api_compat.array_namespace(q, k, v) if xp is None else xp
-    for name, x, want in (("q", q, "(total_q, Hq, d)"), ("k", k, "(total_k, Hkv, d)"),
-                          ("v", v, "(total_k, Hkv, dv)"), ("do", do, "(total_q, Hq, dv)")):
-        if x.ndim != 3:
-            raise ValueError(f"{name} must have the packed shape {want}, got shape {tuple(x.shape)}")
-    cq = _cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
-    ck = _cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
-    if len(cq) != len(ck):
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
-            f"got {len(cq) - 1} and {len(ck) - 1}"
-        )
+    cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                    extra=(("do", do, "(total_q, Hq, dv)"),))
     device = array_api_compat.device(q)
     nb = len(cq) - 1
-    lq = [b - a for a, b in zip(cq[:-1], cq[1:])]
-    lk = [b - a for a, b in zip(ck[:-1], ck[1:])]
     wq, wk = max(lq, default=0), max(lk, default=0)
     if q.shape[0] == 0 or k.shape[0] == 0:
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
