@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import array_api_compat
 
@@ -498,27 +499,49 @@ def _finish(xp, part):
     return acc / xp.where(l > 0, l, xp.ones_like(l))
 
 
-def _pad_blocks(xp, x, block_size, nblocks):
-    """``(..., n, c)`` -> ``(..., nblocks, B, c)``, zero-padding the ragged tail."""
+def _pad_blocks(xp, x, block_size, nblocks, fill=0.0):
+    """``(..., n, c)`` -> ``(..., nblocks, B, c)``, padding the ragged tail with ``fill``."""
     pad = nblocks * block_size - x.shape[-2]
     if pad:
-        z = xp.zeros(tuple(x.shape[:-2]) + (pad, x.shape[-1]), dtype=x.dtype,
-                     device=array_api_compat.device(x))
+        z = xp.full(tuple(x.shape[:-2]) + (pad, x.shape[-1]), fill, dtype=x.dtype,
+                    device=array_api_compat.device(x))
         x = xp.concat([x, z], axis=-2)
     return xp.reshape(x, tuple(x.shape[:-2]) + (nblocks, block_size, x.shape[-1]))
 
 
-def _block_partials(xp, q, k, v, rows, block_size, nk, batch, predicate):
-    """Partials of every query position over the key blocks ``rows[a]`` of its block.
+class _BlockGroup(NamedTuple):
+    """The query blocks ``ids`` that each see ``cnt`` key blocks, gathered.
 
-    ``q`` is already scaled. ``predicate(qpos, kpos)`` (or None) further restricts the
-    pairs inside the gathered blocks; padded key positions are always excluded. A
-    row entry of ``-1`` is an empty slot: it gathers an all-padding block.
+    ``flat`` lists their key blocks row by row (``nbk``, one past the last block, for
+    an empty slot); ``index`` is ``ids`` as an index array. ``qg (..., g, B, d)``,
+    ``kg (..., g, cnt B, d)`` and ``vg (..., g, cnt B, dv)`` are the gathered (scaled)
+    queries, keys and values and ``s (..., g, B, cnt B)`` the logits, ``-inf`` where
+    not allowed; all four are None when ``cnt == 0``.
     """
-    B = block_size
+
+    cnt: int
+    ids: list
+    flat: list
+    index: Any
+    qg: Any
+    kg: Any
+    vg: Any
+    s: Any
+
+
+def _block_groups(xp, q, k, v, part, nk):
+    """The gathers of a :class:`_Blocks` part: one :class:`_BlockGroup` per row length.
+
+    Query blocks are grouped by their number of active key blocks and each group is
+    one gather and one batched matmul. The forward and the VJP both iterate over
+    this, so they see the same logits. ``q`` is already scaled; padded key positions
+    are always excluded; a row entry of ``-1`` is an empty slot that gathers an
+    all-padding block.
+    """
+    B, rows, predicate = part.block_size, part.rows, part.predicate
     device = array_api_compat.device(q)
     nbq, nbk = len(rows), -(-nk // B)
-    nq, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    d, dv = q.shape[-1], v.shape[-1]
     empty_slots = any(b < 0 for r in rows for b in r)
     # Empty slots point at one extra block past the end, which is all padding.
     nbk_alloc = nbk + 1 if empty_slots else nbk
@@ -527,46 +550,100 @@ def _block_partials(xp, q, k, v, rows, block_size, nk, batch, predicate):
     for a, r in enumerate(rows):
         groups.setdefault(len(r), []).append(a)
     offs = xp.arange(B, dtype=xp.int64, device=device)
-    parts, order = [], []
     for cnt, ids in groups.items():
         g = len(ids)
-        order.extend(ids)
+        ida = xp.asarray(ids, dtype=xp.int64, device=device)
         if cnt == 0:
+            yield _BlockGroup(cnt, ids, [], ida, None, None, None, None)
+            continue
+        flat = [b if b >= 0 else nbk for a in ids for b in rows[a]]
+        fi = xp.asarray(flat, dtype=xp.int64, device=device)
+        qg = qb if g == nbq else xp.take(qb, ida, axis=-3)
+        kg = xp.reshape(xp.take(kb, fi, axis=-3), tuple(kb.shape[:-3]) + (g, cnt * B, d))
+        vg = xp.reshape(xp.take(vb, fi, axis=-3), tuple(vb.shape[:-3]) + (g, cnt * B, dv))
+        s = qg @ xp.matrix_transpose(kg)  # (..., g, B, cnt*B)
+        qpos = (ida[:, None] * B + offs[None, :])[:, :, None]
+        kpos = xp.reshape(xp.reshape(fi, (g, cnt))[:, :, None] * B + offs, (g, 1, cnt * B))
+        allowed = (kpos < nk) if (nk % B or empty_slots) else None
+        if predicate is not None:
+            allowed = _and(xp, allowed, predicate(qpos, kpos))
+        if allowed is not None:
+            s = xp.where(allowed, s, -xp.inf)
+        yield _BlockGroup(cnt, ids, flat, ida, qg, kg, vg, s)
+
+
+def _ungroup(xp, pieces, order, n):
+    """Per-group ``(..., g, B, c)`` pieces for query blocks ``order`` -> ``(..., n, c)``."""
+    x = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
+    nb = len(order)
+    if order != list(range(nb)):
+        inverse = [0] * nb
+        for pos, a in enumerate(order):
+            inverse[a] = pos
+        x = xp.take(x, xp.asarray(inverse, dtype=xp.int64, device=array_api_compat.device(x)), axis=-3)
+    return xp.reshape(x, tuple(x.shape[:-3]) + (nb * x.shape[-2], x.shape[-1]))[..., :n, :]
+
+
+def _block_partials(xp, q, k, v, part, nk, batch):
+    """Partials of every query position over the key blocks of its block (a :class:`_Blocks`)."""
+    B, dv = part.block_size, v.shape[-1]
+    device = array_api_compat.device(q)
+    parts, order = [], []
+    for grp in _block_groups(xp, q, k, v, part, nk):
+        order.extend(grp.ids)
+        g = len(grp.ids)
+        if grp.s is None:
             parts.append((
                 xp.full(batch + (g, B, 1), -xp.inf, dtype=q.dtype, device=device),
                 xp.zeros(batch + (g, B, 1), dtype=q.dtype, device=device),
                 xp.zeros(batch + (g, B, dv), dtype=q.dtype, device=device),
             ))
             continue
-        ida = xp.asarray(ids, dtype=xp.int64, device=device)
-        flat = xp.asarray([b if b >= 0 else nbk for a in ids for b in rows[a]], dtype=xp.int64,
-                          device=device)
-        qg = qb if g == nbq else xp.take(qb, ida, axis=-3)
-        kg = xp.reshape(xp.take(kb, flat, axis=-3), tuple(kb.shape[:-3]) + (g, cnt * B, d))
-        vg = xp.reshape(xp.take(vb, flat, axis=-3), tuple(vb.shape[:-3]) + (g, cnt * B, dv))
-        s = qg @ xp.matrix_transpose(kg)  # (..., g, B, cnt*B)
-        qpos = (ida[:, None] * B + offs[None, :])[:, :, None]
-        kpos = xp.reshape(xp.reshape(flat, (g, cnt))[:, :, None] * B + offs, (g, 1, cnt * B))
-        allowed = (kpos < nk) if (nk % B or empty_slots) else None
-        if predicate is not None:
-            allowed = _and(xp, allowed, predicate(qpos, kpos))
-        if allowed is not None:
-            s = xp.where(allowed, s, -xp.inf)
-        parts.append(_partial(xp, s, vg, batch, 3))
-    if len(parts) == 1:
-        m, l, acc = parts[0]
-    else:
-        m, l, acc = (xp.concat([p[t] for p in parts], axis=-3) for t in range(3))
-    if order != list(range(nbq)):
-        inverse = [0] * nbq
-        for pos, a in enumerate(order):
-            inverse[a] = pos
-        inv = xp.asarray(inverse, dtype=xp.int64, device=device)
-        m, l, acc = (xp.take(x, inv, axis=-3) for x in (m, l, acc))
-    return tuple(
-        xp.reshape(x, tuple(x.shape[:-3]) + (nbq * B, x.shape[-1]))[..., :nq, :]
-        for x in (m, l, acc)
-    )
+        parts.append(_partial(xp, grp.s, grp.vg, batch, 3))
+    return tuple(_ungroup(xp, [p[t] for p in parts], order, q.shape[-2]) for t in range(3))
+
+
+def _to_classes(xp, x, stride, nclasses, fill=0.0):
+    """``(..., n, c)`` -> ``(..., stride, C, c)``: row ``r``, column ``t`` is position ``t l + r``."""
+    xb = _pad_blocks(xp, x, stride, nclasses, fill)  # (..., C, l, c)
+    nd = xb.ndim
+    return xp.permute_dims(xb, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
+
+
+def _from_classes(xp, x, n):
+    nd = x.ndim
+    x = xp.permute_dims(x, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
+    return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
+
+
+def _class_logits(xp, q, k, v, part, n):
+    """A :class:`_Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``."""
+    stride = part.stride
+    C = -(-n // stride)
+    device = array_api_compat.device(q)
+    qc, kc, vc = (_to_classes(xp, x, stride, C) for x in (q, k, v))
+    s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
+    t = xp.arange(C, dtype=xp.int64, device=device)
+    r = xp.arange(stride, dtype=xp.int64, device=device)
+    gap = t[:, None] - t[None, :]
+    ok = (gap >= 2) if part.one_sided else (xp.abs(gap) >= 2)
+    ok = xp.logical_and(ok[None, :, :], (t[None, None, :] * stride + r[:, None, None]) < n)
+    return qc, kc, vc, xp.where(ok, s, -xp.inf)
+
+
+def _column_logits(xp, q, k, v, part, n):
+    """A :class:`_Columns` part: ``(kc, vc, s)`` for the summary keys, ``s (..., N, |cols|)``."""
+    device = array_api_compat.device(q)
+    jc = xp.asarray(part.cols, dtype=xp.int64, device=device)
+    kc, vc = xp.take(k, jc, axis=-2), xp.take(v, jc, axis=-2)
+    s = q @ xp.matrix_transpose(kc)  # (..., N, |cols|)
+    i, _ = _grid(xp, n, 0, device)
+    j = jc[None, :]
+    # Summary keys of the query's own block are in the block part already.
+    ok = xp.floor_divide(i, part.stride) != xp.floor_divide(j, part.stride)
+    if part.causal:
+        ok = xp.logical_and(ok, j <= i)
+    return kc, vc, xp.where(ok, s, -xp.inf)
 
 
 def _causal_pred(xp, alignment, nq, nk):
@@ -597,9 +674,175 @@ def _empty(xp, q, v, batch):
                     device=array_api_compat.device(q))
 
 
-def _scaled(q, scale):
+# ---------------------------------------------------------------- plans
+# Every efficient form is a plan: a few disjoint key sets ("parts") per query, each
+# one softmax partial, merged exactly. The forward evaluates the plan; the VJPs in
+# attn_ref.grad.sparse differentiate the same plan part by part, so the gathers and
+# the masks are written once.
+
+
+class _Blocks(NamedTuple):
+    """Query block ``a`` sees key blocks ``rows[a]`` (``-1``: empty slot); ``predicate`` refines."""
+
+    rows: tuple
+    block_size: int
+    predicate: Any
+
+
+class _Classes(NamedTuple):
+    """Strided far part: within each residue class mod ``stride``, offsets of 2+ strides."""
+
+    stride: int
+    one_sided: bool
+
+
+class _Columns(NamedTuple):
+    """Fixed summary part: key columns ``cols`` outside the query's own block of ``stride``."""
+
+    stride: int
+    cols: tuple
+    causal: bool
+
+
+class _Plan(NamedTuple):
+    """A validated call: namespace, broadcast batch shape, lengths, scale and the parts."""
+
+    xp: Any
+    batch: tuple
+    nq: int
+    nk: int
+    scale: float
+    parts: tuple
+
+
+def _scaled(plan, q):
+    return q * plan.scale if plan.scale != 1.0 else q
+
+
+def _plan_partial(plan, qs, k, v):
+    """The merged partial ``(m, l, acc)`` of all parts, for the scaled queries ``qs``."""
+    xp, n = plan.xp, plan.nq
+    out = None
+    for part in plan.parts:
+        if isinstance(part, _Blocks):
+            p = _block_partials(xp, qs, k, v, part, plan.nk, plan.batch)
+        elif isinstance(part, _Classes):
+            _, _, vc, s = _class_logits(xp, qs, k, v, part, n)
+            p = tuple(_from_classes(xp, x, n) for x in _partial(xp, s, vc, plan.batch, 3))
+        else:
+            _, vc, s = _column_logits(xp, qs, k, v, part, n)
+            p = _partial(xp, s, vc, plan.batch, 2)
+        out = p if out is None else _merge(xp, out, p)
+    return out
+
+
+def _attend(plan, q, k, v):
+    if plan.nq == 0 or plan.nk == 0:
+        return _empty(plan.xp, q, v, plan.batch)
+    return _finish(plan.xp, _plan_partial(plan, _scaled(plan, q), k, v))
+
+
+def _block_sparse_plan(q, k, v, *, layout, block_size, causal=False, scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp)
+    check_positive_int("block_size", block_size)
+    nq, nk = q.shape[-2], k.shape[-2]
+    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
+    alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
-    return q * scale if scale != 1.0 else q
+    parts = (_Blocks(rows, block_size, _causal_pred(xp, alignment, nq, nk)),)
+    return _Plan(xp, batch, nq, nk, scale, parts if nq and nk else ())
+
+
+def _local_plan(q, k, v, *, window, causal=False, dilation=1, block_size=None, scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    reach = _check_window(window, dilation)
+    one_sided = causal_alignment(causal) is not None
+    n = q.shape[-2]
+    B = _local_block_size(block_size, reach, n)
+    scale = default_scale(q.shape[-1], scale)
+    if n == 0:
+        return _Plan(xp, batch, n, n, scale, ())
+    rows = _banded_rows(-(-n // B), B, reach, one_sided)
+    return _Plan(xp, batch, n, n, scale,
+                 (_Blocks(rows, B, _local_predicate(xp, reach, one_sided, dilation, B)),))
+
+
+def _longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1, block_size=None,
+                     scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    reach = _check_window(window, dilation)
+    n = q.shape[-2]
+    tokens = _check_global_tokens(global_tokens, n)
+    alignment = causal_alignment(causal)
+    B = _local_block_size(block_size, reach, n)
+    scale = default_scale(q.shape[-1], scale)
+    if n == 0:
+        return _Plan(xp, batch, n, n, scale, ())
+    nb = -(-n // B)
+    gblocks = {t // B for t in tokens}
+    rows = [
+        tuple(range(nb)) if a in gblocks else r + tuple(sorted(gblocks - set(r)))
+        for a, r in enumerate(_banded_rows(nb, B, reach, False))
+    ]
+    # Pad the ordinary rows to one length so that they form a single gather.
+    width = max((len(r) for a, r in enumerate(rows) if a not in gblocks), default=0)
+    rows = tuple(r if a in gblocks else r + (-1,) * (width - len(r)) for a, r in enumerate(rows))
+    # Covers the padding and the empty-slot block past the end.
+    gvec = _global_vector(xp, tokens, (nb + 1) * B, array_api_compat.device(q))
+
+    def pattern(i, j):
+        local = _local_pred(xp, i, j, reach, False, dilation)
+        gi = xp.reshape(xp.take(gvec, xp.reshape(i, (-1,)), axis=0), i.shape)
+        gj = xp.reshape(xp.take(gvec, xp.reshape(j, (-1,)), axis=0), j.shape)
+        return xp.logical_or(local, xp.logical_or(gi, gj))
+
+    pred = _combine(xp, pattern, _causal_pred(xp, alignment, n, n))
+    return _Plan(xp, batch, n, n, scale, (_Blocks(rows, B, pred),))
+
+
+def _bigbird_plan(q, k, v, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
+                  causal=False, scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("block_size", block_size)
+    n = q.shape[-2]
+    rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
+    alignment = causal_alignment(causal)
+    scale = default_scale(q.shape[-1], scale)
+    parts = (_Blocks(rows, block_size, _causal_pred(xp, alignment, n, n)),)
+    return _Plan(xp, batch, n, n, scale, parts if n else ())
+
+
+def _strided_plan(q, k, v, *, stride, causal=True, scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("stride", stride)
+    one_sided = causal_alignment(causal) is not None
+    n = q.shape[-2]
+    scale = default_scale(q.shape[-1], scale)
+    if n == 0:
+        return _Plan(xp, batch, n, n, scale, ())
+    B = min(stride, n)
+    rows = _banded_rows(-(-n // B), B, stride, one_sided)
+    parts = (_Blocks(rows, B, _local_predicate(xp, stride, one_sided, 1, B)),)
+    if -(-n // stride) >= 3:  # else no offset of two strides or more fits
+        parts += (_Classes(stride, one_sided),)
+    return _Plan(xp, batch, n, n, scale, parts)
+
+
+def _fixed_plan(q, k, v, *, stride, summary=1, causal=True, scale=None, xp=None):
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    check_positive_int("stride", stride)
+    _check_summary(summary, stride)
+    alignment = causal_alignment(causal)
+    n = q.shape[-2]
+    scale = default_scale(q.shape[-1], scale)
+    if n == 0:
+        return _Plan(xp, batch, n, n, scale, ())
+    nb = -(-n // stride)
+    parts = (_Blocks(tuple((a,) for a in range(nb)), stride, _causal_pred(xp, alignment, n, n)),)
+    cols = tuple(j for j in range(n) if j % stride >= stride - summary)
+    if nb >= 2 and cols:
+        parts += (_Columns(stride, cols, alignment is not None),)
+    return _Plan(xp, batch, n, n, scale, parts)
 
 
 # ---------------------------------------------------------------- efficient forms
@@ -649,16 +892,9 @@ def block_sparse_attention(q, k, v, /, *, layout, block_size, causal=False, scal
     >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
     True
     """
-    xp, batch = check_qkv(q, k, v, xp=xp)
-    check_positive_int("block_size", block_size)
-    nq, nk = q.shape[-2], k.shape[-2]
-    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
-    alignment = causal_alignment(causal)
-    qs = _scaled(q, scale)
-    if nq == 0 or nk == 0:
-        return _empty(xp, q, v, batch)
-    pred = _causal_pred(xp, alignment, nq, nk)
-    return _finish(xp, _block_partials(xp, qs, k, v, rows, block_size, nk, batch, pred))
+    plan = _block_sparse_plan(q, k, v, layout=layout, block_size=block_size, causal=causal,
+                              scale=scale, xp=xp)
+    return _attend(plan, q, k, v)
 
 
 def _local_block_size(block_size, reach, n):
@@ -719,17 +955,9 @@ def local_attention(q, k, v, /, *, window, causal=False, dilation=1, block_size=
     >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
     True
     """
-    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-    reach = _check_window(window, dilation)
-    one_sided = causal_alignment(causal) is not None
-    n = q.shape[-2]
-    B = _local_block_size(block_size, reach, n)
-    qs = _scaled(q, scale)
-    if n == 0:
-        return _empty(xp, q, v, batch)
-    rows = _banded_rows(-(-n // B), B, reach, one_sided)
-    pred = _local_predicate(xp, reach, one_sided, dilation, B)
-    return _finish(xp, _block_partials(xp, qs, k, v, rows, B, n, batch, pred))
+    plan = _local_plan(q, k, v, window=window, causal=causal, dilation=dilation, block_size=block_size,
+                       scale=scale, xp=xp)
+    return _attend(plan, q, k, v)
 
 
 def _local_predicate(xp, reach, one_sided, dilation, block_size):
@@ -774,35 +1002,9 @@ def longformer_attention(q, k, v, /, *, window, global_tokens, causal=False, dil
     their window and the blocks holding global tokens: ``O(N (w + g B) d)`` time for
     ``g`` global tokens.
     """
-    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-    reach = _check_window(window, dilation)
-    n = q.shape[-2]
-    tokens = _check_global_tokens(global_tokens, n)
-    alignment = causal_alignment(causal)
-    B = _local_block_size(block_size, reach, n)
-    qs = _scaled(q, scale)
-    if n == 0:
-        return _empty(xp, q, v, batch)
-    nb = -(-n // B)
-    gblocks = {t // B for t in tokens}
-    rows = [
-        tuple(range(nb)) if a in gblocks else r + tuple(sorted(gblocks - set(r)))
-        for a, r in enumerate(_banded_rows(nb, B, reach, False))
-    ]
-    # Pad the ordinary rows to one length so that they form a single gather.
-    width = max((len(r) for a, r in enumerate(rows) if a not in gblocks), default=0)
-    rows = tuple(r if a in gblocks else r + (-1,) * (width - len(r)) for a, r in enumerate(rows))
-    # Covers the padding and the empty-slot block past the end.
-    gvec = _global_vector(xp, tokens, (nb + 1) * B, array_api_compat.device(q))
-
-    def pattern(i, j):
-        local = _local_pred(xp, i, j, reach, False, dilation)
-        gi = xp.reshape(xp.take(gvec, xp.reshape(i, (-1,)), axis=0), i.shape)
-        gj = xp.reshape(xp.take(gvec, xp.reshape(j, (-1,)), axis=0), j.shape)
-        return xp.logical_or(local, xp.logical_or(gi, gj))
-
-    pred = _combine(xp, pattern, _causal_pred(xp, alignment, n, n))
-    return _finish(xp, _block_partials(xp, qs, k, v, rows, B, n, batch, pred))
+    plan = _longformer_plan(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
+                            dilation=dilation, block_size=block_size, scale=scale, xp=xp)
+    return _attend(plan, q, k, v)
 
 
 def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
@@ -834,29 +1036,9 @@ def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, rand
     ``O(N B (2 window + 1 + global_blocks + random_blocks) d)`` time for the ordinary
     rows plus ``O(global_blocks B N d)`` for the global rows.
     """
-    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-    check_positive_int("block_size", block_size)
-    n = q.shape[-2]
-    rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
-    alignment = causal_alignment(causal)
-    qs = _scaled(q, scale)
-    if n == 0:
-        return _empty(xp, q, v, batch)
-    pred = _causal_pred(xp, alignment, n, n)
-    return _finish(xp, _block_partials(xp, qs, k, v, rows, block_size, n, batch, pred))
-
-
-def _to_classes(xp, x, stride, nclasses):
-    """``(..., n, c)`` -> ``(..., stride, C, c)``: row ``r``, column ``t`` is position ``t l + r``."""
-    xb = _pad_blocks(xp, x, stride, nclasses)  # (..., C, l, c)
-    nd = xb.ndim
-    return xp.permute_dims(xb, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
-
-
-def _from_classes(xp, x, n):
-    nd = x.ndim
-    x = xp.permute_dims(x, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
-    return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
+    plan = _bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
+                         random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
+    return _attend(plan, q, k, v)
 
 
 def strided_attention(q, k, v, /, *, stride, causal=True, scale=None, xp=None):
@@ -888,32 +1070,7 @@ def strided_attention(q, k, v, /, *, stride, causal=True, scale=None, xp=None):
     ``O(N (l + N/l) d)`` time and ``O(N l + N^2/l)`` memory: ``O(N sqrt(N) d)`` at
     ``l = sqrt(N)``.
     """
-    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-    check_positive_int("stride", stride)
-    one_sided = causal_alignment(causal) is not None
-    n = q.shape[-2]
-    qs = _scaled(q, scale)
-    if n == 0:
-        return _empty(xp, q, v, batch)
-    B = min(stride, n)
-    rows = _banded_rows(-(-n // B), B, stride, one_sided)
-    local = _block_partials(xp, qs, k, v, rows, B, n, batch,
-                            _local_predicate(xp, stride, one_sided, 1, B))
-    C = -(-n // stride)
-    if C < 3:  # no offset of two strides or more fits
-        return _finish(xp, local)
-    device = array_api_compat.device(q)
-    qc, kc, vc = (_to_classes(xp, x, stride, C) for x in (qs, k, v))
-    s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
-    t = xp.arange(C, dtype=xp.int64, device=device)
-    r = xp.arange(stride, dtype=xp.int64, device=device)
-    gap = t[:, None] - t[None, :]
-    ok = (gap >= 2) if one_sided else (xp.abs(gap) >= 2)
-    ok = xp.logical_and(ok[None, :, :], (t[None, None, :] * stride + r[:, None, None]) < n)
-    s = xp.where(ok, s, -xp.inf)
-    far = _partial(xp, s, vc, batch, 3)
-    far = tuple(_from_classes(xp, x, n) for x in far)
-    return _finish(xp, _merge(xp, local, far))
+    return _attend(_strided_plan(q, k, v, stride=stride, causal=causal, scale=scale, xp=xp), q, k, v)
 
 
 def fixed_attention(q, k, v, /, *, stride, summary=1, causal=True, scale=None, xp=None):
@@ -944,32 +1101,8 @@ def fixed_attention(q, k, v, /, *, stride, summary=1, causal=True, scale=None, x
     -----
     ``O(N (l + c N / l) d)`` time and ``O(N (l + c N / l))`` memory.
     """
-    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-    check_positive_int("stride", stride)
-    _check_summary(summary, stride)
-    alignment = causal_alignment(causal)
-    n = q.shape[-2]
-    qs = _scaled(q, scale)
-    if n == 0:
-        return _empty(xp, q, v, batch)
-    nb = -(-n // stride)
-    own = _block_partials(xp, qs, k, v, tuple((a,) for a in range(nb)), stride, n, batch,
-                          _causal_pred(xp, alignment, n, n))
-    cols = [j for j in range(n) if j % stride >= stride - summary]
-    if nb < 2 or not cols:
-        return _finish(xp, own)
-    device = array_api_compat.device(q)
-    jc = xp.asarray(cols, dtype=xp.int64, device=device)
-    s = qs @ xp.matrix_transpose(xp.take(k, jc, axis=-2))  # (..., N, |cols|)
-    i, _ = _grid(xp, n, 0, device)
-    j = jc[None, :]
-    # Summary keys of the query's own block are in the block part already.
-    ok = xp.floor_divide(i, stride) != xp.floor_divide(j, stride)
-    if alignment is not None:
-        ok = xp.logical_and(ok, j <= i)
-    s = xp.where(ok, s, -xp.inf)
-    summ = _partial(xp, s, xp.take(v, jc, axis=-2), batch, 2)
-    return _finish(xp, _merge(xp, own, summ))
+    plan = _fixed_plan(q, k, v, stride=stride, summary=summary, causal=causal, scale=scale, xp=xp)
+    return _attend(plan, q, k, v)
 
 
 # ---------------------------------------------------------------- implied matrices
