@@ -25,10 +25,15 @@ from __future__ import annotations
 import array_api_compat
 
 from .._checks import check_qkv
+from ..random import permutation
 from ..reduced import (
+    _assign,
+    _clustered_prepare,
+    _gather_rows,
     _nystrom_prepare,
     _pooled_prepare,
     _query_prepare,
+    _topk_parts,
     iterative_pinv,
     segment_expand,
     segment_means,
@@ -211,16 +216,118 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
             "v": unbroadcast(xp, dv, v.shape)}
 
 
+def _lloyd(xp, q, num_clusters, iterations, seed):
+    """:func:`attn_ref.reduced.kmeans` on ``q``, keeping each step's one-hot assignment.
+
+    Returns ``(centroids, idx, onehot, steps, first)``: the final centroids, assignment
+    indices and one-hot assignment, one ``(onehot, has_members, safe_counts)`` per
+    Lloyd step, and the seeded initial rows.
+    """
+    n = q.shape[-2]
+    first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=array_api_compat.device(q))
+    centroids = xp.take(q, first, axis=q.ndim - 2)
+    steps = []
+    for _ in range(iterations):
+        _, onehot = _assign(xp, q, centroids)
+        counts = xp.sum(onehot, axis=-2)[..., None]
+        has = counts > 0
+        safe = xp.where(has, counts, xp.ones_like(counts))
+        steps.append((onehot, has, safe))
+        centroids = xp.where(has, (transpose(xp, onehot) @ q) / safe, centroids)
+    idx, onehot = _assign(xp, q, centroids)
+    return centroids, idx, onehot, steps, first
+
+
+def _lloyd_vjp(xp, dc, steps, first, q):
+    """Cotangent of ``q`` from that of the final centroids, assignments held constant.
+
+    A centroid is the mean of its members in the last step that gave it members, and
+    before any such step the row of ``q`` the seed chose.
+    """
+    n = q.shape[-2]
+    device = array_api_compat.device(q)
+    dq = None
+    zero = xp.zeros((), dtype=q.dtype, device=device)
+    for onehot, has, safe in reversed(steps):
+        piece = onehot @ xp.where(has, dc / safe, zero)
+        dq = piece if dq is None else dq + piece
+        dc = xp.where(has, zero, dc)
+    pick = xp.astype(xp.arange(n, device=device)[None, :] == first[:, None], q.dtype)
+    piece = transpose(xp, pick) @ dc
+    return piece if dq is None else dq + piece
+
+
+def _scatter_to_keys(xp, hit, x):
+    """``sum_{c, s} hit[c, s, j] x[c, s, :]``: rows ``x (..., C, t, e)`` added to the keys they came from.
+
+    ``hit (..., C, t, Nk)`` is the one-hot of each row's key index (the array API has no
+    scatter-add, so it is a matmul with the one-hot).
+    """
+    lead = tuple(x.shape[:-3])
+    c, t, e, nk = x.shape[-3], x.shape[-2], x.shape[-1], hit.shape[-1]
+    hit = xp.reshape(xp.broadcast_to(hit, lead + (c, t, nk)), lead + (c * t, nk))
+    return transpose(xp, hit) @ xp.reshape(x, lead + (c * t, e))
+
+
+def _by_cluster(xp, onehot, w, x):
+    """``sum_i onehot[i, c] w[i, s] x[i, :]``, shape ``(..., C, t, e)``: member terms summed per cluster."""
+    lead = tuple(w.shape[:-2])
+    n, t, e = w.shape[-2], w.shape[-1], x.shape[-1]
+    terms = xp.reshape(w[..., :, None] * x[..., None, :], lead + (n, t * e))
+    out = transpose(xp, onehot) @ terms
+    return xp.reshape(out, tuple(out.shape[:-2]) + (onehot.shape[-1], t, e))
+
+
+def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch):
+    """Cotangents ``(dcentroids, dq, dk, dv)`` (batch shape) of improved clustered attention.
+
+    With ``T_c`` the centroid's top-k keys (held constant), ``p_c = softmax(scale c K^T)``
+    and ``p_i`` each member's softmax over ``T_c``, the forward is
+    ``o_i = mass_c sum_{j in T_c} p_ij v_j + sum_{j not in T_c} p_cj v_j`` with
+    ``mass_c = sum_{j in T_c} p_cj``.
+    """
+    p_top, keys_idx, mass, pc, order = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                                   batch)
+    nk = k.shape[-2]
+    k_top, v_top = _gather_rows(xp, k, keys_idx, batch), _gather_rows(xp, v, keys_idx, batch)
+    top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
+    hit = xp.astype(order[..., None] == xp.arange(nk, device=array_api_compat.device(q)), q.dtype)
+    sel = xp.sum(hit, axis=-2)  # (..., C, Nk): 1 on the top-k keys (an argsort has no repeats)
+    # The members' exact softmax over the selected keys.
+    dtop = mass * do
+    ds_top = softmax_vjp(xp, p_top, (v_top @ dtop[..., :, None])[..., 0])
+    dq = scale * (ds_top[..., None, :] @ k_top)[..., 0, :]
+    dk = _scatter_to_keys(xp, hit, _by_cluster(xp, onehot, ds_top, q * scale))
+    dv = _scatter_to_keys(xp, hit, _by_cluster(xp, onehot, p_top, dtop))
+    # The centroid's row: its mass on the selected keys, its weights on the others.
+    dmass = transpose(xp, onehot) @ xp.sum(do * top_out, axis=-1, keepdims=True)
+    drest = transpose(xp, onehot) @ do
+    rest = 1 - sel
+    dv = dv + transpose(xp, rest * pc) @ drest
+    dsc = softmax_vjp(xp, pc, dmass * sel + rest * (drest @ transpose(xp, v)))
+    dc = scale * (dsc @ k)
+    dk = dk + scale * (transpose(xp, dsc) @ centroids)
+    return dc, dq, dk, dv
+
+
 def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
                         scale=None, xp=None):
-    """VJP of :func:`attn_ref.reduced.clustered_attention` (without ``topk``).
+    """VJP of :func:`attn_ref.reduced.clustered_attention`: ``{"q", "k", "v"}``.
 
     The k-means assignments are piecewise constant in ``q`` and held constant (the
     derivative almost everywhere). Given them, every centroid is linear in ``q``: the
     mean of its members in the last Lloyd step that gave it members, and finally a row
     of ``q`` chosen by the seed. The VJP runs the Lloyd steps backwards through those
-    means. ``topk`` (a data-dependent key selection) is not differentiated: it raises
-    ``NotImplementedError``.
+    means.
+
+    With ``topk``, each cluster's selection of keys (the top-k of its centroid's
+    softmax row) is piecewise constant too and held constant. Gradients flow through
+    each member query's exact softmax over the selected keys (to ``q`` and to those
+    keys and values), through the centroid's probability mass on them, which scales the
+    members' outputs, and through the centroid's weights on the other keys (to the
+    centroid, hence ``q``, and to ``k`` and ``v``). Sending the members' key and value
+    gradients back to the selected keys takes an ``(..., C, topk, Nk)`` one-hot: cost
+    ``O(Nq topk (d + dv) + C topk Nk (d + dv))`` on top of the forward's.
 
     Examples
     --------
@@ -231,38 +338,20 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     >>> b = grad.softmax_attention(x, x, x, x)
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-12) for n in "qkv")
     True
+    >>> c = grad.clustered_attention(x, x, x, x, num_clusters=2, topk=6)   # every key: softmax
+    >>> all(bool(xp.max(xp.abs(c[n] - b[n])) < 1e-12) for n in "qkv")
+    True
     """
-    from ..random import permutation
-    from ..reduced import _assign, _clustered_prepare
-
     xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
                                           "clustered_attention")
-    if topk is not None:
-        raise NotImplementedError("the gradient of clustered attention with topk (a data-dependent "
-                                  "selection of keys) is not provided; use topk=None")
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
-    n = q.shape[-2]
-    device = array_api_compat.device(q)
-    first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=device)
-    centroids = xp.take(q, first, axis=q.ndim - 2)
-    steps = []
-    for _ in range(iterations):
-        _, onehot = _assign(xp, q, centroids)
-        counts = xp.sum(onehot, axis=-2)[..., None]
-        has = counts > 0
-        safe = xp.where(has, counts, xp.ones_like(counts))
-        steps.append((onehot, has, safe))
-        centroids = xp.where(has, (transpose(xp, onehot) @ q) / safe, centroids)
-    _, onehot = _assign(xp, q, centroids)
-    g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)
-    dc = g["q"]
-    dq = None
-    zero = xp.zeros((), dtype=q.dtype, device=device)
-    for onehot_t, has, safe in reversed(steps):
-        piece = onehot_t @ xp.where(has, dc / safe, zero)
-        dq = piece if dq is None else dq + piece
-        dc = xp.where(has, zero, dc)
-    pick = xp.astype(xp.arange(n, device=device)[None, :] == first[:, None], q.dtype)
-    piece = transpose(xp, pick) @ dc
-    dq = piece if dq is None else dq + piece
-    return {"q": unbroadcast(xp, dq, q.shape), "k": g["k"], "v": g["v"]}
+    centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed)
+    if topk is None:
+        g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)
+        return {"q": unbroadcast(xp, _lloyd_vjp(xp, g["q"], steps, first, q), q.shape),
+                "k": g["k"], "v": g["v"]}
+    dc, dq, dk, dv = _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch)
+    dq = unbroadcast(xp, dq, q.shape) + _lloyd_vjp(xp, unbroadcast(xp, dc, centroids.shape), steps,
+                                                   first, q)
+    return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
+            "v": unbroadcast(xp, dv, v.shape)}
