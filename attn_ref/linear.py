@@ -73,6 +73,9 @@ FEATURE_MAPS = ("elu+1", "relu", "identity")
 _ORDERS = ("linear", "quadratic")
 DEFAULT_CHUNK_SIZE = 64
 DEFAULT_EPS = 1e-6
+# Rows per block of the linear order: a few MiB per (8, B, 64) float32 block, so the
+# feature maps and the chunk states of a block stay in cache.
+DEFAULT_BLOCK_SIZE = 2048
 
 
 # ---------------------------------------------------------------- feature maps
@@ -147,6 +150,32 @@ def _features_qk(xp, q, k, feature_map):
             f"{fq.shape[-1]} for q {tuple(q.shape)} and {fk.shape[-1]} for k {tuple(k.shape)}"
         )
     return fq, fk
+
+
+def _feature_pair(xp, q, k, feature_map, scale):
+    """``phi_q(rows)``, ``phi_k(rows)`` for row blocks of ``q`` and ``k``.
+
+    ``phi_q`` carries the similarity scale. Both check the callable's output (shape,
+    dtype) on every block, and that queries and keys get the same ``d'``.
+    """
+    feature_map = check_feature_map(feature_map)
+    seen = {}
+
+    def phi(name, x):
+        f = feature_map_features(x, feature_map=feature_map, name=name, xp=xp)
+        d_prime = seen.setdefault("d'", (name, f.shape[-1]))
+        if f.shape[-1] != d_prime[1]:
+            raise ValueError(
+                f"feature_map must give q and k the same feature dimension d', got "
+                f"{f.shape[-1]} for {name} {tuple(x.shape)} and {d_prime[1]} for {d_prime[0]}"
+            )
+        return f
+
+    def phi_q(x):
+        f = phi("q", x)
+        return f * scale if scale != 1.0 else f
+
+    return phi_q, lambda x: phi("k", x)
 
 
 # ---------------------------------------------------------------- option checks
@@ -276,8 +305,105 @@ def _chunked_causal(xp, fq, fk, v, chunk_size):
     return xp.reshape(num, shape + (num.shape[-1],))[..., :n, :], xp.reshape(den, shape + (1,))[..., :n, :]
 
 
+def _check_block_size(block_size):
+    check_positive_int("block_size", block_size)
+    return block_size
+
+
+def _feature_rows(xp, phi, x, lo, hi, n):
+    """``phi`` of rows ``lo:hi`` of ``x`` (``n`` rows); rows outside ``[0, n)`` get zero features.
+
+    Zero features are what padding must carry: they add nothing to ``S`` or ``z``.
+    Returns None when no row of the range is real.
+    """
+    a, b = max(lo, 0), min(hi, n)
+    if a >= b:
+        return None
+    return _pad_rows(xp, phi(x[..., a:b, :]), a - lo, hi - b)
+
+
+def _value_rows(xp, v, lo, hi, n):
+    a, b = max(lo, 0), min(hi, n)
+    return _pad_rows(xp, v[..., a:b, :], a - lo, hi - b)
+
+
+def _accumulate(xp, state, fk, v):
+    s, z = kv_state(xp, fk, v)
+    return (s, z) if state is None else (state[0] + s, state[1] + z)
+
+
+def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normalize, eps):
+    """The linear order, ``block_size`` rows at a time: ``(..., Nq, dv)``.
+
+    Non-causal: every key block is folded into the summary ``(S, z)``, then every
+    query block reads it. Causal: the problem is aligned to a square top-left one of
+    length ``L`` (:func:`causal_plan`) and walked block by block; inside a block the
+    chunked form runs vectorised over its chunks, and the summary of all earlier
+    blocks is read as one more inter-chunk term. The feature maps see one block at
+    a time, so ``phi(Q)``, ``phi(K)`` and the chunk states never exist for the whole
+    sequence: extra memory ``O(B (C + d') + (B / C) d' dv)`` besides the output.
+    """
+    nq, nk = q.shape[-2], k.shape[-2]
+    outs = []
+    if alignment is None:
+        state = None
+        for lo in range(0, nk, block_size):
+            hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
+            state = _accumulate(xp, state, phi_k(k[..., lo:hi, :]), v[..., lo:hi, :])
+        for lo in range(0, nq, block_size):
+            hi = min(lo + block_size, nq)
+            num, den = state_readout(xp, phi_q(q[..., lo:hi, :]), *state)
+            outs.append(_readout(xp, num, den, normalize, eps))
+        return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
+    p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
+    length = nq + p_q
+    c = min(chunk_size, length)
+    block = -(-block_size // c) * c  # whole chunks per block
+    state = None
+    dv, dtype, device = v.shape[-1], v.dtype, array_api_compat.device(v)
+    for lo in range(0, length, block):
+        hi = min(lo + block, length)
+        fk = _feature_rows(xp, phi_k, k, lo - p_k, hi - p_k, keep)
+        vb = _value_rows(xp, v, lo - p_k, hi - p_k, keep) if fk is not None else None
+        fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
+        if fq is not None:
+            if fk is not None:
+                num, den = _chunked_causal(xp, fq, fk, vb, c)
+                if state is not None:
+                    num_s, den_s = state_readout(xp, fq, *state)
+                    num, den = num + num_s, den + den_s
+            elif state is not None:
+                num, den = state_readout(xp, fq, *state)
+            else:
+                num = xp.zeros(tuple(fq.shape[:-1]) + (dv,), dtype=dtype, device=device)
+                den = xp.zeros(tuple(fq.shape[:-1]) + (1,), dtype=dtype, device=device)
+            first = max(p_q - lo, 0)
+            outs.append(_readout(xp, num[..., first:, :], den[..., first:, :], normalize, eps))
+        if fk is not None and hi < length:
+            state = _accumulate(xp, state, fk, vb)
+    return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
+
+
+def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size, normalize, eps):
+    """Shared by :func:`linear_attention` and :func:`linear_from_features`; options checked here."""
+    alignment = causal_alignment(causal)
+    _check_order(order)
+    check_positive_int("chunk_size", chunk_size)
+    _check_block_size(block_size)
+    eps = check_eps(eps)
+    nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    if nq == 0 or nk == 0:
+        batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
+                                 ("v", tuple(v.shape[:-2]))])
+        return xp.zeros(batch + (nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
+    if order == "quadratic":
+        num, den = _quadratic(xp, phi_q(q), phi_k(k), v, alignment)
+        return _readout(xp, num, den, normalize, eps)
+    return _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normalize, eps)
+
+
 def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
-                         normalize=True, eps=DEFAULT_EPS, xp=None):
+                         block_size=DEFAULT_BLOCK_SIZE, normalize=True, eps=DEFAULT_EPS, xp=None):
     """Linear attention from precomputed features ``phi(Q)``, ``phi(K)``.
 
     The engine behind :func:`linear_attention` and :func:`attn_ref.performer_attention`.
@@ -285,24 +411,11 @@ def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_si
     :func:`linear_attention`. Returns ``(..., Nq, dv)``.
     """
     xp = namespace(("fq", fq), ("fk", fk), ("v", v), xp=xp)
-    alignment = causal_alignment(causal)
-    _check_order(order)
-    check_positive_int("chunk_size", chunk_size)
-    eps = check_eps(eps)
-    nq, nk, dv = fq.shape[-2], fk.shape[-2], v.shape[-1]
-    if nq == 0 or nk == 0:
-        batch = broadcast_batch([("fq", tuple(fq.shape[:-2])), ("fk", tuple(fk.shape[:-2])),
-                                 ("v", tuple(v.shape[:-2]))])
-        return xp.zeros(batch + (nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
-    if order == "quadratic":
-        num, den = _quadratic(xp, fq, fk, v, alignment)
-    elif alignment is None:
-        num, den = _linear_noncausal(xp, fq, fk, v)
-    else:
-        fq2, fk2, v2, start = _align_square(xp, fq, fk, v, alignment)
-        num, den = _chunked_causal(xp, fq2, fk2, v2, chunk_size)
-        num, den = num[..., start:start + nq, :], den[..., start:start + nq, :]
-    return _readout(xp, num, den, normalize, eps)
+    if fq.shape[-1] != fk.shape[-1]:
+        raise ValueError(f"fq (..., Nq, d') and fk (..., Nk, d') must have the same d', got "
+                         f"{tuple(fq.shape)} and {tuple(fk.shape)}")
+    return _engine(xp, fq, fk, v, lambda x: x, lambda x: x, causal=causal, order=order,
+                   chunk_size=chunk_size, block_size=block_size, normalize=normalize, eps=eps)
 
 
 def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):
@@ -323,8 +436,8 @@ def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAUL
 
 
 def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="linear",
-                     chunk_size=DEFAULT_CHUNK_SIZE, scale=None, normalize=True, eps=DEFAULT_EPS,
-                     xp=None):
+                     chunk_size=DEFAULT_CHUNK_SIZE, block_size=DEFAULT_BLOCK_SIZE, scale=None,
+                     normalize=True, eps=DEFAULT_EPS, xp=None):
     """Linear (kernelised) attention ``phi(Q) (phi(K)^T V) / phi(Q) sum_j phi(k_j)``.
 
     Parameters
@@ -344,6 +457,11 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     chunk_size : int
         Chunk length ``C`` of the causal linear order. ``N`` need not be a multiple
         of it; ``chunk_size=1`` is the naive prefix sum over positions.
+    block_size : int
+        Rows of ``q``, ``k``, ``v`` the linear order takes at a time (rounded up to
+        whole chunks when causal): the feature maps and chunk states exist for one
+        block, never for the whole sequence. Any value gives the same function (to
+        rounding); the default keeps a block of 8 heads in cache.
     scale : float, optional
         Multiplies the similarity ``phi(q) . phi(k)``; default 1.
     normalize : bool
@@ -361,9 +479,9 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
 
     Notes
     -----
-    Linear order: ``O(N d' dv)`` time, ``O(d' dv)`` extra memory per head
-    (non-causal); causal chunked ``O(N (C + d') dv)`` time and
-    ``O(N C + (N / C) d' dv)`` extra memory. Quadratic order: ``O(Nq Nk (d' + dv))``
+    Linear order: ``O(N d' dv)`` time, ``O(B d' + d' dv)`` extra memory per head
+    besides the output (non-causal); causal chunked ``O(N (C + d') dv)`` time and
+    ``O(B C + (B / C) d' dv)`` extra memory, ``B`` the block size. Quadratic order: ``O(Nq Nk (d' + dv))``
     time, ``O(Nq Nk)`` memory. Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
 
     Examples
@@ -378,22 +496,21 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     """
     xp, _ = check_qkv(q, k, v, xp=xp)
     scale = _check_scale(scale)
-    fq, fk = _features_qk(xp, q, k, feature_map)
-    if scale != 1.0:
-        fq = fq * scale
-    return linear_from_features(fq, fk, v, causal=causal, order=order, chunk_size=chunk_size,
-                                normalize=normalize, eps=eps, xp=xp)
+    phi_q, phi_k = _feature_pair(xp, q, k, feature_map, scale)
+    return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
+                   block_size=block_size, normalize=normalize, eps=eps)
 
 
 def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scale=None, normalize=True,
-                             eps=DEFAULT_EPS, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, xp=None):
+                             eps=DEFAULT_EPS, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
+                             block_size=DEFAULT_BLOCK_SIZE, xp=None):
     """The attention matrix linear attention implies: ``A_ij = sim(q_i, k_j) / den_i``.
 
     Parameters
     ----------
     q, k, feature_map, causal, scale, normalize, eps, xp
         As in :func:`linear_attention`.
-    order, chunk_size
+    order, chunk_size, block_size
         Checked and otherwise ignored: every order implies the same matrix. Accepted
         so that one set of options serves :func:`linear_attention` and this function.
 
@@ -421,6 +538,7 @@ def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scal
     scale = _check_scale(scale)
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
+    _check_block_size(block_size)
     fq, fk = _features_qk(xp, q, k, feature_map)
     if scale != 1.0:
         fq = fq * scale
@@ -536,8 +654,8 @@ def _register():
 
     register(Variant(
         name="linear", fn=linear_attention, family="linear", exact=False, causal=True,
-        time="O(N d^2)", memory="O(N d + (N/C) d^2)", weights=linear_attention_weights,
-        options={"feature_map": "elu+1", "order": "linear", "chunk_size": 8},
+        time="O(N d^2)", memory="O(N d + B C + (B/C) d^2)", weights=linear_attention_weights,
+        options={"feature_map": "elu+1", "order": "linear", "chunk_size": 8, "block_size": 16},
         summary="linear attention phi(Q)(phi(K)^T V), elu+1 features; causal chunked",
     ))
 

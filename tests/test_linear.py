@@ -130,6 +130,40 @@ def test_chunked_equals_quadratic_any_chunk(backend, causal, chunks):
         assert_close(a, b, backend)
 
 
+@pytest.mark.parametrize("causal", [False, "top-left", "bottom-right"])
+@pytest.mark.parametrize("nq,nk", [(12, 15), (15, 12), (13, 13)])
+def test_blocks_equal_one_pass(backend, causal, nq, nk):
+    # block_size only changes how many rows the linear order takes at a time:
+    # 1 (every row its own block), 3 (rounded up to one chunk of 4 when causal), 8,
+    # a ragged last block, and one block for all.
+    (q, k, v), _ = _qkv(backend, (2,), nq, nk, 4, 3, seed=31)
+    want = host(call(backend, linear_attention, q, k, v, causal=causal, order="quadratic"))
+    for block_size in (1, 3, 8, 100):
+        got = call(backend, linear_attention, q, k, v, causal=causal, chunk_size=4, block_size=block_size)
+        assert_close(got, want, backend)
+
+
+def test_feature_maps_see_one_block_at_a_time():
+    # The linear order never applies phi to more than one block of rows, so phi(Q),
+    # phi(K) and the chunk states never exist for the whole sequence.
+    import array_api_compat.numpy as xp
+
+    rng = np.random.default_rng(32)
+    q, k, v = (rng.standard_normal((2, 50, 4)) for _ in range(3))
+    for causal, limit in ((False, 10), ("top-left", 12), ("bottom-right", 12)):
+        rows = []
+
+        def phi(x, rows=rows):
+            rows.append(x.shape[-2])
+            return xp.exp(-x * x)
+
+        out = linear_attention(q, k[:, :40], v[:, :40], feature_map=phi, causal=causal, chunk_size=4,
+                               block_size=10)  # causal blocks round up to 12 = 3 chunks
+        assert 0 < max(rows) <= limit, (causal, rows)
+        want = linear_attention(q, k[:, :40], v[:, :40], feature_map=phi, causal=causal, order="quadratic")
+        np.testing.assert_allclose(out, want, rtol=1e-13, atol=1e-13)
+
+
 def test_recurrent_equals_chunked_and_quadratic(backend):
     (q, k, v), (qh, kh, vh) = _qkv(backend, (2, 3), 7, 7, 4, 3, seed=40)
     state = call(backend, linear_attention_state, from_numpy(kh[..., :0, :], backend),
@@ -191,15 +225,17 @@ def test_weights(backend):
 @pytest.mark.parametrize("order", ["linear", "quadratic"])
 @pytest.mark.parametrize("causal", ["top-left", "bottom-right"])
 def test_causal_future_does_not_leak(backend, order, causal):
+    # Blocks of 8 rows (2 chunks): rows 5 and 7 lie in the first block, 11 in the second.
     (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 13, 13, 4, 3, seed=70)
-    base = host(call(backend, linear_attention, q, k, v, causal=causal, order=order, chunk_size=4))
+    opts = {"causal": causal, "order": order, "chunk_size": 4, "block_size": 8}
+    base = host(call(backend, linear_attention, q, k, v, **opts))
     rng = np.random.default_rng(71)
     for i in (0, 5, 7, 11):  # first row, mid-chunk, chunk end, last chunk
         k2, v2 = kh.copy(), vh.copy()
         k2[:, i + 1:] += rng.standard_normal(k2[:, i + 1:].shape) * 10
         v2[:, i + 1:] += rng.standard_normal(v2[:, i + 1:].shape) * 10
         out = host(call(backend, linear_attention, q, from_numpy(k2, backend), from_numpy(v2, backend),
-                        causal=causal, order=order, chunk_size=4))
+                        **opts))
         if backend.name in ("numpy", "array_api_strict"):
             assert np.array_equal(out[:, : i + 1], base[:, : i + 1]), f"future leaked into row <= {i}"
         else:  # other libraries may reassociate; the past still must not move
@@ -307,7 +343,7 @@ def test_bad_input(backend):
         ((q, k, r(6, 2)), {}, ValueError, "same sequence length Nk"),
         ((q, k, v), {"feature_map": "softplus"}, ValueError, "feature_map must be one of"),
         ((q, k, v), {"feature_map": lambda x: x[..., :-1, :]}, ValueError,
-         r"feature_map applied to q \(3, 4\) must return shape \(\.\.\., N, d'\)"),
+         r"feature_map applied to [qk] \([35], 4\) must return shape \(\.\.\., N, d'\)"),
         ((q, k, v), {"feature_map": lambda x: x[..., 0]}, ValueError, "must return shape"),
         ((q, k, v), {"feature_map": lambda x: 3.0}, TypeError, "must return an array"),
         ((q, k, v), {"feature_map": lambda x: xp.astype(x, xp.float32)}, TypeError, "must return dtype"),
@@ -316,6 +352,7 @@ def test_bad_input(backend):
         ((q, k, v), {"order": "cubic"}, ValueError, "order must be one of"),
         ((q, k, v), {"causal": True, "chunk_size": 0}, ValueError, "chunk_size must be a positive integer"),
         ((q, k, v), {"chunk_size": 2.5}, ValueError, "chunk_size must be a positive integer"),
+        ((q, k, v), {"block_size": 0}, ValueError, "block_size must be a positive integer"),
         ((q, k, v), {"eps": 0.0}, ValueError, "eps must be a positive"),
         ((q, k, v), {"eps": float("nan")}, ValueError, "eps must be a positive"),
         ((q, k, v), {"scale": float("inf")}, ValueError, "scale"),

@@ -26,10 +26,12 @@ import array_api_compat
 
 from .._checks import check_positive_int, check_qkv
 from ..linear import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_EPS,
     _align_square,
     _causal_visible,
+    _check_block_size,
     _check_order,
     _check_scale,
     _chunked_causal,
@@ -179,16 +181,19 @@ def _causal_linear_vjp(xp, fq, fk, v, do, alignment, chunk_size, normalize, eps)
 
 
 def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
-                         normalize=True, eps=DEFAULT_EPS, xp=None):
+                         block_size=DEFAULT_BLOCK_SIZE, normalize=True, eps=DEFAULT_EPS, xp=None):
     """VJP of :func:`attn_ref.linear.linear_from_features` (the engine shared with Performer).
 
     Returns ``{"fq": dfq, "fk": dfk, "v": dv}``, each reduced to its input's shape.
-    Same order, chunking and cost as the forward.
+    Same order, chunking and time as the forward; ``block_size`` is checked, but the
+    backward takes the whole sequence at once (extra memory ``O(N C + (N / C) d' dv)``
+    when causal, ``O(N d')`` otherwise).
     """
     xp, batch = check_qkv(fq, fk, v, xp=xp)
     alignment = causal_alignment(causal)
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
+    _check_block_size(block_size)
     eps = check_eps(eps)
     nq, nk = fq.shape[-2], fk.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), v.dtype)
@@ -211,8 +216,8 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
 
 
 def linear_attention(q, k, v, do, /, *, feature_map="elu+1", causal=False, order="linear",
-                     chunk_size=DEFAULT_CHUNK_SIZE, scale=None, normalize=True, eps=DEFAULT_EPS,
-                     feature_map_vjp=None, xp=None):
+                     chunk_size=DEFAULT_CHUNK_SIZE, block_size=DEFAULT_BLOCK_SIZE, scale=None, normalize=True,
+                     eps=DEFAULT_EPS, feature_map_vjp=None, xp=None):
     """VJP of :func:`attn_ref.linear_attention`: ``{"q": dq, "k": dk, "v": dv}``.
 
     Parameters
@@ -220,9 +225,10 @@ def linear_attention(q, k, v, do, /, *, feature_map="elu+1", causal=False, order
     q, k, v : arrays, shapes (..., Nq, d), (..., Nk, d), (..., Nk, dv)
     do : array, shape (..., Nq, dv)
         Cotangent of the output.
-    feature_map, causal, order, chunk_size, scale, normalize, eps, xp
+    feature_map, causal, order, chunk_size, block_size, scale, normalize, eps, xp
         As in :func:`attn_ref.linear_attention`. The backward runs in the same
-        ``order`` (and causal chunking) as the forward, with the same cost.
+        ``order`` (and causal chunking) as the forward, with the same time; it takes
+        the whole sequence at once (``block_size`` is checked, not used).
     feature_map_vjp : callable, optional
         ``(x, g) -> dx``, the VJP of a callable ``feature_map``; required for one.
 
@@ -254,7 +260,7 @@ def linear_attention(q, k, v, do, /, *, feature_map="elu+1", causal=False, order
     if scale != 1.0:
         fq = fq * scale
     g = linear_from_features(fq, fk, v, do, causal=causal, order=order, chunk_size=chunk_size,
-                             normalize=normalize, eps=eps, xp=xp)
+                             block_size=block_size, normalize=normalize, eps=eps, xp=xp)
     dfq = g["fq"] * scale if scale != 1.0 else g["fq"]
     return {
         "q": feature_map_backward(q, dfq, feature_map=feature_map, vjp=feature_map_vjp, xp=xp),
