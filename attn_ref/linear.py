@@ -280,13 +280,31 @@ def _align_square(xp, fq, fk, v, alignment):
     return fq, _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail), p_q
 
 
-def _chunked_causal(xp, fq, fk, v, chunk_size):
-    """Top-left causal linear attention of square ``(fq, fk, v)``, chunk by chunk.
+def _with_ones(xp, v):
+    """``[V, 1]``: a column of ones after the values, whose output is the denominator.
+
+    ``phi(Q) phi(K)^T [V, 1] = [num, den]``, so one matrix product per term gives
+    both, and the state ``phi(K)^T [V, 1] = [S, z]`` carries ``z`` as its last column.
+    """
+    ones = xp.ones(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=array_api_compat.device(v))
+    return xp.concat([v, ones], axis=-1)
+
+
+def _split(xp, out):
+    """``(num, den)`` from an output ``[num, den]`` of values extended by :func:`_with_ones`."""
+    return out[..., :-1], out[..., -1:]
+
+
+def _chunked_values(xp, fq, fk, v, chunk_size, state=None):
+    """Top-left causal ``phi(Q) phi(K)^T V`` (masked) of square inputs, chunk by chunk.
 
     Per chunk ``c``: ``phi(Q_c) S_{c-1} + (phi(Q_c) phi(K_c)^T * M) V_c`` with the
     lower-triangular mask ``M`` and the exclusive prefix sum ``S_{c-1}`` of the chunk
-    states, taken over all chunks at once by a cumulative sum. A ragged tail is padded
-    with zero features. Extra memory ``O(N C + (N / C) d' dv)``.
+    states ``phi(K_c)^T V_c``, taken over all chunks at once by a cumulative sum that
+    starts from ``state`` (the summary ``(..., d', dv)`` of earlier keys; zero if
+    None). A ragged tail is padded with zero features. Returns the output
+    ``(..., N, dv)`` and the summary of ``state`` and all these keys. Extra memory
+    ``O(N C + (N / C) d' dv)``.
     """
     n = fq.shape[-2]
     c = min(chunk_size, n)
@@ -294,15 +312,27 @@ def _chunked_causal(xp, fq, fk, v, chunk_size):
     pad = n_chunks * c - n
     fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
-    s, z = kv_state(xp, kc, vc)  # (..., n_chunks, d', dv), (..., n_chunks, d')
-    # State of every chunk before this one: an exclusive prefix sum over chunks.
-    s_prev = xp.cumulative_sum(s, axis=-3, include_initial=True)[..., :-1, :, :]
-    z_prev = xp.cumulative_sum(z, axis=-2, include_initial=True)[..., :-1, :]
-    num, den = state_readout(xp, qc, s_prev, z_prev)
-    num_in, den_in = _quadratic(xp, qc, kc, vc, TOP_LEFT)
-    num, den = num + num_in, den + den_in
-    shape = tuple(num.shape[:-3]) + (n_chunks * c,)
-    return xp.reshape(num, shape + (num.shape[-1],))[..., :n, :], xp.reshape(den, shape + (1,))[..., :n, :]
+    s = xp.matrix_transpose(kc) @ vc  # (..., n_chunks, d', dv)
+    if state is None:
+        prefix = xp.cumulative_sum(s, axis=-3, include_initial=True)
+    else:
+        prefix = xp.cumulative_sum(xp.concat([state[..., None, :, :], s], axis=-3), axis=-3)
+    out = qc @ prefix[..., :-1, :, :] + _quadratic_values(xp, qc, kc, vc)
+    out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
+    return out[..., :n, :], prefix[..., -1, :, :]
+
+
+def _quadratic_values(xp, fq, fk, v):
+    """``(phi(Q) phi(K)^T * M) V`` with the top-left causal mask ``M`` of square blocks."""
+    a = fq @ xp.matrix_transpose(fk)
+    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], TOP_LEFT, array_api_compat.device(fq))
+    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a))) @ v
+
+
+def _chunked_causal(xp, fq, fk, v, chunk_size):
+    """Top-left causal linear attention of square ``(fq, fk, v)``: ``(num, den)``."""
+    out, _ = _chunked_values(xp, fq, fk, _with_ones(xp, v), chunk_size)
+    return _split(xp, out)
 
 
 def _check_block_size(block_size):
@@ -327,21 +357,17 @@ def _value_rows(xp, v, lo, hi, n):
     return _pad_rows(xp, v[..., a:b, :], a - lo, hi - b)
 
 
-def _accumulate(xp, state, fk, v):
-    s, z = kv_state(xp, fk, v)
-    return (s, z) if state is None else (state[0] + s, state[1] + z)
-
-
 def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normalize, eps):
     """The linear order, ``block_size`` rows at a time: ``(..., Nq, dv)``.
 
-    Non-causal: every key block is folded into the summary ``(S, z)``, then every
-    query block reads it. Causal: the problem is aligned to a square top-left one of
-    length ``L`` (:func:`causal_plan`) and walked block by block; inside a block the
-    chunked form runs vectorised over its chunks, and the summary of all earlier
-    blocks is read as one more inter-chunk term. The feature maps see one block at
-    a time, so ``phi(Q)``, ``phi(K)`` and the chunk states never exist for the whole
-    sequence: extra memory ``O(B (C + d') + (B / C) d' dv)`` besides the output.
+    Non-causal: every key block is folded into the summary ``phi(K)^T [V, 1] =
+    [S, z]``, then every query block reads it. Causal: the problem is aligned to a
+    square top-left one of length ``L`` (:func:`causal_plan`) and walked block by
+    block; inside a block the chunked form runs vectorised over its chunks, its
+    prefix sum starting from the summary of all earlier blocks. The feature maps see
+    one block at a time, so ``phi(Q)``, ``phi(K)`` and the chunk states never exist
+    for the whole sequence: extra memory ``O(B (C + d') + (B / C) d' dv)`` besides
+    the output.
     """
     nq, nk = q.shape[-2], k.shape[-2]
     outs = []
@@ -349,10 +375,11 @@ def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normal
         state = None
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            state = _accumulate(xp, state, phi_k(k[..., lo:hi, :]), v[..., lo:hi, :])
+            ds = xp.matrix_transpose(phi_k(k[..., lo:hi, :])) @ _with_ones(xp, v[..., lo:hi, :])
+            state = ds if state is None else state + ds
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
-            num, den = state_readout(xp, phi_q(q[..., lo:hi, :]), *state)
+            num, den = _split(xp, phi_q(q[..., lo:hi, :]) @ state)
             outs.append(_readout(xp, num, den, normalize, eps))
         return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
@@ -360,27 +387,25 @@ def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normal
     c = min(chunk_size, length)
     block = -(-block_size // c) * c  # whole chunks per block
     state = None
-    dv, dtype, device = v.shape[-1], v.dtype, array_api_compat.device(v)
     for lo in range(0, length, block):
         hi = min(lo + block, length)
         fk = _feature_rows(xp, phi_k, k, lo - p_k, hi - p_k, keep)
-        vb = _value_rows(xp, v, lo - p_k, hi - p_k, keep) if fk is not None else None
+        v1 = _with_ones(xp, _value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
         fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
-        if fq is not None:
+        if fq is None:  # keys before the first query: only the summary grows
             if fk is not None:
-                num, den = _chunked_causal(xp, fq, fk, vb, c)
-                if state is not None:
-                    num_s, den_s = state_readout(xp, fq, *state)
-                    num, den = num + num_s, den + den_s
-            elif state is not None:
-                num, den = state_readout(xp, fq, *state)
-            else:
-                num = xp.zeros(tuple(fq.shape[:-1]) + (dv,), dtype=dtype, device=device)
-                den = xp.zeros(tuple(fq.shape[:-1]) + (1,), dtype=dtype, device=device)
-            first = max(p_q - lo, 0)
-            outs.append(_readout(xp, num[..., first:, :], den[..., first:, :], normalize, eps))
-        if fk is not None and hi < length:
-            state = _accumulate(xp, state, fk, vb)
+                ds = xp.matrix_transpose(fk) @ v1
+                state = ds if state is None else state + ds
+            continue
+        if fk is not None:
+            out, state = _chunked_values(xp, fq, fk, v1, c, state)
+        elif state is not None:
+            out = fq @ state
+        else:  # no key visible yet
+            out = xp.zeros(tuple(fq.shape[:-1]) + (v.shape[-1] + 1,), dtype=v.dtype,
+                           device=array_api_compat.device(v))
+        num, den = _split(xp, out[..., max(p_q - lo, 0):, :])
+        outs.append(_readout(xp, num, den, normalize, eps))
     return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
 
 
