@@ -11,6 +11,8 @@ Two forms of every pattern, tested against each other:
   ``longformer_attention``, ``bigbird_attention``, ``strided_attention``,
   ``fixed_attention``), which gathers only the key blocks a query block may see and
   never builds an ``(N, N)`` array. It equals the dense masked softmax up to rounding.
+  Each is a plan of softmax partials over disjoint key sets, merged exactly; the
+  VJPs in :mod:`attn_ref.grad.sparse` differentiate the same plans, just as sparsely.
 
 Conventions
 -----------

@@ -29,15 +29,28 @@ from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
+from .sparse import (
+    bigbird_attention,
+    block_sparse_attention,
+    fixed_attention,
+    local_attention,
+    longformer_attention,
+    strided_attention,
+)
 
 __all__ = [
     "VJPS",
+    "bigbird_attention",
+    "block_sparse_attention",
     "clustered_attention",
     "compressed_attention",
     "feature_map_backward",
+    "fixed_attention",
     "linear_attention",
     "linear_from_features",
     "linformer_attention",
+    "local_attention",
+    "longformer_attention",
     "nystrom_attention",
     "online_softmax_attention",
     "online_softmax_forward",
@@ -45,6 +58,7 @@ __all__ = [
     "pooled_attention",
     "query_reduced_attention",
     "softmax_attention",
+    "strided_attention",
     "varlen_attention",
 ]
 
@@ -61,4 +75,10 @@ VJPS = {
     "nystrom": nystrom_attention,
     "compressed": compressed_attention,
     "clustered": clustered_attention,
+    "block_sparse": block_sparse_attention,
+    "local": local_attention,
+    "longformer": longformer_attention,
+    "bigbird": bigbird_attention,
+    "strided": strided_attention,
+    "fixed": fixed_attention,
 }
