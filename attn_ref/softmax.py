@@ -66,7 +66,10 @@ Order of operations for one logit, as in FlashAttention's ``attention_ref``:
 
 Shared tile helpers (``_Spec``, ``_tile_logits``, ``_tile_coverage``, ``_keep_tile``)
 compute one ``[q0, q1) x [k0, k1)`` tile of that pipeline; the one-shot form is the
-single tile ``[0, Nq) x [0, Nk)``. A blockwise backward can call them per tile.
+single tile ``[0, Nq) x [0, Nk)``. A blockwise backward can call them per tile, and
+``_online_forward`` is the one tiled forward loop: it returns the output and the row
+log-sum-exp that the blockwise backward of :mod:`attn_ref.grad.softmax` recomputes
+``P`` from.
 """
 
 from __future__ import annotations
@@ -577,19 +580,26 @@ def _oneshot(pb):
     return _weights(pb) @ pb.v
 
 
-def _online(pb, block_q, block_k):
+def _online_forward(pb, block_q, block_k):
+    """The online-softmax recurrence over key blocks: ``(out, lse)`` in the grouped shapes
+    ``batch_g + (Nq, dv)`` and ``batch_g + (Nq,)``.
+
+    ``lse`` is the log-sum-exp of each row's masked logits (before dropout), ``+inf`` for
+    a row with no key to attend to, so that the backward's ``exp(S - lse)`` is 0 there.
+    The forward discards it (a few ``O(Nq)`` operations).
+    """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
-    if nq == 0 or nk == 0:
-        return pb.zeros(dv)
     device = array_api_compat.device(pb.q)
     dtype = pb.q.dtype
+    if nq == 0 or nk == 0:
+        return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
     # Folding the scale into q once saves a pass over every logits tile.
     qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
     tile_spec = dataclasses.replace(spec, scale=1.0)
     kt = _transposed_copy(xp, pb.k)
     v = pb.v
-    outputs = []
+    outputs, lses = [], []
     for q0 in range(0, nq, block_q):
         q1 = min(q0 + block_q, nq)
         qb = qs[..., q0:q1, :]
@@ -612,10 +622,16 @@ def _online(pb, block_q, block_k):
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
             acc = acc * alpha + _keep_tile(xp, p, spec, q0, k0) @ v[..., k0:k1, :]
             m = m_new
-        outputs.append(acc / xp.where(l > 0, l, xp.ones_like(l)))
+        empty = l == 0
+        one = xp.ones_like(l)
+        outputs.append(acc / xp.where(empty, one, l))
+        lse = xp.where(empty, xp.full_like(l, xp.inf),
+                       xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
+        lses.append(lse[..., 0])
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
+    lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
     drop = _dropout_scale(spec)
-    return out * drop if drop != 1.0 else out
+    return (out * drop if drop != 1.0 else out), lse
 
 
 # ---------------------------------------------------------------- public functions
@@ -805,7 +821,8 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
                 dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    return pb.ungroup(_online(pb, block_q, block_k))
+    out, _ = _online_forward(pb, block_q, block_k)
+    return pb.ungroup(out)
 
 
 # ---------------------------------------------------------------- packed variable length
@@ -961,7 +978,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     if online:
         check_positive_int("block_q", block_q)
         check_positive_int("block_k", block_k)
-        out = pb.ungroup(_online(pb, block_q, block_k))
+        out = pb.ungroup(_online_forward(pb, block_q, block_k)[0])
     else:
         out = pb.ungroup(_oneshot(pb))
     hq, dv = q.shape[1], v.shape[2]

@@ -36,6 +36,7 @@ from ..softmax import (
     _dropout_scale,
     _group,
     _keep_tile,
+    _online_forward,
     _packed_layout,
     _row_max,
     _setup,
@@ -170,46 +171,6 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     return _finish(pb, q, k, v, bias, bias_dtype, dq, dk, dv, ds)
 
 
-def _forward(pb, block_q, block_k):
-    """The online recurrence over key blocks, returning ``(out, lse)`` in grouped shapes."""
-    xp, spec = pb.xp, pb.spec
-    nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
-    device, dtype = array_api_compat.device(pb.q), pb.q.dtype
-    if nq == 0 or nk == 0:
-        return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
-    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
-    tile_spec = dataclasses.replace(spec, scale=1.0)
-    kt = _transposed_copy(xp, pb.k)
-    outs, lses = [], []
-    for q0 in range(0, nq, block_q):
-        q1 = min(q0 + block_q, nq)
-        shape = pb.batch_g + (q1 - q0, 1)
-        m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
-        l = xp.zeros(shape, dtype=dtype, device=device)
-        acc = xp.zeros(pb.batch_g + (q1 - q0, dv), dtype=dtype, device=device)
-        for k0 in range(0, nk, block_k):
-            k1 = min(k0 + block_k, nk)
-            if _tile_coverage(spec, q0, q1, k0, k1) == "none":
-                continue
-            s, _ = _tile_logits(xp, qs[..., q0:q1, :], kt[..., k0:k1], tile_spec, q0, k0)
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
-            m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)
-            p = xp.exp(s - m_safe)
-            alpha = xp.exp(m - m_safe)
-            l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
-            acc = acc * alpha + _keep_tile(xp, p, spec, q0, k0) @ pb.v[..., k0:k1, :]
-            m = m_new
-        empty = l == 0
-        one = xp.ones_like(l)
-        outs.append(acc / xp.where(empty, one, l))
-        lse = xp.where(empty, xp.full_like(l, xp.inf),
-                       xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
-        lses.append(lse[..., 0])
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)
-    drop = _dropout_scale(spec)
-    return (out * drop if drop != 1.0 else out), (lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1))
-
-
 def online_softmax_forward(
     q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
@@ -246,7 +207,7 @@ def online_softmax_forward(
                                 gqa=gqa), xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    out, lse = _forward(pb, block_q, block_k)
+    out, lse = _online_forward(pb, block_q, block_k)
     lse = pb.ungroup(lse[..., None])[..., 0] if pb.grouped else lse
     return pb.ungroup(out), lse
 
@@ -322,7 +283,7 @@ def online_softmax_attention(
     if (out is None) != (lse is None):
         raise ValueError("give both out and lse (from online_softmax_forward) or neither")
     if out is None:
-        out, lse = _forward(pb, block_q, block_k)
+        out, lse = _online_forward(pb, block_q, block_k)
     else:
         out = _grouped_cotangent(pb, out, "out", v.shape[-1])
         lse = _grouped_cotangent(pb, lse, "lse", None)
