@@ -75,6 +75,7 @@ VJPS = {
     "nystrom": nystrom_attention,
     "compressed": compressed_attention,
     "clustered": clustered_attention,
+    "clustered_topk": clustered_attention,
     "block_sparse": block_sparse_attention,
     "local": local_attention,
     "longformer": longformer_attention,
