@@ -2,7 +2,10 @@
 
 Every case is one batch of ``HEADS = 8`` heads of dimension ``HEAD_DIM = 64`` in
 float32, for sequence lengths ``N`` in powers of two from 256 to 65536, cut at the
-largest ``N`` that fits the machine for the variant (:func:`max_n`).
+largest ``N`` that fits the machine for the variant (:func:`max_n`). Each variant is
+called with the configuration its paper runs (:data:`BENCH_CONFIGS`: Linformer
+k = 256, Nystrom 64 landmarks, a 512-key window, BigBird blocks of 64, ...), not with
+the test-sized arguments of :mod:`attn_ref.registry`.
 
 asv either imports this suite afresh for every benchmark process (its default) or
 once in a server that forks them (``--launch-method forkserver``), and CUDA does not
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -36,7 +40,9 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -290,8 +296,257 @@ def variant_names() -> list[str]:
     return [v.name for v in registry().variants()]
 
 
-def benchmark_kwargs(variant, backend: Backend, n: int, d: int = HEAD_DIM) -> dict:
-    """The extra arguments of one benchmark call.
+# --------------------------------------------------------------------------------------
+# Benchmark configurations: every variant as its paper runs it.
+#
+# ``Variant.options`` and ``Variant.params`` in attn_ref/ are sized for tests (rank 8,
+# 4 landmarks, window 3, ...), which say little about what users run. The suite calls
+# each variant with the configuration below instead; a variant missing here falls back
+# to the registry's arguments (with a warning, and tests/test_benchmarks.py fails so
+# that it gets one).
+#
+# ``options`` are passed to the variant's function; ``sizes`` (a rank, a number of
+# features) only to ``arrays``, the builder of the array arguments (projections,
+# random features, layouts), which gets both as ``values``. Either maps a name to a
+# value or to a function of N: for a value that N bounds (a rank, landmarks, clusters,
+# a block: the functions reject more than N; ``min(value, N)`` states the bound even
+# where N = 256 .. 65536 never reaches it) and for one the paper ties to N (a stride of
+# about sqrt(N), a pooling stride giving N / s segments). ``time`` / ``memory``
+# replace the registry's analytic cost where the configuration changes its order in N
+# (N / s segments make pooling quadratic): they set the cap (``max_n``) and the FLOP
+# count (``analytic_flops``).
+#
+# asv runs this suite against older commits of attn_ref too. A configuration that the
+# commit cannot take (its function has no such parameter, requires one not set here,
+# or a builder used below does not exist) is skipped with the reason
+# (NotImplementedError), never run with other arguments under the same name.
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How one variant is benchmarked: its arguments, the paper they come from, its cost."""
+
+    source: str
+    options: dict = field(default_factory=dict)
+    sizes: dict = field(default_factory=dict)
+    arrays: Callable[..., dict] | None = None
+    time: str | None = None
+    memory: str | None = None
+
+    def resolve(self, n: int) -> tuple[dict, dict]:
+        """``(options, sizes)`` at sequence length ``n``: every function of N evaluated."""
+        def at(values):
+            return {k: (v(n) if callable(v) else v) for k, v in values.items()}
+
+        return at(self.options), at(self.sizes)
+
+    def describe(self, n: int) -> dict:
+        """The plain values of the configuration at ``n`` (no arrays built)."""
+        options, sizes = self.resolve(n)
+        return {**options, **sizes}
+
+
+def _at_most_n(value: int) -> Callable[[int], int]:
+    """``n -> min(value, n)``: a count (rank, landmarks, clusters) or block that N bounds."""
+    return lambda n: min(value, n)
+
+
+def sqrt_stride(n: int) -> int:
+    """``2^ceil(log2(n) / 2)``: the power of two at or just above ``sqrt(n)`` (16 at 256).
+
+    Child et al. (2019) take ``l ~ sqrt(N)`` (an image row for images), which makes
+    the strided pattern ``O(N sqrt(N))``; a power of two tiles a power-of-two ``N``
+    evenly, as a row does.
+    """
+    return 1 << (((n - 1).bit_length() + 1) // 2)
+
+
+def ceil_div(n: int, s: int) -> int:
+    """``ceil(n / s)``: segments of a stride ``s`` that cover ``n`` positions."""
+    return -(-n // s)
+
+
+def _builder(module: str, name: str):
+    """``attn_ref.<module>.<name>`` of the installed commit, or a stated skip."""
+    try:
+        return getattr(importlib.import_module(f"attn_ref.{module}"), name)
+    except (ImportError, AttributeError):
+        raise NotImplementedError(
+            f"attn_ref.{module}.{name} does not exist at this commit; the benchmark "
+            "configuration builds its arguments with it") from None
+
+
+def _linformer_arrays(n, d, values, *, seed, dtype, device, xp):
+    projection = _builder("lowrank", "linformer_projection")
+    r = values["rank"]
+    return {"e_proj": projection(r, n, seed=seed, dtype=dtype, device=device, xp=xp),
+            "f_proj": projection(r, n, seed=seed + 1, dtype=dtype, device=device, xp=xp)}
+
+
+def _performer_arrays(n, d, values, *, seed, dtype, device, xp):
+    features = _builder("performer", "random_features")
+    return {"projection": features(d, values["features"], kind="orthogonal", seed=seed,
+                                   dtype=dtype, device=device, xp=xp)}
+
+
+def _compressed_arrays(n, d, values, *, seed, dtype, device, xp):
+    # Drawn here rather than by attn_ref (the kernel size is the configuration's); the
+    # values do not change the cost: a near-averaging key kernel, an averaging value one.
+    c = values["kernel_size"]
+    rng = np.random.default_rng(seed)
+    kw = np.eye(d) / c + rng.standard_normal((c, d, d)) * (0.1 / np.sqrt(d))
+    vw = np.stack([np.eye(d) / c] * c)
+    return {"k_weight": xp.asarray(kw, dtype=dtype, device=device),
+            "v_weight": xp.asarray(vw, dtype=dtype, device=device)}
+
+
+def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
+    layout = _builder("sparse", "random_block_layout")
+    nb = ceil_div(n, values["block_size"])
+    # The diagonal plus, on average, ``blocks_per_row - 1`` random blocks per row.
+    density = min(1.0, (values["blocks_per_row"] - 1) / max(1, nb - 1))
+    return {"layout": layout(nb, nb, density=density, seed=seed)}
+
+
+BENCH_CONFIGS: dict[str, BenchConfig] = {
+    "softmax": BenchConfig(
+        "Vaswani et al. 2017: no parameters"),
+    "online_softmax": BenchConfig(
+        "Rabe & Staats 2021, Dao et al. 2022: the function's default tiles (sized for a "
+        "host cache, not FlashAttention's GPU SRAM)"),
+    "compressed": BenchConfig(
+        "Liu et al. 2018 (memory-compressed attention): kernel 3, stride 3",
+        options={"stride": 3}, sizes={"kernel_size": 3}, arrays=_compressed_arrays),
+    "linear": BenchConfig(
+        "Katharopoulos et al. 2020: elu+1 features, non-causal (the function's defaults)"),
+    "linformer": BenchConfig(
+        "Wang et al. 2020: projected length k = 256, separate E and F; k <= N",
+        sizes={"rank": _at_most_n(256)}, arrays=_linformer_arrays),
+    "performer": BenchConfig(
+        "Choromanski et al. 2021: FAVOR+, m = 256 positive orthogonal random features",
+        sizes={"features": 256}, arrays=_performer_arrays),
+    "pooled": BenchConfig(
+        "stride 3 of Liu et al. 2018 (pooling is the averaging kernel of memory-compressed "
+        "attention): m = ceil(N / 3) segments, as many as `compressed` has blocks",
+        options={"num_segments": lambda n: ceil_div(n, 3)},
+        time="O(N^2 d / s)", memory="O(N^2 / s)"),
+    "query_reduced": BenchConfig(
+        "Dai et al. 2020 (Funnel-Transformer): queries pooled with stride 2, "
+        "m = ceil(N / 2) segments",
+        options={"num_segments": lambda n: ceil_div(n, 2)},
+        time="O(N^2 d / s)", memory="O(N^2 / s)"),
+    "nystrom": BenchConfig(
+        "Xiong et al. 2021: m = 64 landmarks, 6 pseudo-inverse iterations (the default); m <= N",
+        options={"num_landmarks": _at_most_n(64)}),
+    "clustered": BenchConfig(
+        "Vyas et al. 2020: C = 100 query clusters, 10 Lloyd iterations (the default); C <= N",
+        options={"num_clusters": _at_most_n(100)}),
+    "clustered_topk": BenchConfig(
+        "Vyas et al. 2020 (improved clustered): C = 100 clusters, top k = 32 keys; C, k <= N",
+        options={"num_clusters": _at_most_n(100), "topk": _at_most_n(32)}),
+    "block_sparse": BenchConfig(
+        "block 64 as in BigBird (Zaheer et al. 2020); a random layout of the diagonal and "
+        "~7 more blocks per row, BigBird's budget of 8 blocks = 512 keys per query",
+        options={"block_size": _at_most_n(64)}, sizes={"blocks_per_row": 8},
+        arrays=_block_sparse_arrays, time="O(N B c d)", memory="O(N B c)"),
+    "local": BenchConfig(
+        "Beltagy et al. 2020 (Longformer): window w = 512, i.e. 256 keys per side",
+        options={"window": 256}),
+    "longformer": BenchConfig(
+        "Beltagy et al. 2020: 256 keys per side, global attention on the first 16 tokens "
+        "([CLS] and a short question: Longformer's QA setting makes question tokens global)",
+        options={"window": 256, "global_tokens": tuple(range(16))}),
+    "bigbird": BenchConfig(
+        "Zaheer et al. 2020 (BigBird-ITC): block 64, 3 sliding blocks (window 1 per side), "
+        "2 global, 3 random; block <= N",
+        options={"block_size": _at_most_n(64), "window": 1, "global_blocks": 2,
+                 "random_blocks": 3}),
+    "strided": BenchConfig(
+        "Child et al. 2019: stride l ~ sqrt(N) (`sqrt_stride`: 16 at N = 256, 256 at 65536), "
+        "causal (the function's default)",
+        options={"stride": sqrt_stride}, time="O(N sqrt(N) d)", memory="O(N sqrt(N))"),
+    "fixed": BenchConfig(
+        "Child et al. 2019 (enwik8): stride l = 128, c = 32 summary positions, causal; l <= N",
+        options={"stride": _at_most_n(128), "summary": 32}),
+}
+
+
+def missing_configs() -> list[str]:
+    """Registered variants of the installed commit that have no benchmark configuration."""
+    return [n for n in variant_names() if n not in BENCH_CONFIGS]
+
+
+def config_table() -> str:
+    """The configurations as a Markdown table (the README's, kept equal by a test)."""
+    rows = ["| variant | benchmarked as |", "| --- | --- |"]
+    rows += [f"| `{name}` | {c.source} |" for name, c in BENCH_CONFIGS.items()]
+    return "\n".join(rows)
+
+
+def benchmark_costs(variant) -> tuple[str, str]:
+    """``(time, memory)`` under the benchmark configuration (else the registry's)."""
+    config = BENCH_CONFIGS.get(variant.name)
+    time = config.time if config is not None and config.time else variant.time
+    memory = config.memory if config is not None and config.memory else variant.memory
+    return time, memory
+
+
+def config_fingerprint() -> str:
+    """A hash of every configuration: its values at each N of ``ALL_NS``, its costs and
+    the source of its builders. Part of the benchmarks' asv ``version``."""
+    table = {}
+    for name, c in sorted(BENCH_CONFIGS.items()):
+        table[name] = {
+            "values": {n: c.describe(n) for n in ALL_NS},
+            "costs": [c.time, c.memory],
+            "arrays": inspect.getsource(c.arrays) if c.arrays is not None else None,
+        }
+    text = json.dumps(table, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def benchmark_version(*methods) -> str:
+    """asv ``version`` of a benchmark that calls the variants with :data:`BENCH_CONFIGS`.
+
+    asv's default version hashes only the benchmark's own methods, which do not show
+    the arguments the variants get here; results measured with other arguments would
+    be compared with new ones. This hashes the methods and :func:`config_fingerprint`,
+    so a change of either starts a new series (asv ignores results of another version).
+    """
+    src = "".join(inspect.getsource(m) for m in methods)
+    digest = hashlib.sha256((src + config_fingerprint()).encode()).hexdigest()
+    return f"paper-configs-{digest[:16]}"
+
+
+def _accepts(fn, name: str, kwargs: dict, source: str, *, complete: bool = True) -> None:
+    """Skip (NotImplementedError) when this commit's ``fn`` cannot take ``kwargs`` as is.
+
+    ``complete=False`` checks only that every name is accepted (before the arrays are
+    built); otherwise also that no required keyword is left unset.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return
+    kinds = {p.kind for p in params.values()}
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        named = {k for k, p in params.items() if p.kind in (
+            inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
+        unknown = sorted(set(kwargs) - named)
+        if unknown:
+            raise NotImplementedError(
+                f"{name}: this commit's {fn.__name__} takes no {unknown}, which its benchmark "
+                f"configuration sets ({source}); skipped rather than run with other arguments")
+    required = sorted(k for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
+                      and p.default is inspect.Parameter.empty and k not in kwargs)
+    if complete and required:
+        raise NotImplementedError(
+            f"{name}: this commit's {fn.__name__} requires {required}, which its benchmark "
+            f"configuration does not set ({source})")
+
+
+def registry_kwargs(variant, backend: Backend, n: int, d: int = HEAD_DIM) -> dict:
+    """The registry's arguments, for a variant without a benchmark configuration.
 
     ``variant.options`` are sized for tests (small tiles, so that the tests walk many
     of them); an option that the function has a default for is left to that default,
@@ -307,6 +562,35 @@ def benchmark_kwargs(variant, backend: Backend, n: int, d: int = HEAD_DIM) -> di
     return out
 
 
+def benchmark_kwargs(variant, backend: Backend, n: int, d: int = HEAD_DIM) -> dict:
+    """The extra arguments of one benchmark call: the variant's :data:`BENCH_CONFIGS` entry.
+
+    A variant without one gets :func:`registry_kwargs` and a warning. Raises
+    NotImplementedError (asv: skipped, with the reason) when this commit's function
+    cannot take the configuration.
+    """
+    config = BENCH_CONFIGS.get(variant.name)
+    if config is None:
+        warnings.warn(f"variant {variant.name!r} has no benchmark configuration in "
+                      "asv_benches/_common.py (BENCH_CONFIGS); benchmarked with the "
+                      "registry's test-sized arguments", stacklevel=2)
+        return registry_kwargs(variant, backend, n, d)
+    options, sizes = config.resolve(n)
+    _accepts(variant.fn, variant.name, options, config.source, complete=False)
+    out = dict(options)
+    if config.arrays is not None:
+        try:
+            out.update(config.arrays(n, d, {**options, **sizes}, seed=SEED,
+                                     dtype=getattr(backend.xp, DTYPE), device=backend.device,
+                                     xp=backend.xp))
+        except TypeError as exc:  # a builder of another signature at this commit
+            raise NotImplementedError(
+                f"{variant.name}: building the arguments of its benchmark configuration "
+                f"failed at this commit ({exc})") from exc
+    _accepts(variant.fn, variant.name, out, config.source)
+    return out
+
+
 class VariantCase:
     """One variant on one backend at one N, ready to call."""
 
@@ -317,11 +601,13 @@ class VariantCase:
         except KeyError:
             raise NotImplementedError(f"variant {name!r} does not exist at this commit") from None
         self.backend = load_backend(backend_name)
-        cap = max_n(self.variant.time, self.variant.memory, gpu=self.backend.gpu)
+        # The costs under the benchmark configuration (a stride of N / s is quadratic).
+        self.time, self.memory = benchmark_costs(self.variant)
+        cap = max_n(self.time, self.memory, gpu=self.backend.gpu)
         if n > cap:
             raise NotImplementedError(
                 f"{name} at N={n} exceeds its cap N={cap} on {backend_name} "
-                f"(time {self.variant.time}, memory {self.variant.memory})"
+                f"(time {self.time}, memory {self.memory})"
             )
         self.n = n
         self.q, self.k, self.v = (self.backend.asarray(a) for a in inputs(n))

@@ -1,5 +1,9 @@
 """Every variant of :mod:`attn_ref.registry`, on every backend, across N.
 
+Each variant runs with its benchmark configuration (``_common.BENCH_CONFIGS``: the
+parameters of its paper); the classes' asv ``version`` covers that table, so results
+measured with other arguments are never compared with new ones.
+
 The parameter grid is read from the registry (at discovery, of the newest commit of
 the run), so a variant registered later is benchmarked without touching this file; a
 variant missing from an older commit is reported as skipped there
@@ -13,6 +17,8 @@ from ._common import (
     VariantCase,
     analytic_flops,
     backends,
+    benchmark_costs,
+    benchmark_version,
     discovered_params,
     load_backend,
     ns,
@@ -46,9 +52,12 @@ class Attention:
     def peakmem_forward(self, variant, backend, n):
         self.case.run()
 
+    version = benchmark_version(setup, time_forward, peakmem_forward)
+
 
 def _countable():
-    return [v.name for v in registry().variants() if analytic_flops(v.time, 1024) is not None]
+    return [v.name for v in registry().variants()
+            if analytic_flops(benchmark_costs(v)[0], 1024) is not None]
 
 
 class FlopRate:
@@ -70,7 +79,8 @@ class FlopRate:
         self._clock = time.perf_counter
         n = self.N_GPU if load_backend(backend).gpu else self.N_HOST
         self.case = VariantCase(variant, backend, n)
-        self.flops = analytic_flops(self.case.variant.time, n, HEAD_DIM, HEADS)
+        # The count of the cost under the benchmark configuration (``case.time``).
+        self.flops = analytic_flops(self.case.time, n, HEAD_DIM, HEADS)
 
     def track_gflops(self, variant, backend):
         times = []
@@ -79,3 +89,5 @@ class FlopRate:
             self.case.run()
             times.append(self._clock() - t0)
         return self.flops / sorted(times)[1] / 1e9
+
+    version = benchmark_version(setup, track_gflops)

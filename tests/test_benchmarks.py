@@ -11,6 +11,7 @@ import math
 import os
 import pkgutil
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -151,9 +152,189 @@ def test_benchmarks_use_the_functions_default_tiles():
     def fn(q, k, v, *, window, block=64):
         return q
 
+    # Without a configuration: the registry's options, less those with a default.
     v = Variant(name="fake", fn=fn, family="x", exact=False, causal=False, time="O(N w d)",
                 memory="O(N w)", options={"window": 3, "block": 4})
-    assert C.benchmark_kwargs(v, b, 256) == {"window": 3}
+    with pytest.warns(UserWarning, match="'fake' has no benchmark configuration"):
+        assert C.benchmark_kwargs(v, b, 256) == {"window": 3}
+
+
+# ------------------------------------------------------------- benchmark configurations
+
+
+def test_every_registered_variant_has_a_benchmark_configuration():
+    # A new variant needs an entry in asv_benches/_common.py BENCH_CONFIGS (its paper's
+    # parameters); without one it would be benchmarked with test-sized arguments.
+    from attn_ref.registry import variants as registered
+
+    names = [v.name for v in registered()]
+    assert C.missing_configs() == [], "add these to BENCH_CONFIGS in asv_benches/_common.py"
+    assert sorted(set(C.BENCH_CONFIGS) - set(names)) == [], "configurations of no variant"
+    for name, config in C.BENCH_CONFIGS.items():
+        assert re.search(r"(19|20)\d\d", config.source), f"{name}: source names no paper"
+
+
+def test_benchmark_arguments_are_the_configuration_not_the_registry():
+    from attn_ref.registry import get
+
+    b = C.load_backend("numpy")
+    kw = C.benchmark_kwargs(get("linformer"), b, 1024)
+    assert kw["e_proj"].shape == kw["f_proj"].shape == (256, 1024)
+    assert C.benchmark_kwargs(get("performer"), b, 256)["projection"].shape == (256, C.HEAD_DIM)
+    assert C.benchmark_kwargs(get("nystrom"), b, 256) == {"num_landmarks": 64}
+    assert C.benchmark_kwargs(get("local"), b, 256) == {"window": 256}
+    assert C.benchmark_kwargs(get("bigbird"), b, 256) == {
+        "block_size": 64, "window": 1, "global_blocks": 2, "random_blocks": 3}
+    assert C.benchmark_kwargs(get("strided"), b, 4096) == {"stride": 64}
+    assert C.benchmark_kwargs(get("pooled"), b, 256) == {"num_segments": 86}
+    compressed = C.benchmark_kwargs(get("compressed"), b, 256)
+    assert compressed["stride"] == 3 and compressed["k_weight"].shape == (3, C.HEAD_DIM, C.HEAD_DIM)
+    layout = C.benchmark_kwargs(get("block_sparse"), b, 4096)["layout"]
+    assert len(layout) == 64 and all(row[a] for a, row in enumerate(layout))
+    mean = sum(map(sum, layout)) / len(layout)
+    assert 6 <= mean <= 10, mean  # the diagonal and ~7 random blocks
+
+
+def test_sqrt_stride():
+    assert [C.sqrt_stride(n) for n in (256, 512, 1024, 65536)] == [16, 32, 32, 256]
+    for n in C.ALL_NS:
+        s = C.sqrt_stride(n)
+        assert s * s >= n and (s // 2) ** 2 < n and n % s == 0
+
+
+# What each parameter must satisfy at sequence length N (the functions' own checks,
+# and the papers' constraints); every integer parameter of a configuration needs a rule.
+_VALID = {
+    "rank": lambda v, n, c: 1 <= v <= n,
+    "features": lambda v, n, c: v >= 1,
+    "num_landmarks": lambda v, n, c: 1 <= v <= n,
+    "num_clusters": lambda v, n, c: 1 <= v <= n,
+    "topk": lambda v, n, c: 1 <= v <= n,
+    "num_segments": lambda v, n, c: 1 <= v <= n,
+    "kernel_size": lambda v, n, c: 1 <= v <= n,
+    "stride": lambda v, n, c: 1 <= v <= n,
+    "summary": lambda v, n, c: 1 <= v <= c["stride"],
+    "window": lambda v, n, c: v >= 0,
+    "block_size": lambda v, n, c: 1 <= v <= n,
+    "blocks_per_row": lambda v, n, c: v >= 1,  # a budget; a short sequence has fewer
+    "global_blocks": lambda v, n, c: 0 <= v <= -(-n // c["block_size"]),
+    "random_blocks": lambda v, n, c: v >= 0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(C.BENCH_CONFIGS))
+def test_configuration_is_valid_at_every_n(name):
+    config = C.BENCH_CONFIGS[name]
+    for n in C.ALL_NS:
+        values = config.describe(n)
+        for key, value in values.items():
+            if key == "global_tokens":
+                assert all(0 <= t < n for t in value) and len(set(value)) == len(value)
+            elif isinstance(value, int):
+                assert key in _VALID, f"{name}: no validity rule for {key!r}"
+                assert _VALID[key](value, n, values), (name, key, value, n)
+
+
+def test_configured_costs_set_the_caps():
+    from attn_ref.registry import get
+
+    def cap(name):
+        return C.max_n(*C.benchmark_costs(get(name)), gpu=False)
+
+    # N / s segments are quadratic; a stride of sqrt(N) is N^1.5, not N^2.
+    assert cap("pooled") == cap("query_reduced") == cap("compressed") == 8192
+    assert C.cost_exponent(C.benchmark_costs(get("strided"))[0]) == 1.5
+    assert cap("strided") == 65536
+    assert cap("fixed") == 8192  # l = 128, c = 32: N (l + c N / l) grows as N^2
+    assert C.benchmark_costs(get("linformer")) == (get("linformer").time, get("linformer").memory)
+    with pytest.raises(NotImplementedError, match="pooled at N=16384 exceeds its cap N=8192"):
+        C.VariantCase("pooled", "numpy", 16384)
+
+
+def test_flop_counts_hold_under_the_configurations():
+    # FlopRate's counts assume full non-causal attention (4 N^2 d) or the linear order
+    # of linear attention (4 N d^2): a configuration of those variants must keep that.
+    from attn_ref.registry import get
+
+    b = C.load_backend("numpy")
+    assert variants.FlopRate.params[0] == ["softmax", "online_softmax", "linear"]
+    for name in variants.FlopRate.params[0]:
+        v = get(name)
+        assert C.benchmark_costs(v) == (v.time, v.memory)
+        kw = C.benchmark_kwargs(v, b, 256)
+        assert kw.get("causal", False) is False and kw.get("order", "linear") == "linear"
+        assert "window" not in kw and "mask" not in kw
+
+
+def test_asv_version_covers_the_configurations(monkeypatch):
+    for cls in (variants.Attention, variants.FlopRate):
+        assert str(cls.version).startswith("paper-configs-")
+    assert variants.Attention.version != variants.FlopRate.version
+
+    def bench(self):
+        pass
+
+    before = C.benchmark_version(bench)
+    assert C.benchmark_version(bench) == before
+    monkeypatch.setitem(C.BENCH_CONFIGS, "local", C.BenchConfig("test", options={"window": 128}))
+    assert C.benchmark_version(bench) != before
+
+
+def test_readme_lists_the_configurations():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        readme = fh.read()
+    assert C.config_table() in readme
+
+
+def _fake(name, fn, **kw):
+    from attn_ref.registry import Variant
+
+    return Variant(name=name, fn=fn, family="x", exact=False, causal=False, time="O(N w d)",
+                   memory="O(N w)", **kw)
+
+
+def test_an_older_function_skips_with_the_reason(monkeypatch):
+    # asv runs the suite against older commits: a function without a configured
+    # parameter, or requiring one the configuration does not set, is a stated skip.
+    b = C.load_backend("numpy")
+
+    def no_window(q, k, v, *, width):
+        return q
+
+    def more_required(q, k, v, *, window, block_size):
+        return q
+
+    with pytest.raises(NotImplementedError, match=r"no_window takes no \['window'\]"):
+        C.benchmark_kwargs(_fake("local", no_window), b, 256)
+    with pytest.raises(NotImplementedError, match=r"requires \['block_size'\]"):
+        C.benchmark_kwargs(_fake("local", more_required), b, 256)
+
+    def linformer(q, k, v, *, e_proj, f_proj=None):
+        return q
+
+    import attn_ref.lowrank
+
+    monkeypatch.delattr(attn_ref.lowrank, "linformer_projection")
+    with pytest.raises(NotImplementedError, match="linformer_projection does not exist"):
+        C.benchmark_kwargs(_fake("linformer", linformer), b, 256)
+
+    def old_projection(k, n, seed):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(attn_ref.lowrank, "linformer_projection", old_projection, raising=False)
+    with pytest.raises(NotImplementedError, match="building the arguments .* failed at this commit"):
+        C.benchmark_kwargs(_fake("linformer", linformer), b, 256)
+
+
+def test_a_skip_reaches_asv_from_setup(monkeypatch):
+    from attn_ref import registry
+
+    def no_window(q, k, v, *, width):
+        return q
+
+    monkeypatch.setattr(registry, "get", lambda name: _fake("local", no_window))
+    with pytest.raises(NotImplementedError, match="takes no"):
+        variants.Attention().setup("local", "numpy", 256)
 
 
 def test_analytic_flops():
@@ -174,8 +355,13 @@ def _run_cases():
 
 @pytest.mark.parametrize("name, backend", _run_cases())
 def test_variant_runs_in_the_benchmark(name, backend):
+    # With its benchmark configuration (the papers' parameters) at the smallest N.
     bench = variants.Attention()
-    bench.setup(name, backend, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the registry's arguments
+        bench.setup(name, backend, 256)
+    options, _ = C.BENCH_CONFIGS[name].resolve(256)
+    assert {k: bench.case.kwargs[k] for k in options} == options
     out = C.host_copy(bench.case.run())
     assert out.shape == (C.HEADS, 256, C.HEAD_DIM) and out.dtype == np.float32
     assert np.isfinite(out).all()
