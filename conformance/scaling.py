@@ -23,11 +23,13 @@ the exponent it is held against is ``max(1, analytic)``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -349,9 +351,43 @@ def registry_costs() -> dict:
     return {v.name: (v.time, v.memory) for v in variants()}
 
 
+def benchmark_costs() -> dict | None:
+    """``{variant: (time, memory)}`` under the benchmark suite's configurations.
+
+    The suite runs each variant with its paper's parameters (``BENCH_CONFIGS`` in
+    ``asv_benches/_common.py``), and some of those grow with ``N`` (a pooling stride's
+    ``N / s`` segments, a strided pattern's ``l ~ sqrt(N)``), which changes the order
+    the measurement should show. Read from the ``asv_benches`` beside this package (a
+    checkout of the repository); None where it is not there (an installed wheel).
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, "asv_benches", "_common.py")):
+        return None
+    added = root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        common = importlib.import_module("asv_benches._common")
+    except ImportError:
+        return None
+    finally:
+        if added:
+            sys.path.remove(root)
+    if not hasattr(common, "benchmark_costs"):
+        return None
+    from attn_ref.registry import variants
+
+    return {v.name: common.benchmark_costs(v) for v in variants()}
+
+
 def analyse(results: Results, *, costs=None, points=4, tolerance=TOLERANCE, heads=8, d=64):
-    """One :class:`Row` per (variant or peer, backend), with disagreements in ``notes``."""
-    costs = registry_costs() if costs is None else costs
+    """One :class:`Row` per (variant or peer, backend), with disagreements in ``notes``.
+
+    ``costs`` (``{name: (time, memory)}``) defaults to :func:`benchmark_costs`, the
+    costs under which the suite measured, else :func:`registry_costs`.
+    """
+    if costs is None:
+        costs = benchmark_costs() or registry_costs()
     by = {(s.kind, s.name, s.backend): s for s in results.series}
     keys = sorted({(s.name, s.backend, s.peer) for s in results.series},
                   key=lambda k: (k[2], k[0], k[1]))
