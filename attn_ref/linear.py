@@ -417,8 +417,10 @@ def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normal
             out, state = _chunked_values(xp, fq, fk, v1, c, state)
         elif state is not None:
             out = fq @ state
-        else:  # no key visible yet
-            out = xp.zeros(tuple(fq.shape[:-1]) + (v.shape[-1] + 1,), dtype=v.dtype,
+        else:  # no key visible yet; zeros of the batch every other block has
+            batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
+                                     ("v", tuple(v.shape[:-2]))])
+            out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
         num, den = _split(xp, out[..., max(p_q - lo, 0):, :])
         outs.append(_readout(xp, num, den, normalize, eps))

@@ -143,6 +143,18 @@ def test_blocks_equal_one_pass(backend, causal, nq, nk):
         assert_close(got, want, backend)
 
 
+def test_blocks_with_broadcast_batch_and_queries_before_any_key(backend):
+    # Bottom-right with Nq > Nk: the first block's queries see no key (zeros), later
+    # blocks see keys whose batch (3,) is larger than the queries' (1,).
+    q, qh = randn(backend, (1, 12, 4), seed=33)
+    k, kh = randn(backend, (3, 5, 4), seed=34)
+    v, vh = randn(backend, (3, 5, 2), seed=35)
+    for causal in (False, "bottom-right", "top-left"):
+        got = call(backend, linear_attention, q, k, v, causal=causal, chunk_size=2, block_size=4)
+        assert tuple(got.shape) == (3, 12, 2)
+        assert_close(got, np_linear(qh, kh, vh, causal=causal)[0], backend)
+
+
 def test_feature_maps_see_one_block_at_a_time():
     # The linear order never applies phi to more than one block of rows, so phi(Q),
     # phi(K) and the chunk states never exist for the whole sequence.
