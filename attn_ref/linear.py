@@ -220,12 +220,18 @@ def _causal_visible(xp, nq, nk, alignment, device):
     return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
 
 
+def _similarities(xp, fq, fk, alignment):
+    """``A = phi(Q) phi(K)^T``, zero where the causal ``alignment`` (None: none) hides a key."""
+    a = fq @ xp.matrix_transpose(fk)
+    if alignment is None:
+        return a
+    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
+
+
 def _quadratic(xp, fq, fk, v, alignment):
     """Interact then sum: ``A = phi(Q) phi(K)^T`` (masked), ``(A V, rowsum A)``."""
-    a = fq @ xp.matrix_transpose(fk)
-    if alignment is not None:
-        vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
-        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
+    a = _similarities(xp, fq, fk, alignment)
     return a @ v, xp.sum(a, axis=-1, keepdims=True)
 
 
@@ -314,7 +320,7 @@ def _chunked_values(xp, fq, fk, v, chunk_size, state=None):
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
     s = xp.matrix_transpose(kc) @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    out = qc @ prefix[..., :-1, :, :] + _quadratic_values(xp, qc, kc, vc)
+    out = qc @ prefix[..., :-1, :, :] + _similarities(xp, qc, kc, TOP_LEFT) @ vc
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 
@@ -338,22 +344,10 @@ def _exclusive_prefix(xp, s, state):
     return prefix if state is None else prefix + state[..., None, :, :]
 
 
-def _quadratic_values(xp, fq, fk, v):
-    """``(phi(Q) phi(K)^T * M) V`` with the top-left causal mask ``M`` of square blocks."""
-    a = fq @ xp.matrix_transpose(fk)
-    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], TOP_LEFT, array_api_compat.device(fq))
-    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a))) @ v
-
-
 def _chunked_causal(xp, fq, fk, v, chunk_size):
     """Top-left causal linear attention of square ``(fq, fk, v)``: ``(num, den)``."""
     out, _ = _chunked_values(xp, fq, fk, _with_ones(xp, v), chunk_size)
     return _split(xp, out)
-
-
-def _check_block_size(block_size):
-    check_positive_int("block_size", block_size)
-    return block_size
 
 
 def _feature_rows(xp, phi, x, lo, hi, n):
@@ -373,8 +367,14 @@ def _value_rows(xp, v, lo, hi, n):
     return _pad_rows(xp, v[..., a:b, :], a - lo, hi - b)
 
 
-def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normalize, eps):
-    """The linear order, ``block_size`` rows at a time: ``(..., Nq, dv)``.
+def _fold(xp, state, fk, v1):
+    """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in."""
+    ds = xp.matrix_transpose(fk) @ v1
+    return ds if state is None else state + ds
+
+
+def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps):
+    """The linear order, ``block_size`` rows at a time: ``batch + (Nq, dv)``.
 
     Non-causal: every key block is folded into the summary ``phi(K)^T [V, 1] =
     [S, z]``, then every query block reads it. Causal: the problem is aligned to a
@@ -391,8 +391,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normal
         state = None
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            ds = xp.matrix_transpose(phi_k(k[..., lo:hi, :])) @ _with_ones(xp, v[..., lo:hi, :])
-            state = ds if state is None else state + ds
+            state = _fold(xp, state, phi_k(k[..., lo:hi, :]), _with_ones(xp, v[..., lo:hi, :]))
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
             num, den = _split(xp, phi_q(q[..., lo:hi, :]) @ state)
@@ -410,16 +409,13 @@ def _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normal
         fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
         if fq is None:  # keys before the first query: only the summary grows
             if fk is not None:
-                ds = xp.matrix_transpose(fk) @ v1
-                state = ds if state is None else state + ds
+                state = _fold(xp, state, fk, v1)
             continue
         if fk is not None:
             out, state = _chunked_values(xp, fq, fk, v1, c, state)
         elif state is not None:
             out = fq @ state
         else:  # no key visible yet; zeros of the batch every other block has
-            batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
-                                     ("v", tuple(v.shape[:-2]))])
             out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
         num, den = _split(xp, out[..., max(p_q - lo, 0):, :])
@@ -432,17 +428,17 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     alignment = causal_alignment(causal)
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
-    _check_block_size(block_size)
+    check_positive_int("block_size", block_size)
     eps = check_eps(eps)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
+                             ("v", tuple(v.shape[:-2]))])
     if nq == 0 or nk == 0:
-        batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
-                                 ("v", tuple(v.shape[:-2]))])
         return xp.zeros(batch + (nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
     if order == "quadratic":
         num, den = _quadratic(xp, phi_q(q), phi_k(k), v, alignment)
         return _readout(xp, num, den, normalize, eps)
-    return _stream(xp, q, k, v, phi_q, phi_k, alignment, chunk_size, block_size, normalize, eps)
+    return _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps)
 
 
 def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
@@ -466,10 +462,7 @@ def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAUL
     xp = namespace(("fq", fq), ("fk", fk), xp=xp)
     alignment = causal_alignment(causal)
     eps = check_eps(eps)
-    a = fq @ xp.matrix_transpose(fk)
-    if alignment is not None:
-        vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
-        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
+    a = _similarities(xp, fq, fk, alignment)
     if not normalize:
         return a
     return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
@@ -581,7 +574,7 @@ def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scal
     scale = _check_scale(scale)
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
-    _check_block_size(block_size)
+    check_positive_int("block_size", block_size)
     fq, fk = _features_qk(xp, q, k, feature_map)
     if scale != 1.0:
         fq = fq * scale

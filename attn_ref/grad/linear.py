@@ -31,7 +31,6 @@ from ..linear import (
     DEFAULT_EPS,
     _align_square,
     _causal_visible,
-    _check_block_size,
     _check_order,
     _check_scale,
     _chunked_causal,
@@ -193,7 +192,7 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
     alignment = causal_alignment(causal)
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
-    _check_block_size(block_size)
+    check_positive_int("block_size", block_size)
     eps = check_eps(eps)
     nq, nk = fq.shape[-2], fk.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), v.dtype)
