@@ -18,7 +18,16 @@ import pytest  # noqa: E402
 
 from conformance import backends as B
 
-MATRIX = B.BACKENDS
+# ATTN_REF_TEST_BACKENDS=numpy,array_api_strict narrows the matrix for a quick local run
+# (CI never sets it; ATTN_REF_REQUIRE_BACKENDS still fails on a required backend left out).
+_ONLY = [n.strip() for n in os.environ.get("ATTN_REF_TEST_BACKENDS", "").split(",") if n.strip()]
+for _n in _ONLY:
+    if _n not in B.BACKENDS:
+        raise ValueError(f"ATTN_REF_TEST_BACKENDS names unknown backend {_n!r}; known: {B.BACKENDS}")
+_LEFT_OUT = set(B.required()) - set(_ONLY) if _ONLY else set()
+if _LEFT_OUT:
+    raise ValueError(f"ATTN_REF_TEST_BACKENDS leaves out required backends {sorted(_LEFT_OUT)}")
+MATRIX = tuple(n for n in B.BACKENDS if not _ONLY or n in _ONLY)
 
 
 def _backend_or_skip(name):
