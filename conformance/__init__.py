@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["verify", "cases", "prepare", "Report", "CaseResult", "Case", "Tolerance",
-           "export_vectors", "load_vectors"]
+__all__ = ["verify", "session", "Session", "cases", "prepare", "Prepared", "Report", "CaseResult",
+           "Case", "Tolerance", "export_vectors", "load_vectors"]
 
 _LAZY = {
     "verify": "oracle",
-    "prepare": "oracle",
+    "prepare": "judging",
     "cases": "catalogue",
     "Case": "catalogue",
     "Report": "report",
     "CaseResult": "report",
     "Tolerance": "tolerance",
+    "Prepared": "judging",
+    "Session": "oracle",
+    "session": "oracle",
     "export_vectors": "vectors",
     "load_vectors": "vectors",
 }

@@ -19,15 +19,9 @@ arrays in the canonical ``(B, H, N, d)`` layout. Catalogues are plain lists per 
 
 Extension points
 ----------------
-* **Features** (:data:`FEATURES`): a kernel capability that a case may need. Each
-  :class:`Feature` names the reference keyword it feeds (``mask``, ``bias``,
-  ``causal``, ``scale``), the kernel parameter names that declare it (a kernel without
-  any of them is not given the case), and optional hooks: ``build`` adds or reshapes
-  inputs (GQA: fewer kv heads; varlen: ``cu_seqlens``), ``allowed`` contributes to the
-  ``(..., Nq, Nk)`` visibility matrix used for fully-masked-row semantics (windows,
-  varlen boundaries), ``to_kernel`` converts the value for the kernel (causal alignment
-  -> ``True``). Adding GQA, varlen, windows, softcap, ALiBi slopes or a dropout
-  keep-mask is one :func:`register_feature` call plus the cases that use it.
+* **Features** (:mod:`conformance.features`): a kernel capability that a case may
+  need; adding one is a :func:`conformance.features.register_feature` call plus the
+  cases that use it.
 * **Cases**: append :class:`Case` objects to :data:`CATALOGUE` under a suite name;
   feature-specific settings go in ``Case.params`` (a tuple of ``(key, value)`` pairs,
   read with :meth:`Case.param`), e.g. ``(("kv_heads", 2), ("window", (16, 0)))``.
@@ -39,22 +33,21 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from .calling import reference_features
+from .features import FEATURES
+
 __all__ = [
     "Case",
-    "Feature",
-    "FEATURES",
     "CATALOGUE",
     "SUITES",
-    "register_feature",
     "cases",
     "case_strategy",
-    "allowed_matrix",
+    "with_tag",
 ]
 
 SUITES = ("quick", "standard", "exhaustive")
@@ -253,201 +246,6 @@ def _mask(case, rng):
     return m
 
 
-# ----------------------------------------------------------------------------- features
-
-
-@dataclass(frozen=True)
-class Feature:
-    """A capability a case may need from a kernel.
-
-    Attributes
-    ----------
-    name : str
-        Feature name, as used in :attr:`Case.needs` and in ``verify(supports=...)``.
-    params : tuple of str
-        Kernel parameter names that declare the feature; the first one is also the
-        keyword of the ``attn_ref`` reference it feeds. Empty for features that cannot
-        be seen in a signature (``declared_only``).
-    declared_only : bool
-        The kernel must opt in with ``verify(..., supports={name: True})``.
-    assumed : bool
-        Supported unless the kernel opts out with ``supports={name: False}``.
-    build : callable, optional
-        ``build(case, rng, arrays, kwargs)``: add or change inputs in place.
-    allowed : callable, optional
-        ``allowed(case, arrays, kwargs) -> bool (B|1, H|1, Nq, Nk)`` or None: which
-        query/key pairs this feature leaves visible (for fully-masked-row semantics).
-    to_kernel : callable, optional
-        ``to_kernel(value, case, semantics) -> value`` converting the reference value
-        for the kernel, or raising :class:`NotApplicable`.
-    doc : str
-        One line for the docs and the report.
-    """
-
-    name: str
-    params: tuple = ()
-    declared_only: bool = False
-    assumed: bool = False
-    build: Callable | None = None
-    allowed: Callable | None = None
-    to_kernel: Callable | None = None
-    doc: str = ""
-
-
-class NotApplicable(Exception):
-    """A case the kernel (or the reference) cannot take; the message says why."""
-
-
-def _causal_to_kernel(value, case, semantics):
-    conv = semantics.get("causal", "top-left")
-    if conv == "both":
-        return value
-    if value == conv or case.nq == case.nk:
-        return True
-    raise NotApplicable(f"kernel's causal=True is {conv}; case needs {value} with Nq != Nk")
-
-
-def _causal_allowed(case, arrays, kwargs):
-    align = kwargs.get("causal")
-    if not align:
-        return None
-    off = 0 if align == "top-left" else case.nk - case.nq
-    return (np.arange(case.nk)[None, :] <= np.arange(case.nq)[:, None] + off)[None, None]
-
-
-def _mask_allowed(case, arrays, kwargs):
-    return arrays.get("mask")
-
-
-FEATURES: dict[str, Feature] = {}
-
-
-def register_feature(feature: Feature) -> Feature:
-    """Add a feature (see the module docstring); returns it."""
-    FEATURES[feature.name] = feature
-    return feature
-
-
-register_feature(Feature("mask", ("mask", "attn_mask"), allowed=_mask_allowed,
-                         doc="boolean mask broadcastable to (B, H, Nq, Nk), True = may attend"))
-register_feature(Feature("bias", ("bias", "attn_bias"),
-                         doc="additive float logits bias broadcastable to (B, H, Nq, Nk)"))
-register_feature(Feature("causal", ("causal", "is_causal"), allowed=_causal_allowed,
-                         to_kernel=_causal_to_kernel,
-                         doc="causal masking; alignment declared by semantics causal="))
-register_feature(Feature("scale", ("scale", "softmax_scale", "sm_scale"),
-                         doc="explicit logit scale (default 1/sqrt(d) otherwise)"))
-register_feature(Feature("value_dim", declared_only=True, assumed=True,
-                         doc="v with a head dim dv different from q/k's d (opt out with False)"))
-register_feature(Feature("broadcast", declared_only=True,
-                         doc="k and v with leading (batch, head) dims that broadcast against q's"))
-
-
-
-# ------------------------------------------------------------- features of modern kernels
-# Grouped-query heads, sliding windows, soft-capping, ALiBi, dropout keep-masks and
-# per-sequence lengths (KV-cache decoding, varlen batches in their padded form). The
-# reference keywords are those of attn_ref.softmax; positions follow FlashAttention:
-# query i sits at key position i + Lk - Lq of its own sequence.
-
-
-def _lengths(case, kwargs):
-    """Per-batch ``(Lq, Lk)`` int arrays shaped ``(B, 1, 1, 1)``."""
-    b = case.batch[0]
-    lq = np.asarray(kwargs.get("seqlens_q", (case.nq,) * b)).reshape(b, 1, 1, 1)
-    lk = np.asarray(kwargs.get("seqlens_k", (case.nk,) * b)).reshape(b, 1, 1, 1)
-    return lq, lk
-
-
-def _gqa_build(case, rng, arrays, kwargs):
-    hkv = case.param("kv_heads")
-    arrays["k"], arrays["v"] = arrays["k"][:, :hkv].copy(), arrays["v"][:, :hkv].copy()
-    kwargs["gqa"] = True
-
-
-def _window_build(case, rng, arrays, kwargs):
-    kwargs["window"] = tuple(int(w) for w in case.param("window"))
-
-
-def _window_allowed(case, arrays, kwargs):
-    left, right = kwargs["window"]
-    lq, lk = _lengths(case, kwargs)
-    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
-    ok = np.ones((case.batch[0], 1, case.nq, case.nk), dtype=bool)
-    if left >= 0:
-        ok &= j >= i + lk - lq - left
-    if right >= 0:
-        ok &= j <= i + lk - lq + right
-    return ok
-
-
-def _softcap_build(case, rng, arrays, kwargs):
-    kwargs["softcap"] = float(case.param("softcap"))
-
-
-def _alibi_build(case, rng, arrays, kwargs):
-    # The ALiBi paper's geometric slopes 2^(-8 h / H), h = 1..H.
-    h = case.batch[1]
-    arrays["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
-
-
-def _dropout_build(case, rng, arrays, kwargs):
-    p = float(case.param("dropout_p"))
-    b, h = case.batch
-    arrays["dropout_mask"] = rng.random((b, h, case.nq, case.nk)) >= p
-    kwargs["dropout_p"] = p
-
-
-def _seqlens_build(which):
-    def build(case, rng, arrays, kwargs):
-        kwargs[f"seqlens_{which}"] = tuple(int(x) for x in case.param(f"seqlens_{which}"))
-    return build
-
-
-def _seqlens_allowed(case, arrays, kwargs):
-    lq, lk = _lengths(case, kwargs)
-    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
-    return (i < lq) & (j < lk)
-
-
-register_feature(Feature("gqa", ("gqa", "enable_gqa"), build=_gqa_build,
-                         to_kernel=lambda value, case, semantics: True,
-                         doc="grouped-query/multi-query attention: k, v with Hkv heads, query "
-                             "head h uses kv head h // (Hq / Hkv)"))
-register_feature(Feature("window", ("window", "window_size"), build=_window_build,
-                         allowed=_window_allowed,
-                         doc="sliding window (left, right), FlashAttention's window_size, -1 = "
-                             "unbounded, bottom-right aligned"))
-register_feature(Feature("softcap", ("softcap", "logit_softcap"), build=_softcap_build,
-                         doc="logit soft-capping c tanh(s / c) of the scaled logits, before bias"))
-register_feature(Feature("alibi", ("alibi_slopes",), build=_alibi_build,
-                         doc="ALiBi slopes (H,): bias -slope |i + Lk - Lq - j|"))
-register_feature(Feature("dropout_mask", ("dropout_mask",), build=_dropout_build,
-                         doc="dropout keep-mask (B, H, Nq, Nk), True = kept"))
-register_feature(Feature("dropout_p", ("dropout_p",),
-                         doc="dropout rate: kept weights scaled by 1 / (1 - p)"))
-register_feature(Feature("seqlens_k", ("seqlens_k", "cache_seqlens"), build=_seqlens_build("k"),
-                         allowed=_seqlens_allowed,
-                         doc="per-sequence key lengths (B,): KV-cache lengths, key padding"))
-register_feature(Feature("seqlens_q", ("seqlens_q",), build=_seqlens_build("q"),
-                         allowed=_seqlens_allowed,
-                         doc="per-sequence query lengths (B,): padded varlen batches; padding "
-                             "rows count as rows with no key"))
-
-
-def allowed_matrix(case: Case, arrays: dict, kwargs: dict) -> np.ndarray | None:
-    """The ``(B|1, H|1, Nq, Nk)`` visibility matrix of a case (None: all visible)."""
-    out = None
-    for name in sorted(case.needs):
-        feat = FEATURES.get(name)
-        if feat is None or feat.allowed is None:
-            continue
-        a = feat.allowed(case, arrays, kwargs)
-        if a is not None:
-            out = a if out is None else np.logical_and(out, a)
-    return out
-
-
 # ---------------------------------------------------------------------------- catalogue
 
 
@@ -619,8 +417,6 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
     out = list(CATALOGUE[suite])
     if variant is not None:
         from attn_ref.registry import get
-
-        from .oracle import reference_features
 
         v = get(variant)
         feats = reference_features(v)

@@ -19,37 +19,14 @@ The exit status is 0 only if everything checked passed.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
 import os
 import sys
 
-__all__ = ["main", "COMMANDS", "load_kernel", "reference_kernel"]
+__all__ = ["main", "COMMANDS", "reference_kernel"]
 
 
 # ------------------------------------------------------------------------ shared bits
-
-
-def load_kernel(spec: str):
-    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> the callable."""
-    if ":" not in spec:
-        raise SystemExit(f"attn-ref: kernel must be MODULE:FUNCTION, got {spec!r}")
-    mod_name, _, attr = spec.rpartition(":")
-    if mod_name.endswith(".py") or os.sep in mod_name:
-        path = os.path.abspath(mod_name)
-        s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        if s is None or s.loader is None:
-            raise SystemExit(f"attn-ref: cannot load {path}")
-        mod = importlib.util.module_from_spec(s)
-        s.loader.exec_module(mod)
-    else:
-        sys.path.insert(0, os.getcwd())
-        mod = importlib.import_module(mod_name)
-    obj = mod
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _semantics_args(p):
@@ -66,15 +43,6 @@ def _semantics(args) -> dict:
         out["fully_masked"] = args.fully_masked
     if args.causal:
         out["causal"] = args.causal
-    return out
-
-
-def _supports(items) -> dict:
-    out = {}
-    for item in items or ():
-        name, _, val = item.partition("=")
-        out[name] = {"": True, "true": True, "yes": True, "false": False, "no": False}.get(
-            val.lower(), val)
     return out
 
 
@@ -163,6 +131,7 @@ def verify_arguments(p):
 def verify_command(args) -> int:
     if args.kernel is None:
         return _verify_builtin(args)
+    from .calling import load_kernel, parse_supports
     from .oracle import verify
 
     kernel = load_kernel(args.kernel)
@@ -171,7 +140,7 @@ def verify_command(args) -> int:
         for backend in args.backend or ["numpy"]:
             rep = verify(kernel, variant, backend=backend, dtypes=tuple(args.dtype or ["float32"]),
                          layout=args.layout, suite=args.suite or "standard", seed=args.seed,
-                         supports=_supports(args.supports), deterministic=args.deterministic,
+                         supports=parse_supports(args.supports), deterministic=args.deterministic,
                          time_limit=args.time_limit, grads=args.grads, **_semantics(args))
             print(rep.table(show_na=args.show_na))
             reports.append(rep)
@@ -195,7 +164,8 @@ def _verify_builtin(args) -> int:
     from attn_ref.registry import variants
 
     from . import backends as B
-    from .oracle import _Progress, verify
+    from .oracle import verify
+    from .report import Progress
 
     vs = variants()
     if args.variant:
@@ -210,7 +180,7 @@ def _verify_builtin(args) -> int:
     dtypes = args.dtype or ["float32", "float64"]
     suite = args.suite or "quick"
     rows, reports = [], []
-    prog = _Progress()
+    prog = Progress()
     total, i = len(vs) * len(avail) * len(dtypes), 0
     for v in vs:
         sem = {"causal": _causal_convention(v.fn), **_semantics(args)}

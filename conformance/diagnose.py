@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .catalogue import allowed_matrix
+from .features import allowed_matrix, default_scale, sequence_lengths
 from .tolerance import measure
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
@@ -60,7 +60,7 @@ def register_signature(sig: Signature) -> Signature:
 
 def _scale(prep):
     s = prep.kwargs.get("scale")
-    return 1.0 / math.sqrt(prep.case.d) if s is None else s
+    return default_scale(prep.case.d) if s is None else s
 
 
 _CASE = object()  # "as the case has it"
@@ -292,9 +292,7 @@ def _window_sigs(prep):
             yield words, _ref(prep, window=new)
             continue
         # extent 0 - 1: the window also hides the query's own position i + Lk - Lq
-        from .catalogue import _lengths
-
-        lq, lk = _lengths(prep.case, prep.kwargs)
+        lq, lk = sequence_lengths(prep.case, prep.kwargs)
         i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
         al = (j <= i + lk - lq - 1) if side == "right" else (j >= i + lk - lq + 1)
         if "mask" in prep.arrays:

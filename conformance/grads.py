@@ -31,9 +31,11 @@ import zlib
 
 import numpy as np
 
-from .catalogue import NotApplicable, allowed_matrix
+from .features import NotApplicable, allowed_matrix, default_scale
+from .judging import BASE_KEYS, as_dtype, resolve_tolerance
+from .layouts import from_layout, to_layout
 from .report import CaseResult
-from .tolerance import Tolerance, measure
+from .tolerance import Tolerance, measure, round_to, ulp
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS"]
 
@@ -57,8 +59,6 @@ def _vjp(prep):
 
 
 def _cotangent(prep) -> np.ndarray:
-    from .tolerance import round_to
-
     seed = zlib.crc32(f"{prep.case.id}/do".encode()) ^ prep.seed
     rng = np.random.default_rng(seed)
     do = rng.standard_normal(prep.golden.shape)
@@ -68,12 +68,10 @@ def _cotangent(prep) -> np.ndarray:
 
 
 def _reference_grads(prep, do, dtype, vjp=None):
-    from .oracle import _BASE_KEYS, _as
-
-    a = {n: _as(x, dtype) for n, x in prep.arrays.items()}
-    p = {n: _as(x, dtype) for n, x in prep.params.items()}
-    g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], _as(do, dtype),
-                   **{n: x for n, x in a.items() if n not in _BASE_KEYS},
+    a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
+    p = {n: as_dtype(x, dtype) for n, x in prep.params.items()}
+    g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
+                   **{n: x for n, x in a.items() if n not in BASE_KEYS},
                    **prep.kwargs, **p, **prep.options, xp=_np())
     return {n: np.asarray(x, dtype=np.float64) if dtype != "longdouble" else np.asarray(x)
             for n, x in g.items() if n in GRAD_OUTPUTS}
@@ -105,16 +103,14 @@ def _baselines(prep):
 def _flash_with_exact_lse(prep, do, dtype):
     from attn_ref import grad
 
-    from .oracle import _BASE_KEYS, _as
-
     def call(fn, dt, *extra, **kw):
-        a = {n: _as(x, dt) for n, x in prep.arrays.items()}
-        return fn(a["q"], a["k"], a["v"], *extra, **{n: x for n, x in a.items() if n not in _BASE_KEYS},
+        a = {n: as_dtype(x, dt) for n, x in prep.arrays.items()}
+        return fn(a["q"], a["k"], a["v"], *extra, **{n: x for n, x in a.items() if n not in BASE_KEYS},
                   **prep.kwargs, **prep.options, **kw, xp=_np())
 
     out, lse = call(grad.online_softmax_forward, "float64")
-    g = call(grad.online_softmax_attention, dtype, _as(do, dtype), out=_as(np.asarray(out), dtype),
-             lse=_as(np.asarray(lse), dtype))
+    g = call(grad.online_softmax_attention, dtype, as_dtype(do, dtype), out=as_dtype(np.asarray(out), dtype),
+             lse=as_dtype(np.asarray(lse), dtype))
     return {n: np.asarray(x, dtype=np.float64) for n, x in g.items() if n in GRAD_OUTPUTS}
 
 
@@ -141,7 +137,7 @@ def _term_magnitudes(prep, do):
     if a["v"].size == 0 or a["q"].size == 0:
         return {}
     scale = prep.kwargs.get("scale")
-    scale = 1.0 / math.sqrt(prep.case.d) if scale is None else scale
+    scale = default_scale(prep.case.d) if scale is None else scale
     dp = float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1)))
     return {"q": scale * dp * float(np.max(np.abs(a["k"]))),
             "k": scale * dp * float(np.max(np.abs(a["q"]))),
@@ -150,8 +146,6 @@ def _term_magnitudes(prep, do):
 
 def prepare_grads(prep, tolerance=None) -> dict:
     """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``."""
-    from .oracle import _tolerance
-
     cache = prep.__dict__.setdefault("_grads", {})
     key = repr(tolerance)
     if key in cache:
@@ -184,10 +178,8 @@ def prepare_grads(prep, tolerance=None) -> dict:
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         mag = max(float(np.max(np.abs(g))) if g.size else 0.0, terms.get(n, 0.0))
         tol = (GRAD_DEFAULTS[prep.dtype] if tolerance is None
-               else _tolerance(tolerance, prep.dtype, GRAD_OUTPUTS[n]))
+               else resolve_tolerance(tolerance, prep.dtype, GRAD_OUTPUTS[n]))
         if bm is None:
-            from .tolerance import ulp
-
             b_max = b_rms = 16 * ulp(mag, prep.dtype)
         else:
             b_max, b_rms = bm.max_err, bm.rms_err
@@ -258,8 +250,6 @@ def _explicit(backward, inputs, kw, do_k, bias_name):
 
 def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     """The gradient rows of one case (see the module docstring); never raises for a kernel's fault."""
-    from .oracle import from_layout, to_layout
-
     base = {"case": prep.case.id, "dtype": dtype}
     try:
         g = prepare_grads(prep, ctx.tolerance)
@@ -404,7 +394,7 @@ def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:
         return {}
     a = prep.arrays
     scale = prep.kwargs.get("scale")
-    scale = 1.0 / math.sqrt(prep.case.d) if scale is None else scale
+    scale = default_scale(prep.case.d) if scale is None else scale
     allowed = allowed_matrix(prep.case, a, prep.kwargs)
     out = {}
     for mistake, words in MISTAKES.items():

@@ -67,7 +67,7 @@ class _Item:
 def _session(config):
     key = "_attn_ref_session"
     if not hasattr(config, key):
-        from .cli import _supports, load_kernel
+        from .calling import load_kernel, parse_supports
         from .oracle import session
 
         sem = {}
@@ -78,7 +78,7 @@ def _session(config):
         sess = session(load_kernel(config.getoption("attn_kernel")),
                        config.getoption("attn_variant"), backend=config.getoption("attn_backend"),
                        layout=config.getoption("attn_layout"), seed=config.getoption("attn_seed"),
-                       supports=_supports(config.getoption("attn_supports")),
+                       supports=parse_supports(config.getoption("attn_supports")),
                        grads=config.getoption("attn_grads"), **sem)
         setattr(config, key, sess)
     return getattr(config, key)

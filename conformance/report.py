@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["CaseResult", "Report", "VERDICTS"]
+__all__ = ["CaseResult", "Report", "VERDICTS", "Progress"]
 
 VERDICTS = ("pass", "fail", "error", "n/a")
 
@@ -166,3 +169,27 @@ def _r(x):
     if math.isinf(x):
         return f"{'inf':>7}"
     return f"{x:7.2f}"
+
+
+class Progress:
+    """``case i of n`` on a terminal once a run passes ~2 s; silent when piped or in CI."""
+
+    def __init__(self, enabled=None, stream=None):
+        self.stream = stream or sys.stderr
+        if enabled is None:
+            enabled = self.stream.isatty() and not os.environ.get("CI")
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.shown = False
+
+    def update(self, i, n, label):
+        if self.enabled and time.perf_counter() - self.t0 > 2.0:
+            self.stream.write(f"\r\x1b[K[{i}/{n}] {label}"[:200])
+            self.stream.flush()
+            self.shown = True
+
+    def done(self):
+        if self.shown:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+

@@ -35,14 +35,14 @@ are NaN); ``outputs`` lists them and ``output_tolerances`` gives each one's
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import numpy as np
 
-from .catalogue import NotApplicable
 from .catalogue import cases as _cases
-from .oracle import _semantics, prepare, to_layout
+from .features import NotApplicable, default_scale
+from .judging import parse_semantics, prepare
+from .layouts import to_layout
 from .tolerance import DEFAULTS, bf16_round
 
 __all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION"]
@@ -67,7 +67,7 @@ def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
 def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layout="bhnd",
                    suite="standard", seed=0, cases=None, grads=False, **semantics) -> dict:
     """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest."""
-    sem = _semantics(semantics)
+    sem = parse_semantics(semantics)
     os.makedirs(directory, exist_ok=True)
     todo = list(cases) if cases is not None else _cases(None, suite)
     entries, skipped = [], []
@@ -104,7 +104,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "storage": {n: str(a.dtype) for n, a in arrays.items()},
                 "shapes": {n: list(a.shape) for n, a in arrays.items()},
                 "causal": prep.kwargs.get("causal"),
-                "scale": scale if scale is not None else 1.0 / math.sqrt(case.d),
+                "scale": scale if scale is not None else default_scale(case.d),
                 "default_scale": scale is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},

@@ -17,8 +17,10 @@ import pytest
 
 from conformance import Case, cases, prepare, verify
 from conformance.catalogue import CATALOGUE
+from conformance.judging import judge
 from conformance.mutants import MUTANTS, correct_kernel, run_mutant
-from conformance.oracle import _Progress, judge, session
+from conformance.oracle import session
+from conformance.report import Progress
 from conformance.tolerance import BF16Array, bf16_round, measure, round_to, ulp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +35,7 @@ def _mp_attention(prep):
     a = prep.arrays
     q, k, v = a["q"], a["k"], a["v"]
     scale = prep.kwargs.get("scale") or 1 / mpmath.sqrt(q.shape[-1])
-    from conformance.catalogue import allowed_matrix
+    from conformance.features import allowed_matrix
 
     al = allowed_matrix(prep.case, a, prep.kwargs)
     B, H, nq, _ = q.shape
@@ -291,11 +293,11 @@ def test_search_shrinks_to_a_small_failing_case():
         cut = {n: None if x is None else x[..., :40] for n, x in (("mask", mask), ("bias", bias))}
         return correct_kernel(q, k[..., :40, :], v[..., :40, :], causal=causal, scale=scale, **cut)
 
-    from conformance.oracle import _search
+    from conformance.oracle import search
 
     sess = session(drops_keys_after_40, "softmax", backend="numpy", diagnose=False,
                    causal="both", supports={"broadcast": True})
-    res = _search(sess, "float32", 30)
+    res = search(sess, "float32", 30)
     assert res is not None and res.verdict == "fail"
     assert "smallest failing case" in res.diagnosis
     assert res.case == "search:b1h1-q1k41-d1"  # shrunk: one query, 41 keys, d = 1
@@ -303,16 +305,16 @@ def test_search_shrinks_to_a_small_failing_case():
 
 def test_progress_only_on_terminals():
     buf = io.StringIO()
-    p = _Progress(enabled=False, stream=buf)
+    p = Progress(enabled=False, stream=buf)
     p.t0 -= 10
     p.update(1, 2, "x")
     assert buf.getvalue() == ""
-    p = _Progress(enabled=True, stream=buf)
+    p = Progress(enabled=True, stream=buf)
     p.t0 -= 10
     p.update(1, 2, "case-id")
     p.done()
     assert "[1/2] case-id" in buf.getvalue()
-    assert _Progress(stream=io.StringIO()).enabled is False  # not a tty
+    assert Progress(stream=io.StringIO()).enabled is False  # not a tty
 
 
 # ---------------------------------------------------------------------- vectors

@@ -13,8 +13,9 @@ import pytest
 
 from attn_ref import online_softmax_attention, softmax_attention, varlen_attention
 from conformance import cases, verify
-from conformance.catalogue import FEATURES, Case
-from conformance.oracle import reference_features
+from conformance.calling import reference_features
+from conformance.catalogue import Case
+from conformance.features import FEATURES
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -156,7 +157,7 @@ def test_case_inputs_follow_the_feature():
     assert kwargs["window"] == (1, 0) and kwargs["seqlens_k"] == (9, 3) and kwargs["dropout_p"] == 0.25
     assert arrays["dropout_mask"].dtype == np.bool_ and arrays["dropout_mask"].shape == (2, 4, 5, 9)
     np.testing.assert_allclose(arrays["alibi_slopes"], 2.0 ** (-2.0 * np.arange(1, 5)))
-    from conformance.catalogue import allowed_matrix
+    from conformance.features import allowed_matrix
 
     allowed = np.broadcast_to(allowed_matrix(c, arrays, kwargs), (2, 4, 5, 9))
     # sequence 1: Lk = 3, off = 3 - 5 = -2: query i sees keys i - 3 <= j <= i - 2, j < 3

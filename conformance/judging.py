@@ -1,0 +1,347 @@
+"""One case in one dtype: rounded inputs, golden output, tolerance bounds, the verdict.
+
+:func:`prepare` turns a :class:`conformance.catalogue.Case` into a :class:`Prepared`:
+
+1. host inputs from the case (:meth:`conformance.catalogue.Case.inputs`) and the variant's
+   extra parameters (projections, features), rounded to the kernel dtype;
+2. golden output (float64, longdouble for float64 kernels) and the baseline of plain
+   implementations in the kernel dtype (:func:`baselines`, :mod:`conformance.tolerance`);
+3. the semantics the kernel declared (:data:`SEMANTICS`): rows with no key to attend to
+   (``fully_masked``: ``"zeros"``, ``"mean"`` of V, or ``"excluded"`` from comparison)
+   and the alignment of its ``causal=True`` (``causal``: ``"top-left"``,
+   ``"bottom-right"``, or ``"both"`` for a kernel that takes ``"top-left"`` /
+   ``"bottom-right"`` strings as attn_ref does).
+
+:func:`judge` turns the measured error of an output into a
+:class:`conformance.report.CaseResult`. The pytest plugin, ``export-vectors`` and
+people's own tests reuse both.
+
+Extension point: ``SEMANTICS`` lists the declarable conventions and their defaults; a
+new one is a dict entry plus its use in :meth:`Prepared.apply_semantics`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .calling import reference_features
+from .features import NotApplicable, allowed_matrix, default_scale
+from .report import CaseResult
+from .tolerance import (
+    DEFAULTS,
+    MANTISSA_BITS,
+    Metrics,
+    Tolerance,
+    bf16_array,
+    measure,
+    round_to,
+    ulp,
+)
+
+__all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge",
+           "baselines", "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of"]
+
+SEMANTICS = {
+    "fully_masked": ("zeros", ("zeros", "mean", "excluded")),
+    "causal": ("top-left", ("top-left", "bottom-right", "both")),
+}
+# the three arrays every case has; the others (mask, bias, ...) are keyword inputs
+BASE_KEYS = ("q", "k", "v")
+# a case whose baseline error exceeds this fraction of max|golden| is not applicable
+ILL_CONDITIONED = 0.25
+
+
+def parse_semantics(given: dict) -> dict:
+    """The declared conventions with defaults filled in; unknown keys or values raise."""
+    out = {}
+    for key, (default, allowed) in SEMANTICS.items():
+        val = given.get(key, default)
+        if val not in allowed:
+            raise ValueError(f"semantics {key}= must be one of {allowed}, got {val!r}")
+        out[key] = val
+    unknown = set(given) - set(SEMANTICS)
+    if unknown:
+        raise TypeError(f"unknown keyword(s) {sorted(unknown)}; semantics are {sorted(SEMANTICS)}")
+    return out
+
+# -------------------------------------------------------------------------- prepared
+
+
+_GOLDEN_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 256
+
+
+
+def _np_compat():
+    import array_api_compat.numpy as npx
+
+    return npx
+
+
+def as_dtype(x, dtype):
+    """Host float64 data as the NumPy array type that computes in ``dtype``."""
+    if not isinstance(x, np.ndarray) or x.dtype == np.bool_:
+        return x
+    if dtype == "bfloat16":
+        return bf16_array(x)
+    if dtype == "longdouble":
+        return x.astype(np.longdouble)
+    return x.astype(np.dtype(dtype))
+
+
+@dataclass
+class Prepared:
+    """One case, one dtype: rounded inputs, golden output and tolerance bounds.
+
+    Attributes
+    ----------
+    case : Case
+    dtype : str
+    arrays : dict
+        Host inputs rounded to ``dtype``, held as float64 (masks as bool), canonical
+        ``(B, H, N, d)`` layout.
+    kwargs : dict
+        Plain reference options of the case (``causal``, ``scale``).
+    params : dict
+        The variant's extra arguments (arrays rounded like the inputs).
+    options : dict
+        The variant's fixed options (block sizes, ...).
+    golden : float64 array (B, H, Nq, dv)
+    keep : bool array or None
+        Elements compared (False on excluded rows).
+    baseline : Metrics
+        Error of the plain implementation in ``dtype``.
+    tol_max, tol_rms : float
+    golden_dtype : str
+        ``"longdouble"`` or ``"float64"``.
+    """
+
+    case: Any  # conformance.catalogue.Case
+    variant: Any
+    dtype: str
+    seed: int
+    semantics: dict
+    arrays: dict
+    kwargs: dict
+    params: dict
+    options: dict
+    golden: np.ndarray
+    keep: np.ndarray | None
+    dead_rows: np.ndarray | None
+    baseline: Any
+    baseline_note: str
+    tol_max: float
+    tol_rms: float
+    tolerance: Tolerance
+    golden_dtype: str
+
+    # -- the reference in any NumPy dtype, used for golden, baseline and diagnosis
+    def reference(self, dtype="float64", *, arrays=None, kwargs=None, fn=None):
+        arrays = self.arrays if arrays is None else arrays
+        kwargs = self.kwargs if kwargs is None else kwargs
+        fn = self.variant.fn if fn is None else fn
+        a = {n: as_dtype(x, dtype) for n, x in arrays.items()}
+        p = {n: as_dtype(x, dtype) for n, x in self.params.items()}
+        out = fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in BASE_KEYS},
+                 **kwargs, **p, **self.options, xp=_np_compat())
+        return np.asarray(out, dtype=np.float64) if dtype != "longdouble" else np.asarray(out)
+
+    @property
+    def scale(self) -> float:
+        """The case's explicit logit scale, or the softmax default ``1/sqrt(d)``."""
+        s = self.kwargs.get("scale")
+        return default_scale(self.case.d) if s is None else float(s)
+
+    def apply_semantics(self, out: np.ndarray, v: np.ndarray | None = None) -> np.ndarray:
+        """Set the rows with no key to attend to as the declared convention says."""
+        if self.dead_rows is None or not self.dead_rows.any():
+            return out
+        dead = np.broadcast_to(self.dead_rows[..., None], out.shape)
+        conv = self.semantics["fully_masked"]
+        if conv == "mean":
+            v = self.arrays["v"] if v is None else v
+            fill = np.broadcast_to(np.mean(np.asarray(v, dtype=out.dtype), axis=-2,
+                                           keepdims=True), out.shape)
+        else:  # zeros, and an arbitrary but finite value for excluded rows
+            fill = np.zeros_like(out)
+        return np.where(dead, fill, out)
+
+    def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
+        """Judge a kernel output (host, canonical layout) against the golden."""
+        m = measure(out_host, self.golden, self.keep)
+        return judge(self, m, output=output)
+
+
+def judge(prep: Prepared, m, *, output="out", **extra) -> CaseResult:
+    ratio = max(m.max_err / prep.tol_max if prep.tol_max > 0 else math.inf,
+                m.rms_err / prep.tol_rms if prep.tol_rms > 0 else math.inf)
+    if m.golden_nonfinite:
+        verdict, why = "error", f"oracle: golden output has {m.golden_nonfinite} non-finite values"
+    elif m.nonfinite:
+        verdict, why, ratio = "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
+    elif m.max_err <= prep.tol_max and m.rms_err <= prep.tol_rms:
+        verdict, why = "pass", ""
+    else:
+        verdict, why = "fail", ""
+    return CaseResult(
+        case=prep.case.id, dtype=prep.dtype, output=output, shapes=extra.pop("shapes", {}),
+        max_err=m.max_err, rms_err=m.rms_err, tol_max=prep.tol_max, tol_rms=prep.tol_rms,
+        ratio=ratio, worst=m.worst[:3], verdict=verdict, diagnosis=why,
+        baseline_max=prep.baseline.max_err if prep.baseline else float("nan"),
+        baseline_rms=prep.baseline.rms_err if prep.baseline else float("nan"),
+        **extra,
+    )
+
+
+def variant_of(variant):
+    """A registered variant from its name (a :class:`attn_ref.registry.Variant` passes through)."""
+    if isinstance(variant, str):
+        from attn_ref.registry import get
+
+        return get(variant)
+    return variant
+
+
+def prepare(case, variant="softmax", dtype="float32", seed=0, *, tolerance=None,
+            **semantics) -> Prepared:
+    """Inputs, golden and tolerance of one case for one dtype (see :class:`Prepared`).
+
+    Raises :class:`conformance.catalogue.NotApplicable` when the reference cannot take
+    the case.
+    """
+    v = variant_of(variant)
+    sem = parse_semantics(semantics)
+    if dtype not in MANTISSA_BITS:
+        raise ValueError(f"dtype must be one of {tuple(MANTISSA_BITS)}, got {dtype!r}")
+    tol = resolve_tolerance(tolerance, dtype, "out")
+    key = (v.name, id(v.fn), case, dtype, seed, tuple(sorted(sem.items())), tol)
+    if key in _GOLDEN_CACHE:
+        _GOLDEN_CACHE.move_to_end(key)
+        return _GOLDEN_CACHE[key]
+    prep = _prepare(case, v, dtype, seed, sem, tol)
+    _GOLDEN_CACHE[key] = prep
+    while len(_GOLDEN_CACHE) > _CACHE_SIZE:
+        _GOLDEN_CACHE.popitem(last=False)
+    return prep
+
+
+def resolve_tolerance(tolerance, dtype, output):
+    """The :class:`Tolerance` of one output: the default, a single override, or a per-output/dtype dict."""
+    if tolerance is None:
+        return DEFAULTS[dtype]
+    if isinstance(tolerance, Tolerance):
+        return tolerance
+    if isinstance(tolerance, dict):
+        t = tolerance.get(output, tolerance.get(dtype, DEFAULTS[dtype]))
+        if not isinstance(t, Tolerance):
+            raise TypeError(f"tolerance values must be Tolerance objects, got {t!r}")
+        return t
+    raise TypeError(f"tolerance must be a Tolerance or a dict of them, got {tolerance!r}")
+
+
+def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
+    if v.self_attention and case.nq != case.nk:
+        raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
+    missing = case.needs - reference_features(v)
+    if missing:
+        raise NotApplicable(f"the {v.name} reference does not take {sorted(missing)}")
+    arrays, kwargs = case.inputs(seed, dtype)
+    arrays = {n: round_to(a, dtype) for n, a in arrays.items()}
+    params = {}
+    if v.params is not None:
+        raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
+                       device="cpu", xp=_np_compat())
+        params = {n: round_to(np.asarray(x), dtype) if hasattr(x, "shape") else x
+                  for n, x in raw.items()}
+    options = dict(v.options)
+    allowed = allowed_matrix(case, arrays, kwargs)
+    dead = None
+    if allowed is not None:
+        b, h = case.batch
+        dead = ~np.broadcast_to(allowed, (b, h, case.nq, case.nk)).any(-1)
+    keep = None
+    if dead is not None and sem["fully_masked"] == "excluded" and dead.any():
+        keep = np.broadcast_to(~dead[..., None], (b, h, case.nq, case.dv))
+    prep = Prepared(case, v, dtype, seed, sem, arrays, kwargs, params, options,
+                    golden=None, keep=keep, dead_rows=dead, baseline=None, baseline_note="",
+                    tol_max=0.0, tol_rms=0.0, tolerance=tol, golden_dtype="float64")
+    try:
+        gdt = "longdouble" if dtype == "float64" else "float64"
+        try:
+            gold = prep.reference(gdt)
+        except Exception:
+            if gdt != "longdouble":
+                raise
+            gdt, gold = "float64", prep.reference("float64")
+    except NotApplicable:
+        raise
+    except Exception as exc:
+        raise NotApplicable(f"the {v.name} reference cannot take this case: "
+                            f"{type(exc).__name__}: {exc}") from exc
+    prep.golden_dtype = gdt
+    prep.golden = prep.apply_semantics(np.asarray(gold, dtype=np.float64))
+    bdt = "float64" if dtype == "float64" else dtype
+    try:
+        bm = None
+        for alt in baselines(prep, bdt):
+            with np.errstate(all="ignore"):
+                m = measure(prep.apply_semantics(alt()), prep.golden, keep)
+            if m.nonfinite:
+                raise FloatingPointError(f"{m.nonfinite} non-finite values")
+            if bm is None or (m.max_err, m.rms_err) > (bm.max_err, bm.rms_err):
+                bm = m if bm is None else Metrics(**{**bm.__dict__, "max_err": max(
+                    bm.max_err, m.max_err), "rms_err": max(bm.rms_err, m.rms_err)})
+        prep.baseline = bm
+        base_max, base_rms = bm.max_err, bm.rms_err
+    except Exception as exc:
+        # a plain implementation overflows or fails: the tolerance falls back to ulps
+        prep.baseline_note = f"baseline in {dtype} unavailable ({exc}); tolerance from ulps"
+        base_max = base_rms = 16 * _ulp(prep, dtype)
+    mag = float(np.max(np.abs(prep.golden))) if prep.golden.size else 0.0
+    if base_max > ILL_CONDITIONED * mag and mag > 0:
+        # the plain implementation disagrees with the golden at the size of the output
+        # itself (discrete choices of an approximate variant flip, or the dtype cannot
+        # resolve the logits): no tolerance derived from it would mean anything
+        raise NotApplicable(f"ill-conditioned in {dtype}: a plain {dtype} implementation is off "
+                            f"by {base_max:.2g} on outputs of size {mag:.2g}")
+    prep.tol_max, prep.tol_rms = tol.bounds(base_max, base_rms, mag, dtype)
+    return prep
+
+
+def baselines(prep, dtype):
+    """Plain implementations in ``dtype``; the baseline error is the largest of theirs.
+
+    One rounding sample is a noisy estimate where the problem is ill-conditioned (large
+    logits amplify the rounding of ``Q K^T``), so besides the reference as written the
+    scale times ``log2(e)`` is also folded into ``q`` before the product (base-2 kernels
+    such as FlashAttention's do this), and exact
+    variants also run the blockwise online-softmax form.
+    """
+    yield lambda: prep.reference(dtype)
+    if "scale" in reference_features(prep.variant) and prep.case.d > 0:
+        # q * scale * log2(e) in the dtype, logits * ln(2): the rounding of a kernel that
+        # works in base 2 (exp2) with the scale folded into q, as FlashAttention does
+        scale = prep.scale
+        arrays = {**prep.arrays,
+                  "q": round_to(prep.arrays["q"] * (scale * math.log2(math.e)), prep.dtype)}
+        kwargs = {**prep.kwargs, "scale": math.log(2.0)}
+        yield lambda: prep.reference(dtype, arrays=arrays, kwargs=kwargs)
+    if prep.variant.exact:
+        # the blockwise (FlashAttention) form rounds differently again
+        from attn_ref.softmax import online_softmax_attention
+
+        def online(q, k, v, /, **kw):
+            kw = {n: x for n, x in kw.items() if n not in prep.options}
+            return online_softmax_attention(q, k, v, block_q=64, block_k=32, **kw)
+
+        yield lambda: prep.reference(dtype, fn=online)
+
+
+def _ulp(prep, dtype):
+    mag = float(np.max(np.abs(prep.golden))) if prep.golden.size else 0.0
+    return ulp(mag, dtype)
