@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from .costs import cost_exponent
+
 HEADS = 8
 HEAD_DIM = 64
 DTYPE = "float32"
@@ -146,22 +148,6 @@ def ns() -> list[int]:
         raise ValueError(f"no N in {ALL_NS} lies in [{lo}, {hi}] "
                          "(ATTN_REF_BENCH_MIN_N, ATTN_REF_BENCH_MAX_N)")
     return out
-
-
-_QUADRATIC = re.compile(r"N\s*\^\s*\(?\s*2\b|N²|N_?q\s*\*?\s*N_?k")
-
-
-def cost_exponent(cost: str) -> float | None:
-    """Exponent of N in an analytic cost (``conformance.scaling.cost_exponent``).
-
-    Commits from before the scaling report lack that parser; for them a string that
-    spells ``N^2`` counts as 2 and anything else as 1.
-    """
-    try:
-        from conformance.scaling import cost_exponent as parse
-    except ImportError:
-        return 2.0 if _QUADRATIC.search(cost) else 1.0
-    return parse(cost)
 
 
 def is_quadratic(cost: str) -> bool:

@@ -11,7 +11,7 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
 ``attn-ref scaling``
-    Exponents of time and memory in ``N`` from asv results (:mod:`conformance.scaling`).
+    Exponents of time and memory in ``N`` from asv results (:mod:`asv_benches.scaling`).
 
 The exit status is 0 only if everything checked passed.
 """
@@ -252,16 +252,31 @@ def export_vectors_command(args) -> int:
 # ---------------------------------------------------------------------------- scaling
 
 
-def scaling_arguments(p):
-    from .scaling import add_arguments
+# The scaling report lives with the benchmarks (asv_benches/scaling.py): it reads asv
+# results, which exist only in a checkout of the repository.
 
-    add_arguments(p)
+
+def _scaling_module():
+    try:
+        import asv_benches.scaling as scaling
+    except ImportError:
+        return None
+    return scaling
+
+
+def scaling_arguments(p):
+    scaling = _scaling_module()
+    if scaling is not None:
+        scaling.add_arguments(p)
 
 
 def scaling_command(args) -> int:
-    from .scaling import command
-
-    return command(args)
+    scaling = _scaling_module()
+    if scaling is None:
+        print("attn-ref scaling: needs a checkout of attn-ref (asv_benches/ on the path); "
+              "run it from the repository root", file=sys.stderr)
+        return 2
+    return scaling.command(args)
 
 
 # ------------------------------------------------------------------------------- main

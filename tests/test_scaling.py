@@ -1,4 +1,4 @@
-"""The scaling report (conformance/scaling.py): cost parsing, exponent fits, asv results.
+"""The scaling report (asv_benches/scaling.py): cost parsing, exponent fits, asv results.
 
 The fits are checked on synthetic asv results files whose exponents are known, written
 in the same format (``version 2``, ``result_columns``) that ``asv run`` writes.
@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from conformance import scaling as S
+from asv_benches import scaling as S
 
 NS = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 COLUMNS = ["result", "params", "version", "started_at", "duration", "stats_ci_99_a",

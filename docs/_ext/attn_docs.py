@@ -9,7 +9,7 @@
 * ``variant-error-table``: each variant's implied attention matrix against softmax's,
   computed at build time by :func:`attn_ref.diagnostics.compare_variants`.
 * ``scaling-table PATH``: the fitted exponents of the committed asv results, analysed
-  at build time by :mod:`conformance.scaling` (the ``attn-ref scaling`` report).
+  at build time by :mod:`asv_benches.scaling` (the ``attn-ref scaling`` report).
 * Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
   when ``PATH`` (relative to ``docs/``) exists: pages that other parts of the project
   produce (the conformance page, the measured scaling plot) are linked as soon as they
@@ -165,7 +165,7 @@ class ScalingTable(SphinxDirective):
     required_arguments = 1
 
     def run(self):
-        from conformance import scaling
+        from asv_benches import scaling
 
         path = Path(self.env.srcdir) / self.arguments[0]
         self.env.note_dependency(str(path))
