@@ -8,6 +8,8 @@
   cannot drift from the code.
 * ``variant-error-table``: each variant's implied attention matrix against softmax's,
   computed at build time by :func:`attn_ref.diagnostics.compare_variants`.
+* ``error-bound-table``: each method's known error bound next to the error measured
+  at build time (``error_bounds.py``, also run by ``tests/test_docs.py``).
 * ``scaling-table PATH``: the fitted exponents of the committed asv results, analysed
   at build time by :mod:`conformance.scaling` (the ``attn-ref scaling`` report).
 * Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
@@ -159,6 +161,22 @@ class VariantErrorTable(SphinxDirective):
         return [_table(header, rows, [16, 10, 12, 16])]
 
 
+class ErrorBoundTable(SphinxDirective):
+    """Each method's error bound next to the error measured at build time (``error_bounds``)."""
+
+    has_content = False
+
+    def run(self):
+        import error_bounds
+
+        self.env.note_dependency(error_bounds.__file__)
+        header = ["method", "statement", "source", "bound here", "measured here", "met"]
+        verdict = {True: "yes", False: "no", None: "-"}
+        rows = [[b.method, b.statement, b.source, b.bound, b.measured, verdict[b.holds]]
+                for b in error_bounds.rows()]
+        return [_table(header, rows, [14, 30, 14, 14, 18, 5])]
+
+
 class ScalingTable(SphinxDirective):
     """The ``attn-ref scaling`` report of an asv results file, as a table and notes."""
 
@@ -201,4 +219,5 @@ def setup(app):
     app.add_directive("variant-table", VariantTable)
     app.add_directive("variant-error-table", VariantErrorTable)
     app.add_directive("scaling-table", ScalingTable)
+    app.add_directive("error-bound-table", ErrorBoundTable)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
