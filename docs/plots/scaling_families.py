@@ -13,8 +13,9 @@ import matplotlib.pyplot as plt
 from attn_ref import registry
 from conformance import scaling
 
-HERE = Path(__file__).resolve().parent
-results = scaling.load_results(str(HERE.parent / "_static" / "scaling_results.json"))
+# The plot directive runs this file with its own folder as the working directory
+# (and without __file__).
+results = scaling.load_results(str(Path.cwd().parent / "_static" / "scaling_results.json"))
 baseline = results.baseline
 
 GROUPS = {  # column title -> registry families (peers: the series that are not variants)
