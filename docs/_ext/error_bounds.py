@@ -166,7 +166,7 @@ def lowrank_rows():
     rel = float(np.linalg.norm(p - ny) / np.linalg.norm(p))
     floor = float(best_rank_k_error(p, 8, relative=True))
     return [
-        Bound("Nystromformer (8 landmarks, N = 64)", "no bound known: the three factors are "
+        Bound("Nystromformer (8 landmarks, N = 64)", "no bound known (the paper states none): the three factors are "
               "softmaxes with different normalisers, P is neither symmetric nor PSD, so the "
               "classical Nystrom bounds do not apply", "Xiong et al. 2021", "none",
               f"relative Frobenius error {rel:.3f}", None),
