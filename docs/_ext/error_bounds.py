@@ -167,8 +167,9 @@ def lowrank_rows():
     floor = float(best_rank_k_error(p, 8, relative=True))
     return [
         Bound("Nystromformer (8 landmarks, N = 64)", "no bound known (the paper states none): "
-              "the three factors are softmaxes with different normalisers, P is neither symmetric nor PSD, so the "
-              "classical Nystrom bounds do not apply", "Xiong et al. 2021", "none",
+              "the three factors are softmaxes with different normalisers, P is neither "
+              "symmetric nor PSD, so the classical Nystrom bounds do not apply",
+              "Xiong et al. 2021", "none",
               f"relative Frobenius error {rel:.3f}", None),
         Bound("any rank-8 matrix (Eckart-Young)", "|P - X|_F >= (sum_{i>k} sigma_i^2)^{1/2}",
               "Eckart-Young 1936, Mirsky 1960", f"{floor:.3f} (relative, k = 8)",
