@@ -31,6 +31,9 @@ extensions = [
     "sphinx.ext.intersphinx",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
+    # MathJax 3 copied into _static/mathjax: the pages render their maths offline,
+    # with no CDN (the extension sets mathjax_path to the bundled copy).
+    "sphinx-mathjax-offline",
     "sphinxcontrib.bibtex",
     "matplotlib.sphinxext.plot_directive",
     "attn_docs",

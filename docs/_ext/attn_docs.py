@@ -8,6 +8,11 @@
   cannot drift from the code.
 * ``variant-error-table``: each variant's implied attention matrix against softmax's,
   computed at build time by :func:`attn_ref.diagnostics.compare_variants`.
+* ``error-bound-table``: each method's known error bound next to the error measured
+  at build time (``error_bounds.py``, also run by ``tests/test_docs.py``).
+* ``variant-choice-table PATH``: the "which variant when" table: exactness, causal
+  support, the time and memory measured in the committed results at one ``N``, and
+  the implied-matrix error, per registered variant.
 * ``scaling-table PATH``: the fitted exponents of the committed asv results, analysed
   at build time by :mod:`asv_benches.scaling` (the ``attn-ref scaling`` report).
 * Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
@@ -159,6 +164,74 @@ class VariantErrorTable(SphinxDirective):
         return [_table(header, rows, [16, 10, 12, 16])]
 
 
+class ErrorBoundTable(SphinxDirective):
+    """Each method's error bound next to the error measured at build time (``error_bounds``)."""
+
+    has_content = False
+
+    def run(self):
+        import error_bounds
+
+        self.env.note_dependency(error_bounds.__file__)
+        header = ["method", "statement", "source", "bound here", "measured here", "met"]
+        verdict = {True: "yes", False: "no", None: "-"}
+        rows = [[b.method, b.statement, b.source, b.bound, b.measured, verdict[b.holds]]
+                for b in error_bounds.rows()]
+        return [_table(header, rows, [14, 30, 14, 14, 18, 5])]
+
+
+class VariantChoiceTable(SphinxDirective):
+    """Per registered variant: exactness, causal support, measured time and memory at one
+    ``N`` (from the committed asv results), and the implied-matrix error at ``N = 64``.
+
+    Argument: the results file, relative to ``docs/``. Option ``n``: the sequence length
+    at which time and memory are read (default 8192, the largest every variant ran).
+    """
+
+    required_arguments = 1
+    option_spec = {"n": int}
+
+    def run(self):
+        import numpy as np
+
+        from attn_ref import registry
+        from attn_ref.diagnostics import compare_variants
+        from attn_ref.random import standard_normal
+        from conformance import scaling
+
+        path = Path(self.env.srcdir) / self.arguments[0]
+        self.env.note_dependency(str(path))
+        self.env.note_dependency(registry.__file__)
+        n = self.options.get("n", 8192)
+        results = scaling.load_results(str(path))
+        series = {(s.name, s.kind): s for s in results.series if not s.peer}
+        base = results.baseline
+        q = standard_normal((64, 16), seed=0, xp=np)
+        k = standard_normal((64, 16), seed=1, xp=np)
+        error = {r.name: r.relative_error for r in compare_variants(q, k, seed=0)}
+
+        def measured(name, kind):
+            s = series.get((name, kind))
+            if s is None or n not in s.points:
+                return "-"
+            if kind == "time":
+                return f"{s.points[n]:.2f} s"
+            return f"{(s.points[n] - base.get(s.backend, 0.0)) / 2**30:.2f} GiB"
+
+        def largest(name):
+            s = series.get((name, "time"))
+            return str(max(s.points)) if s and s.points else "-"
+
+        header = ["variant", "exact", "causal", f"time, N = {n}", f"memory, N = {n}",
+                  "largest N run", "rel. error of implied P (N = 64)"]
+        rows = []
+        for v in registry.variants():
+            rows.append([f"`{v.name}`", "yes" if v.exact else "no", "yes" if v.causal else "no",
+                         measured(v.name, "time"), measured(v.name, "peakmem"), largest(v.name),
+                         f"{error[v.name]:.2f}" if v.name in error else "-"])
+        return [_table(header, rows, [14, 6, 6, 10, 10, 8, 12])]
+
+
 class ScalingTable(SphinxDirective):
     """The ``attn-ref scaling`` report of an asv results file, as a table and notes."""
 
@@ -201,4 +274,6 @@ def setup(app):
     app.add_directive("variant-table", VariantTable)
     app.add_directive("variant-error-table", VariantErrorTable)
     app.add_directive("scaling-table", ScalingTable)
+    app.add_directive("error-bound-table", ErrorBoundTable)
+    app.add_directive("variant-choice-table", VariantChoiceTable)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -11,7 +11,7 @@ xp = np
 N, d = 512, 64
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 # The logit scale plays the role of an inverse temperature: random Gaussian q, k at
-# temperature t give logits of standard deviation about t.
+# scale t (inverse temperature t) give logits of standard deviation about t.
 for t in (0.25, 0.5, 1.0, 2.0, 4.0):
     q = standard_normal((N, d), seed=1, xp=xp) * t ** 0.5
     k = standard_normal((N, d), seed=2, xp=xp) * t ** 0.5
