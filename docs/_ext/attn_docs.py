@@ -197,7 +197,7 @@ class VariantChoiceTable(SphinxDirective):
         from attn_ref import registry
         from attn_ref.diagnostics import compare_variants
         from attn_ref.random import standard_normal
-        from conformance import scaling
+        from asv_benches import scaling
 
         path = Path(self.env.srcdir) / self.arguments[0]
         self.env.note_dependency(str(path))

@@ -1,7 +1,7 @@
 """The committed scaling results as small multiples: one column per family of variants.
 
 Read at build time from ``docs/_static/scaling_results.json`` by
-:mod:`conformance.scaling` (the ``attn-ref scaling`` report). In one panel every
+:mod:`asv_benches.scaling` (the ``attn-ref scaling`` report). In one panel every
 variant has its own colour; one-shot softmax is drawn in grey in every panel, so each
 family is read against the same quadratic reference.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from attn_ref import registry
-from conformance import scaling
+from asv_benches import scaling
 
 # The plot directive runs this file with its own folder as the working directory
 # (and without __file__).
