@@ -2,11 +2,11 @@
 
 The flow for one case and one dtype:
 
-1.-3. :func:`conformance.judging.prepare`: rounded inputs, golden output, tolerance and
+1. :func:`conformance.judging.prepare`: rounded inputs, golden output, tolerance and
    the declared semantics (cached, shared with the pytest plugin and the vectors);
-4. the kernel call in its library, dtype and layout; checks of library, dtype, device,
-   shape, unchanged inputs, optional determinism, the time limit; then the values
-   against the tolerance; on failure, :mod:`conformance.diagnose`.
+2. the kernel call in its library, dtype and layout; checks of library, dtype, device,
+   shape, unchanged inputs, optional determinism, the time limit;
+3. the values against the tolerance; on failure, :mod:`conformance.diagnose`.
 
 Kernel calling convention
 -------------------------
