@@ -392,19 +392,20 @@ def call_kernel(fn, /, *args, time_limit=None, what="kernel", **kwargs) -> Call:
     ``KeyboardInterrupt`` propagates: the person at the keyboard wants the run to stop.
     NumPy floating-point warnings are silenced for the call.
     """
+    watchdog = Watchdog(time_limit)
     t0 = time.perf_counter()
     try:
-        with Watchdog(time_limit), np.errstate(all="ignore"):
+        with watchdog, np.errstate(all="ignore"):
             value = fn(*args, **kwargs)
-    except KernelTimeout:
-        return Call(fault=f"timed out: {what} stopped at the time limit of {time_limit:g} s",
-                    timed_out=True, elapsed=time.perf_counter() - t0)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:
+        elapsed = time.perf_counter() - t0
+        if isinstance(exc, KernelTimeout) and watchdog.fired:
+            return Call(fault=f"timed out: {what} stopped at the time limit of "
+                              f"{watchdog.limit:g} s", timed_out=True, elapsed=elapsed)
         hint = " (sys.exit() inside the kernel)" if isinstance(exc, SystemExit) else ""
-        return Call(fault=f"{what} raised {type(exc).__name__}: {exc}{hint}",
-                    elapsed=time.perf_counter() - t0)
+        return Call(fault=f"{what} raised {type(exc).__name__}: {exc}{hint}", elapsed=elapsed)
     return Call(value, elapsed=time.perf_counter() - t0)
 
 
