@@ -120,7 +120,7 @@ def test_keyboard_interrupt_on_the_command_line_prints_the_partial_table(tmp_pat
     (lambda: 1 / 0, "error", "ZeroDivisionError"),
     (lambda: sys.exit(0), "error", "SystemExit"),
     (lambda: time.sleep(HANG), "fail", "timed out"),
-])
+], ids=["raises", "exits", "hangs"])
 def test_a_fault_on_the_second_call_is_a_row_not_an_escape(fault, verdict, words):
     calls = []
 
