@@ -4,9 +4,12 @@ The flow for one case and one dtype:
 
 1.-3. :func:`conformance.judging.prepare`: rounded inputs, golden output, tolerance and
    the declared semantics (cached, shared with the pytest plugin and the vectors);
-4. the kernel call in its library, dtype and layout; checks of library, dtype, device,
-   shape, unchanged inputs, optional determinism, the time limit; then the values
-   against the tolerance; on failure, :mod:`conformance.diagnose`.
+4. the kernel call in its library, dtype and layout, guarded by
+   :func:`conformance.calling.call_kernel` (exceptions and ``SystemExit`` are error
+   rows, a call past ``time_limit`` is stopped, ``KeyboardInterrupt`` ends the run
+   with :class:`Interrupted`); checks of library, dtype, device, shape, unchanged
+   inputs, optional determinism; then the values against the tolerance; on failure,
+   :mod:`conformance.diagnose`.
 
 Kernel calling convention
 -------------------------
