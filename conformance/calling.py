@@ -275,9 +275,10 @@ class Watchdog:
 
     Neither can stop a single call into C that never returns to Python (a spinning
     CUDA kernel, ``block_until_ready`` on one that never finishes, a C loop that does
-    not check signals): such a call is stopped when it returns, and reported as over
-    the limit if it ever does. Run the whole check under an outer process timeout
-    (``timeout 600 attn-ref verify ...``) to bound those too.
+    not check signals): such a call is stopped when it returns, if it ever does, and
+    :func:`call_kernel` says so ("only when it returned from C code"). Run the whole
+    check under an outer process timeout (``timeout 600 attn-ref verify ...``) to
+    bound those too.
 
     ``limit`` of ``None`` or infinity arms nothing.
     """
@@ -402,8 +403,12 @@ def call_kernel(fn, /, *args, time_limit=None, what="kernel", **kwargs) -> Call:
     except BaseException as exc:
         elapsed = time.perf_counter() - t0
         if isinstance(exc, KernelTimeout) and watchdog.fired:
+            late = elapsed > watchdog.limit + 1.0
             return Call(fault=f"timed out: {what} stopped at the time limit of "
-                              f"{watchdog.limit:g} s", timed_out=True, elapsed=elapsed)
+                              f"{watchdog.limit:g} s" + (
+                                  ", but only when it returned from C code the watchdog "
+                                  "cannot interrupt" if late else ""),
+                        timed_out=True, elapsed=elapsed)
         hint = " (sys.exit() inside the kernel)" if isinstance(exc, SystemExit) else ""
         return Call(fault=f"{what} raised {type(exc).__name__}: {exc}{hint}", elapsed=elapsed)
     return Call(value, elapsed=time.perf_counter() - t0)

@@ -250,8 +250,8 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         Seconds per kernel call (the forward, its read-back to the host, the second
         call of ``deterministic``, the gradients). A call still running at the limit
         is stopped (:class:`conformance.calling.Watchdog`) and fails as "timed out";
-        a call stuck inside C code that cannot be interrupted fails as over the
-        limit when it returns. ``None``: no limit.
+        a call stuck inside C code that cannot be interrupted is stopped when it
+        returns (the row says so). ``None``: no limit.
     diagnose : bool
         Explain failures (:mod:`conformance.diagnose`).
     progress : bool, optional

@@ -175,6 +175,24 @@ def test_a_hung_kernel_is_stopped_at_the_time_limit(kernel):
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # nothing left armed
 
 
+def test_a_call_the_watchdog_cannot_interrupt_is_reported_as_such():
+    """C code that never lets a signal handler run (simulated by blocking SIGALRM) is
+    stopped only when it returns; the row says so instead of claiming the limit held."""
+
+    def in_c(q, k, v):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        try:
+            time.sleep(1.6)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+        return correct_kernel(q, k, v)
+
+    (row,) = verify(in_c, "softmax", backend="numpy", cases=BASIC, time_limit=0.3,
+                    progress=False).results
+    assert row.verdict == "fail" and row.time_s >= 1.6
+    assert "timed out" in row.diagnosis and "only when it returned" in row.diagnosis
+
+
 def test_the_time_limit_holds_off_the_main_thread_too():
     out = {}
 
