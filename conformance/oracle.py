@@ -208,8 +208,9 @@ def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd"
     if backward is not None and not callable(backward):
         raise TypeError(f"backward must be a callable (q, k, v, do, **kw) -> (dq, dk, dv), got {backward!r}")
     return Session(spec, v, be, device, layout, sem, tolerance, deterministic,
-                check_time_limit(time_limit), diagnose, seed, name=_kernel_name(kernel), backend_name=bname,
-                extra={"grads": bool(grads) or backward is not None, "backward": backward})
+                   check_time_limit(time_limit), diagnose, seed, name=_kernel_name(kernel),
+                   backend_name=bname,
+                   extra={"grads": bool(grads) or backward is not None, "backward": backward})
 
 
 def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float32",),
