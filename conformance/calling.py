@@ -6,7 +6,13 @@
 * :func:`kernel_kwargs`: the keyword arguments one case passes (feature values under the
   kernel's own parameter names, the variant's parameters and options).
 * :func:`check_container`, :func:`snapshot`, :func:`same`: the checks of a returned array
-  (library, dtype, device, shape) and of inputs left unchanged.
+  (library, dtype, device, shape) and of inputs left unchanged; the forward output and
+  each ``backward=`` gradient go through the same checks.
+* :func:`call_kernel`: the guard around every call into kernel code - its faults
+  (any exception, ``SystemExit``, running past the time limit) become a
+  :class:`Call` with a ``fault`` string instead of escaping; ``KeyboardInterrupt``
+  is the one thing that escapes, so that Ctrl-C still stops a run.
+  :class:`Watchdog` is the time limit itself.
 * :func:`load_kernel`, :func:`parse_supports`: a kernel named on a command line.
 
 A *session* (:class:`conformance.oracle.Session`) is what these functions call ``ctx``:
@@ -15,11 +21,16 @@ the kernel's spec, its backend and layout, and the declared semantics.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import inspect
+import math
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +41,8 @@ from .layouts import pair_layout
 
 __all__ = ["KernelSpec", "reference_features", "kernel_kwargs", "applicable", "snapshot",
            "same", "library_name", "check_container", "first_output", "load_kernel",
-           "parse_supports"]
+           "parse_supports", "KernelTimeout", "Watchdog", "Call", "call_kernel",
+           "check_time_limit", "changed_input"]
 
 
 def _signature(fn):
@@ -152,6 +164,18 @@ def snapshot(ctx, x):
     return np.array(ctx.to_host(x), copy=True)
 
 
+def changed_input(ctx, arrays: dict, snaps: dict) -> str:
+    """The name of the first of ``arrays`` that differs from its :func:`snapshot` in ``snaps``.
+
+    ``''`` when every snapshotted array is bitwise unchanged (names without a snapshot,
+    plain options, are skipped).
+    """
+    for n, x in arrays.items():
+        if n in snaps and not same(snapshot(ctx, x), snaps[n]):
+            return n
+    return ""
+
+
 def same(a, b):
     """Bitwise equal host arrays (NaN equal to NaN)."""
     return a.shape == b.shape and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
@@ -163,33 +187,231 @@ def library_name(x):
     return {"jaxlib": "jax"}.get(mod, mod)
 
 
-def check_container(ctx, out, inputs: dict, want_shape):
-    """Library, dtype, device, shape: returns an error string or ''."""
+def check_container(ctx, out, like, want_shape, *, name="output"):
+    """Library, dtype, device and shape of a kernel's array: an error string, or ''.
+
+    Parameters
+    ----------
+    ctx : Session
+        Its backend says which library is expected; a custom ``(to_kernel, to_host)``
+        backend is checked for shape only.
+    out : object
+        What the kernel returned: the forward output, or one gradient of ``backward=``.
+    like : array
+        The input ``out`` must match in library, dtype and device (``q`` for the
+        output and ``dq``, ``k`` for ``dk``, the bias for ``dbias``).
+    want_shape : tuple of int
+        The expected shape in the kernel's layout.
+    name : str
+        How the message calls ``out`` (``"output"``, ``"dq"``...).
+    """
     if isinstance(ctx.backend, tuple):
-        if tuple(np.shape(ctx.to_host(out))) != tuple(want_shape):
-            return f"output shape {tuple(np.shape(ctx.to_host(out)))}, expected {tuple(want_shape)}"
+        try:
+            got = tuple(np.shape(ctx.to_host(out)))
+        except Exception as exc:  # a list of strings, an object to_host cannot read
+            return f"{name} cannot be read by to_host: {type(exc).__name__}: {exc}"
+        if got != tuple(want_shape):
+            return f"{name} shape {got}, expected {tuple(want_shape)}"
         return ""
     import array_api_compat
 
-    q = inputs["q"]
     if not array_api_compat.is_array_api_obj(out):
-        return f"output is a {type(out).__name__}, expected a {ctx.backend.name} array"
-    if library_name(out) != library_name(q):
-        return f"output is a {library_name(out)} array, expected {library_name(q)} like the inputs"
-    if str(out.dtype) != str(q.dtype):
-        return f"output dtype {out.dtype}, expected {q.dtype} (the inputs' dtype)"
-    dev_out, dev_in = str(array_api_compat.device(out)), str(array_api_compat.device(q))
+        return f"{name} is a {type(out).__name__}, expected a {ctx.backend.name} array"
+    if library_name(out) != library_name(like):
+        return f"{name} is a {library_name(out)} array, expected {library_name(like)} like the inputs"
+    if str(out.dtype) != str(like.dtype):
+        return f"{name} dtype {out.dtype}, expected {like.dtype} (the inputs' dtype)"
+    dev_out, dev_in = str(array_api_compat.device(out)), str(array_api_compat.device(like))
     if dev_out != dev_in:
-        return f"output on device {dev_out}, expected {dev_in} (the inputs' device)"
+        return f"{name} on device {dev_out}, expected {dev_in} (the inputs' device)"
     if tuple(out.shape) != tuple(want_shape):
-        return f"output shape {tuple(out.shape)}, expected {tuple(want_shape)} ({ctx.layout})"
+        return f"{name} shape {tuple(out.shape)}, expected {tuple(want_shape)} ({ctx.layout})"
     return ""
-
 
 
 def first_output(out):
     """A kernel may return a tuple (output, log-sum-exp, ...): its first element."""
     return out[0] if isinstance(out, tuple) else out
+
+
+# ------------------------------------------------------------------ the kernel-call guard
+
+
+class KernelTimeout(BaseException):
+    """Raised inside a kernel call that runs past its time limit (see :class:`Watchdog`).
+
+    A ``BaseException``, like ``KeyboardInterrupt``, so that a kernel's own
+    ``except Exception:`` cannot swallow it and run on.
+    """
+
+
+def check_time_limit(time_limit):
+    """``time_limit`` as a float (``None`` -> infinity); TypeError/ValueError otherwise."""
+    if time_limit is None:
+        return math.inf
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)):
+        raise TypeError(f"time_limit must be a number of seconds or None, got "
+                        f"{type(time_limit).__name__} {time_limit!r}")
+    if not time_limit > 0:
+        raise ValueError(f"time_limit must be positive seconds (None for no limit), got {time_limit!r}")
+    return float(time_limit)
+
+
+class Watchdog:
+    """``with Watchdog(limit):`` raises :class:`KernelTimeout` in the block after ``limit`` s.
+
+    Two mechanisms, because a kernel may be written in any library:
+
+    * on the main thread (POSIX): ``SIGALRM`` from ``signal.setitimer``. Python runs
+      the handler between bytecodes and as soon as a blocking call that checks for
+      signals returns with ``EINTR`` - pure-Python loops, ``time.sleep``, waits on
+      locks, and NumPy/PyTorch/JAX code between two operations. An ``ITIMER_REAL``
+      armed by someone else (pytest-timeout's signal method) keeps working: the
+      watchdog arms the earlier of the two deadlines, hands a signal meant for the
+      other timer to its handler and re-arms what is left of it on exit.
+    * on any other thread (or without ``SIGALRM``): a watchdog thread that sets an
+      asynchronous exception in the calling thread (``PyThreadState_SetAsyncExc``);
+      it interrupts Python bytecode only, so a ``time.sleep`` runs to its end first.
+
+    Neither can stop a single call into C that never returns to Python (a spinning
+    CUDA kernel, ``block_until_ready`` on one that never finishes, a C loop that does
+    not check signals): such a call is stopped when it returns, if it ever does, and
+    :func:`call_kernel` says so ("only when it returned from C code"). Run the whole
+    check under an outer process timeout (``timeout 600 attn-ref verify ...``) to
+    bound those too.
+
+    ``limit`` of ``None`` or infinity arms nothing.
+    """
+
+    def __init__(self, limit):
+        self.limit = check_time_limit(limit)
+        self.fired = False
+        self._active = False
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        if not math.isfinite(self.limit):
+            return self
+        self._tid = threading.get_ident()
+        self._t0 = time.monotonic()
+        self._active = True
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            self._enter_signal()
+        else:
+            self._enter_thread()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not math.isfinite(self.limit):
+            return False
+        try:
+            self._active = False
+        finally:
+            if self._thread is None:
+                self._exit_signal()
+            else:
+                self._exit_thread(exc_type)
+        return False
+
+    # -- SIGALRM on the main thread
+    def _enter_signal(self):
+        self._thread = None
+        self._prev_handler = signal.getsignal(signal.SIGALRM)
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        prev, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+        self._prev_deadline = self._t0 + prev if prev > 0 else None
+        first = self.limit if prev <= 0 else min(self.limit, prev)
+        signal.setitimer(signal.ITIMER_REAL, first)
+
+    def _on_alarm(self, signum, frame):
+        now = time.monotonic()
+        if self._active and now - self._t0 >= self.limit - 1e-3:
+            self._active, self.fired = False, True
+            raise KernelTimeout(f"stopped after the time limit of {self.limit:g} s")
+        if self._prev_deadline is not None and now >= self._prev_deadline - 1e-3:
+            self._prev_deadline = None
+            if self._active:  # our own deadline is still ahead: wait for it
+                signal.setitimer(signal.ITIMER_REAL, max(self._t0 + self.limit - now, 1e-3))
+            if callable(self._prev_handler):
+                self._prev_handler(signum, frame)
+        elif self._active:  # woken early (a clock step): wait for what is left
+            signal.setitimer(signal.ITIMER_REAL, max(self._t0 + self.limit - now, 1e-3))
+
+    def _exit_signal(self):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self._prev_handler)
+        if self._prev_deadline is not None:
+            # the other timer's deadline, re-armed (at once if it passed in between)
+            signal.setitimer(signal.ITIMER_REAL, max(self._prev_deadline - time.monotonic(), 1e-3))
+
+    # -- asynchronous exception from a watchdog thread
+    def _enter_thread(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="attn-ref watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self):
+        if self._stop.wait(self.limit):
+            return
+        with self._lock:
+            if self._active:
+                self._active, self.fired = False, True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid),
+                                                           ctypes.py_object(KernelTimeout))
+
+    def _exit_thread(self, exc_type):
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            if self.fired and exc_type is not KernelTimeout:
+                # fired as the block ended, not delivered yet: take it back
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._tid), None)
+
+
+@dataclass
+class Call:
+    """The outcome of one guarded call: its value, or the fault that stopped it."""
+
+    value: Any = None
+    fault: str = ""  # "" when the call returned normally
+    timed_out: bool = False
+    elapsed: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.fault
+
+
+def call_kernel(fn, /, *args, time_limit=None, what="kernel", **kwargs) -> Call:
+    """``fn(*args, **kwargs)`` with every kernel fault caught; see :class:`Call`.
+
+    ``fn`` is kernel code, or a closure that calls the kernel and reads its output back
+    (so that an asynchronous library finishes inside the limit). An exception of any
+    kind - ``SystemExit`` from ``sys.exit()`` included - becomes ``fault`` =
+    ``"<what> raised <type>: <message>"``; running past ``time_limit`` seconds is
+    stopped by a :class:`Watchdog` and becomes ``timed_out``. Only
+    ``KeyboardInterrupt`` propagates: the person at the keyboard wants the run to stop.
+    NumPy floating-point warnings are silenced for the call.
+    """
+    watchdog = Watchdog(time_limit)
+    t0 = time.perf_counter()
+    try:
+        with watchdog, np.errstate(all="ignore"):
+            value = fn(*args, **kwargs)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:
+        elapsed = time.perf_counter() - t0
+        if isinstance(exc, KernelTimeout) and watchdog.fired:
+            late = elapsed > watchdog.limit + 1.0
+            return Call(fault=f"timed out: {what} stopped at the time limit of "
+                              f"{watchdog.limit:g} s" + (
+                                  ", but only when it returned from C code the watchdog "
+                                  "cannot interrupt" if late else ""),
+                        timed_out=True, elapsed=elapsed)
+        hint = " (sys.exit() inside the kernel)" if isinstance(exc, SystemExit) else ""
+        return Call(fault=f"{what} raised {type(exc).__name__}: {exc}{hint}", elapsed=elapsed)
+    return Call(value, elapsed=time.perf_counter() - t0)
 
 
 def load_kernel(spec: str):

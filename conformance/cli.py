@@ -13,7 +13,8 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
 ``attn-ref scaling``
     Exponents of time and memory in ``N`` from asv results (:mod:`asv_benches.scaling`).
 
-The exit status is 0 only if everything checked passed.
+The exit status is 0 only if everything checked passed; 1 when something failed, 130
+when Ctrl-C stopped ``verify`` (after printing the partial report).
 """
 
 from __future__ import annotations
@@ -120,7 +121,9 @@ def verify_arguments(p):
     p.add_argument("--supports", action="append", metavar="FEATURE[=PARAM|false]",
                    help="override signature detection, e.g. broadcast, mask=attn_mask, bias=false")
     p.add_argument("--deterministic", action="store_true", help="call twice, require equal output")
-    p.add_argument("--time-limit", type=float, default=60.0, help="seconds per call")
+    p.add_argument("--time-limit", type=float, default=60.0,
+                   help="seconds per kernel call; a call still running then is stopped and "
+                        "fails as timed out (default 60)")
     p.add_argument("--json", metavar="PATH", help="write the report(s) as JSON")
     p.add_argument("--show-na", action="store_true", help="list not-applicable cases too")
     p.add_argument("--grads", action="store_true",
@@ -132,20 +135,32 @@ def verify_command(args) -> int:
     if args.kernel is None:
         return _verify_builtin(args)
     from .calling import load_kernel, parse_supports
-    from .oracle import verify
+    from .oracle import Interrupted, verify
 
     kernel = load_kernel(args.kernel)
     reports = []
-    for variant in args.variant or ["softmax"]:
-        for backend in args.backend or ["numpy"]:
-            rep = verify(kernel, variant, backend=backend, dtypes=tuple(args.dtype or ["float32"]),
-                         layout=args.layout, suite=args.suite or "standard", seed=args.seed,
-                         supports=parse_supports(args.supports), deterministic=args.deterministic,
-                         time_limit=args.time_limit, grads=args.grads, **_semantics(args))
-            print(rep.table(show_na=args.show_na))
-            reports.append(rep)
+    try:
+        for variant in args.variant or ["softmax"]:
+            for backend in args.backend or ["numpy"]:
+                rep = verify(kernel, variant, backend=backend,
+                             dtypes=tuple(args.dtype or ["float32"]), layout=args.layout,
+                             suite=args.suite or "standard", seed=args.seed,
+                             supports=parse_supports(args.supports),
+                             deterministic=args.deterministic, time_limit=args.time_limit,
+                             grads=args.grads, **_semantics(args))
+                print(rep.table(show_na=args.show_na))
+                reports.append(rep)
+    except Interrupted as exc:  # Ctrl-C: what ran so far, and the status of an interrupt
+        print(exc.report.table(show_na=args.show_na))
+        reports.append(exc.report)
+        _write_json(args.json, reports)
+        return INTERRUPTED
     _write_json(args.json, reports)
     return 0 if reports and all(r.passed for r in reports) else 1
+
+
+#: Exit status after Ctrl-C (128 + SIGINT, as shells report it): never 0.
+INTERRUPTED = 130
 
 
 def _write_json(path, reports):

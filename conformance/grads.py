@@ -26,11 +26,11 @@ A failing softmax gradient is compared with the known backward mistakes
 from __future__ import annotations
 
 import math
-import time
 import zlib
 
 import numpy as np
 
+from .calling import call_kernel, changed_input, check_container, snapshot
 from .features import NotApplicable, allowed_matrix, default_scale
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance
 from .layouts import from_layout, to_layout
@@ -232,8 +232,11 @@ def _autodiff(ctx, inputs, kw, bias_name, do_k):
                 jax.errors.TracerIntegerConversionError):
             grads = vjp(*vals, do_k)
         return dict(zip(names, grads))
-    raise NotApplicable(f"backend {name!r} has no automatic differentiation: pass "
-                        "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv)")
+    raise NotApplicable(_NO_AUTODIFF.format(name=name))
+
+
+_NO_AUTODIFF = ("backend {name!r} has no automatic differentiation: pass "
+                "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv)")
 
 
 def _explicit(backward, inputs, kw, do_k, bias_name):
@@ -261,20 +264,31 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
         pname = ctx.kernel.names.get("bias")
         if pname in kw:
             bias_name = pname
-    t0 = time.perf_counter()
-    try:
-        do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
-        with np.errstate(all="ignore"):
-            backward = ctx.extra.get("backward")
-            got = (_explicit(backward, inputs, kw, do_k, bias_name) if backward is not None
-                   else _autodiff(ctx, inputs, kw, bias_name, do_k))
-    except NotApplicable as exc:
-        return [CaseResult.na(reason=str(exc), output="grads", **base)]
-    except Exception as exc:
-        return [CaseResult.error(f"kernel backward raised {type(exc).__name__}: {exc}",
-                                 output="grads", time_s=time.perf_counter() - t0, shapes=shapes,
+    backward = ctx.extra.get("backward")
+    name = getattr(ctx.backend, "name", "custom")
+    if backward is None and name not in ("torch", "jax"):
+        return [CaseResult.na(reason=_NO_AUTODIFF.format(name=name), output="grads", **base)]
+    do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
+    # what the backward is handed and must leave unchanged: q, k, v, do and the forward's
+    # array arguments (autodiff differentiates copies, so only backward= can write)
+    given = {**inputs, "do": do_k, **kw}
+    snaps = {n: snapshot(ctx, x) for n, x in given.items() if hasattr(x, "shape")}
+    if backward is not None:
+        call = call_kernel(_explicit, backward, inputs, kw, do_k, bias_name,
+                           time_limit=ctx.time_limit, what="kernel backward")
+    else:
+        call = call_kernel(_autodiff, ctx, inputs, kw, bias_name, do_k,
+                           time_limit=ctx.time_limit, what="kernel backward")
+    elapsed = call.elapsed
+    if not call.ok:  # raised (an error) or stopped at the time limit (a failure)
+        return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
+                                 output="grads", time_s=elapsed, shapes=shapes, **base)]
+    changed = changed_input(ctx, given, snaps)
+    if changed:
+        return [CaseResult.error(f"the kernel backward modified its input {changed!r} in place",
+                                 verdict="fail", output="grads", time_s=elapsed, shapes=shapes,
                                  **base)]
-    elapsed = time.perf_counter() - t0
+    got = call.value
     rows = []
     hosts = {}
     for n in ("q", "k", "v", "bias"):
@@ -282,17 +296,29 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
             continue
         gold, keep, tmax, trms, bm = g[n]
         out_name = GRAD_OUTPUTS[n]
+        row = {"output": out_name, "time_s": elapsed, "shapes": shapes, **base}
         x = got.get(n)
         if x is None:
             rows.append(CaseResult.error(f"the kernel returned no gradient for {n}", verdict="fail",
-                                         output=out_name, time_s=elapsed, shapes=shapes, **base))
+                                         **row))
             continue
-        h = np.asarray(ctx.to_host(x), dtype=np.float64)
+        like = kw[bias_name] if n == "bias" else inputs[n]
+        want = (gold.shape[2:] if ctx.layout == "nd" else gold.shape) if n == "bias" else \
+            to_layout(np.empty(gold.shape, dtype=np.int8), ctx.layout).shape
+        problem = check_container(ctx, x, like, want, name=out_name)
+        h = None
+        if not problem:
+            try:
+                h = np.asarray(ctx.to_host(x), dtype=np.float64)
+            except Exception as exc:  # e.g. an object array, or strings via a custom to_host
+                problem = f"{out_name} is not numeric: {type(exc).__name__}: {exc}"
+        if problem:
+            rows.append(CaseResult.error(problem, verdict="fail", **row))
+            continue
         h = (h[None, None] if ctx.layout == "nd" else h) if n == "bias" else from_layout(h, ctx.layout)
         if h.shape != gold.shape:
             rows.append(CaseResult.error(f"{out_name} has shape {h.shape}, expected {gold.shape}",
-                                         verdict="fail", output=out_name, time_s=elapsed,
-                                         shapes=shapes, **base))
+                                         verdict="fail", **row))
             continue
         hosts[n] = h
         m = measure(h, gold, keep)

@@ -4,8 +4,11 @@ The flow for one case and one dtype:
 
 1. :func:`conformance.judging.prepare`: rounded inputs, golden output, tolerance and
    the declared semantics (cached, shared with the pytest plugin and the vectors);
-2. the kernel call in its library, dtype and layout; checks of library, dtype, device,
-   shape, unchanged inputs, optional determinism, the time limit;
+2. the kernel call in its library, dtype and layout, guarded by
+   :func:`conformance.calling.call_kernel` (exceptions and ``SystemExit`` are error
+   rows, a call past ``time_limit`` is stopped, ``KeyboardInterrupt`` ends the run
+   with :class:`Interrupted`); checks of library, dtype, device, shape, unchanged
+   inputs, optional determinism;
 3. the values against the tolerance; on failure, :mod:`conformance.diagnose`.
 
 Kernel calling convention
@@ -28,7 +31,6 @@ Extension points
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,10 @@ from . import backends as B
 from .calling import (
     KernelSpec,
     applicable,
+    call_kernel,
+    changed_input,
     check_container,
+    check_time_limit,
     first_output,
     kernel_kwargs,
     same,
@@ -54,7 +59,7 @@ from .layouts import LAYOUTS, from_layout, to_layout
 from .report import CaseResult, Progress, Report
 from .tolerance import MANTISSA_BITS
 
-__all__ = ["verify", "session", "Session", "run_case", "search"]
+__all__ = ["verify", "session", "Session", "run_case", "search", "Interrupted"]
 
 
 @dataclass
@@ -95,7 +100,12 @@ class Session:
 
 
 def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
-    """Run one case in one dtype; never raises for a kernel's fault."""
+    """Run one case in one dtype; never raises for a kernel's fault.
+
+    Every call into the kernel goes through :func:`conformance.calling.call_kernel`:
+    an exception (``SystemExit`` included) is an ``error`` row, a call stopped at
+    ``ctx.time_limit`` a ``fail`` row "timed out". ``KeyboardInterrupt`` propagates.
+    """
     base = {"case": case.id, "dtype": dtype}
     try:
         applicable(ctx, case)
@@ -115,39 +125,46 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     shapes = {n: tuple(np.shape(to_layout(prep.arrays[n], ctx.layout))) for n in BASE_KEYS}
     snaps = {n: snapshot(ctx, x) for n, x in inputs.items()}
     snaps.update({n: snapshot(ctx, x) for n, x in kw.items() if hasattr(x, "shape")})
-    t0 = time.perf_counter()
-    try:
-        with np.errstate(all="ignore"):
-            out = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
-            if isinstance(out, tuple):
-                out = out[0]
-            host = ctx.to_host(out)  # forces asynchronous libraries to finish
-    except Exception as exc:
-        return [CaseResult.error(f"kernel raised {type(exc).__name__}: {exc}",
-                                 time_s=time.perf_counter() - t0, shapes=shapes, **base)]
-    elapsed = time.perf_counter() - t0
     want = to_layout(np.empty(prep.golden.shape, dtype=np.int8), ctx.layout).shape
-    problem = check_container(ctx, out, inputs, want)
+
+    def forward():
+        # the read-back is part of the call: it makes an asynchronous library finish
+        out = first_output(ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw))
+        problem = check_container(ctx, out, inputs["q"], want)
+        return problem, None if problem else np.asarray(ctx.to_host(out))
+
+    call = call_kernel(forward, time_limit=ctx.time_limit)
+    if not call.ok:
+        return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
+                                 time_s=call.elapsed, shapes=shapes, **base)]
+    problem, host = call.value
     if not problem:
-        for n, x in list(inputs.items()) + [(n, x) for n, x in kw.items() if n in snaps]:
-            if not same(snapshot(ctx, x), snaps[n]):
-                problem = f"the kernel modified its input {n!r} in place"
-                break
+        name = changed_input(ctx, {**inputs, **kw}, snaps)
+        problem = name and f"the kernel modified its input {name!r} in place"
     if problem:
-        return [CaseResult.error(problem, verdict="fail", time_s=elapsed, shapes=shapes, **base)]
-    got = from_layout(np.asarray(host, dtype=np.float64), ctx.layout)
+        return [CaseResult.error(problem, verdict="fail", time_s=call.elapsed, shapes=shapes,
+                                 **base)]
+    try:
+        got = from_layout(np.asarray(host, dtype=np.float64), ctx.layout)
+    except (TypeError, ValueError) as exc:  # the right dtype name, but not numbers
+        return [CaseResult.error(f"output is not numeric: {type(exc).__name__}: {exc}",
+                                 verdict="fail", time_s=call.elapsed, shapes=shapes, **base)]
     res = prep.check(got)
-    res.time_s = elapsed
+    res.time_s = call.elapsed
     res.shapes = shapes
     if ctx.deterministic and res.verdict == "pass":
-        again = ctx.to_host(first_output(ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)))
-        if not same(np.asarray(again), np.asarray(host)):
+        again = call_kernel(forward, time_limit=ctx.time_limit)
+        if not again.ok:
+            res.verdict = "fail" if again.timed_out else "error"
+            res.diagnosis = f"second call (deterministic=True): {again.fault}"
+        elif again.value[0] or not same(again.value[1], host):
             res.verdict, res.diagnosis = "fail", "not deterministic: a second call differs"
-    if elapsed > ctx.time_limit:
+    if call.elapsed > ctx.time_limit:
+        # the call returned, late: stuck in C code the watchdog could not interrupt
         res.verdict = "fail"
-        res.diagnosis = (f"took {elapsed:.1f} s, over the time limit of {ctx.time_limit:g} s; "
+        res.diagnosis = (f"over the time limit of {ctx.time_limit:g} s (the call returned late); "
                          + res.diagnosis).rstrip("; ")
-    if res.verdict == "fail" and ctx.diagnose and not res.diagnosis.startswith("took"):
+    if res.verdict == "fail" and ctx.diagnose and not res.diagnosis.startswith("over the time"):
         try:
             with np.errstate(all="ignore"):
                 words = diagnose(prep, got, res, rerun=lambda c: _rerun(ctx, c, dtype))
@@ -190,9 +207,10 @@ def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd"
     spec = KernelSpec.of(kernel, supports)
     if backward is not None and not callable(backward):
         raise TypeError(f"backward must be a callable (q, k, v, do, **kw) -> (dq, dk, dv), got {backward!r}")
-    return Session(spec, v, be, device, layout, sem, tolerance, deterministic, time_limit,
-                diagnose, seed, name=_kernel_name(kernel), backend_name=bname,
-                extra={"grads": bool(grads) or backward is not None, "backward": backward})
+    return Session(spec, v, be, device, layout, sem, tolerance, deterministic,
+                   check_time_limit(time_limit), diagnose, seed, name=_kernel_name(kernel),
+                   backend_name=bname,
+                   extra={"grads": bool(grads) or backward is not None, "backward": backward})
 
 
 def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float32",),
@@ -229,8 +247,12 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         Overrides :data:`conformance.tolerance.DEFAULTS` (per dtype or per output).
     deterministic : bool
         Call the kernel twice on each passing case; results must be bitwise equal.
-    time_limit : float
-        Seconds per call; a slower call fails (measured after it returns).
+    time_limit : float or None
+        Seconds per kernel call (the forward, its read-back to the host, the second
+        call of ``deterministic``, the gradients). A call still running at the limit
+        is stopped (:class:`conformance.calling.Watchdog`) and fails as "timed out";
+        a call stuck inside C code that cannot be interrupted is stopped when it
+        returns (the row says so). ``None``: no limit.
     diagnose : bool
         Explain failures (:mod:`conformance.diagnose`).
     progress : bool, optional
@@ -254,6 +276,15 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     Returns
     -------
     Report
+
+    Raises
+    ------
+    Interrupted
+        A ``KeyboardInterrupt`` (Ctrl-C, or one raised by the kernel) stops the run:
+        ``Interrupted`` is a ``KeyboardInterrupt`` whose ``report`` holds the cases
+        finished so far (``report.interrupted`` says where; it never passes).
+        Every other fault of the kernel - any exception, ``SystemExit`` from
+        ``sys.exit()``, a timeout, a wrong output - is a verdict in the report.
 
     Examples
     --------
@@ -281,20 +312,44 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     prog = Progress(progress)
     n = len(todo) * len(dtypes)
     i = 0
+    where = ""
     try:
         for dt in dtypes:
             for case in todo:
                 i += 1
-                prog.update(i, n, f"{dt} {case.id}")
+                where = f"{dt} {case.id}"
+                prog.update(i, n, where)
                 report.results.extend(run_case(ctx, case, dt))
             if suite == "exhaustive" and cases is None:
+                where = f"{dt} search"
                 prog.update(i, n, f"{dt} searching")
                 found = search(ctx, dt, search_examples)
                 if found is not None:
                     report.results.append(found)
+    except KeyboardInterrupt as exc:
+        report.interrupted = (f"interrupted ({type(exc).__name__}) at {where}, after "
+                              f"{len(report.results)} results")
+        raise Interrupted(report) from exc
     finally:
         prog.done()
     return report
+
+
+class Interrupted(KeyboardInterrupt):
+    """``verify()`` was stopped by a ``KeyboardInterrupt``; ``.report`` is the partial report.
+
+    A subclass of ``KeyboardInterrupt``, so a script that does not catch it stops as
+    Ctrl-C always stops it; one that does gets what ran::
+
+        try:
+            report = verify(kernel, backend="torch")
+        except Interrupted as exc:
+            report = exc.report        # report.passed is False
+    """
+
+    def __init__(self, report):
+        super().__init__(report.interrupted)
+        self.report = report
 
 
 def search(ctx, dtype, examples):

@@ -35,6 +35,9 @@ def pytest_addoption(parser):
                 metavar="FEATURE[=PARAM|false]", help="override signature detection")
     g.addoption("--attn-grads", action="store_true", default=False,
                 help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel)")
+    g.addoption("--attn-time-limit", type=float, default=60.0, metavar="SECONDS",
+                help="seconds per kernel call; a call still running then is stopped and the "
+                     "item fails as timed out (default 60)")
 
 
 class _Item:
@@ -79,7 +82,8 @@ def _session(config):
                        config.getoption("attn_variant"), backend=config.getoption("attn_backend"),
                        layout=config.getoption("attn_layout"), seed=config.getoption("attn_seed"),
                        supports=parse_supports(config.getoption("attn_supports")),
-                       grads=config.getoption("attn_grads"), **sem)
+                       grads=config.getoption("attn_grads"),
+                       time_limit=config.getoption("attn_time_limit"), **sem)
         setattr(config, key, sess)
     return getattr(config, key)
 

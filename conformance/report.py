@@ -1,8 +1,14 @@
 """Verdicts: one :class:`CaseResult` per case, dtype and output; a :class:`Report` of them.
 
 ``Report.table()`` is for people, ``Report.to_json(path)`` for machines. A report
-passes when no case failed or errored and at least one case passed; cases the
-kernel cannot take are listed as ``n/a`` with the reason, never counted as passed.
+passes when no case failed or errored, at least one case passed and the run was not
+interrupted; cases the kernel cannot take are listed as ``n/a`` with the reason, never
+counted as passed.
+
+The JSON of two identical runs is byte-identical except for the ``"timings"``
+section (seconds per row, in the order of ``"results"``), which
+``to_json(timings=False)`` / ``to_dict(timings=False)`` leave out; nothing else in
+a report depends on the clock.
 """
 
 from __future__ import annotations
@@ -55,8 +61,11 @@ class CaseResult:
     def ok(self) -> bool:
         return self.verdict in ("pass", "n/a")
 
-    def to_dict(self):
+    def to_dict(self, *, timings=True):
+        """Plain JSON-able data; ``timings=False`` leaves out ``time_s``."""
         d = asdict(self)
+        if not timings:
+            del d["time_s"]
         d["worst"] = list(self.worst)
         d["shapes"] = {k: list(v) for k, v in self.shapes.items()}
         for k, v in d.items():
@@ -78,6 +87,7 @@ class Report:
     features: list = field(default_factory=list)
     signature_known: bool = True
     results: list = field(default_factory=list)
+    interrupted: str = ""  # why and where a KeyboardInterrupt stopped the run; "" if it ran to the end
 
     @property
     def counts(self) -> dict:
@@ -89,7 +99,7 @@ class Report:
     @property
     def passed(self) -> bool:
         c = self.counts
-        return c["fail"] == 0 and c["error"] == 0 and c["pass"] > 0
+        return c["fail"] == 0 and c["error"] == 0 and c["pass"] > 0 and not self.interrupted
 
     @property
     def failures(self) -> list:
@@ -102,9 +112,10 @@ class Report:
 
     def summary(self) -> str:
         c = self.counts
-        head = "PASS" if self.passed else "FAIL"
+        head = "PASS" if self.passed else "INTERRUPTED" if self.interrupted else "FAIL"
+        tail = f" ({self.interrupted}; the run is incomplete)" if self.interrupted else ""
         return (f"{head}: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
-                f"{c['n/a']} not applicable")
+                f"{c['n/a']} not applicable{tail}")
 
     def table(self, *, show_na=False, width=48) -> str:
         """A fixed-width table, failures first, with the diagnosis under each."""
@@ -135,18 +146,27 @@ class Report:
         lines.append(self.summary())
         return "\n".join(lines)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, *, timings=True) -> dict:
+        """Plain JSON-able data. Seconds live only in the ``"timings"`` section (one entry
+        per row of ``"results"``, same order), which ``timings=False`` leaves out."""
         d = {k: getattr(self, k) for k in ("kernel", "variant", "backend", "layout", "suite",
                                            "seed", "semantics", "features", "signature_known")}
         d["dtypes"] = list(self.dtypes)
         d["passed"] = self.passed
+        d["interrupted"] = self.interrupted
         d["counts"] = self.counts
-        d["results"] = [r.to_dict() for r in self.results]
+        d["results"] = [r.to_dict(timings=False) for r in self.results]
+        if timings:
+            d["timings"] = {"unit": "s", "results": [
+                {"case": r.case, "dtype": r.dtype, "output": r.output, "time_s": r.time_s}
+                for r in self.results]}
         return d
 
-    def to_json(self, path=None) -> str:
-        """The report as JSON; written to ``path`` when given. Returns the text."""
-        text = json.dumps(self.to_dict(), indent=1)
+    def to_json(self, path=None, *, timings=True) -> str:
+        """The report as JSON; written to ``path`` when given. Returns the text.
+
+        With ``timings=False`` the text is byte-identical between identical runs."""
+        text = json.dumps(self.to_dict(timings=timings), indent=1)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")

@@ -14,22 +14,85 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
   ``fully_masked="excluded"`` are NaN);
 * ``compare`` - bool, which golden elements are compared.
 
-``manifest.json``: ``{"format": "attn-ref-vectors", "version": 1, "variant",
-"layout", "semantics", "seed", "suite", "tolerance_model", "cases": [...]}``; each case
-entry has ``file``, ``id``, ``dtype``, ``shapes``, ``causal`` (``null``, ``"top-left"``,
-``"bottom-right"``), ``scale`` (the value to use; always given), ``params`` (plain
-options), ``options`` (the case's feature options: ``gqa``, ``window`` ``[left, right]``
-with -1 unbounded, ``softcap``, ``dropout_p``, ``seqlens_q``/``seqlens_k``; the arrays
-``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file),
-``arrays`` (names in the file), ``tol_max_abs`` and ``tol_rms`` (the bounds a
-kernel's max-abs and RMS errors over compared elements must stay under), and the
-``baseline_max_abs`` / ``baseline_rms`` they were derived from. A kernel passes a case
-when both errors are within bounds and it produced no NaN/Inf where the golden is
-finite. With ``grads=True`` (CLI ``--grads``) each file also holds ``do`` (the output
-cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv`` (``golden_dbias``
-when the case has a bias; float64, ``dq`` rows excluded by ``fully_masked="excluded"``
-are NaN); ``outputs`` lists them and ``output_tolerances`` gives each one's
-``tol_max_abs``/``tol_rms`` and baselines.
+Manifest schema, version 1
+--------------------------
+``manifest.json`` is one JSON object. A reader accepts the ``version`` it knows and
+refuses any other; a later version changes the number only when a field below changes
+meaning or goes away (new fields may appear in any version, and readers ignore fields
+they do not know). Top level:
+
+``format`` (str)
+    Always ``"attn-ref-vectors"``.
+``version`` (int)
+    ``1``.
+``variant`` (str)
+    The :mod:`attn_ref.registry` name the golden was computed with.
+``layout`` (str)
+    ``"bhnd"``, ``"bnhd"`` or ``"nd"``: the layout of ``q``, ``k``, ``v``, ``golden``,
+    ``compare``, ``do`` and the ``golden_d*`` gradients of ``q``, ``k``, ``v``.
+``semantics`` (object)
+    The declared conventions (``fully_masked``, ``causal``; see
+    :data:`conformance.judging.SEMANTICS`).
+``suite`` (str), ``seed`` (int)
+    Where the cases came from; the same pair exports the same inputs again.
+``tolerance_model`` (object)
+    Per dtype, the :class:`conformance.tolerance.Tolerance` factors the bounds were
+    derived with (informative; the bounds themselves are per case).
+``cases`` (list)
+    One entry per exported case and dtype (below).
+``skipped`` (list)
+    ``{"id", "dtype", "reason"}`` of cases the reference cannot take.
+
+Each entry of ``cases``:
+
+``file`` (str)
+    The ``.npz`` holding the case's arrays: a plain relative path inside the
+    directory (no ``..``, not absolute, no symlink that leads out).
+``id`` (str), ``dtype`` (str)
+    The case id (as in ``--case`` and reports) and the kernel dtype: ``"float16"``,
+    ``"bfloat16"``, ``"float32"`` or ``"float64"``.
+``arrays`` (list of str)
+    Exactly the names of the arrays in ``file``.
+``storage`` (object)
+    Array name -> NumPy dtype name of what is stored (``"uint16"`` for bfloat16 bit
+    patterns, ``"bool"``, ``"float64"`` for goldens).
+``shapes`` (object)
+    Array name -> shape (list of int).
+``causal``
+    ``null``, ``"top-left"`` or ``"bottom-right"``.
+``scale`` (float), ``default_scale`` (bool)
+    The logit scale to use (always given); whether it is the variant's default
+    (a kernel that takes no scale argument should then be called without one).
+``params`` (object)
+    The variant's plain parameters and options (arrays are in ``file`` under their
+    own names).
+``options`` (object)
+    The case's feature options: ``gqa``, ``window`` ``[left, right]`` with -1
+    unbounded, ``softcap``, ``dropout_p``, ``seqlens_q``/``seqlens_k``; the arrays
+    ``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
+``outputs`` (list of str)
+    The expected outputs in the file: ``"golden"``, plus ``"golden_dq"``,
+    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``.
+``tol_max_abs``, ``tol_rms`` (float)
+    The bounds a kernel's max-abs and RMS errors over compared elements of the
+    output must stay under; ``baseline_max_abs`` / ``baseline_rms`` (float or
+    ``null``) are the plain implementation's errors they were derived from.
+``output_tolerances`` (object)
+    For each gradient output: its ``tol_max_abs``, ``tol_rms``,
+    ``baseline_max_abs``, ``baseline_rms``.
+``golden_precision`` (str)
+    ``"float64"``, or ``"longdouble"`` for float64 kernels.
+
+A kernel passes a case when both errors are within bounds and it produced no NaN/Inf
+where the golden is finite. With ``grads=True`` (CLI ``--grads``) each file also holds
+``do`` (the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
+(``golden_dbias`` when the case has a bias; float64, ``dq`` rows excluded by
+``fully_masked="excluded"`` are NaN).
+
+:func:`load_vectors` checks all of this before handing an array out: the format and
+version, every entry's required fields, every ``file`` inside the directory, and each
+file's arrays against ``arrays``, ``storage`` and ``shapes``; a violation is a
+``ValueError`` naming the file and what was expected.
 """
 
 from __future__ import annotations
@@ -45,7 +108,8 @@ from .judging import parse_semantics, prepare
 from .layouts import to_layout
 from .tolerance import DEFAULTS, bf16_round
 
-__all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION"]
+__all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION", "READABLE_VERSIONS",
+           "ENTRY_FIELDS"]
 
 FORMAT, VERSION = "attn-ref-vectors", 1
 
@@ -164,13 +228,110 @@ def _add_grads(prep, arrays, layout, dtype):
     return outputs, tols
 
 
+# how each kernel dtype is stored (bfloat16 as its bit patterns; NumPy has no bfloat16)
+_STORAGE = {"float16": "float16", "bfloat16": "uint16", "float32": "float32",
+            "float64": "float64"}
+#: Manifest versions this reader understands.
+READABLE_VERSIONS = (1,)
+#: Fields every case entry must have for :func:`load_vectors`.
+ENTRY_FIELDS = ("file", "id", "dtype", "arrays", "storage", "shapes")
+
+
 def load_vectors(directory):
-    """Yield ``(entry, arrays)`` for each exported case; bfloat16 comes back as float32."""
-    with open(os.path.join(directory, "manifest.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{directory} does not hold attn-ref vectors")
-    for entry in manifest["cases"]:
-        with np.load(os.path.join(directory, entry["file"]), allow_pickle=False) as z:
-            arrays = {n: _restore(z[n], entry["dtype"]) for n in z.files}
-        yield entry, arrays
+    """``(entry, arrays)`` for each exported case; bfloat16 comes back as float32.
+
+    The manifest is checked when this is called (format, version, fields, that every
+    ``file`` lies inside ``directory``), each ``.npz`` when its case is reached (its
+    arrays against the entry's ``arrays``, ``storage`` and ``shapes``). Raises
+    ``ValueError`` naming the file and what was expected.
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a path, got {type(directory).__name__}")
+    directory = os.fspath(directory)
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{directory} does not hold attn-ref vectors: no manifest.json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    _check_manifest(manifest, path)
+    root = os.path.realpath(directory)
+    files = [_inside(root, entry["file"], path, i) for i, entry in enumerate(manifest["cases"])]
+    return _arrays(manifest["cases"], files)
+
+
+def _arrays(entries, files):
+    for entry, file in zip(entries, files):
+        with np.load(file, allow_pickle=False) as z:
+            arrays = {n: z[n] for n in z.files}
+        _check_arrays(entry, arrays, file)
+        yield entry, {n: _restore(a, entry["dtype"]) for n, a in arrays.items()}
+
+
+def _check_manifest(manifest, path):
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an attn-ref vectors manifest (expected \"format\": "
+                         f"{FORMAT!r})")
+    version = manifest.get("version")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise ValueError(f"{path} has manifest version {version!r}; this attn-ref reads version "
+                         f"{', '.join(map(str, READABLE_VERSIONS))} (a newer attn-ref wrote it? "
+                         "upgrade, or export the vectors again)")
+    if not isinstance(manifest.get("cases"), list):
+        raise ValueError(f"{path}: \"cases\" must be a list, got {type(manifest.get('cases')).__name__}")
+    for i, entry in enumerate(manifest["cases"]):
+        where = f"{path}: cases[{i}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be an object, got {type(entry).__name__}")
+        missing = [k for k in ENTRY_FIELDS if k not in entry]
+        if missing:
+            raise ValueError(f"{where} lacks {missing} (every case has {list(ENTRY_FIELDS)})")
+        if entry["dtype"] not in _STORAGE:
+            raise ValueError(f"{where}: dtype {entry['dtype']!r}, expected one of {sorted(_STORAGE)}")
+        names = entry["arrays"]
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"{where}: \"arrays\" must be a list of names, got {names!r}")
+        for key in ("storage", "shapes"):
+            if not isinstance(entry[key], dict) or sorted(entry[key]) != sorted(names):
+                got = sorted(entry[key]) if isinstance(entry[key], dict) else entry[key]
+                raise ValueError(f"{where}: \"{key}\" must name exactly the arrays {sorted(names)}, "
+                                 f"got {got!r}")
+        for n in ("q", "k", "v"):
+            want = _STORAGE[entry["dtype"]]
+            if n in names and entry["storage"][n] != want:
+                raise ValueError(f"{where}: {n} of a {entry['dtype']} case must be stored as "
+                                 f"{want}, the manifest says {entry['storage'][n]!r}")
+
+
+
+def _inside(root, file, path, i):
+    """The real path of a case file, which must lie inside the vectors directory."""
+    where = f"{path}: cases[{i}] file {file!r}"
+    if not isinstance(file, str) or not file:
+        raise ValueError(f"{where}: expected a relative path to an .npz file")
+    if os.path.isabs(file) or file.startswith(("/", "\\")) or os.path.splitdrive(file)[0]:
+        raise ValueError(f"{where} is an absolute path; expected a path inside {root}")
+    real = os.path.realpath(os.path.join(root, file))
+    if os.path.commonpath([root, real]) != root:
+        raise ValueError(f"{where} resolves to {real}, outside the vectors directory {root} "
+                         "(.. or a symlink leading out)")
+    if not os.path.isfile(real):
+        raise ValueError(f"{where}: no such file in {root}")
+    return real
+
+
+def _check_arrays(entry, arrays, file):
+    got, want = sorted(arrays), sorted(entry["arrays"])
+    if got != want:
+        raise ValueError(f"{file}: holds arrays {got}, the manifest lists {want} "
+                         f"(missing {sorted(set(want) - set(got))}, "
+                         f"unexpected {sorted(set(got) - set(want))})")
+    for n, a in arrays.items():
+        if str(a.dtype) != entry["storage"][n]:
+            raise ValueError(f"{file}: array {n!r} is stored as {a.dtype}, the manifest says "
+                             f"{entry['storage'][n]}")
+        if list(a.shape) != list(entry["shapes"][n]):
+            raise ValueError(f"{file}: array {n!r} has shape {tuple(a.shape)}, the manifest says "
+                             f"{tuple(entry['shapes'][n])}")
