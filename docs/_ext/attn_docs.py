@@ -194,10 +194,10 @@ class VariantChoiceTable(SphinxDirective):
     def run(self):
         import numpy as np
 
+        from asv_benches import scaling
         from attn_ref import registry
         from attn_ref.diagnostics import compare_variants
         from attn_ref.random import standard_normal
-        from asv_benches import scaling
 
         path = Path(self.env.srcdir) / self.arguments[0]
         self.env.note_dependency(str(path))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from attn_ref import registry
 from asv_benches import scaling
+from attn_ref import registry
 
 # The plot directive runs this file with its own folder as the working directory
 # (and without __file__).
