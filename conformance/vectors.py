@@ -15,7 +15,10 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
 * ``compare`` - bool, which golden elements are compared.
 
 ``manifest.json``: ``{"format": "attn-ref-vectors", "version": 1, "variant",
-"layout", "semantics", "seed", "suite", "tolerance_model", "cases": [...]}``; each case
+"variant_options", "layout", "semantics", "seed", "suite", "tolerance_model", "cases":
+[...]}``; ``variant_options`` are the options of the variant's function the vectors were
+computed with (the registered defaults and those set with ``options=``, see
+:func:`conformance.judging.with_options`; a callable option is recorded by name); each case
 entry has ``file``, ``id``, ``dtype``, ``shapes``, ``causal`` (``null``, ``"top-left"``,
 ``"bottom-right"``), ``scale`` (the value to use; always given), ``params`` (plain
 options), ``options`` (the case's feature options: ``gqa``, ``window`` ``[left, right]``
@@ -41,8 +44,9 @@ import numpy as np
 
 from .catalogue import cases as _cases
 from .features import NotApplicable, default_scale
-from .judging import parse_semantics, prepare
+from .judging import parse_semantics, prepare, with_options
 from .layouts import to_layout
+from .report import jsonable
 from .tolerance import DEFAULTS, bf16_round
 
 __all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION"]
@@ -65,9 +69,15 @@ def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layout="bhnd",
-                   suite="standard", seed=0, cases=None, grads=False, **semantics) -> dict:
-    """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest."""
+                   suite="standard", seed=0, cases=None, grads=False, options=None,
+                   **semantics) -> dict:
+    """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest.
+
+    ``options`` sets options of the variant's function (``{"feature_map": "identity"}``);
+    the goldens and tolerances follow and the manifest records them.
+    """
     sem = parse_semantics(semantics)
+    variant = with_options(variant, options)
     os.makedirs(directory, exist_ok=True)
     todo = list(cases) if cases is not None else _cases(None, suite)
     entries, skipped = [], []
@@ -124,7 +134,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "variant": variant if isinstance(variant, str) else variant.name,
+        "variant": variant.name,
+        "variant_options": {n: jsonable(x) for n, x in variant.options.items()},
         "layout": layout,
         "semantics": sem,
         "suite": suite,
