@@ -50,6 +50,13 @@ def pytest_addoption(parser):
                      "implies --attn-grads")
 
 
+def pytest_configure(config):
+    # check the kernel, options and declarations before collection, so that a mistake
+    # is a usage error (exit status 4), not a collection error
+    if config.getoption("attn_kernel", None):
+        _session(config)
+
+
 class _Item:
     def __init__(self, sess, case, dtype):
         self.sess, self.case, self.dtype = sess, case, dtype
