@@ -536,3 +536,19 @@ def test_plugin_options_declarations_backward_and_k(kernels_file, tmp_path):
     out = subprocess.run(cmd[:-2] + ["--attn-option", "feature_map=identity"], capture_output=True,
                          text=True, cwd=tmp_path, timeout=300, env=env)
     assert out.returncode == 4 and "takes no option 'feature_map'" in out.stderr, out.stderr
+
+
+def test_docs_list_every_variants_options():
+    from attn_ref.registry import variants
+
+    text = open(os.path.join(ROOT, "docs", "conformance.md"), encoding="utf-8").read()
+    table = text.split("| variant | options")[1].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        names, opts = line.strip("|").split("|")[:2]
+        listed = re.findall(r"`(\w+)`(?: \[|,|$| )", opts.strip() + " ")
+        for name in re.findall(r"`(\w+)`", names):
+            rows[name] = [] if opts.strip() == "none" else listed
+    assert set(rows) == {v.name for v in variants()}
+    for v in variants():
+        assert tuple(rows[v.name]) == option_names(v), v.name
