@@ -190,7 +190,8 @@ def na_reason(message: str) -> str:
 def _show(x):
     """An option value as a person reads it: a function by its name."""
     if callable(x):
-        return f"{getattr(x, '__module__', '') or ''}.{getattr(x, '__qualname__', repr(x))}".lstrip(".")
+        name = getattr(x, "__qualname__", None) or type(x).__qualname__
+        return f"{getattr(x, '__module__', None) or ''}.{name}".lstrip(".")
     return repr(x) if isinstance(x, str) else str(x)
 
 
