@@ -552,3 +552,23 @@ def test_docs_list_every_variants_options():
     assert set(rows) == {v.name for v in variants()}
     for v in variants():
         assert tuple(rows[v.name]) == option_names(v), v.name
+
+
+def squared(x):
+    """A signed feature map given as a callable (array API: works on any backend)."""
+    return x * x
+
+
+def test_callable_options_work_and_report_by_name():
+    from attn_ref import linear_attention
+
+    case = Case("opt", (1, 1), 9, 9, 4, 4)
+    prep = prepare(case, "linear", "float64", options={"feature_map": squared})
+    a = prep.arrays
+    np.testing.assert_allclose(prep.golden, linear_attention(a["q"], a["k"], a["v"],
+                                                             feature_map=squared), rtol=1e-13)
+    rep = verify(correct_kernel, "linear", backend="numpy", cases=[case],
+                 options={"feature_map": squared}, progress=False)
+    want = {"feature_map": "tests.test_conformance_reach.squared"}
+    assert json.loads(rep.to_json())["options"] == want
+    assert "options: feature_map=tests.test_conformance_reach.squared" in rep.table()
