@@ -15,6 +15,23 @@
   :class:`Watchdog` is the time limit itself.
 * :func:`load_kernel`, :func:`parse_supports`: a kernel named on a command line.
 
+What a kernel declares
+----------------------
+``supports=`` (``--supports`` on the command line) holds three kinds of entries:
+
+* a feature (:data:`conformance.features.FEATURES`) and the parameter that carries it,
+  ``True`` or ``False``: ``{"mask": "attn_mask", "bias": False, "broadcast": True}``;
+* ``{"causal": "always"}``: the kernel is causal by construction (a recurrent or
+  decoder-only kernel with no ``causal`` argument). It gets only the causal cases, in
+  the alignment the semantics ``causal=`` declares, and no ``causal`` argument;
+* the subset of cases it takes (:data:`DECLARATIONS`): ``{"cross": False}``
+  (``Nq == Nk`` only), ``{"head_dims": (64, 128)}``, ``{"max_seq_len": 4096}``, or any
+  ``{"cases": predicate}`` with ``predicate(case) -> bool``.
+
+A case outside what the kernel declares is *not applicable* with the reason, and
+:meth:`conformance.report.Report.table` counts those cases by reason.
+Extension point: a new subset declaration is one :data:`DECLARATIONS` entry.
+
 A *session* (:class:`conformance.oracle.Session`) is what these functions call ``ctx``:
 the kernel's spec, its backend and layout, and the declared semantics.
 """
@@ -31,7 +48,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,10 +56,100 @@ import numpy as np
 from .features import FEATURES, NotApplicable
 from .layouts import pair_layout
 
-__all__ = ["KernelSpec", "reference_features", "kernel_kwargs", "applicable", "snapshot",
-           "same", "library_name", "check_container", "first_output", "load_kernel",
-           "parse_supports", "KernelTimeout", "Watchdog", "Call", "call_kernel",
-           "check_time_limit", "changed_input"]
+__all__ = ["KernelSpec", "Declaration", "DECLARATIONS", "ALWAYS", "reference_features",
+           "kernel_kwargs", "applicable", "snapshot", "same", "library_name", "check_container",
+           "first_output", "load_kernel", "KernelNotFound", "parse_supports", "parse_options",
+           "KernelTimeout", "Watchdog", "Call", "call_kernel", "check_time_limit", "changed_input"]
+
+#: ``supports={feature: ALWAYS}``: the kernel applies the feature by construction.
+ALWAYS = "always"
+# features a kernel may have by construction: flags, with nothing to pass
+_MAY_BE_ALWAYS = ("causal",)
+
+
+def _flag(name, value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "yes", "false", "no"):
+        return value.lower() in ("true", "yes")
+    raise TypeError(f"supports[{name!r}] must be True or False, got {value!r}")
+
+
+def _ints(name, value):
+    given = value
+    if isinstance(value, str):
+        value = [x for x in value.replace(",", " ").split() if x]
+    try:
+        out = tuple(sorted({int(x) for x in value}))
+    except (TypeError, ValueError):
+        raise TypeError(f"supports[{name!r}] must be integers, e.g. (64, 128) or '64,128', "
+                        f"got {given!r}") from None
+    if not out or min(out) < 1:
+        raise ValueError(f"supports[{name!r}] must be positive integers, got {value!r}")
+    return out
+
+
+def _positive_int(name, value):
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"supports[{name!r}] must be an integer, got {value!r}") from None
+    if n < 1 or (not isinstance(value, str) and n != value):
+        raise ValueError(f"supports[{name!r}] must be a positive integer, got {value!r}")
+    return n
+
+
+def _predicate(name, value):
+    if not callable(value):
+        raise TypeError(f"supports[{name!r}] must be a function case -> bool, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """A subset of cases a kernel may declare it takes (``supports={name: value}``).
+
+    ``parse(name, value)`` checks and normalises the declared value (a string from the
+    command line included); ``excludes(case, value)`` returns why the case lies
+    outside (``""`` if it lies inside). The reason reads ``"<what>: <details>"``; the
+    report counts n/a cases by the part before the colon.
+    """
+
+    parse: Any
+    excludes: Any
+    doc: str = ""
+
+
+def _cross_excludes(case, ok):
+    return "" if ok or case.nq == case.nk else \
+        f"kernel takes Nq == Nk only (supports cross=False): Nq={case.nq}, Nk={case.nk}"
+
+
+def _head_dims_excludes(case, dims):
+    bad = sorted({x for x in (case.d, case.dv) if x not in dims})
+    return f"head dim outside the declared head_dims {dims}: {bad}" if bad else ""
+
+
+def _max_len_excludes(case, n):
+    longest = max(case.nq, case.nk)
+    return f"sequence longer than the declared max_seq_len {n}: {longest}" if longest > n else ""
+
+
+def _cases_excludes(case, predicate):
+    return "" if predicate(case) else f"outside the subset the kernel declares (supports cases=" \
+                                      f"{getattr(predicate, '__name__', 'predicate')})"
+
+
+#: Subsets of cases a kernel can declare: name -> :class:`Declaration`.
+DECLARATIONS: dict[str, Declaration] = {
+    "cross": Declaration(_flag, _cross_excludes, "False: the kernel takes Nq == Nk only"),
+    "head_dims": Declaration(_ints, _head_dims_excludes,
+                             "the head dims d and dv the kernel takes, e.g. (64, 128)"),
+    "max_seq_len": Declaration(_positive_int, _max_len_excludes,
+                               "the longest Nq and Nk the kernel takes"),
+    "cases": Declaration(_predicate, _cases_excludes,
+                         "predicate(case) -> bool, any other subset (Python only)"),
+}
 
 
 def _signature(fn):
@@ -56,7 +163,9 @@ def _signature(fn):
 class KernelSpec:
     """What a kernel declares through its signature (and ``supports=`` overrides).
 
-    ``names`` maps a feature name to the kernel parameter that carries it.
+    ``names`` maps a feature name to the kernel parameter that carries it (None: the
+    feature is declared but nothing is passed); ``always`` holds the features the kernel
+    applies by construction, ``limits`` the subset declarations (:data:`DECLARATIONS`).
     """
 
     fn: Any
@@ -64,6 +173,8 @@ class KernelSpec:
     accepts: frozenset  # every keyword the signature accepts
     var_kw: bool
     signature_known: bool
+    always: frozenset = frozenset()
+    limits: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, fn, supports: dict | None = None) -> KernelSpec:
@@ -84,11 +195,23 @@ class KernelSpec:
         for feat in FEATURES.values():
             if feat.assumed and feat.name not in names:
                 names[feat.name] = feat.params[0] if feat.params else None
+        always, limits = set(), {}
         for feat_name, val in (supports or {}).items():
+            if feat_name in DECLARATIONS:
+                limits[feat_name] = DECLARATIONS[feat_name].parse(feat_name, val)
+                continue
             if feat_name not in FEATURES:
                 raise ValueError(f"supports= names unknown feature {feat_name!r}; known: "
-                                 f"{sorted(FEATURES)}")
-            if val is False:
+                                 f"{sorted(FEATURES)} and the declarations "
+                                 f"{sorted(DECLARATIONS)}")
+            if val == ALWAYS:
+                if feat_name not in _MAY_BE_ALWAYS:
+                    raise ValueError(f"supports[{feat_name!r}]={ALWAYS!r} is only meaningful for "
+                                     f"{', '.join(map(repr, _MAY_BE_ALWAYS))}")
+                # declared, never passed: the kernel has no parameter for it
+                names[feat_name] = None
+                always.add(feat_name)
+            elif val is False:
                 names.pop(feat_name, None)
             elif val is True:
                 f = FEATURES[feat_name]
@@ -99,7 +222,8 @@ class KernelSpec:
             else:
                 raise TypeError(f"supports[{feat_name!r}] must be True, False or a parameter "
                                 f"name, got {val!r}")
-        return cls(fn, names, frozenset(accepts), var_kw, sig is not None)
+        return cls(fn, names, frozenset(accepts), var_kw, sig is not None, frozenset(always),
+                   limits)
 
     @property
     def features(self) -> frozenset:
@@ -130,18 +254,23 @@ def kernel_kwargs(ctx, prep, convert):
             raise NotApplicable(f"kernel does not declare {feat_name!r} "
                                 f"(parameter {' / '.join(feat.params) or 'supports='})")
         pname = ctx.kernel.names[feat_name]
-        if feat.declared_only or pname is None:
+        if feat.declared_only or not feat.params:
             continue
         ref_name = feat.params[0]
         if ref_name in prep.arrays:
+            if pname is None:
+                continue
             val = convert(pair_layout(prep.arrays[ref_name], ctx.layout))
         elif ref_name in prep.kwargs:
             val = prep.kwargs[ref_name]
         else:
             continue
         if feat.to_kernel is not None:
+            # also for a feature applied by construction: the case may still be one the
+            # kernel cannot take (causal alignment with Nq != Nk)
             val = feat.to_kernel(val, case, ctx.semantics)
-        kw[pname] = val
+        if pname is not None:
+            kw[pname] = val
     for name, val in prep.params.items():
         kw[name] = convert(val) if isinstance(val, np.ndarray) else val
     for name, val in prep.options.items():
@@ -157,6 +286,13 @@ def applicable(ctx, case):
     missing = {f for f in case.needs if f not in ctx.kernel.features}
     if missing:
         raise NotApplicable(f"kernel does not declare {sorted(missing)}")
+    for name in sorted(ctx.kernel.always - case.needs):
+        raise NotApplicable(f"kernel is {name} by construction (supports {name}={ALWAYS!r}); "
+                            f"case is not {name}")
+    for name, value in ctx.kernel.limits.items():
+        why = DECLARATIONS[name].excludes(case, value)
+        if why:
+            raise NotApplicable(why)
 
 
 def snapshot(ctx, x):
@@ -414,26 +550,54 @@ def call_kernel(fn, /, *args, time_limit=None, what="kernel", **kwargs) -> Call:
     return Call(value, elapsed=time.perf_counter() - t0)
 
 
-def load_kernel(spec: str):
-    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> the callable."""
-    if ":" not in spec:
-        raise SystemExit(f"attn-ref: kernel must be MODULE:FUNCTION, got {spec!r}")
+class KernelNotFound(LookupError):
+    """A ``MODULE:FUNCTION`` that names no callable; the message says which part failed."""
+
+
+def load_kernel(spec: str, what: str = "kernel"):
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` -> the callable.
+
+    ``what`` names the argument in messages (``"kernel"``, ``"backward"``). Raises
+    :class:`KernelNotFound` for a malformed spec, a missing file, module or attribute,
+    a module that raises on import (chained, so its traceback stays available), or an
+    object that is not callable.
+    """
+    if not isinstance(spec, str) or ":" not in spec:
+        raise KernelNotFound(f"{what} must be MODULE:FUNCTION or path/to/file.py:FUNCTION, "
+                             f"got {spec!r}")
     mod_name, _, attr = spec.rpartition(":")
-    if mod_name.endswith(".py") or os.sep in mod_name:
-        path = os.path.abspath(mod_name)
-        s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        if s is None or s.loader is None:
-            raise SystemExit(f"attn-ref: cannot load {path}")
-        mod = importlib.util.module_from_spec(s)
-        s.loader.exec_module(mod)
-    else:
-        sys.path.insert(0, os.getcwd())
-        mod = importlib.import_module(mod_name)
+    if not mod_name or not attr:
+        raise KernelNotFound(f"{what} must be MODULE:FUNCTION, got {spec!r}")
+    try:
+        if mod_name.endswith(".py") or os.sep in mod_name:
+            path = os.path.abspath(mod_name)
+            if not os.path.isfile(path):
+                raise KernelNotFound(f"{what} {spec!r}: no such file {path}")
+            s = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0],
+                                                       path)
+            if s is None or s.loader is None:
+                raise KernelNotFound(f"{what} {spec!r}: cannot load {path} as a module")
+            mod = importlib.util.module_from_spec(s)
+            s.loader.exec_module(mod)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            mod = importlib.import_module(mod_name)
+    except KernelNotFound:
+        raise
+    except ModuleNotFoundError as exc:
+        raise KernelNotFound(f"{what} {spec!r}: no module named {exc.name!r}") from exc
+    except Exception as exc:  # the user's module failed while importing
+        raise KernelNotFound(f"{what} {spec!r}: importing {mod_name} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
     obj = mod
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise KernelNotFound(f"{what} {spec!r}: {mod_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    if not callable(obj):
+        raise KernelNotFound(f"{what} {spec!r} is a {type(obj).__name__}, not a function")
     return obj
-
 
 
 def parse_supports(items) -> dict:
@@ -445,3 +609,28 @@ def parse_supports(items) -> dict:
             val.lower(), val)
     return out
 
+
+def parse_options(items) -> dict:
+    """``["feature_map=identity", "normalize=True", "eps=1e-6"]`` -> an ``options=`` dict.
+
+    A value that reads as a Python literal (``True``, ``None``, ``3``, ``1e-6``,
+    ``(0, 5)``, ``'elu+1'``) is that literal; anything else is the string itself
+    (``identity``, ``elu+1``). Raises ``ValueError`` for an item without ``=`` or with an
+    empty name, or a name given twice.
+    """
+    import ast
+
+    out = {}
+    for item in items or ():
+        name, eq, text = item.partition("=")
+        name = name.strip()
+        if not eq or not name.isidentifier():
+            raise ValueError(f"option must be NAME=VALUE with NAME a Python identifier, got "
+                             f"{item!r}")
+        if name in out:
+            raise ValueError(f"option {name!r} given twice")
+        try:
+            out[name] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            out[name] = text.strip()
+    return out

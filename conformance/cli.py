@@ -13,18 +13,31 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
 ``attn-ref scaling``
     Exponents of time and memory in ``N`` from asv results (:mod:`asv_benches.scaling`).
 
-The exit status is 0 only if everything checked passed; 1 when something failed, 130
-when Ctrl-C stopped ``verify`` (after printing the partial report).
+Exit status: 0 when everything checked passed; 1 when a kernel failed, errored, or
+passed no case; 2 for a usage error - a kernel or backward that cannot be found or
+imported, an unknown variant, option, feature declaration, case id or backend, an
+option value the variant refuses - reported on one line (``--traceback`` adds the
+traceback); 130 when Ctrl-C stopped ``verify`` (after printing the partial
+report).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import sys
+import traceback
 
-__all__ = ["main", "COMMANDS", "reference_kernel"]
+__all__ = ["main", "COMMANDS", "reference_kernel", "UsageError", "EXIT_PASS", "EXIT_FAIL",
+           "EXIT_USAGE"]
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A mistake in the command line itself: one line on stderr, exit status 2."""
 
 
 # ------------------------------------------------------------------------ shared bits
@@ -117,9 +130,17 @@ def verify_arguments(p):
     p.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd", "nd"))
     p.add_argument("--suite", default=None, choices=("quick", "standard", "exhaustive"),
                    help="default standard (quick for the built-in job)")
+    p.add_argument("--case", action="append", default=None, metavar="ID",
+                   help="run only this case, its id as the table prints it (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--supports", action="append", metavar="FEATURE[=PARAM|false]",
-                   help="override signature detection, e.g. broadcast, mask=attn_mask, bias=false")
+    p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
+                   help="an option of the variant's function, e.g. feature_map=identity, "
+                        "normalize=True (repeatable; VALUE is read as a Python literal when it "
+                        "is one, else as a string)")
+    p.add_argument("--supports", action="append", metavar="FEATURE[=PARAM|false|always]",
+                   help="override signature detection or declare a subset, e.g. broadcast, "
+                        "mask=attn_mask, bias=false, causal=always, cross=false, "
+                        "head_dims=64,128, max_seq_len=4096")
     p.add_argument("--deterministic", action="store_true", help="call twice, require equal output")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="seconds per kernel call; a call still running then is stopped and "
@@ -128,35 +149,158 @@ def verify_arguments(p):
     p.add_argument("--show-na", action="store_true", help="list not-applicable cases too")
     p.add_argument("--grads", action="store_true",
                    help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel), one row each")
+    p.add_argument("--backward", metavar="MODULE:FUNCTION", default=None,
+                   help="the kernel's explicit backward(q, k, v, do, **kw) -> (dq, dk, dv); "
+                        "implies --grads")
+    p.add_argument("--traceback", action="store_true",
+                   help="print the traceback of each distinct exception the kernel raised (and "
+                        "of a usage error)")
     _semantics_args(p)
 
 
+class _Traced:
+    """A kernel that keeps the traceback of every exception it raises (``--traceback``).
+
+    Signature, name and module are the kernel's own (``functools.update_wrapper``), so
+    feature detection and the report see the kernel, not this wrapper.
+    """
+
+    def __init__(self, fn):
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.tracebacks = []
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as exc:
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            self.tracebacks.append("".join(traceback.format_exception(type(exc), exc, tb)))
+            raise
+
+
+def _usage(exc, show_traceback=False) -> int:
+    """One line on stderr (the whole traceback with ``--traceback``); exit status 2."""
+    if show_traceback:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    # KeyError's str() quotes its message: take the message itself
+    text = str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc).strip().splitlines()
+    msg = text[0] if text else type(exc).__name__
+    print(f"attn-ref: {msg}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _chosen_cases(ids):
+    """The cases named by ``--case`` (None: the whole suite)."""
+    if not ids:
+        return None
+    from .catalogue import CATALOGUE
+
+    known = {}
+    for todo in CATALOGUE.values():
+        for c in todo:
+            known.setdefault(c.id, c)
+    missing = [i for i in ids if i not in known]
+    if missing:
+        import difflib
+
+        near = difflib.get_close_matches(missing[0], list(known), n=3, cutoff=0.6)
+        raise UsageError(f"unknown case id {missing[0]!r}"
+                         + (f"; did you mean {', '.join(near)}?" if near else
+                            "; ids are printed in the first column of the table"))
+    return [known[i] for i in dict.fromkeys(ids)]
+
+
+def _type_mismatch_hint(report, kernel) -> str:
+    """A hint when every case that ran failed on the kernel's input or output type."""
+    ran = [r for r in report.results if r.verdict != "n/a" and r.output == "out"]
+    if not ran or any(r.verdict == "pass" for r in ran):
+        return ""
+    marks = ("kernel raised TypeError", "kernel raised AttributeError", "output is a ")
+    if not all(r.diagnosis.startswith(marks) for r in ran):
+        return ""
+    import types
+
+    fn = kernel.fn if isinstance(kernel, _Traced) else kernel
+    mod = sys.modules.get(getattr(fn, "__module__", None) or "")
+    libs = sorted({m.__name__.split(".")[0] for m in vars(mod).values()
+                   if isinstance(m, types.ModuleType)} & {"torch", "jax", "cupy"}) if mod else []
+    guess = (f"; its module imports {', '.join(libs)}: try --backend {libs[0]}" if libs else "")
+    return (f"hint: every case failed on the type of the arrays passed to or returned by the "
+            f"kernel; it may expect another array library than {report.backend!r}: pass "
+            f"--backend torch, jax, cupy or array_api_strict{guess}")
+
+
 def verify_command(args) -> int:
+    import numpy as np
+
+    from . import backends as B
+    from .calling import KernelNotFound, load_kernel, parse_options, parse_supports
+    from .oracle import Interrupted, session, verify
+    from .tolerance import MANTISSA_BITS
+
     if args.kernel is None:
         return _verify_builtin(args)
-    from .calling import load_kernel, parse_supports
-    from .oracle import Interrupted, verify
-
-    kernel = load_kernel(args.kernel)
+    dtypes = tuple(args.dtype or ["float32"])
+    variants, backends = args.variant or ["softmax"], args.backend or ["numpy"]
+    try:
+        bad = [dt for dt in dtypes if dt not in MANTISSA_BITS]
+        if bad:
+            raise UsageError(f"--dtype must be among {', '.join(MANTISSA_BITS)}, got {bad[0]!r}")
+        kernel = load_kernel(args.kernel)
+        backward = load_kernel(args.backward, "backward") if args.backward else None
+        options = parse_options(args.option)
+        supports = parse_supports(args.supports)
+        todo = _chosen_cases(args.case)
+        # every argument checked before the first case runs
+        for variant in variants:
+            for backend in backends:
+                sess = session(kernel, variant, backend=backend, layout=args.layout,
+                               supports=supports, options=options, backward=backward,
+                               time_limit=args.time_limit, **_semantics(args))
+                for dt in dtypes:
+                    sess.to_kernel(np.zeros(1), dt)
+    except (UsageError, KernelNotFound, B.BackendUnavailable, KeyError, TypeError,
+            ValueError) as exc:
+        return _usage(exc, args.traceback)
+    if args.traceback:
+        kernel = _Traced(kernel)
+        backward = _Traced(backward) if backward is not None else None
     reports = []
     try:
-        for variant in args.variant or ["softmax"]:
-            for backend in args.backend or ["numpy"]:
-                rep = verify(kernel, variant, backend=backend,
-                             dtypes=tuple(args.dtype or ["float32"]), layout=args.layout,
-                             suite=args.suite or "standard", seed=args.seed,
-                             supports=parse_supports(args.supports),
-                             deterministic=args.deterministic, time_limit=args.time_limit,
-                             grads=args.grads, **_semantics(args))
+        for variant in variants:
+            for backend in backends:
+                rep = verify(kernel, variant, backend=backend, dtypes=dtypes,
+                             layout=args.layout, suite=args.suite or "standard", seed=args.seed,
+                             supports=supports, deterministic=args.deterministic,
+                             time_limit=args.time_limit, grads=args.grads, backward=backward,
+                             options=options, cases=todo, **_semantics(args))
                 print(rep.table(show_na=args.show_na))
+                hint = _type_mismatch_hint(rep, kernel)
+                if hint:
+                    print(hint)
                 reports.append(rep)
     except Interrupted as exc:  # Ctrl-C: what ran so far, and the status of an interrupt
         print(exc.report.table(show_na=args.show_na))
         reports.append(exc.report)
         _write_json(args.json, reports)
         return INTERRUPTED
+    if args.traceback:
+        _print_tracebacks(kernel, "kernel")
+        if backward is not None:
+            _print_tracebacks(backward, "backward")
     _write_json(args.json, reports)
-    return 0 if reports and all(r.passed for r in reports) else 1
+    return EXIT_PASS if reports and all(r.passed for r in reports) else EXIT_FAIL
+
+
+def _print_tracebacks(traced, what):
+    seen = list(dict.fromkeys(traced.tracebacks))
+    if not seen:
+        return
+    print(f"\n{what} tracebacks: {len(traced.tracebacks)} calls raised, {len(seen)} distinct")
+    for i, text in enumerate(seen, 1):
+        print(f"--- {what} traceback {i} of {len(seen)}")
+        print(text.rstrip())
 
 
 #: Exit status after Ctrl-C (128 + SIGINT, as shells report it): never 0.
@@ -176,15 +320,28 @@ def _write_json(path, reports):
 
 def _verify_builtin(args) -> int:
     """Every registered variant x installed backend x dtype, as one table."""
-    from attn_ref.registry import variants
+    from attn_ref.registry import get, variants
 
     from . import backends as B
+    from .calling import parse_options
+    from .judging import with_options
     from .oracle import verify
     from .report import Progress
 
-    vs = variants()
-    if args.variant:
-        vs = [v for v in vs if v.name in args.variant]
+    if args.backward or args.grads:
+        return _usage(UsageError("--grads/--backward check a kernel's gradients: name the "
+                                 "kernel (MODULE:FUNCTION)"))
+    try:
+        vs = [get(n) for n in args.variant] if args.variant else variants()
+        options = parse_options(args.option)
+        for v in vs:  # checked before the first case runs; --option applies to every variant
+            with_options(v, options)
+        todo = _chosen_cases(args.case)
+        unknown = [n for n in args.backend or () if n not in B.BACKENDS]
+        if unknown:
+            raise UsageError(f"unknown backend {unknown[0]!r}; known: {', '.join(B.BACKENDS)}")
+    except (UsageError, KeyError, TypeError, ValueError) as exc:
+        return _usage(exc, args.traceback)
     names = args.backend or list(B.BACKENDS)
     avail, skipped = [], []
     for n in names:
@@ -206,7 +363,7 @@ def _verify_builtin(args) -> int:
                 prog.update(i, total, f"{v.name} {be.name} {dt}")
                 rep = verify(kernel, v.name, backend=be.name, dtypes=(dt,), suite=suite,
                              seed=args.seed, supports={"broadcast": True}, progress=False,
-                             time_limit=args.time_limit, **sem)
+                             time_limit=args.time_limit, options=options, cases=todo, **sem)
                 reports.append(rep)
                 rows.append((v.name, be.name, dt, rep))
     prog.done()
@@ -250,15 +407,34 @@ def export_vectors_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grads", action="store_true",
                    help="also write do and the golden gradients golden_dq, golden_dk, golden_dv")
+    p.add_argument("--option", action="append", default=None, metavar="NAME=VALUE",
+                   help="an option of the variant's function (as for verify; repeatable); "
+                        "recorded in the manifest")
+    p.add_argument("--case", action="append", default=None, metavar="ID",
+                   help="write only this case (repeatable)")
     _semantics_args(p)
 
 
 def export_vectors_command(args) -> int:
+    from .calling import parse_options
+    from .judging import parse_semantics, with_options
+    from .tolerance import MANTISSA_BITS
     from .vectors import export_vectors
 
-    manifest = export_vectors(args.directory, args.variant, dtypes=tuple(args.dtype or ["float32"]),
-                              layout=args.layout, suite=args.suite, seed=args.seed,
-                              grads=args.grads, **_semantics(args))
+    dtypes = tuple(args.dtype or ["float32"])
+    try:
+        options = parse_options(args.option)
+        variant = with_options(args.variant, options)
+        todo = _chosen_cases(args.case)
+        parse_semantics(_semantics(args))
+        bad = [dt for dt in dtypes if dt not in MANTISSA_BITS]
+        if bad:
+            raise UsageError(f"--dtype must be among {', '.join(MANTISSA_BITS)}, got {bad[0]!r}")
+    except (UsageError, KeyError, TypeError, ValueError) as exc:
+        return _usage(exc)
+    manifest = export_vectors(args.directory, variant, dtypes=dtypes, layout=args.layout,
+                              suite=args.suite, seed=args.seed, grads=args.grads, cases=todo,
+                              **_semantics(args))
     n = len(manifest["cases"])
     print(f"wrote {n} cases and manifest.json to {args.directory}")
     return 0 if n else 1

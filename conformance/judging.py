@@ -16,21 +16,32 @@
 :class:`conformance.report.CaseResult`. The pytest plugin, ``export-vectors`` and
 people's own tests reuse both.
 
+Variant options
+---------------
+A variant's reference function may take keyword options that change the function it
+computes (linear attention's ``feature_map`` and ``normalize``, Performer's ``kernel``,
+a sparse pattern's ``window``...). :func:`with_options` returns the variant with some
+of them set, after checking that its function takes them and accepts the values;
+:func:`option_names` lists what may be set. The golden, the baselines, the diagnoses,
+the gradient goldens and exported vectors all compute from ``Prepared.options``, so
+they follow.
+
 Extension point: ``SEMANTICS`` lists the declarable conventions and their defaults; a
 new one is a dict entry plus its use in :meth:`Prepared.apply_semantics`.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from .calling import reference_features
-from .features import NotApplicable, allowed_matrix, default_scale
+from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .report import CaseResult
 from .tolerance import (
     DEFAULTS,
@@ -44,7 +55,8 @@ from .tolerance import (
 )
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge",
-           "baselines", "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of"]
+           "baselines", "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
+           "option_names", "with_options", "freeze"]
 
 SEMANTICS = {
     "fully_masked": ("zeros", ("zeros", "mean", "excluded")),
@@ -110,7 +122,9 @@ class Prepared:
     params : dict
         The variant's extra arguments (arrays rounded like the inputs).
     options : dict
-        The variant's fixed options (block sizes, ...).
+        The variant's options: registered defaults (block sizes, ...) and those set with
+        ``options=`` (:func:`with_options`); passed to the reference and, when its
+        signature takes them, to the kernel.
     golden : float64 array (B, H, Nq, dv)
     keep : bool array or None
         Elements compared (False on excluded rows).
@@ -207,19 +221,154 @@ def variant_of(variant):
     return variant
 
 
-def prepare(case, variant="softmax", dtype="float32", seed=0, *, tolerance=None,
+# reference keywords that every function of the catalogue takes but no option sets
+_NOT_OPTIONS = ("xp",)
+# the plain input of the trial call that checks option values (self-attention, 8 x 4)
+_TRIAL_N, _TRIAL_D = 8, 4
+
+
+def _reference_keywords(fn) -> list:
+    """Keyword parameters of a reference function, in signature order."""
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [n for n, p in inspect.signature(fn).parameters.items()
+            if p.kind in kinds and n not in BASE_KEYS and n not in _NOT_OPTIONS]
+
+
+def _trial_params(v) -> dict:
+    """The variant's extra arguments for the trial input (arrays and plain values)."""
+    if v.params is None:
+        return {}
+    return v.params(0, _TRIAL_N, _TRIAL_N, _TRIAL_D, _TRIAL_D, dtype=np.float64, device="cpu",
+                    xp=_np_compat())
+
+
+def _case_keywords(v) -> set:
+    """Reference keywords that the cases set (mask, causal, scale, ...), unless the
+    variant registers one of them as its own option (``local``'s integer ``window``)."""
+    return {f.params[0] for f in FEATURES.values() if f.params} - set(v.options)
+
+
+def option_names(variant) -> tuple:
+    """The options of ``variant`` that ``verify(..., options=...)`` may set.
+
+    Every keyword parameter of the reference function except those each case sets (the
+    kernel features: ``mask``, ``causal``, ``scale``, ...), the arrays the variant
+    draws from the seed (projections, random features) and ``xp``. Plain values the
+    variant derives from the case (``num_segments``, ``num_landmarks``...) may be set:
+    the option then replaces the derived value on every case.
+
+    Examples
+    --------
+    >>> from conformance.judging import option_names
+    >>> option_names("linear")
+    ('feature_map', 'order', 'chunk_size', 'block_size', 'normalize', 'eps')
+    """
+    v = variant_of(variant)
+    arrays = {n for n, x in _trial_params(v).items() if hasattr(x, "shape")}
+    skip = _case_keywords(v) | arrays
+    return tuple(n for n in _reference_keywords(v.fn) if n not in skip)
+
+
+def with_options(variant, options=None):
+    """``variant`` with some of its options set: the function the kernel computes.
+
+    Parameters
+    ----------
+    variant : str or attn_ref.registry.Variant
+    options : dict, optional
+        ``{name: value}`` for names among :func:`option_names`; they replace the
+        registered defaults (``Variant.options``). A value may be anything the reference
+        function accepts (``feature_map="identity"`` or an array-API callable).
+
+    Returns
+    -------
+    attn_ref.registry.Variant
+        The same variant (same name and function) with ``options`` merged into its
+        ``options``; ``variant`` itself when ``options`` is empty.
+
+    Raises
+    ------
+    TypeError
+        ``options`` is not a dict with string keys.
+    ValueError
+        A name the reference function does not take, one a case sets, or a value the
+        function refuses on a plain 8 x 4 input (its message is kept).
+    """
+    v = variant_of(variant)
+    if not options:
+        return v
+    if not isinstance(options, dict) or not all(isinstance(n, str) for n in options):
+        raise TypeError(f"options must be a dict of option name -> value, got {options!r}")
+    fn_name = f"{getattr(v.fn, '__module__', '')}.{getattr(v.fn, '__name__', repr(v.fn))}"
+    allowed = option_names(v)
+    for name in options:
+        if name in _case_keywords(v):
+            raise ValueError(f"option {name!r} of variant {v.name!r} is set by each case (the "
+                             f"{name!r} feature), not by options=; settable options: "
+                             f"{', '.join(allowed) or 'none'}")
+        if name not in allowed:
+            raise ValueError(f"variant {v.name!r} ({fn_name}) takes no option {name!r}; its "
+                             f"options: {', '.join(allowed) or 'none'}")
+    merged = replace(v, options={**v.options, **options})
+    rng = np.random.default_rng(0)
+    q, k, val = (rng.standard_normal((1, 1, _TRIAL_N, _TRIAL_D)) for _ in BASE_KEYS)
+    params, opts = _split_params(_trial_params(v), merged.options)
+    try:
+        with np.errstate(all="ignore"):
+            v.fn(q, k, val, **params, **opts, xp=_np_compat())
+    except Exception as exc:
+        shown = ", ".join(f"{n}={x!r}" for n, x in options.items())
+        raise ValueError(f"variant {v.name!r} ({fn_name}) refuses options {shown}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    return merged
+
+
+def _split_params(params, options):
+    """Options that name a plain derived parameter replace it there (it is then passed
+    wherever the parameters go); the rest stay options."""
+    params = dict(params)
+    rest = {}
+    for n, x in options.items():
+        if n in params and not hasattr(params[n], "shape"):
+            params[n] = x
+        else:
+            rest[n] = x
+    return params, rest
+
+
+def freeze(x):
+    """A hashable, deterministic stand-in for an option value (cache keys, reports).
+
+    Lists, tuples and dicts become tuples; a callable stays itself (hashed by identity)
+    but prints as ``module.qualname``; anything else unhashable becomes its ``repr``.
+    """
+    if isinstance(x, dict):
+        return tuple(sorted((str(n), freeze(y)) for n, y in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(freeze(y) for y in x)
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
+
+
+def prepare(case, variant="softmax", dtype="float32", seed=0, *, tolerance=None, options=None,
             **semantics) -> Prepared:
     """Inputs, golden and tolerance of one case for one dtype (see :class:`Prepared`).
+
+    ``options`` sets variant options (:func:`with_options`); a variant returned by
+    :func:`with_options` carries its own.
 
     Raises :class:`conformance.catalogue.NotApplicable` when the reference cannot take
     the case.
     """
-    v = variant_of(variant)
+    v = with_options(variant_of(variant), options)
     sem = parse_semantics(semantics)
     if dtype not in MANTISSA_BITS:
         raise ValueError(f"dtype must be one of {tuple(MANTISSA_BITS)}, got {dtype!r}")
     tol = resolve_tolerance(tolerance, dtype, "out")
-    key = (v.name, id(v.fn), case, dtype, seed, tuple(sorted(sem.items())), tol)
+    key = (v.name, id(v.fn), freeze(v.options), case, dtype, seed, tuple(sorted(sem.items())), tol)
     if key in _GOLDEN_CACHE:
         _GOLDEN_CACHE.move_to_end(key)
         return _GOLDEN_CACHE[key]
@@ -258,7 +407,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                        device="cpu", xp=_np_compat())
         params = {n: round_to(np.asarray(x), dtype) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
-    options = dict(v.options)
+    params, options = _split_params(params, v.options)
     allowed = allowed_matrix(case, arrays, kwargs)
     dead = None
     if allowed is not None:

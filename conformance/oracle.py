@@ -54,7 +54,7 @@ from .catalogue import cases as _cases
 from .diagnose import diagnose
 from .features import NotApplicable
 from .grads import grad_results
-from .judging import BASE_KEYS, parse_semantics, prepare, variant_of
+from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
 from .layouts import LAYOUTS, from_layout, to_layout
 from .report import CaseResult, Progress, Report
 from .tolerance import MANTISSA_BITS
@@ -80,6 +80,7 @@ class Session:
     name: str = ""
     backend_name: str = ""
     extra: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)  # the variant options set by the caller
 
     def run(self, case: Case, dtype: str) -> CaseResult:
         return run_case(self, case, dtype)[0]
@@ -191,12 +192,17 @@ def _kernel_name(fn):
 
 def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd", seed=0,
             supports=None, tolerance=None, deterministic=False, time_limit=60.0, diagnose=True,
-            grads=False, backward=None, **semantics) -> Session:
-    """A prepared kernel: ``session(...).run(case, dtype) -> CaseResult`` (one case at a time)."""
+            grads=False, backward=None, options=None, **semantics) -> Session:
+    """A prepared kernel: ``session(...).run(case, dtype) -> CaseResult`` (one case at a time).
+
+    Takes the keywords of :func:`verify` that concern the kernel (not ``dtypes``,
+    ``suite``, ``cases``, ``progress``, ``search_examples``) and checks them all here,
+    before any case runs: an unknown variant, option, feature or convention raises.
+    """
     sem = parse_semantics(semantics)
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    v = variant_of(variant)
+    v = with_options(variant_of(variant), options)
     if isinstance(backend, str):
         be, bname = B.load(backend), backend
     elif isinstance(backend, tuple) and len(backend) == 2 and all(map(callable, backend)):
@@ -205,18 +211,24 @@ def session(kernel, variant="softmax", /, *, backend, device=None, layout="bhnd"
         raise TypeError("backend must be a backend name or a (to_kernel, to_host) pair of "
                         f"functions, got {backend!r}")
     spec = KernelSpec.of(kernel, supports)
+    if "causal" in spec.always and sem["causal"] == "both":
+        raise ValueError("a kernel that is causal by construction (supports causal='always') "
+                         "takes no alignment string: declare causal='top-left' or "
+                         "'bottom-right', not 'both'")
     if backward is not None and not callable(backward):
         raise TypeError(f"backward must be a callable (q, k, v, do, **kw) -> (dq, dk, dv), got {backward!r}")
     return Session(spec, v, be, device, layout, sem, tolerance, deterministic,
                    check_time_limit(time_limit), diagnose, seed, name=_kernel_name(kernel),
                    backend_name=bname,
-                   extra={"grads": bool(grads) or backward is not None, "backward": backward})
+                   extra={"grads": bool(grads) or backward is not None, "backward": backward},
+                   options=dict(options or {}))
 
 
 def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float32",),
            layout="bhnd", suite="standard", seed=0, supports=None, tolerance=None,
            deterministic=False, time_limit=60.0, diagnose=True, progress=None,
-           search_examples=100, cases=None, grads=False, backward=None, **semantics) -> Report:
+           search_examples=100, cases=None, grads=False, backward=None, options=None,
+           **semantics) -> Report:
     """Check ``kernel`` against the ``attn_ref`` reference of ``variant``.
 
     Parameters
@@ -242,7 +254,13 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     seed : int
         Every input is drawn deterministically from ``seed`` and the case id.
     supports : dict, optional
-        Feature overrides: ``{"broadcast": True, "mask": "attn_mask", "bias": False}``.
+        Feature overrides: ``{"broadcast": True, "mask": "attn_mask", "bias": False}``;
+        ``{"causal": "always"}`` for a kernel that is causal by construction (it gets
+        only causal cases and no ``causal`` argument); the subset a kernel takes:
+        ``{"cross": False}`` (``Nq == Nk`` only), ``{"head_dims": (64, 128)}``,
+        ``{"max_seq_len": 4096}``, ``{"cases": predicate}``
+        (:data:`conformance.calling.DECLARATIONS`). Cases outside are ``n/a``, counted
+        by reason under the report table.
     tolerance : Tolerance or dict, optional
         Overrides :data:`conformance.tolerance.DEFAULTS` (per dtype or per output).
     deterministic : bool
@@ -270,6 +288,13 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         ``backward(q, k, v, do, **kw) -> (dq, dk, dv)`` (or with ``dbias``, or a dict):
         the kernel's explicit backward, for kernels without autodiff (raw CUDA/Triton,
         NumPy). Implies ``grads=True``.
+    options : dict, optional
+        Options of the variant's function that define what the kernel computes, e.g.
+        ``{"feature_map": "identity", "normalize": True}`` for ``"linear"``
+        (:func:`conformance.judging.option_names` lists them per variant). The golden,
+        the baselines and the diagnoses follow; an option the kernel's signature takes
+        is passed to it too. An unknown option or a value the reference refuses raises
+        ``ValueError`` before any case runs.
     **semantics
         ``fully_masked="zeros"|"mean"|"excluded"``, ``causal="top-left"|"bottom-right"|"both"``.
 
@@ -303,12 +328,16 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     ctx = session(kernel, variant, backend=backend, device=device, layout=layout, seed=seed,
                   supports=supports, tolerance=tolerance, deterministic=deterministic,
                   time_limit=time_limit, diagnose=diagnose, grads=grads, backward=backward,
-                  **semantics)
+                  options=options, **semantics)
+    if not isinstance(ctx.backend, tuple):
+        for dt in dtypes:  # a backend without the dtype (NumPy has no bfloat16) raises now
+            ctx.to_kernel(np.zeros(1), dt)
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
     todo = list(cases) if cases is not None else _cases(None, suite)
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,
                     dtypes=tuple(dtypes), suite=suite, seed=seed, semantics=sem,
-                    features=sorted(spec.features), signature_known=spec.signature_known)
+                    features=sorted(spec.features), signature_known=spec.signature_known,
+                    options=dict(ctx.options))
     prog = Progress(progress)
     n = len(todo) * len(dtypes)
     i = 0

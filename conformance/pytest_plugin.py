@@ -8,9 +8,14 @@
 Registered through the ``pytest11`` entry point, so it loads in every pytest run of an
 environment where attn-ref is installed: at import it touches nothing but pytest and
 the standard library, and it does nothing unless ``--attn-kernel`` is given. The items
-live in ``conformance/test_kernel.py`` and are named ``test_case[<dtype>-<case id>]``;
-a case the kernel cannot take is skipped with the reason, a failure shows the verdict
-row and the diagnosis.
+live in ``conformance/test_kernel.py`` and are named ``test_case[<dtype>-<case id>]``
+(``-k`` takes a case id as the report table prints it); a case the kernel cannot take
+is skipped with the reason, a failure shows the verdict row and the diagnosis.
+``--attn-option NAME=VALUE`` sets an option of the variant's function,
+``--attn-supports`` declares features and subsets (``causal=always``, ``cross=false``),
+``--attn-backward MODULE:FUNCTION`` checks an explicit backward. A kernel, backward,
+option or declaration that cannot be used stops the run with a one-line usage error
+(pytest's exit status 4).
 """
 
 from __future__ import annotations
@@ -32,12 +37,27 @@ def pytest_addoption(parser):
     g.addoption("--attn-fully-masked", default=None, choices=("zeros", "mean", "excluded"))
     g.addoption("--attn-causal", default=None, choices=("top-left", "bottom-right", "both"))
     g.addoption("--attn-supports", action="append", default=None,
-                metavar="FEATURE[=PARAM|false]", help="override signature detection")
+                metavar="FEATURE[=PARAM|false|always]",
+                help="override signature detection or declare a subset (causal=always, "
+                     "cross=false, head_dims=64,128, max_seq_len=N)")
+    g.addoption("--attn-option", action="append", default=None, metavar="NAME=VALUE",
+                help="an option of the variant's function, e.g. feature_map=identity "
+                     "(repeatable; VALUE read as a Python literal when it is one)")
     g.addoption("--attn-grads", action="store_true", default=False,
                 help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel)")
     g.addoption("--attn-time-limit", type=float, default=60.0, metavar="SECONDS",
                 help="seconds per kernel call; a call still running then is stopped and the "
                      "item fails as timed out (default 60)")
+    g.addoption("--attn-backward", default=None, metavar="MODULE:FUNCTION",
+                help="the kernel's explicit backward(q, k, v, do, **kw) -> (dq, dk, dv); "
+                     "implies --attn-grads")
+
+
+def pytest_configure(config):
+    # check the kernel, options and declarations before collection, so that a mistake
+    # is a usage error (exit status 4), not a collection error
+    if config.getoption("attn_kernel", None):
+        _session(config)
 
 
 class _Item:
@@ -70,7 +90,10 @@ class _Item:
 def _session(config):
     key = "_attn_ref_session"
     if not hasattr(config, key):
-        from .calling import load_kernel, parse_supports
+        import numpy as np
+
+        from .backends import BackendUnavailable
+        from .calling import KernelNotFound, load_kernel, parse_options, parse_supports
         from .oracle import session
 
         sem = {}
@@ -78,14 +101,30 @@ def _session(config):
             sem["fully_masked"] = config.getoption("attn_fully_masked")
         if config.getoption("attn_causal"):
             sem["causal"] = config.getoption("attn_causal")
-        sess = session(load_kernel(config.getoption("attn_kernel")),
-                       config.getoption("attn_variant"), backend=config.getoption("attn_backend"),
-                       layout=config.getoption("attn_layout"), seed=config.getoption("attn_seed"),
-                       supports=parse_supports(config.getoption("attn_supports")),
-                       grads=config.getoption("attn_grads"),
-                       time_limit=config.getoption("attn_time_limit"), **sem)
+        try:
+            backward = config.getoption("attn_backward")
+            sess = session(load_kernel(config.getoption("attn_kernel")),
+                           config.getoption("attn_variant"),
+                           backend=config.getoption("attn_backend"),
+                           layout=config.getoption("attn_layout"),
+                           seed=config.getoption("attn_seed"),
+                           supports=parse_supports(config.getoption("attn_supports")),
+                           options=parse_options(config.getoption("attn_option")),
+                           grads=config.getoption("attn_grads"),
+                           backward=load_kernel(backward, "backward") if backward else None,
+                           time_limit=config.getoption("attn_time_limit"), **sem)
+            for dt in _dtypes(config):  # an unknown dtype, or one the backend lacks
+                sess.to_kernel(np.zeros(1), dt)
+        except (KernelNotFound, BackendUnavailable, KeyError, TypeError, ValueError) as exc:
+            text = (exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
+            line = str(text).strip().splitlines()
+            raise pytest.UsageError(f"attn-ref: {line[0] if line else type(exc).__name__}") from exc
         setattr(config, key, sess)
     return getattr(config, key)
+
+
+def _dtypes(config):
+    return config.getoption("attn_dtype") or ["float32"]
 
 
 def pytest_generate_tests(metafunc):
@@ -101,7 +140,7 @@ def pytest_generate_tests(metafunc):
     sess = _session(config)
     todo = cases(None, config.getoption("attn_suite"))
     params, ids = [], []
-    for dt in config.getoption("attn_dtype") or ["float32"]:
+    for dt in _dtypes(config):
         for c in todo:
             params.append(_Item(sess, c, dt))
             ids.append(f"{dt}-{c.id}")

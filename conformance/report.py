@@ -3,7 +3,9 @@
 ``Report.table()`` is for people, ``Report.to_json(path)`` for machines. A report
 passes when no case failed or errored, at least one case passed and the run was not
 interrupted; cases the kernel cannot take are listed as ``n/a`` with the reason, never
-counted as passed.
+counted as passed: the table's footer counts them by reason
+(:meth:`Report.na_reasons`) and ``table(show_na=True)`` lists each one. Case ids are
+printed whole, so a row can be pasted into ``attn-ref verify --case ID`` or ``pytest -k``.
 
 The JSON of two identical runs is byte-identical except for the ``"timings"``
 section (seconds per row, in the order of ``"results"``), which
@@ -20,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["CaseResult", "Report", "VERDICTS", "Progress"]
+__all__ = ["CaseResult", "Report", "VERDICTS", "Progress", "na_reason", "jsonable"]
 
 VERDICTS = ("pass", "fail", "error", "n/a")
 
@@ -88,6 +90,7 @@ class Report:
     signature_known: bool = True
     results: list = field(default_factory=list)
     interrupted: str = ""  # why and where a KeyboardInterrupt stopped the run; "" if it ran to the end
+    options: dict = field(default_factory=dict)  # variant options set by the caller
 
     @property
     def counts(self) -> dict:
@@ -105,6 +108,19 @@ class Report:
     def failures(self) -> list:
         return [r for r in self.results if r.verdict in ("fail", "error")]
 
+    def na_reasons(self) -> list:
+        """``[(reason, count), ...]`` of the n/a results, most frequent first.
+
+        The reason of a result is its message up to the first ``": "`` (the details
+        after it - sizes, the exception text - vary from case to case).
+        """
+        counts: dict = {}
+        for r in self.results:
+            if r.verdict == "n/a":
+                why = na_reason(r.diagnosis)
+                counts[why] = counts.get(why, 0) + 1
+        return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
     def worst(self):
         """The ran result with the largest error/tolerance ratio (None if none ran)."""
         ran = [r for r in self.results if r.verdict != "n/a"]
@@ -117,8 +133,13 @@ class Report:
         return (f"{head}: {c['pass']} passed, {c['fail']} failed, {c['error']} errors, "
                 f"{c['n/a']} not applicable{tail}")
 
-    def table(self, *, show_na=False, width=48) -> str:
-        """A fixed-width table, failures first, with the diagnosis under each."""
+    def table(self, *, show_na=False, width=None) -> str:
+        """A fixed-width table, failures first, with the diagnosis under each.
+
+        Case ids are never cut (the case column is as wide as the longest id shown, at
+        least ``width``); n/a rows are listed only with ``show_na``, and counted by
+        reason in the footer either way.
+        """
         lines = [
             f"kernel {self.kernel}  variant {self.variant}  backend {self.backend}  "
             f"layout {self.layout}  suite {self.suite}  seed {self.seed}",
@@ -126,17 +147,18 @@ class Report:
             + "   features: " + (", ".join(self.features) or "none")
             + ("" if self.signature_known else "  (signature not introspectable)"),
         ]
+        if self.options:
+            lines.append("options: " + ", ".join(f"{k}={_show(v)}" for k, v in self.options.items()))
+        shown = [r for r in self.results if show_na or r.verdict != "n/a"]
+        width = max([len(r.case) for r in shown] + [width or 24, 4])
         hdr = f"{'case':<{width}} {'dtype':<8} {'out':<4} {'max err':>9} {'tol':>9} " \
               f"{'rms err':>9} {'tol rms':>9} {'ratio':>7}  verdict"
         lines += [hdr, "-" * len(hdr)]
         order = {"fail": 0, "error": 1, "pass": 2, "n/a": 3}
-        rows = sorted(self.results, key=lambda r: order[r.verdict])
+        rows = sorted(shown, key=lambda r: order[r.verdict])
         for r in rows:
-            if r.verdict == "n/a" and not show_na:
-                continue
-            cid = r.case if len(r.case) <= width else r.case[: width - 1] + "~"
             lines.append(
-                f"{cid:<{width}} {r.dtype:<8} {r.output:<4} {_e(r.max_err)} {_e(r.tol_max)} "
+                f"{r.case:<{width}} {r.dtype:<8} {r.output:<4} {_e(r.max_err)} {_e(r.tol_max)} "
                 f"{_e(r.rms_err)} {_e(r.tol_rms)} {_r(r.ratio)}  {r.verdict}"
             )
             if r.diagnosis and r.verdict != "pass":
@@ -144,6 +166,11 @@ class Report:
                 if r.worst:
                     lines.append(f"       worst at (batch, head, query) = {tuple(r.worst)}")
         lines.append(self.summary())
+        reasons = self.na_reasons()
+        if reasons:
+            lines.append("not applicable, by reason" + ("" if show_na else
+                         " (table(show_na=True) / --show-na lists them)") + ":")
+            lines += [f"  {n:>4}  {why}" for why, n in reasons]
         return "\n".join(lines)
 
     def to_dict(self, *, timings=True) -> dict:
@@ -151,6 +178,7 @@ class Report:
         per row of ``"results"``, same order), which ``timings=False`` leaves out."""
         d = {k: getattr(self, k) for k in ("kernel", "variant", "backend", "layout", "suite",
                                            "seed", "semantics", "features", "signature_known")}
+        d["options"] = {k: jsonable(v) for k, v in self.options.items()}
         d["dtypes"] = list(self.dtypes)
         d["passed"] = self.passed
         d["interrupted"] = self.interrupted
@@ -171,6 +199,30 @@ class Report:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
         return text
+
+
+def na_reason(message: str) -> str:
+    """The reason of an n/a message: the text before the first ``": "``."""
+    return message.split(": ", 1)[0].strip() or "(no reason given)"
+
+
+def _show(x):
+    """An option value as a person reads it: a function by its name."""
+    if callable(x):
+        name = getattr(x, "__qualname__", None) or type(x).__qualname__
+        return f"{getattr(x, '__module__', None) or ''}.{name}".lstrip(".")
+    return repr(x) if isinstance(x, str) else str(x)
+
+
+def jsonable(x):
+    """An option value for JSON, the same text on every run (no addresses)."""
+    if isinstance(x, (bool, int, float, str)) or x is None:
+        return x
+    if isinstance(x, (list, tuple)):
+        return [jsonable(y) for y in x]
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    return _show(x)
 
 
 def _key(x):

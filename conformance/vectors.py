@@ -27,6 +27,10 @@ they do not know). Top level:
     ``1``.
 ``variant`` (str)
     The :mod:`attn_ref.registry` name the golden was computed with.
+``variant_options`` (object)
+    The options of the variant's function the goldens were computed with: the
+    registered defaults and those set with ``options=`` (``--option``, see
+    :func:`conformance.judging.with_options`); a callable option is recorded by name.
 ``layout`` (str)
     ``"bhnd"``, ``"bnhd"`` or ``"nd"``: the layout of ``q``, ``k``, ``v``, ``golden``,
     ``compare``, ``do`` and the ``golden_d*`` gradients of ``q``, ``k``, ``v``.
@@ -104,8 +108,9 @@ import numpy as np
 
 from .catalogue import cases as _cases
 from .features import NotApplicable, default_scale
-from .judging import parse_semantics, prepare
+from .judging import parse_semantics, prepare, with_options
 from .layouts import to_layout
+from .report import jsonable
 from .tolerance import DEFAULTS, bf16_round
 
 __all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION", "READABLE_VERSIONS",
@@ -129,9 +134,15 @@ def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layout="bhnd",
-                   suite="standard", seed=0, cases=None, grads=False, **semantics) -> dict:
-    """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest."""
+                   suite="standard", seed=0, cases=None, grads=False, options=None,
+                   **semantics) -> dict:
+    """Write the cases of ``suite`` as ``.npz`` files plus ``manifest.json``; return the manifest.
+
+    ``options`` sets options of the variant's function (``{"feature_map": "identity"}``);
+    the goldens and tolerances follow and the manifest records them.
+    """
     sem = parse_semantics(semantics)
+    variant = with_options(variant, options)
     os.makedirs(directory, exist_ok=True)
     todo = list(cases) if cases is not None else _cases(None, suite)
     entries, skipped = [], []
@@ -188,7 +199,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "variant": variant if isinstance(variant, str) else variant.name,
+        "variant": variant.name,
+        "variant_options": {n: jsonable(x) for n, x in variant.options.items()},
         "layout": layout,
         "semantics": sem,
         "suite": suite,
