@@ -123,24 +123,30 @@ GRAD_DEFAULTS = {dt: Tolerance(fudge=8.0, floor_ulps=4.0, fudge_rms=6.0, floor_r
 
 
 def _term_magnitudes(prep, do):
-    """Size of the largest single term of each softmax gradient, for the ulp floor.
+    """Size of the largest single term of each gradient, for the ulp floor.
 
-    ``dS = P * (dP - D)`` cancels terms of size ``|dP| = |dO V^T|``; a gradient that is
-    (near) zero because of that cancellation - a one-hot row, a query that sees one
-    key - still carries rounding of that size, so the floor is taken at
+    For softmax, ``dS = P * (dP - D)`` cancels terms of size ``|dP| = |dO V^T|``; a
+    gradient that is (near) zero because of that cancellation - a one-hot row, a query
+    that sees one key - still carries rounding of that size, so the floor is taken at
     ``scale max|dP| max|K|`` for ``dq`` (``max|Q|`` for ``dk``), ``max|dO|`` for ``dv``
     and ``max|dP|`` for ``dbias``, when these exceed the gradient's own magnitude.
+    Every other variant normalises weights formed from ``q`` and ``k`` the same way
+    (a linear-attention row with one key gives ``dq = 0`` from ``phi(k) (v.do) / z -
+    phi(k) (out.do) / z``), so the same products bound its terms, with the scale and
+    the key/query sizes taken at least 1 (feature maps such as ``elu + 1`` add 1 and
+    the default scale of linear attention is 1).
     """
-    if prep.variant.name not in ("softmax", "online_softmax") or do.size == 0:
+    if do.size == 0:
         return {}
     a = prep.arrays
     if a["v"].size == 0 or a["q"].size == 0:
         return {}
-    scale = prep.kwargs.get("scale")
-    scale = default_scale(prep.case.d) if scale is None else scale
+    scale = prep.scale
     dp = float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1)))
-    return {"q": scale * dp * float(np.max(np.abs(a["k"]))),
-            "k": scale * dp * float(np.max(np.abs(a["q"]))),
+    qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
+    if prep.variant.name not in ("softmax", "online_softmax"):
+        scale, qmax, kmax = max(abs(scale), 1.0), max(qmax, 1.0), max(kmax, 1.0)
+    return {"q": scale * dp * kmax, "k": scale * dp * qmax,
             "v": float(np.max(np.abs(do))), "bias": dp}
 
 

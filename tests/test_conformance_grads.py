@@ -233,3 +233,34 @@ def test_cli_and_pytest_flags_exist():
     import conformance.pytest_plugin as plugin
 
     assert "--attn-grads" in open(plugin.__file__, encoding="utf-8").read()
+
+
+def test_cancelling_gradient_of_a_non_softmax_variant_has_a_term_sized_floor():
+    """Linear attention over one key: out = v, so dq = 0 exactly, computed as the
+    difference of two terms of size |do| |v| |k|; float32 autograd leaves ~1e-8 of
+    rounding there. The floor is the ulp of those terms (it was the ulp of the golden's
+    own ~1e-17 rounding noise, a false fail), and a gradient off by a term's size still
+    fails."""
+    pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    one_key = [c for c in QUICK if c.nk == 1]
+    kernel = reference_kernel(attn_ref.registry.get("linear"), B.load("torch"))
+    rep = verify(kernel, "linear", backend="torch", dtypes=("float32",), cases=one_key,
+                 grads=True, causal="both")
+    assert rep.passed, rep.table()
+    rows = [r for r in rep.results if r.output == "dq"]
+    assert rows and all(r.tol_max > 1e-9 for r in rows)
+
+    def shifted(q, k, v, do, **kw):
+        import torch
+
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        out = kernel(q_, k_, v_, **kw)
+        dq, dk, dv = torch.autograd.grad(out, (q_, k_, v_), do)
+        return dq + 1e-3 * float(do.abs().max()) * float(v.abs().max()), dk, dv
+
+    bad = verify(kernel, "linear", backend="torch", dtypes=("float32",), cases=one_key,
+                 backward=shifted, causal="both")
+    assert any(r.output == "dq" and r.verdict == "fail" for r in bad.results)
