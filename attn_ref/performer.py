@@ -40,7 +40,7 @@ import math
 import array_api_compat
 
 from . import random as _random
-from ._checks import check_positive_int, check_qkv, default_scale, is_floating, namespace
+from ._checks import check_array, check_positive_int, check_qkv, default_scale, is_floating, namespace
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     _causal_visible,
@@ -117,16 +117,13 @@ def _check_kernel(kernel):
     return kernel
 
 
-def _check_projection(xp, projection, d, dtype):
-    if not array_api_compat.is_array_api_obj(projection):
-        raise TypeError(f"projection must be an array of shape (m, d), got {type(projection).__name__}")
+def _check_projection(xp, projection, d, like, like_name="q"):
+    check_array("projection", projection, like=like, like_name=like_name, dtype=like.dtype)
     if projection.ndim != 2 or projection.shape[1] != d or projection.shape[0] < 1:
         raise ValueError(
             f"projection must have shape (m, d) = (m, {d}) with m >= 1 to match the head "
             f"dimension d={d} of q and k, got shape {tuple(projection.shape)}"
         )
-    if not is_floating(xp, projection.dtype) or projection.dtype != dtype:
-        raise TypeError(f"projection must have the dtype of q and k ({dtype}), got {projection.dtype}")
     return projection
 
 
@@ -324,7 +321,7 @@ def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None)
         raise ValueError(f"x must have shape (..., N, d) (rank >= 2), got shape {tuple(x.shape)}")
     if not is_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    _check_projection(xp, projection, x.shape[-1], x.dtype)
+    _check_projection(xp, projection, x.shape[-1], x, "x")
     return features_from_exponent(xp, x, projection, feature_exponent(xp, x, projection, kernel),
                                   offset, kernel)
 
@@ -346,7 +343,7 @@ def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
     xp, _ = check_qkv(q, k, v, xp=xp)
     xp = namespace(("q", q), ("projection", projection), xp=xp)
     _check_kernel(kernel)
-    _check_projection(xp, projection, q.shape[-1], q.dtype)
+    _check_projection(xp, projection, q.shape[-1], q)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     if scale < 0:

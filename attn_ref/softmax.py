@@ -82,12 +82,14 @@ import array_api_compat
 
 from ._checks import (
     broadcast_batch,
+    check_array,
     check_bias,
+    check_flag,
     check_mask,
     check_positive_int,
     check_qkv,
+    check_real,
     default_scale,
-    is_floating,
     namespace,
 )
 
@@ -107,12 +109,14 @@ _CAUSAL = (TOP_LEFT, BOTTOM_RIGHT)
 
 def causal_alignment(causal):
     """Normalise ``causal`` to ``None``, ``"top-left"`` or ``"bottom-right"``."""
-    if causal is False or causal is None:
+    if causal is None:
         return None
-    if causal is True:
-        return TOP_LEFT
-    if isinstance(causal, str) and causal in _CAUSAL:
-        return causal
+    if isinstance(causal, str):
+        if causal in _CAUSAL:
+            return causal
+    elif isinstance(causal, bool) or type(causal).__module__ == "numpy":
+        # A flag (a NumPy bool included); check_flag refuses other NumPy scalars.
+        return TOP_LEFT if check_flag("causal", causal) else None
     raise ValueError(
         f"causal must be False, True (= {TOP_LEFT!r}), {TOP_LEFT!r} or {BOTTOM_RIGHT!r}, "
         f"got {causal!r}"
@@ -186,9 +190,7 @@ def check_softcap(softcap):
     """``None`` (off) or a finite positive float."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be None or a positive real number, got {softcap!r}")
-    if not (0.0 < float(softcap) < float("inf")):
+    if not 0.0 < check_real("softcap", softcap, want="None or a finite positive real number"):
         raise ValueError(
             f"softcap must be None (off) or a finite positive real number c for c tanh(s / c), "
             f"got {softcap!r}"
@@ -196,13 +198,12 @@ def check_softcap(softcap):
     return float(softcap)
 
 
-def check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk):
-    """``(p, keep)``: ``p`` in ``[0, 1)``; ``keep`` a bool mask, required when ``p > 0``."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+def check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk, *, like):
+    """``(p, keep)``: ``p`` in ``[0, 1)``; ``keep`` a bool mask of ``like``'s library,
+    required when ``p > 0``."""
+    if not 0.0 <= check_real("dropout_p", dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    keep = check_mask(xp, dropout_mask, batch, nq, nk, name="dropout_mask")
+    keep = check_mask(xp, dropout_mask, batch, nq, nk, name="dropout_mask", like=like)
     if dropout_p > 0 and keep is None:
         raise ValueError(
             f"dropout_p={dropout_p} needs dropout_mask, a bool keep-mask broadcastable to "
@@ -222,14 +223,12 @@ def _fits_batch(name, shape, batch):
         return False
 
 
-def check_alibi_slopes(xp, slopes, batch, dtype):
-    """Slopes ``(H,)`` or ``(B, H)`` as a ``(..., H, 1, 1)`` array of ``dtype``, or None."""
+def check_alibi_slopes(xp, slopes, batch, dtype, *, like):
+    """Slopes ``(H,)`` or ``(B, H)`` of ``like``'s library as a ``(..., H, 1, 1)`` array of
+    ``dtype``, or None."""
     if slopes is None:
         return None
-    if not array_api_compat.is_array_api_obj(slopes):
-        raise TypeError(f"alibi_slopes must be a floating array, got {type(slopes).__name__}")
-    if not is_floating(xp, slopes.dtype):
-        raise TypeError(f"alibi_slopes must have a real floating dtype, got {slopes.dtype}")
+    check_array("alibi_slopes", slopes, like=like)
     shape = tuple(slopes.shape)
     if slopes.ndim < 1 or not _fits_batch("alibi_slopes", shape, batch):
         raise ValueError(
@@ -240,8 +239,9 @@ def check_alibi_slopes(xp, slopes, batch, dtype):
     return xp.reshape(slopes, shape + (1, 1))
 
 
-def check_seqlens(xp, name, lens, batch, n, device=None):
-    """Per-sequence lengths ``(B,)`` as an integer ``(B, 1, 1, 1)`` array, or None.
+def check_seqlens(xp, name, lens, batch, n, device=None, *, like):
+    """Per-sequence lengths ``(B,)`` as an integer ``(B, 1, 1, 1)`` array of ``like``'s
+    library, or None.
 
     A list or tuple of Python ints is taken as a 1-D array (static under ``jax.jit``).
     """
@@ -255,8 +255,7 @@ def check_seqlens(xp, name, lens, batch, n, device=None):
         raise TypeError(
             f"{name} must be an integer array or a sequence of ints, got {type(lens).__name__}"
         )
-    if not xp.isdtype(lens.dtype, "integral"):
-        raise TypeError(f"{name} must have an integer dtype, got {lens.dtype}")
+    check_array(name, lens, like=like, kind="integral")
     shape = tuple(lens.shape)
     if lens.ndim < 1 or not _fits_batch(name, shape + (1,), batch):
         raise ValueError(
@@ -520,8 +519,7 @@ class _Problem:
 def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
            alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
            gqa=False, xp=None):
-    if not isinstance(gqa, bool):
-        raise TypeError(f"gqa must be True or False, got {gqa!r}")
+    gqa = check_flag("gqa", gqa)
     if gqa:
         xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
         hkv, g = _check_gqa(q, k, v)
@@ -539,17 +537,17 @@ def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=No
             raise
         qg, kg, vg, batch_g = q, k, v, batch
     nq, nk = q.shape[-2], k.shape[-2]
-    mask = check_mask(xp, mask, batch, nq, nk)
-    bias = check_bias(xp, bias, batch, nq, nk, q.dtype)
+    mask = check_mask(xp, mask, batch, nq, nk, like=q)
+    bias = check_bias(xp, bias, batch, nq, nk, q.dtype, like=q)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     window = check_window(window)
     softcap = check_softcap(softcap)
-    alibi = check_alibi_slopes(xp, alibi_slopes, batch, q.dtype)
-    dropout_p, keep = check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk)
+    alibi = check_alibi_slopes(xp, alibi_slopes, batch, q.dtype, like=q)
+    dropout_p, keep = check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk, like=q)
     device = array_api_compat.device(q)
-    len_q = check_seqlens(xp, "seqlens_q", seqlens_q, batch, nq, device)
-    len_k = check_seqlens(xp, "seqlens_k", seqlens_k, batch, nk, device)
+    len_q = check_seqlens(xp, "seqlens_q", seqlens_q, batch, nq, device, like=q)
+    len_k = check_seqlens(xp, "seqlens_k", seqlens_k, batch, nk, device, like=q)
     if gqa:
         mask, bias, alibi, keep, len_q, len_k = (
             _group(xp, x, hkv, g) for x in (mask, bias, alibi, keep, len_q, len_k)
@@ -954,8 +952,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     True
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
-    if not isinstance(online, bool):
-        raise TypeError(f"online must be True or False, got {online!r}")
+    online = check_flag("online", online)
     cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
     device = array_api_compat.device(q)
     nb = len(cq) - 1

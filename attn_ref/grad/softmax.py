@@ -58,7 +58,7 @@ def _grouped_cotangent(pb, x, name, last):
     """Check ``x`` (shape ``batch + (Nq, last)``) and view it like the grouped queries."""
     xp = pb.xp
     x = check_cotangent(xp, x, pb.batch + (pb.spec.nq,) + ((last,) if last is not None else ()),
-                        pb.q.dtype, name=name)
+                        pb.q, name=name)
     if not pb.grouped:
         return x
     hkv, g = pb.q.shape[-4], pb.q.shape[-3]
