@@ -273,7 +273,9 @@ def _params(seed, nq, nk, d, dv, *, dtype, device, xp):
 
     c = 3
     noise = standard_normal((c, d, d), seed=seed, dtype=dtype, device=device, xp=xp)
-    kw = xp.eye(d, dtype=dtype, device=device) / c + noise * (0.1 / math.sqrt(d))
+    # Noise of size 0.1 / sqrt(d) per entry keeps the map near identity; at d = 0 the
+    # weights are empty and there is nothing to scale.
+    kw = xp.eye(d, dtype=dtype, device=device) / c + noise * (0.1 / math.sqrt(max(d, 1)))
     # Averaging values kernel (a scalar per tap), so the implied matrix is defined.
     vw = xp.stack([xp.eye(dv, dtype=dtype, device=device) / c] * c)
     return {"k_weight": kw, "v_weight": vw}

@@ -31,7 +31,12 @@ Conventions shared by the family
 * The denominator ``den_i = scale * phi(q_i) . sum_j phi(k_j)`` (over the keys query
   ``i`` sees) is used as it is when ``|den_i| >= eps`` and replaced by ``+eps`` or
   ``-eps`` (keeping its sign; ``+eps`` for zero) when ``|den_i| < eps``. So the output
-  is never NaN or inf for finite inputs: a query with no visible key or with all-zero
+  is never NaN or inf for finite inputs whose sums are representable, i.e.
+  ``|scale| * Nk * max|phi(q)| * max|phi(k)| * d' * max(1, max|v|)`` below the dtype's
+  largest value (for ``"elu+1"`` in float32 with ``d = 64``, ``N = 4096``:
+  ``|q|, |k| <= 1e14``; in float64 ``1e150``). Past that range the sums overflow
+  (``|q|, |k| >= 1e19`` in float32 gives inf / inf = NaN); the reference does not rescale
+  them. Inside it, a query with no visible key or with all-zero
   features (possible with ``"relu"``) returns zeros, as a fully masked row does in
   :mod:`attn_ref.softmax`. With a non-negative feature map (``"elu+1"``, ``"relu"``)
   ``den_i >= 0`` and every output row with ``den_i >= eps`` is a convex combination of

@@ -36,6 +36,7 @@ no key influences an earlier query's output, bit for bit.
 from __future__ import annotations
 
 import math
+import sys
 
 import array_api_compat
 
@@ -172,7 +173,11 @@ def key_offset(xp, exponent, projection, kernel, causal):
     if kernel == "trigonometric":
         return None
     bound = xp.max(half_sq_norm(xp, projection))
-    return bound - math.log(float(xp.finfo(projection.dtype).max)) / 4
+    # log(finfo.max) taken in the dtype: float(finfo.max) is inf for a dtype wider than
+    # float64 (np.longdouble), and log(inf) would make the offset -inf.
+    largest = xp.asarray(xp.finfo(projection.dtype).max, dtype=projection.dtype,
+                         device=array_api_compat.device(projection))
+    return bound - float(xp.log(largest)) / 4
 
 
 def key_log_scales(xp, exponent):
@@ -182,8 +187,10 @@ def key_log_scales(xp, exponent):
 
 def _very_negative(xp, dtype):
     # A finite stand-in for -inf: exp() of it (or of it minus a real number) is 0, and
-    # the difference of two of them is 0, never NaN.
-    return -float(xp.finfo(dtype).max) / 4
+    # the difference of two of them is 0, never NaN. Kept as the library's scalar of
+    # ``dtype`` (never float()): finfo.max of a dtype wider than float64 (np.longdouble)
+    # is inf as a Python float, and inf - inf would bring back the NaN this avoids.
+    return -(xp.finfo(dtype).max / 4)
 
 
 def _logscaled_quadratic(xp, fq, fk, ck, alignment):
@@ -348,7 +355,10 @@ def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
     scale = default_scale(q.shape[-1], scale)
     if scale < 0:
         raise ValueError(f"scale must be non-negative for random features, got {scale!r}")
-    eps = float(xp.finfo(q.dtype).smallest_normal) if eps is None else check_eps(eps)
+    # The floor is a Python float: a dtype's smallest normal below float64's (np.longdouble's
+    # 3.4e-4932) is 0.0 as a float, so the floor is float64's smallest normal at least.
+    eps = (max(float(xp.finfo(q.dtype).smallest_normal), sys.float_info.min) if eps is None
+           else check_eps(eps))
     return xp, alignment, scale, eps
 
 
@@ -376,8 +386,9 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
         As in :func:`attn_ref.linear_attention`.
     eps : float, optional
         Denominator floor (see :mod:`attn_ref.linear`), default the smallest normal
-        number of the dtype: positive features give ``den >= 0`` and
-        ``|num| <= den max|v|``, so only an exactly-zero or underflowed denominator is
+        number of the dtype (of float64 for a wider dtype such as ``np.longdouble``):
+        positive features give ``den >= 0`` and ``|num| <= den max|v|``, so only an
+        exactly-zero or underflowed denominator is
         floored. Trigonometric denominators can be near zero or negative; outputs
         there are large (the instability positive features were introduced to fix).
 

@@ -20,6 +20,13 @@ Conventions shared by the family
   logits ``-inf``) returns zeros, as PyTorch SDPA and FlashAttention do; its
   weights row is all zeros.
 * ``Nq == 0`` gives an empty ``(..., 0, dv)`` output.
+* Finite input gives finite output whenever the unscaled products ``q.k`` are finite in
+  the dtype (``|q| |k| < finfo.max``): the max is subtracted before ``exp``, and a
+  scaled logit past the dtype's range (``scale=1e308``) is clamped to ``+-finfo.max``
+  instead of becoming ``inf`` (so several overflowing logits of one row share its
+  weight equally, where exact arithmetic would favour the largest). float16 (and any
+  dtype narrower than float32) computes the logits and the softmax in float32, so
+  logits above 65504 do not overflow; the output keeps the input's dtype.
 
 Options of modern kernels (FlashAttention 2, PyTorch SDPA, Gemma 2)
 --------------------------------------------------------------------
@@ -426,24 +433,45 @@ def _tile_logits(xp, q, kt, spec, q0, k0):
 
     ``q (..., tq, d)`` and ``kt (..., d, tk)`` (keys already transposed) are the tile's
     rows; ``spec.scale`` multiplies ``q kt`` (pass ``1.0`` when ``q`` is pre-scaled).
-    Applies, in order: scale, soft-cap, bias, ALiBi, then the visibility mask.
+    Applies, in order: scale (clamped to ``+-finfo.max``), soft-cap, bias, ALiBi (the sum
+    clamped to at most ``finfo.max``), then the visibility mask. The logits are in
+    :func:`logit_dtype` (float32 for float16 input).
     Returns ``(logits, allowed)``; ``allowed`` is None when every entry is allowed.
     """
     q1, k1 = q0 + q.shape[-2], k0 + kt.shape[-1]
     device = array_api_compat.device(q)
+    work = logit_dtype(xp, q.dtype)
+    if work != q.dtype:
+        q, kt = xp.astype(q, work), xp.astype(kt, work)
+    # The scale multiplies the product, not q: scale * q may overflow where scale * (q k)
+    # does not, and an infinite q gives inf - inf = NaN inside the product.
     s = q @ kt
+    # A logit past the dtype's range (a huge scale) becomes +-finfo.max instead of
+    # +-inf, so that s - rowmax is never inf - inf (finfo.max stays the library's
+    # scalar: float() of np.longdouble's is inf).
+    big = xp.finfo(s.dtype).max
     if spec.scale != 1.0:
-        s = s * spec.scale
+        s = xp.clip(s * spec.scale, min=-big, max=big)
     if spec.softcap is not None:
         s = spec.softcap * xp.tanh(s / spec.softcap)
     if spec.bias is not None:
         s = s + _tile(spec.bias, q0, q1, k0, k1)
     if spec.alibi is not None:
         s = s + _alibi_tile(xp, spec, q0, q1, k0, k1, s.dtype, device)
+    if spec.softcap is not None or spec.bias is not None or spec.alibi is not None:
+        # Only the top is clamped again: a -inf bias is a deliberate mask.
+        s = xp.clip(s, max=big)
     allowed = _tile_visible(xp, spec, q0, q1, k0, k1, device)
     if allowed is not None:
         s = xp.where(allowed, s, -xp.inf)
     return s, allowed
+
+
+def logit_dtype(xp, dtype):
+    """The dtype logits and softmax statistics are computed in: ``dtype``, or float32 for
+    a narrower one (float16 logits overflow above 65504; the probabilities, in [0, 1],
+    go back to ``dtype`` before they multiply ``V``)."""
+    return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
 
 
 def _keep_tile(xp, p, spec, q0, k0):
@@ -567,6 +595,8 @@ def _weights(pb):
     denom = xp.sum(p, axis=-1, keepdims=True)
     # Rows with no allowed key have p == 0 everywhere; dividing by 1 keeps them zero.
     p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
+    if p.dtype != pb.q.dtype:
+        p = xp.astype(p, pb.q.dtype)
     p = _keep_tile(xp, p, spec, 0, 0)
     drop = _dropout_scale(spec)
     return p * drop if drop != 1.0 else p
@@ -584,17 +614,17 @@ def _online_forward(pb, block_q, block_k):
 
     ``lse`` is the log-sum-exp of each row's masked logits (before dropout), ``+inf`` for
     a row with no key to attend to, so that the backward's ``exp(S - lse)`` is 0 there.
-    The forward discards it (a few ``O(Nq)`` operations).
+    The forward discards it (a few ``O(Nq)`` operations). ``out`` has q's dtype; ``lse``
+    and the running statistics are in :func:`logit_dtype` (float32 for float16).
     """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
     device = array_api_compat.device(pb.q)
-    dtype = pb.q.dtype
+    dtype = logit_dtype(xp, pb.q.dtype)
     if nq == 0 or nk == 0:
         return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
-    # Folding the scale into q once saves a pass over every logits tile.
-    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
-    tile_spec = dataclasses.replace(spec, scale=1.0)
+    # The scale is not folded into q: scale * q can overflow where scale * (q k) does not.
+    qs, tile_spec = pb.q, spec
     kt = _transposed_copy(xp, pb.k)
     v = pb.v
     outputs, lses = [], []
@@ -618,11 +648,12 @@ def _online_forward(pb, block_q, block_k):
             alpha = xp.exp(m - m_safe)
             # The normaliser counts dropped weights too (dropout acts after the softmax).
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
-            acc = acc * alpha + _keep_tile(xp, p, spec, q0, k0) @ v[..., k0:k1, :]
+            pv = _keep_tile(xp, p, spec, q0, k0)
+            acc = acc * alpha + (pv if pv.dtype == v.dtype else xp.astype(pv, v.dtype)) @ v[..., k0:k1, :]
             m = m_new
         empty = l == 0
         one = xp.ones_like(l)
-        outputs.append(acc / xp.where(empty, one, l))
+        outputs.append(xp.astype(acc / xp.where(empty, one, l), pb.q.dtype))
         lse = xp.where(empty, xp.full_like(l, xp.inf),
                        xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
         lses.append(lse[..., 0])
