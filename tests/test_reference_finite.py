@@ -19,8 +19,16 @@ from conformance import cases
 
 DTYPES = {"float64": np.float64, "longdouble": np.longdouble}
 _BASE = ("q", "k", "v")
-# Cases whose Nk is at least this long take seconds each in longdouble (no BLAS).
-_LONG = 16384
+# Cases with more multiply-adds than this (Nq Nk d, times 64 in longdouble, which NumPy
+# computes without BLAS) take seconds each on a shared CPU: marked slow.
+# Very long key sequences (Nk >= 16384, the decode cases) are slow in any dtype.
+_SLOW_WORK = 2**25
+_SLOW_NK = 16384
+
+
+def _slow(case, dtype):
+    work = case.nq * case.nk * max(case.d, case.dv) * (64 if dtype == "longdouble" else 1)
+    return work > _SLOW_WORK or case.nk >= _SLOW_NK
 
 
 def _golden(variant, case, dtype, seed=0):
@@ -47,9 +55,14 @@ def _golden(variant, case, dtype, seed=0):
     p = {n: cast(x) for n, x in params.items()}
     finite = all(np.all(np.isfinite(x)) for x in list(a.values()) + list(p.values())
                  if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating))
-    with np.errstate(all="ignore"):
-        out = variant.fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in _BASE},
-                         **kwargs, **p, **variant.options, xp=npx)
+    try:
+        with np.errstate(all="ignore"):
+            out = variant.fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in _BASE},
+                             **kwargs, **p, **variant.options, xp=npx)
+    except ValueError as exc:
+        # A reference that refuses an option of the case by design (Linformer refuses a
+        # mask) cannot take it; the oracle reports such a case as not applicable.
+        pytest.skip(f"the {variant.name} reference refuses this case: {exc}")
     return np.asarray(out), finite
 
 
@@ -58,7 +71,7 @@ def _params():
     for variant in variants():
         for case in cases(variant.name, "exhaustive"):
             for dname in DTYPES:
-                marks = [pytest.mark.slow] if case.nk >= _LONG else []
+                marks = [pytest.mark.slow] if _slow(case, dname) else []
                 out.append(pytest.param(variant, case, dname, marks=marks,
                                         id=f"{variant.name}-{case.id}-{dname}"))
     return out
