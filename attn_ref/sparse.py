@@ -29,6 +29,14 @@ Conventions
   caller keeps it static (a tuple of tuples is hashable). The last block may be
   ragged: positions past ``Nq``/``Nk`` are padding that never receives weight.
 * Rows with no key to attend to return zeros, as in :mod:`attn_ref.softmax`.
+* The efficient forms fold ``scale`` into ``q`` before the products, so finite input
+  gives finite output while ``|scale| max|q| max|k| d`` is below the dtype's largest
+  value; past it (``scale=1e308`` with unit-size ``q`` and ``k``) they can give NaN
+  (``inf - inf`` in the row maximum), where the defining
+  form :func:`attn_ref.softmax_attention` with the same mask stays finite.
+* A block layout, like ``cu_seqlens``, is read on the host: it may come from any
+  library (or be nested sequences), unlike the array arguments, which must share
+  ``q``'s library.
 
 Cost of the efficient forms
 ---------------------------
