@@ -24,6 +24,7 @@ __all__ = [
     "check_real",
     "check_positive_int",
     "check_nonnegative_int",
+    "is_integer",
     "default_scale",
     "broadcast_batch",
     "is_floating",
@@ -106,6 +107,18 @@ def check_flag(name, value) -> bool:
     if isinstance(value, bool) or _is_numpy_bool(value):
         return bool(value)
     raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def is_integer(value) -> bool:
+    """Is ``value`` an integer scalar by the rule of :func:`check_positive_int` (``int``,
+    ``np.int64``, anything with ``__index__``; not a bool)?"""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _integer(name, value, what):

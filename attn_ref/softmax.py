@@ -97,6 +97,7 @@ from ._checks import (
     check_qkv,
     check_real,
     default_scale,
+    is_integer,
     namespace,
 )
 
@@ -254,10 +255,8 @@ def check_seqlens(xp, name, lens, batch, n, device=None, *, like):
     """
     if lens is None:
         return None
-    if isinstance(lens, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in lens
-    ):
-        lens = xp.asarray(lens, dtype=xp.int64, device=device)
+    if isinstance(lens, (list, tuple)) and all(is_integer(x) for x in lens):
+        lens = xp.asarray([operator.index(x) for x in lens], dtype=xp.int64, device=device)
     if not array_api_compat.is_array_api_obj(lens):
         raise TypeError(
             f"{name} must be an integer array or a sequence of ints, got {type(lens).__name__}"
@@ -868,10 +867,8 @@ def _cu_offsets(name, cu, total, tensor):
         # The offsets plan the tiles, so they are read on the host (FlashAttention
         # likewise takes max_seqlen as a host integer). Under jax.jit pass a tuple.
         vals = [int(cu[i]) for i in range(cu.shape[0])]
-    elif isinstance(cu, (list, tuple)) and all(
-        isinstance(c, int) and not isinstance(c, bool) for c in cu
-    ):
-        vals = [int(c) for c in cu]
+    elif isinstance(cu, (list, tuple)) and all(is_integer(c) for c in cu):
+        vals = [operator.index(c) for c in cu]
     else:
         raise TypeError(
             f"{name} must be a 1-D integer array or a sequence of ints [0, n1, n1 + n2, ...], "
