@@ -36,7 +36,8 @@ Conventions shared by the family
   largest value (for ``"elu+1"`` in float32 with ``d = 64``, ``N = 4096``:
   ``|q|, |k| <= 1e14``; in float64 ``1e150``). Past that range the sums overflow
   (``|q|, |k| >= 1e19`` in float32 gives inf / inf = NaN); the reference does not rescale
-  them. Inside it, a query with no visible key or with all-zero
+  them. :func:`linear_attention` computes float16 input in float32 (the range above is
+  then float32's) and returns float16. Inside it, a query with no visible key or with all-zero
   features (possible with ``"relu"``) returns zeros, as a fully masked row does in
   :mod:`attn_ref.softmax`. With a non-negative feature map (``"elu+1"``, ``"relu"``)
   ``den_i >= 0`` and every output row with ``den_i >= eps`` is a convex combination of
@@ -66,7 +67,7 @@ from ._checks import (
     is_floating,
     namespace,
 )
-from .softmax import TOP_LEFT, causal_alignment
+from .softmax import TOP_LEFT, causal_alignment, logit_dtype
 
 __all__ = [
     "FEATURE_MAPS",
@@ -584,6 +585,14 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     """
     xp, _ = check_qkv(q, k, v, xp=xp)
     scale = _check_scale(scale)
+    work = logit_dtype(xp, q.dtype)
+    if work != q.dtype:
+        # float16 sums overflow at 65504 already for moderate inputs: the features and
+        # sums run in float32, and the output goes back to q's dtype.
+        out = linear_attention(*(xp.astype(x, work) for x in (q, k, v)), feature_map=feature_map,
+                               causal=causal, order=order, chunk_size=chunk_size,
+                               block_size=block_size, scale=scale, normalize=normalize, eps=eps, xp=xp)
+        return xp.astype(out, q.dtype)
     phi_q, phi_k = _feature_pair(xp, q, k, feature_map, scale)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
                    block_size=block_size, normalize=normalize, eps=eps)

@@ -246,6 +246,21 @@ def test_linear_attention_finite_inside_its_documented_range(backend):
     check()
 
 
+def test_linear_attention_float16_runs_in_float32(backend):
+    xp = backend.xp
+    if not hasattr(xp, "float16"):
+        pytest.skip(f"{backend.name} has no float16")
+    rng = np.random.default_rng(0)
+    # phi(q) . sum_j phi(k_j) about 1e6 here: past float16's 65504, fine in float32.
+    qh, kh = (rng.standard_normal((2, 16, 16)) * 30 for _ in range(2))
+    vh = rng.standard_normal((2, 16, 3))
+    q, k, v = (from_numpy(a, backend, "float16") for a in (qh, kh, vh))
+    want = linear_attention(*(xp.astype(x, xp.float32) for x in (q, k, v)), causal=True)
+    out = linear_attention(q, k, v, causal=True)
+    assert out.dtype == xp.float16
+    np.testing.assert_array_equal(host(out), host(xp.astype(want, xp.float16)))
+
+
 # ---------------------------------------------------------------- 4. VJP and feature-map contracts
 
 
