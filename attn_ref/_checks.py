@@ -8,6 +8,8 @@ was expected and what arrived. Nothing here copies or modifies an input.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Sequence
 
 import array_api_compat
@@ -17,8 +19,12 @@ __all__ = [
     "check_qkv",
     "check_mask",
     "check_bias",
+    "check_array",
+    "check_flag",
+    "check_real",
     "check_positive_int",
     "check_nonnegative_int",
+    "is_integer",
     "default_scale",
     "broadcast_batch",
     "is_floating",
@@ -52,6 +58,88 @@ def namespace(*named, xp=None):
 def _library(a) -> str:
     mod = type(a).__module__.split(".")[0]
     return {"jaxlib": "jax"}.get(mod, mod)
+
+
+_KIND_WORDS = {"real floating": "a real floating", "bool": "a boolean", "integral": "an integer"}
+
+
+def check_array(name, x, *, like, like_name="q", kind="real floating", dtype=None):
+    """``x`` must be an array of the library and device of ``like`` (the argument
+    ``like_name``, usually ``q``), of dtype kind ``kind`` and, when given, exactly ``dtype``.
+
+    Every array option of every public function goes through here, so an array from
+    another library fails with a message that names both libraries instead of deep
+    inside the backend. Returns ``x`` unchanged.
+
+    Raises ``TypeError`` for a non-array, another library or a wrong dtype, and
+    ``ValueError`` for another device (as :func:`check_qkv` does for ``q``, ``k``, ``v``).
+    """
+    what = _KIND_WORDS.get(kind, kind)
+    if not array_api_compat.is_array_api_obj(x):
+        raise TypeError(f"{name} must be an array of {_library(like)} ({what} dtype) like "
+                        f"{like_name}, got {type(x).__name__}")
+    if _library(x) != _library(like):
+        raise TypeError(
+            f"{name} must be an array of the library of {like_name} ({_library(like)}), got an "
+            f"array of {_library(x)}; convert it with {_library(like)}'s asarray first"
+        )
+    xp = array_api_compat.array_namespace(like)
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} must have the dtype of {like_name} ({dtype}), got {x.dtype}")
+    if not xp.isdtype(x.dtype, kind):
+        want = "dtype bool (True = may attend)" if kind == "bool" else f"{what} dtype"
+        raise TypeError(f"{name} must have {want}, got {x.dtype}")
+    dev_x, dev_like = str(array_api_compat.device(x)), str(array_api_compat.device(like))
+    if dev_x != dev_like:
+        raise ValueError(f"{name} must live on the device of {like_name} ({dev_like}), got {dev_x}")
+    return x
+
+
+def _is_numpy_bool(value) -> bool:
+    # NumPy's bool scalar, without importing NumPy here (the class is ``numpy.bool``
+    # on NumPy 2 and ``numpy.bool_`` before).
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def check_flag(name, value) -> bool:
+    """A Python ``bool`` or NumPy ``bool_``, returned as ``bool``; anything else (``"no"``,
+    ``0``, ``None``) is a ``TypeError``, so a misspelt flag never silently means True."""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def is_integer(value) -> bool:
+    """Is ``value`` an integer scalar by the rule of :func:`check_positive_int` (``int``,
+    ``np.int64``, anything with ``__index__``; not a bool)?"""
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _integer(name, value, what):
+    if isinstance(value, bool) or _is_numpy_bool(value):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})") from None
+
+
+def check_real(name, value, want="a finite real number") -> float:
+    """A finite real scalar (``int``, ``float``, NumPy integer or floating scalar) as a
+    Python ``float``. A non-number (a string, a bool, an array) is a ``TypeError``; NaN
+    or infinity is a ``ValueError``."""
+    if isinstance(value, bool) or _is_numpy_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return out
 
 
 def is_floating(xp, dtype) -> bool:
@@ -136,45 +224,46 @@ def _check_pairwise(name, x, batch, nq, nk, what):
         )
 
 
-def check_mask(xp, mask, batch, nq, nk, name="mask"):
-    """A boolean mask broadcastable to ``batch + (Nq, Nk)``; True = may attend."""
+def check_mask(xp, mask, batch, nq, nk, name="mask", *, like):
+    """A boolean mask of ``like``'s library broadcastable to ``batch + (Nq, Nk)``; True =
+    may attend. ``like`` is ``q`` (the library and device the mask must share)."""
     if mask is None:
         return None
-    if not array_api_compat.is_array_api_obj(mask):
-        raise TypeError(f"{name} must be a boolean array, got {type(mask).__name__}")
-    if mask.dtype != xp.bool:
-        raise TypeError(f"{name} must have dtype bool (True = may attend), got {mask.dtype}")
+    check_array(name, mask, like=like, kind="bool")
     _check_pairwise(name, mask, batch, nq, nk, "a boolean array")
     return mask
 
 
-def check_bias(xp, bias, batch, nq, nk, dtype, name="bias"):
-    """An additive float logit bias broadcastable to ``batch + (Nq, Nk)``, cast to ``dtype``."""
+def check_bias(xp, bias, batch, nq, nk, dtype, name="bias", *, like):
+    """An additive float logit bias of ``like``'s library broadcastable to
+    ``batch + (Nq, Nk)``, cast to ``dtype``."""
     if bias is None:
         return None
-    if not array_api_compat.is_array_api_obj(bias):
-        raise TypeError(f"{name} must be a floating array, got {type(bias).__name__}")
-    _check_float(xp, name, bias)
+    check_array(name, bias, like=like)
     _check_pairwise(name, bias, batch, nq, nk, "a floating array")
     return bias if bias.dtype == dtype else xp.astype(bias, dtype)
 
 
 def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """An integer >= 1 (``int`` or anything with ``__index__``, e.g. ``np.int64``) as ``int``.
+
+    A non-integer is a ``TypeError``, an integer below 1 a ``ValueError``."""
+    value = _integer(name, value, "a positive integer")
+    if value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
 def check_nonnegative_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    """An integer >= 0 as ``int``; a non-integer is a ``TypeError``, a negative a ``ValueError``."""
+    value = _integer(name, value, "a non-negative integer")
+    if value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return value
 
 
 def default_scale(d, scale):
-    """``scale`` or the usual ``1/sqrt(d)``."""
+    """``scale`` (a finite real, see :func:`check_real`) or the usual ``1/sqrt(d)``."""
     if scale is None:
         return 1.0 / math.sqrt(d) if d > 0 else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite real number or None, got {scale!r}")
-    return float(scale)
+    return check_real("scale", scale)

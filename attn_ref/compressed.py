@@ -38,7 +38,7 @@ import math
 
 import array_api_compat
 
-from ._checks import broadcast_batch, check_positive_int, check_qkv, default_scale
+from ._checks import broadcast_batch, check_array, check_positive_int, check_qkv, default_scale
 from .softmax import (
     TOP_LEFT,
     attention_weights,
@@ -62,10 +62,9 @@ def num_blocks(n, kernel_size, stride):
     return min(-(-max(n - kernel_size, 0) // stride) + 1, -(-n // stride))
 
 
-def _check_weight(name, w, d_in, batch, dtype):
+def _check_weight(name, w, d_in, batch, q):
     want = f"(c, d_in, d_out) or per head (h, c, d_in, d_out) with d_in={d_in}"
-    if not array_api_compat.is_array_api_obj(w):
-        raise TypeError(f"{name} must be an array of shape {want}, got {type(w).__name__}")
+    check_array(name, w, like=q, dtype=q.dtype)
     if w.ndim not in (3, 4) or w.shape[-2] != d_in or w.shape[-3] < 1 or w.shape[-1] < 1:
         raise ValueError(f"{name} must have shape {want}, got shape {tuple(w.shape)}")
     if w.ndim == 4:
@@ -76,8 +75,6 @@ def _check_weight(name, w, d_in, batch, dtype):
                 f"h={w.shape[0]} does not match the head axis (the last batch axis, size "
                 f"{heads}) of q, k, v"
             )
-    if w.dtype != dtype:
-        raise TypeError(f"{name} must have the dtype of q, k and v ({dtype}), got {w.dtype}")
     return w
 
 
@@ -142,14 +139,14 @@ def _visible(xp, alignment, nq, nk, c, s, m, device):
 def _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp):
     xp, batch = check_qkv(q, k, v, xp=xp)
     check_positive_int("stride", stride)
-    _check_weight("k_weight", k_weight, q.shape[-1], batch, q.dtype)
+    _check_weight("k_weight", k_weight, q.shape[-1], batch, q)
     if k_weight.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"k_weight must map keys back to the query dimension d={q.shape[-1]}: expected "
             f"shape (c, {q.shape[-1]}, {q.shape[-1]}), got {tuple(k_weight.shape)}"
         )
     if v_weight is not None:
-        _check_weight("v_weight", v_weight, v.shape[-1], batch, q.dtype)
+        _check_weight("v_weight", v_weight, v.shape[-1], batch, q)
         if v_weight.shape[-3] != k_weight.shape[-3]:
             raise ValueError(
                 f"k_weight and v_weight must have the same kernel size c, got k_weight "
@@ -276,7 +273,9 @@ def _params(seed, nq, nk, d, dv, *, dtype, device, xp):
 
     c = 3
     noise = standard_normal((c, d, d), seed=seed, dtype=dtype, device=device, xp=xp)
-    kw = xp.eye(d, dtype=dtype, device=device) / c + noise * (0.1 / math.sqrt(d))
+    # Noise of size 0.1 / sqrt(d) per entry keeps the map near identity; at d = 0 the
+    # weights are empty and there is nothing to scale.
+    kw = xp.eye(d, dtype=dtype, device=device) / c + noise * (0.1 / math.sqrt(max(d, 1)))
     # Averaging values kernel (a scalar per tap), so the implied matrix is defined.
     vw = xp.stack([xp.eye(dv, dtype=dtype, device=device) / c] * c)
     return {"k_weight": kw, "v_weight": vw}

@@ -31,7 +31,13 @@ Conventions shared by the family
 * The denominator ``den_i = scale * phi(q_i) . sum_j phi(k_j)`` (over the keys query
   ``i`` sees) is used as it is when ``|den_i| >= eps`` and replaced by ``+eps`` or
   ``-eps`` (keeping its sign; ``+eps`` for zero) when ``|den_i| < eps``. So the output
-  is never NaN or inf for finite inputs: a query with no visible key or with all-zero
+  is never NaN or inf for finite inputs whose sums are representable, i.e.
+  ``|scale| * Nk * max|phi(q)| * max|phi(k)| * d' * max(1, max|v|)`` below the dtype's
+  largest value (for ``"elu+1"`` in float32 with ``d = 64``, ``N = 4096``:
+  ``|q|, |k| <= 1e14``; in float64 ``1e150``). Past that range the sums overflow
+  (``|q|, |k| >= 1e19`` in float32 gives inf / inf = NaN); the reference does not rescale
+  them. :func:`linear_attention` computes float16 input in float32 (the range above is
+  then float32's) and returns float16. Inside it, a query with no visible key or with all-zero
   features (possible with ``"relu"``) returns zeros, as a fully masked row does in
   :mod:`attn_ref.softmax`. With a non-negative feature map (``"elu+1"``, ``"relu"``)
   ``den_i >= 0`` and every output row with ``den_i >= eps`` is a convex combination of
@@ -52,13 +58,16 @@ import array_api_compat
 
 from ._checks import (
     broadcast_batch,
+    check_array,
+    check_flag,
     check_positive_int,
     check_qkv,
+    check_real,
     default_scale,
     is_floating,
     namespace,
 )
-from .softmax import TOP_LEFT, causal_alignment
+from .softmax import TOP_LEFT, causal_alignment, logit_dtype
 
 __all__ = [
     "FEATURE_MAPS",
@@ -115,7 +124,14 @@ def feature_map_features(x, /, *, feature_map="elu+1", name="x", xp=None):
     x : array, shape (..., N, d)
     feature_map : {"elu+1", "relu", "identity"} or callable
         A callable must return an array of the same library, floating dtype
-        ``x.dtype`` and shape ``x.shape[:-1] + (d',)``.
+        ``x.dtype`` and shape ``x.shape[:-1] + (d',)``. It must be row-wise (row ``i`` of
+        the result depends only on row ``i`` of ``x``): the variants apply it to blocks of
+        rows, so a map that mixes rows (a softmax over the sequence, a normalisation by
+        a whole-sequence statistic) would change with ``block_size``. Each call checks
+        this once, cheaply, by comparing the map of the first row alone with the first
+        row of the whole result (``ValueError`` if they differ by more than
+        ``sqrt(eps)`` relative). The callable receives a copy of the caller's rows, so
+        writing into its argument cannot corrupt ``q`` or ``k``.
     name : str
         The argument name used in error messages (``"q"``, ``"k"``).
 
@@ -127,18 +143,55 @@ def feature_map_features(x, /, *, feature_map="elu+1", name="x", xp=None):
     feature_map = check_feature_map(feature_map)
     if isinstance(feature_map, str):
         return _NAMED[feature_map](xp, x)
-    f = feature_map(x)
     what = f"feature_map applied to {name} {tuple(x.shape)}"
+    f = _call_feature_map(xp, feature_map, x, name, what)
+    if x.shape[-2] > 1:
+        _check_row_wise(xp, feature_map, x, f, name, what)
+    return f
+
+
+def _call_feature_map(xp, feature_map, x, name, what):
+    """``feature_map`` applied to a copy of ``x`` (so it cannot write into the caller's
+    array), its result checked like an array argument (library, dtype, shape)."""
+    f = feature_map(xp.asarray(x, copy=True))
     if not array_api_compat.is_array_api_obj(f):
         raise TypeError(f"{what} must return an array, got {type(f).__name__}")
+    check_array(what, f, like=x, like_name=name, dtype=x.dtype)
     if f.ndim != x.ndim or tuple(f.shape[:-1]) != tuple(x.shape[:-1]):
         raise ValueError(
             f"{what} must return shape (..., N, d') = {tuple(x.shape[:-1]) + ('d_prime',)}, "
             f"got shape {tuple(f.shape)}"
         )
-    if f.dtype != x.dtype:
-        raise TypeError(f"{what} must return dtype {x.dtype}, got {f.dtype}")
     return f
+
+
+def _check_row_wise(xp, feature_map, x, f, name, what):
+    """The map of the first row alone must equal the first row of ``f = phi(x)``.
+
+    One extra call on a single row. A row-wise map agrees up to rounding (a matmul of
+    one row may round differently from a matmul of many), so the test allows
+    ``sqrt(eps)`` relative to the row's largest entry; a map that mixes rows (a softmax
+    or normalisation over the sequence) differs by far more.
+    """
+    first = f[..., :1, :]
+    try:
+        alone = _call_feature_map(xp, feature_map, x[..., :1, :], name, what)
+    except ValueError as exc:  # the map's shape depends on the number of rows
+        alone, gap = None, str(exc)
+    if alone is not None and alone.shape[-1] != first.shape[-1]:
+        gap = f"d'={alone.shape[-1]} for one row, d'={first.shape[-1]} for all"
+    elif alone is not None:
+        tol = math.sqrt(float(xp.finfo(x.dtype).eps)) * (float(xp.max(xp.abs(first))) + 1.0)
+        diff = float(xp.max(xp.abs(alone - first)))
+        # NaN (from NaN input) compares False: such input is not evidence of mixing rows.
+        gap = f"by {diff:.3g}" if diff > tol else None
+    if gap is not None:
+        raise ValueError(
+            f"{what} is not row-wise: the map of the first row alone differs from the first "
+            f"row of the map of all {x.shape[-2]} rows ({gap}); the variants apply it to "
+            "blocks of rows, so a map that mixes rows (e.g. a softmax over the sequence) "
+            "would change with block_size"
+        )
 
 
 def _features_qk(xp, q, k, feature_map):
@@ -182,9 +235,7 @@ def _feature_pair(xp, q, k, feature_map, scale):
 
 
 def check_eps(eps):
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
-        math.isfinite(eps) and eps > 0
-    ):
+    if not check_real("eps", eps, want="a positive finite real number") > 0:
         raise ValueError(f"eps must be a positive finite real number, got {eps!r}")
     return float(eps)
 
@@ -429,6 +480,7 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("block_size", block_size)
+    normalize = check_flag("normalize", normalize)
     eps = check_eps(eps)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
@@ -461,6 +513,7 @@ def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAUL
     """The ``(..., Nq, Nk)`` attention matrix implied by features ``phi(Q)``, ``phi(K)``."""
     xp = namespace(("fq", fq), ("fk", fk), xp=xp)
     alignment = causal_alignment(causal)
+    normalize = check_flag("normalize", normalize)
     eps = check_eps(eps)
     a = _similarities(xp, fq, fk, alignment)
     if not normalize:
@@ -532,6 +585,14 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     """
     xp, _ = check_qkv(q, k, v, xp=xp)
     scale = _check_scale(scale)
+    work = logit_dtype(xp, q.dtype)
+    if work != q.dtype:
+        # float16 sums overflow at 65504 already for moderate inputs: the features and
+        # sums run in float32, and the output goes back to q's dtype.
+        out = linear_attention(*(xp.astype(x, work) for x in (q, k, v)), feature_map=feature_map,
+                               causal=causal, order=order, chunk_size=chunk_size,
+                               block_size=block_size, scale=scale, normalize=normalize, eps=eps, xp=xp)
+        return xp.astype(out, q.dtype)
     phi_q, phi_k = _feature_pair(xp, q, k, feature_map, scale)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
                    block_size=block_size, normalize=normalize, eps=eps)
@@ -669,6 +730,7 @@ def linear_attention_step(state, q, k, v, /, *, feature_map="elu+1", scale=None,
     if s.dtype != q.dtype or z.dtype != q.dtype:
         raise TypeError(f"state must have the dtype of q ({q.dtype}), got S {s.dtype}, z {z.dtype}")
     scale = _check_scale(scale)
+    normalize = check_flag("normalize", normalize)
     eps = check_eps(eps)
     fq, fk = _features_qk(xp, q[..., None, :], k[..., None, :], feature_map)
     m, dv = fk.shape[-1], v.shape[-1]

@@ -22,9 +22,7 @@ What the method cannot do
 
 from __future__ import annotations
 
-import array_api_compat
-
-from ._checks import check_positive_int, check_qkv, default_scale
+from ._checks import check_array, check_positive_int, check_qkv, default_scale
 from .random import standard_normal
 from .softmax import attention_weights, softmax_attention
 
@@ -45,11 +43,11 @@ def _refuse(fn, mask, causal):
         )
 
 
-def _check_projection(xp, name, p, nk, batch, dtype):
-    """``p`` is ``(r, Nk)`` or per head ``(h, r, Nk)`` with ``1 <= r <= Nk``."""
+def _check_projection(xp, name, p, nk, batch, q):
+    """``p`` is ``(r, Nk)`` or per head ``(h, r, Nk)`` with ``1 <= r <= Nk``, of ``q``'s
+    library, device and dtype."""
     want = f"(r, Nk) or (h, r, Nk) with Nk={nk} and 1 <= r <= Nk"
-    if not array_api_compat.is_array_api_obj(p):
-        raise TypeError(f"{name} must be an array of shape {want}, got {type(p).__name__}")
+    check_array(name, p, like=q, dtype=q.dtype)
     if p.ndim not in (2, 3) or p.shape[-1] != nk:
         raise ValueError(f"{name} must have shape {want}, got shape {tuple(p.shape)}")
     if not 1 <= p.shape[-2] <= nk:
@@ -64,8 +62,6 @@ def _check_projection(xp, name, p, nk, batch, dtype):
                 f"{name} has per-head shape (h, r, Nk) = {tuple(p.shape)}, but h={p.shape[0]} "
                 f"does not match the head axis (the last batch axis, size {heads}) of q, k, v"
             )
-    if p.dtype != dtype:
-        raise TypeError(f"{name} must have the dtype of q, k and v ({dtype}), got {p.dtype}")
     return p
 
 
@@ -73,9 +69,8 @@ def _prepare(q, k, v, e_proj, f_proj, mask, causal, scale, xp, fn):
     _refuse(fn, mask, causal)
     xp, batch = check_qkv(q, k, v, xp=xp)
     nk = k.shape[-2]
-    e_proj = _check_projection(xp, "e_proj", e_proj, nk, batch, q.dtype)
-    f_proj = e_proj if f_proj is None else _check_projection(xp, "f_proj", f_proj, nk, batch,
-                                                            q.dtype)
+    e_proj = _check_projection(xp, "e_proj", e_proj, nk, batch, q)
+    f_proj = e_proj if f_proj is None else _check_projection(xp, "f_proj", f_proj, nk, batch, q)
     if f_proj.shape[-2] != e_proj.shape[-2]:
         raise ValueError(
             f"e_proj and f_proj must project to the same length r, got e_proj "

@@ -36,11 +36,12 @@ no key influences an earlier query's output, bit for bit.
 from __future__ import annotations
 
 import math
+import sys
 
 import array_api_compat
 
 from . import random as _random
-from ._checks import check_positive_int, check_qkv, default_scale, is_floating, namespace
+from ._checks import check_array, check_positive_int, check_qkv, default_scale, is_floating, namespace
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     _causal_visible,
@@ -117,16 +118,13 @@ def _check_kernel(kernel):
     return kernel
 
 
-def _check_projection(xp, projection, d, dtype):
-    if not array_api_compat.is_array_api_obj(projection):
-        raise TypeError(f"projection must be an array of shape (m, d), got {type(projection).__name__}")
+def _check_projection(xp, projection, d, like, like_name="q"):
+    check_array("projection", projection, like=like, like_name=like_name, dtype=like.dtype)
     if projection.ndim != 2 or projection.shape[1] != d or projection.shape[0] < 1:
         raise ValueError(
             f"projection must have shape (m, d) = (m, {d}) with m >= 1 to match the head "
             f"dimension d={d} of q and k, got shape {tuple(projection.shape)}"
         )
-    if not is_floating(xp, projection.dtype) or projection.dtype != dtype:
-        raise TypeError(f"projection must have the dtype of q and k ({dtype}), got {projection.dtype}")
     return projection
 
 
@@ -175,7 +173,11 @@ def key_offset(xp, exponent, projection, kernel, causal):
     if kernel == "trigonometric":
         return None
     bound = xp.max(half_sq_norm(xp, projection))
-    return bound - math.log(float(xp.finfo(projection.dtype).max)) / 4
+    # log(finfo.max) taken in the dtype: float(finfo.max) is inf for a dtype wider than
+    # float64 (np.longdouble), and log(inf) would make the offset -inf.
+    largest = xp.asarray(xp.finfo(projection.dtype).max, dtype=projection.dtype,
+                         device=array_api_compat.device(projection))
+    return bound - float(xp.log(largest)) / 4
 
 
 def key_log_scales(xp, exponent):
@@ -185,8 +187,10 @@ def key_log_scales(xp, exponent):
 
 def _very_negative(xp, dtype):
     # A finite stand-in for -inf: exp() of it (or of it minus a real number) is 0, and
-    # the difference of two of them is 0, never NaN.
-    return -float(xp.finfo(dtype).max) / 4
+    # the difference of two of them is 0, never NaN. Kept as the library's scalar of
+    # ``dtype`` (never float()): finfo.max of a dtype wider than float64 (np.longdouble)
+    # is inf as a Python float, and inf - inf would bring back the NaN this avoids.
+    return -(xp.finfo(dtype).max / 4)
 
 
 def _logscaled_quadratic(xp, fq, fk, ck, alignment):
@@ -324,7 +328,7 @@ def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None)
         raise ValueError(f"x must have shape (..., N, d) (rank >= 2), got shape {tuple(x.shape)}")
     if not is_floating(xp, x.dtype):
         raise TypeError(f"x must have a real floating dtype, got {x.dtype}")
-    _check_projection(xp, projection, x.shape[-1], x.dtype)
+    _check_projection(xp, projection, x.shape[-1], x, "x")
     return features_from_exponent(xp, x, projection, feature_exponent(xp, x, projection, kernel),
                                   offset, kernel)
 
@@ -346,12 +350,15 @@ def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
     xp, _ = check_qkv(q, k, v, xp=xp)
     xp = namespace(("q", q), ("projection", projection), xp=xp)
     _check_kernel(kernel)
-    _check_projection(xp, projection, q.shape[-1], q.dtype)
+    _check_projection(xp, projection, q.shape[-1], q)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     if scale < 0:
         raise ValueError(f"scale must be non-negative for random features, got {scale!r}")
-    eps = float(xp.finfo(q.dtype).smallest_normal) if eps is None else check_eps(eps)
+    # The floor is a Python float: a dtype's smallest normal below float64's (np.longdouble's
+    # 3.4e-4932) is 0.0 as a float, so the floor is float64's smallest normal at least.
+    eps = (max(float(xp.finfo(q.dtype).smallest_normal), sys.float_info.min) if eps is None
+           else check_eps(eps))
     return xp, alignment, scale, eps
 
 
@@ -379,8 +386,9 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
         As in :func:`attn_ref.linear_attention`.
     eps : float, optional
         Denominator floor (see :mod:`attn_ref.linear`), default the smallest normal
-        number of the dtype: positive features give ``den >= 0`` and
-        ``|num| <= den max|v|``, so only an exactly-zero or underflowed denominator is
+        number of the dtype (of float64 for a wider dtype such as ``np.longdouble``):
+        positive features give ``den >= 0`` and ``|num| <= den max|v|``, so only an
+        exactly-zero or underflowed denominator is
         floored. Trigonometric denominators can be near zero or negative; outputs
         there are large (the instability positive features were introduced to fix).
 

@@ -20,6 +20,13 @@ Conventions shared by the family
   logits ``-inf``) returns zeros, as PyTorch SDPA and FlashAttention do; its
   weights row is all zeros.
 * ``Nq == 0`` gives an empty ``(..., 0, dv)`` output.
+* Finite input gives finite output whenever the unscaled products ``q.k`` are finite in
+  the dtype (``|q| |k| < finfo.max``): the max is subtracted before ``exp``, and a
+  scaled logit past the dtype's range (``scale=1e308``) is clamped to ``+-finfo.max``
+  instead of becoming ``inf`` (so several overflowing logits of one row share its
+  weight equally, where exact arithmetic would favour the largest). float16 (and any
+  dtype narrower than float32) computes the logits and the softmax in float32, so
+  logits above 65504 do not overflow; the output keeps the input's dtype.
 
 Options of modern kernels (FlashAttention 2, PyTorch SDPA, Gemma 2)
 --------------------------------------------------------------------
@@ -82,12 +89,15 @@ import array_api_compat
 
 from ._checks import (
     broadcast_batch,
+    check_array,
     check_bias,
+    check_flag,
     check_mask,
     check_positive_int,
     check_qkv,
+    check_real,
     default_scale,
-    is_floating,
+    is_integer,
     namespace,
 )
 
@@ -107,12 +117,14 @@ _CAUSAL = (TOP_LEFT, BOTTOM_RIGHT)
 
 def causal_alignment(causal):
     """Normalise ``causal`` to ``None``, ``"top-left"`` or ``"bottom-right"``."""
-    if causal is False or causal is None:
+    if causal is None:
         return None
-    if causal is True:
-        return TOP_LEFT
-    if isinstance(causal, str) and causal in _CAUSAL:
-        return causal
+    if isinstance(causal, str):
+        if causal in _CAUSAL:
+            return causal
+    elif isinstance(causal, bool) or type(causal).__module__ == "numpy":
+        # A flag (a NumPy bool included); check_flag refuses other NumPy scalars.
+        return TOP_LEFT if check_flag("causal", causal) else None
     raise ValueError(
         f"causal must be False, True (= {TOP_LEFT!r}), {TOP_LEFT!r} or {BOTTOM_RIGHT!r}, "
         f"got {causal!r}"
@@ -186,9 +198,7 @@ def check_softcap(softcap):
     """``None`` (off) or a finite positive float."""
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be None or a positive real number, got {softcap!r}")
-    if not (0.0 < float(softcap) < float("inf")):
+    if not 0.0 < check_real("softcap", softcap, want="None or a finite positive real number"):
         raise ValueError(
             f"softcap must be None (off) or a finite positive real number c for c tanh(s / c), "
             f"got {softcap!r}"
@@ -196,13 +206,12 @@ def check_softcap(softcap):
     return float(softcap)
 
 
-def check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk):
-    """``(p, keep)``: ``p`` in ``[0, 1)``; ``keep`` a bool mask, required when ``p > 0``."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    if not 0.0 <= float(dropout_p) < 1.0:
+def check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk, *, like):
+    """``(p, keep)``: ``p`` in ``[0, 1)``; ``keep`` a bool mask of ``like``'s library,
+    required when ``p > 0``."""
+    if not 0.0 <= check_real("dropout_p", dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a real number in [0, 1), got {dropout_p!r}")
-    keep = check_mask(xp, dropout_mask, batch, nq, nk, name="dropout_mask")
+    keep = check_mask(xp, dropout_mask, batch, nq, nk, name="dropout_mask", like=like)
     if dropout_p > 0 and keep is None:
         raise ValueError(
             f"dropout_p={dropout_p} needs dropout_mask, a bool keep-mask broadcastable to "
@@ -222,14 +231,12 @@ def _fits_batch(name, shape, batch):
         return False
 
 
-def check_alibi_slopes(xp, slopes, batch, dtype):
-    """Slopes ``(H,)`` or ``(B, H)`` as a ``(..., H, 1, 1)`` array of ``dtype``, or None."""
+def check_alibi_slopes(xp, slopes, batch, dtype, *, like):
+    """Slopes ``(H,)`` or ``(B, H)`` of ``like``'s library as a ``(..., H, 1, 1)`` array of
+    ``dtype``, or None."""
     if slopes is None:
         return None
-    if not array_api_compat.is_array_api_obj(slopes):
-        raise TypeError(f"alibi_slopes must be a floating array, got {type(slopes).__name__}")
-    if not is_floating(xp, slopes.dtype):
-        raise TypeError(f"alibi_slopes must have a real floating dtype, got {slopes.dtype}")
+    check_array("alibi_slopes", slopes, like=like)
     shape = tuple(slopes.shape)
     if slopes.ndim < 1 or not _fits_batch("alibi_slopes", shape, batch):
         raise ValueError(
@@ -240,23 +247,21 @@ def check_alibi_slopes(xp, slopes, batch, dtype):
     return xp.reshape(slopes, shape + (1, 1))
 
 
-def check_seqlens(xp, name, lens, batch, n, device=None):
-    """Per-sequence lengths ``(B,)`` as an integer ``(B, 1, 1, 1)`` array, or None.
+def check_seqlens(xp, name, lens, batch, n, device=None, *, like):
+    """Per-sequence lengths ``(B,)`` as an integer ``(B, 1, 1, 1)`` array of ``like``'s
+    library, or None.
 
     A list or tuple of Python ints is taken as a 1-D array (static under ``jax.jit``).
     """
     if lens is None:
         return None
-    if isinstance(lens, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in lens
-    ):
-        lens = xp.asarray(lens, dtype=xp.int64, device=device)
+    if isinstance(lens, (list, tuple)) and all(is_integer(x) for x in lens):
+        lens = xp.asarray([operator.index(x) for x in lens], dtype=xp.int64, device=device)
     if not array_api_compat.is_array_api_obj(lens):
         raise TypeError(
             f"{name} must be an integer array or a sequence of ints, got {type(lens).__name__}"
         )
-    if not xp.isdtype(lens.dtype, "integral"):
-        raise TypeError(f"{name} must have an integer dtype, got {lens.dtype}")
+    check_array(name, lens, like=like, kind="integral")
     shape = tuple(lens.shape)
     if lens.ndim < 1 or not _fits_batch(name, shape + (1,), batch):
         raise ValueError(
@@ -427,24 +432,45 @@ def _tile_logits(xp, q, kt, spec, q0, k0):
 
     ``q (..., tq, d)`` and ``kt (..., d, tk)`` (keys already transposed) are the tile's
     rows; ``spec.scale`` multiplies ``q kt`` (pass ``1.0`` when ``q`` is pre-scaled).
-    Applies, in order: scale, soft-cap, bias, ALiBi, then the visibility mask.
+    Applies, in order: scale (clamped to ``+-finfo.max``), soft-cap, bias, ALiBi (the sum
+    clamped to at most ``finfo.max``), then the visibility mask. The logits are in
+    :func:`logit_dtype` (float32 for float16 input).
     Returns ``(logits, allowed)``; ``allowed`` is None when every entry is allowed.
     """
     q1, k1 = q0 + q.shape[-2], k0 + kt.shape[-1]
     device = array_api_compat.device(q)
+    work = logit_dtype(xp, q.dtype)
+    if work != q.dtype:
+        q, kt = xp.astype(q, work), xp.astype(kt, work)
+    # The scale multiplies the product, not q: scale * q may overflow where scale * (q k)
+    # does not, and an infinite q gives inf - inf = NaN inside the product.
     s = q @ kt
+    # A logit past the dtype's range (a huge scale) becomes +-finfo.max instead of
+    # +-inf, so that s - rowmax is never inf - inf (finfo.max stays the library's
+    # scalar: float() of np.longdouble's is inf).
+    big = xp.finfo(s.dtype).max
     if spec.scale != 1.0:
-        s = s * spec.scale
+        s = xp.clip(s * spec.scale, min=-big, max=big)
     if spec.softcap is not None:
         s = spec.softcap * xp.tanh(s / spec.softcap)
     if spec.bias is not None:
         s = s + _tile(spec.bias, q0, q1, k0, k1)
     if spec.alibi is not None:
         s = s + _alibi_tile(xp, spec, q0, q1, k0, k1, s.dtype, device)
+    if spec.softcap is not None or spec.bias is not None or spec.alibi is not None:
+        # Only the top is clamped again: a -inf bias is a deliberate mask.
+        s = xp.clip(s, max=big)
     allowed = _tile_visible(xp, spec, q0, q1, k0, k1, device)
     if allowed is not None:
         s = xp.where(allowed, s, -xp.inf)
     return s, allowed
+
+
+def logit_dtype(xp, dtype):
+    """The dtype logits and softmax statistics are computed in: ``dtype``, or float32 for
+    a narrower one (float16 logits overflow above 65504; the probabilities, in [0, 1],
+    go back to ``dtype`` before they multiply ``V``)."""
+    return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
 
 
 def _keep_tile(xp, p, spec, q0, k0):
@@ -520,8 +546,7 @@ class _Problem:
 def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
            alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
            gqa=False, xp=None):
-    if not isinstance(gqa, bool):
-        raise TypeError(f"gqa must be True or False, got {gqa!r}")
+    gqa = check_flag("gqa", gqa)
     if gqa:
         xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
         hkv, g = _check_gqa(q, k, v)
@@ -539,17 +564,17 @@ def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=No
             raise
         qg, kg, vg, batch_g = q, k, v, batch
     nq, nk = q.shape[-2], k.shape[-2]
-    mask = check_mask(xp, mask, batch, nq, nk)
-    bias = check_bias(xp, bias, batch, nq, nk, q.dtype)
+    mask = check_mask(xp, mask, batch, nq, nk, like=q)
+    bias = check_bias(xp, bias, batch, nq, nk, q.dtype, like=q)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     window = check_window(window)
     softcap = check_softcap(softcap)
-    alibi = check_alibi_slopes(xp, alibi_slopes, batch, q.dtype)
-    dropout_p, keep = check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk)
+    alibi = check_alibi_slopes(xp, alibi_slopes, batch, q.dtype, like=q)
+    dropout_p, keep = check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk, like=q)
     device = array_api_compat.device(q)
-    len_q = check_seqlens(xp, "seqlens_q", seqlens_q, batch, nq, device)
-    len_k = check_seqlens(xp, "seqlens_k", seqlens_k, batch, nk, device)
+    len_q = check_seqlens(xp, "seqlens_q", seqlens_q, batch, nq, device, like=q)
+    len_k = check_seqlens(xp, "seqlens_k", seqlens_k, batch, nk, device, like=q)
     if gqa:
         mask, bias, alibi, keep, len_q, len_k = (
             _group(xp, x, hkv, g) for x in (mask, bias, alibi, keep, len_q, len_k)
@@ -569,6 +594,8 @@ def _weights(pb):
     denom = xp.sum(p, axis=-1, keepdims=True)
     # Rows with no allowed key have p == 0 everywhere; dividing by 1 keeps them zero.
     p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
+    if p.dtype != pb.q.dtype:
+        p = xp.astype(p, pb.q.dtype)
     p = _keep_tile(xp, p, spec, 0, 0)
     drop = _dropout_scale(spec)
     return p * drop if drop != 1.0 else p
@@ -586,17 +613,17 @@ def _online_forward(pb, block_q, block_k):
 
     ``lse`` is the log-sum-exp of each row's masked logits (before dropout), ``+inf`` for
     a row with no key to attend to, so that the backward's ``exp(S - lse)`` is 0 there.
-    The forward discards it (a few ``O(Nq)`` operations).
+    The forward discards it (a few ``O(Nq)`` operations). ``out`` has q's dtype; ``lse``
+    and the running statistics are in :func:`logit_dtype` (float32 for float16).
     """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
     device = array_api_compat.device(pb.q)
-    dtype = pb.q.dtype
+    dtype = logit_dtype(xp, pb.q.dtype)
     if nq == 0 or nk == 0:
         return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
-    # Folding the scale into q once saves a pass over every logits tile.
-    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
-    tile_spec = dataclasses.replace(spec, scale=1.0)
+    # The scale is not folded into q: scale * q can overflow where scale * (q k) does not.
+    qs, tile_spec = pb.q, spec
     kt = _transposed_copy(xp, pb.k)
     v = pb.v
     outputs, lses = [], []
@@ -620,11 +647,12 @@ def _online_forward(pb, block_q, block_k):
             alpha = xp.exp(m - m_safe)
             # The normaliser counts dropped weights too (dropout acts after the softmax).
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
-            acc = acc * alpha + _keep_tile(xp, p, spec, q0, k0) @ v[..., k0:k1, :]
+            pv = _keep_tile(xp, p, spec, q0, k0)
+            acc = acc * alpha + (pv if pv.dtype == v.dtype else xp.astype(pv, v.dtype)) @ v[..., k0:k1, :]
             m = m_new
         empty = l == 0
         one = xp.ones_like(l)
-        outputs.append(acc / xp.where(empty, one, l))
+        outputs.append(xp.astype(acc / xp.where(empty, one, l), pb.q.dtype))
         lse = xp.where(empty, xp.full_like(l, xp.inf),
                        xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
         lses.append(lse[..., 0])
@@ -839,10 +867,8 @@ def _cu_offsets(name, cu, total, tensor):
         # The offsets plan the tiles, so they are read on the host (FlashAttention
         # likewise takes max_seqlen as a host integer). Under jax.jit pass a tuple.
         vals = [int(cu[i]) for i in range(cu.shape[0])]
-    elif isinstance(cu, (list, tuple)) and all(
-        isinstance(c, int) and not isinstance(c, bool) for c in cu
-    ):
-        vals = [int(c) for c in cu]
+    elif isinstance(cu, (list, tuple)) and all(is_integer(c) for c in cu):
+        vals = [operator.index(c) for c in cu]
     else:
         raise TypeError(
             f"{name} must be a 1-D integer array or a sequence of ints [0, n1, n1 + n2, ...], "
@@ -954,8 +980,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     True
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
-    if not isinstance(online, bool):
-        raise TypeError(f"online must be True or False, got {online!r}")
+    online = check_flag("online", online)
     cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
     device = array_api_compat.device(q)
     nb = len(cq) - 1

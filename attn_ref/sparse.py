@@ -29,6 +29,14 @@ Conventions
   caller keeps it static (a tuple of tuples is hashable). The last block may be
   ragged: positions past ``Nq``/``Nk`` are padding that never receives weight.
 * Rows with no key to attend to return zeros, as in :mod:`attn_ref.softmax`.
+* The efficient forms fold ``scale`` into ``q`` before the products, so finite input
+  gives finite output while ``|scale| max|q| max|k| d`` is below the dtype's largest
+  value; past it (``scale=1e308`` with unit-size ``q`` and ``k``) they can give NaN
+  (``inf - inf`` in the row maximum), where the defining
+  form :func:`attn_ref.softmax_attention` with the same mask stays finite.
+* A block layout, like ``cu_seqlens``, is read on the host: it may come from any
+  library (or be nested sequences), unlike the array arguments, which must share
+  ``q``'s library.
 
 Cost of the efficient forms
 ---------------------------
@@ -47,7 +55,7 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._checks import check_nonnegative_int, check_positive_int, check_qkv, default_scale
+from ._checks import check_flag, check_nonnegative_int, check_positive_int, check_qkv, default_scale
 from .softmax import _causal_offset, attention_weights, causal_alignment
 
 __all__ = [
@@ -143,7 +151,8 @@ def _check_global_tokens(global_tokens, n):
         )
     out = []
     for t in global_tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+        t = check_nonnegative_int("global_tokens entry", t)
+        if not t < n:
             raise ValueError(
                 f"global_tokens must hold integer positions in [0, N) = [0, {n}), got {t!r}"
             )
@@ -155,6 +164,15 @@ def _check_window(window, dilation):
     check_nonnegative_int("window", window)
     check_positive_int("dilation", dilation)
     return window * dilation
+
+
+def _is_flag(x):
+    """A NumPy bool (or bool) as a layout entry, by the flag rule of :func:`check_flag`."""
+    try:
+        check_flag("layout entry", x)
+    except TypeError:
+        return False
+    return True
 
 
 def _layout_rows(layout, nbq, nbk, block_size, nq, nk):
@@ -178,7 +196,8 @@ def _layout_rows(layout, nbq, nbk, block_size, nq, nk):
             got = len(row) if isinstance(row, Sequence) else type(row).__name__
             raise ValueError(f"layout must be {want}, got row {a} of length {got}")
         for b, x in enumerate(row):
-            if not (isinstance(x, bool) or (isinstance(x, int) and x in (0, 1))):
+            ok = x in (0, 1) if isinstance(x, int) else _is_flag(x)
+            if not ok:
                 raise TypeError(f"layout must be {want}, got entry ({a}, {b}) = {x!r}")
         rows.append(tuple(b for b, x in enumerate(row) if x))
     if len(rows) != nbq:

@@ -192,8 +192,8 @@ def test_bad_input(backend):
     cases = [
         (dict(stride=0), ValueError, "stride must be a positive integer, got 0"),
         (dict(stride=-2), ValueError, "stride must be a positive integer, got -2"),
-        (dict(stride=1.5), ValueError, "stride must be a positive integer, got 1.5"),
-        (dict(stride=True), ValueError, "stride must be a positive integer, got True"),
+        (dict(stride=1.5), TypeError, "stride must be a positive integer, got 1.5"),
+        (dict(stride=True), TypeError, "stride must be a positive integer, got True"),
         (dict(k_weight=arr((3, D + 1, D))), ValueError,
          r"k_weight must have shape .*d_in=4.*got shape \(3, 5, 4\)"),
         (dict(k_weight=arr((3, D, D + 1))), ValueError,

@@ -281,7 +281,7 @@ def test_bad_input(backend):
         (effective_rank, (x,), {"xp": _NoLinalg(xp)}, TypeError, "no linalg extension"),
         (best_rank_k_error, (x, -1), {}, ValueError, "k must be a non-negative integer"),
         (best_rank_k_error, (x, 1), {"norm": "nuclear"}, ValueError, "norm must be one of"),
-        (best_rank_k_approximation, (x, 1.5), {}, ValueError, "k must be"),
+        (best_rank_k_approximation, (x, 1.5), {}, TypeError, "k must be"),
         (normalized_cumulative_spectrum, (x,), {"power": 3}, ValueError, "power must be 1 or 2"),
         (approximation_error, (x, xp.matrix_transpose(x)), {}, ValueError,
          r"p_approx must have the shape of p, \(4, 3\).*got \(3, 4\)"),

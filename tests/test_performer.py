@@ -319,9 +319,11 @@ def test_bad_input(backend):
     with pytest.raises(ValueError, match="projection must have shape"):
         favor_features(r(3, 5), w)
     for bad in (-1, 0, 2.5, True):
-        with pytest.raises(ValueError, match="m must be a positive integer"):
+        # A negative or zero integer is a wrong value; a float or a bool a wrong type.
+        exc = ValueError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError
+        with pytest.raises(exc, match="m must be a positive integer"):
             random_features(4, bad, seed=0, xp=xp)
-        with pytest.raises(ValueError, match="d must be a positive integer"):
+        with pytest.raises(exc, match="d must be a positive integer"):
             random_features(bad, 4, seed=0, xp=xp)
     with pytest.raises(ValueError, match="kind must be one of"):
         random_features(4, 4, kind="sobol", seed=0, xp=xp)

@@ -358,7 +358,6 @@ def test_bad_input(backend):
         (nystrom_attention, dict(num_landmarks=7), r"num_landmarks must be at most .*min\(6, 10\)"),
         (nystrom_attention, dict(num_landmarks=0), "num_landmarks must be a positive integer"),
         (nystrom_attention, dict(num_landmarks=2, pinv_iterations=0), "pinv_iterations must be a positive"),
-        (nystrom_attention, dict(num_landmarks=2, pinv_iterations=2.5), "pinv_iterations must be a positive"),
         (clustered_attention, dict(num_clusters=7),
          "num_clusters must be at most the number of queries Nq=6"),
         (clustered_attention, dict(num_clusters=0), "num_clusters must be a positive integer"),
@@ -374,6 +373,9 @@ def test_bad_input(backend):
             fn(q, k, v, **kw)
     with pytest.raises(ValueError, match="k and v must have the same sequence length"):
         nystrom_attention(q, k, v[..., :9, :], num_landmarks=2)
+    # A non-integer count is a wrong type, not a wrong value.
+    with pytest.raises(TypeError, match=r"pinv_iterations must be a positive integer, got 2\.5 \(float\)"):
+        nystrom_attention(q, k, v, num_landmarks=2, pinv_iterations=2.5)
 
 
 # -------------------------------------------------------------------------- registry

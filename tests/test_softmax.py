@@ -201,9 +201,11 @@ def test_bad_input(backend, form):
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_bad_block_sizes(backend, bad):
     q, _ = randn(backend, (3, 4))
-    with pytest.raises(ValueError, match="block_q must be a positive integer"):
+    # A negative or zero integer is a wrong value; a float or a bool a wrong type.
+    exc = ValueError if isinstance(bad, int) and not isinstance(bad, bool) else TypeError
+    with pytest.raises(exc, match="block_q must be a positive integer"):
         online_softmax_attention(q, q, q, block_q=bad)
-    with pytest.raises(ValueError, match="block_k must be a positive integer"):
+    with pytest.raises(exc, match="block_k must be a positive integer"):
         online_softmax_attention(q, q, q, block_k=bad)
 
 

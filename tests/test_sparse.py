@@ -378,7 +378,8 @@ def _bad_cases(backend):
     lay4 = random_block_layout(4, 4)
     return [
         (local_attention, (q, k, v), {"window": -1}, ValueError, "window must be a non-negative integer"),
-        (local_attention, (q, k, v), {"window": 2.0}, ValueError, "window"),
+        (local_attention, (q, k, v), {"window": 2.0}, TypeError,
+         r"window must be a non-negative integer, got 2\.0 \(float\)"),
         (local_attention, (q, k, v), {"window": 1, "dilation": 0}, ValueError, "dilation must be a positive"),
         (local_attention, (q, k, v), {"window": 1, "block_size": 0}, ValueError, "block_size must be a pos"),
         (local_attention, (q, k6, v6), {"window": 1}, ValueError, "self-attention only"),

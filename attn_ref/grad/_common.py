@@ -9,7 +9,7 @@ modifies an argument.
 
 from __future__ import annotations
 
-import array_api_compat
+from .._checks import check_array
 
 __all__ = [
     "unbroadcast",
@@ -61,15 +61,13 @@ def softmax_vjp(xp, p, dp):
     return p * (dp - xp.sum(p * dp, axis=-1, keepdims=True))
 
 
-def check_cotangent(xp, do, shape, dtype, name="do"):
-    """``do`` must be an array of the output's ``shape`` (broadcasting not allowed)."""
-    if not array_api_compat.is_array_api_obj(do):
-        raise TypeError(f"{name} must be an array (the cotangent of the output), got {type(do).__name__}")
+def check_cotangent(xp, do, shape, like, name="do"):
+    """``do`` must be an array of the output's ``shape`` (broadcasting not allowed) with the
+    library, device and dtype of ``like`` (``q``), as the forward requires of ``k`` and ``v``."""
+    check_array(name, do, like=like, dtype=like.dtype)
     if tuple(do.shape) != tuple(shape):
         raise ValueError(
             f"{name} must have the output's shape (..., Nq, dv) = {tuple(shape)}, got shape "
             f"{tuple(do.shape)}"
         )
-    if not xp.isdtype(do.dtype, "real floating"):
-        raise TypeError(f"{name} must have a real floating dtype, got {do.dtype}")
-    return do if do.dtype == dtype else xp.astype(do, dtype)
+    return do

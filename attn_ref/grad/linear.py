@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .._checks import check_positive_int, check_qkv
+from .._checks import check_flag, check_positive_int, check_qkv
 from ..linear import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -193,9 +193,10 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
     _check_order(order)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("block_size", block_size)
+    normalize = check_flag("normalize", normalize)
     eps = check_eps(eps)
     nq, nk = fq.shape[-2], fk.shape[-2]
-    do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), v.dtype)
+    do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), v)
     if nq == 0 or nk == 0:
         dev = array_api_compat.device(v)
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=dev)

@@ -92,7 +92,7 @@ def query_reduced_attention(q, k, v, do, /, *, num_segments, expand=True, causal
     qr = segment_means(q, num_segments, xp=xp)
     if expand:
         _, batch = check_qkv(q, k, v, xp=xp)
-        do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+        do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
         do = _segment_sums(xp, do, num_segments)
     g = softmax_attention(qr, k, v, do, scale=scale, xp=xp)
     return {"q": segment_means_vjp(xp, g["q"], q.shape[-2]), "k": g["k"], "v": g["v"]}
@@ -183,7 +183,7 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     xp, scale = _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
                                  "nystrom_attention")
     _, batch = check_qkv(q, k, v, xp=xp)
-    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
     qs = q * scale
     ql, kl = segment_means(qs, m, xp=xp), segment_means(k, m, xp=xp)
@@ -344,7 +344,7 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     """
     xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
                                           "clustered_attention")
-    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q.dtype)
+    do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed)
     if topk is None:
         g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)

@@ -58,7 +58,7 @@ def _grouped_cotangent(pb, x, name, last):
     """Check ``x`` (shape ``batch + (Nq, last)``) and view it like the grouped queries."""
     xp = pb.xp
     x = check_cotangent(xp, x, pb.batch + (pb.spec.nq,) + ((last,) if last is not None else ()),
-                        pb.q.dtype, name=name)
+                        pb.q, name=name)
     if not pb.grouped:
         return x
     hkv, g = pb.q.shape[-4], pb.q.shape[-3]
@@ -156,6 +156,7 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     p = xp.exp(s - _row_max(xp, s))
     denom = xp.sum(p, axis=-1, keepdims=True)
     p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
+    p = p if p.dtype == pb.q.dtype else xp.astype(p, pb.q.dtype)  # float16: logits in float32
     drop = _dropout_scale(spec)
     pd = _keep_tile(xp, p, spec, 0, 0)
     if drop != 1.0:
@@ -208,6 +209,7 @@ def online_softmax_forward(
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
     out, lse = _online_forward(pb, block_q, block_k)
+    lse = lse if lse.dtype == q.dtype else pb.xp.astype(lse, q.dtype)
     lse = pb.ungroup(lse[..., None])[..., 0] if pb.grouped else lse
     return pb.ungroup(out), lse
 
@@ -320,6 +322,7 @@ def online_softmax_attention(
             s, _ = _tile_logits(xp, qb, ktb, tile_spec, q0, k0)
             # exp(S - lse) is P exactly: the forward's normaliser is in lse.
             p = xp.exp(s - lse[..., q0:q1, :])
+            p = p if p.dtype == dtype else xp.astype(p, dtype)  # float16: logits in float32
             pd = _keep_tile(xp, p, spec, q0, k0)
             dp = _keep_tile(xp, do[..., q0:q1, :] @ vtb, spec, q0, k0)
             if drop != 1.0:

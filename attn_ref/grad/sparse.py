@@ -142,7 +142,7 @@ _PART_VJPS = {_sp._Blocks: _blocks_vjp, _sp._Classes: _classes_vjp, _sp._Columns
 
 def _vjp(plan, q, k, v, do):
     xp = plan.xp
-    do = check_cotangent(xp, do, plan.batch + (plan.nq, v.shape[-1]), q.dtype)
+    do = check_cotangent(xp, do, plan.batch + (plan.nq, v.shape[-1]), q)
     device = array_api_compat.device(q)
     if plan.nq == 0 or plan.nk == 0:
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}

@@ -1,0 +1,99 @@
+"""Every registered reference gives a finite golden on finite input, in float64 and longdouble.
+
+The conformance oracle computes its golden with the reference in a wider dtype than the
+kernel (``np.longdouble`` for a float64 kernel). A finite stand-in for ``-inf`` written
+as ``-float(finfo.max) / 4`` is ``-inf`` in longdouble (``float()`` of its max is inf), and
+``inf - inf`` then poisons a causal Nq != Nk row with NaN (issue 14). This test calls
+every reference the way the oracle does, through the public API only, on every case of
+the "exhaustive" suite that the variant accepts.
+"""
+
+from __future__ import annotations
+
+import array_api_compat.numpy as npx
+import numpy as np
+import pytest
+
+from attn_ref.registry import variants
+from conformance import cases
+
+DTYPES = {"float64": np.float64, "longdouble": np.longdouble}
+_BASE = ("q", "k", "v")
+# Cases with more multiply-adds than this (Nq Nk d, times 64 in longdouble, which NumPy
+# computes without BLAS) take seconds each on a shared CPU: marked slow.
+# Very long key sequences (Nk >= 16384, the decode cases) are slow in any dtype.
+_SLOW_WORK = 2**25
+_SLOW_NK = 16384
+
+
+def _slow(case, dtype):
+    work = case.nq * case.nk * max(case.d, case.dv) * (64 if dtype == "longdouble" else 1)
+    return work > _SLOW_WORK or case.nk >= _SLOW_NK
+
+
+def _golden(variant, case, dtype, seed=0):
+    """The reference's output for ``case`` in ``dtype`` (NumPy), and whether its inputs
+    were finite."""
+    arrays, kwargs = case.inputs(seed, "float64")
+    params = {}
+    if variant.params is not None:
+        params = variant.params(seed, case.nq, case.nk, case.d, case.dv, dtype=npx.float64,
+                                device="cpu", xp=npx)
+
+    def cast(x):
+        x = np.asarray(x) if hasattr(x, "shape") else x
+        if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating):
+            return x.astype(dtype)
+        return x
+
+    clash = sorted(set(kwargs) & set(variant.options))
+    if clash:
+        # e.g. a softmax "window" case offered to local attention, whose fixed option
+        # window means something else: the oracle cannot call the reference either.
+        pytest.skip(f"case options {clash} clash with the variant's fixed options")
+    a = {n: cast(x) for n, x in arrays.items()}
+    p = {n: cast(x) for n, x in params.items()}
+    finite = all(np.all(np.isfinite(x)) for x in list(a.values()) + list(p.values())
+                 if isinstance(x, np.ndarray) and np.issubdtype(x.dtype, np.floating))
+    try:
+        with np.errstate(all="ignore"):
+            out = variant.fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in _BASE},
+                             **kwargs, **p, **variant.options, xp=npx)
+    except ValueError as exc:
+        # A reference that refuses an option of the case by design (Linformer refuses a
+        # mask) cannot take it; the oracle reports such a case as not applicable.
+        pytest.skip(f"the {variant.name} reference refuses this case: {exc}")
+    return np.asarray(out), finite
+
+
+def _params():
+    out = []
+    for variant in variants():
+        for case in cases(variant.name, "exhaustive"):
+            for dname in DTYPES:
+                marks = [pytest.mark.slow] if _slow(case, dname) else []
+                out.append(pytest.param(variant, case, dname, marks=marks,
+                                        id=f"{variant.name}-{case.id}-{dname}"))
+    return out
+
+
+@pytest.mark.parametrize("variant,case,dtype", _params())
+def test_reference_golden_is_finite(variant, case, dtype):
+    out, finite = _golden(variant, case, DTYPES[dtype])
+    assert out.dtype == DTYPES[dtype]
+    if finite:
+        bad = ~np.isfinite(out)
+        assert not bad.any(), (
+            f"{variant.name} on {case.id} in {dtype}: {int(bad.sum())} non-finite outputs "
+            f"of {out.size} from finite inputs, first at {tuple(int(i) for i in np.argwhere(bad)[0])}"
+        )
+
+
+def test_longdouble_causal_rectangular_performer_is_finite():
+    # The case issue 14 found: causal, Nq != Nk, in longdouble.
+    (variant,) = [v for v in variants() if v.name == "performer"]
+    chosen = [c for c in cases("performer", "exhaustive")
+              if c.nq != c.nk and c.causal]
+    assert chosen, "the exhaustive suite has no causal Nq != Nk case for performer"
+    out, _ = _golden(variant, chosen[0], np.longdouble)
+    assert np.all(np.isfinite(out))
