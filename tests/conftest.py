@@ -18,6 +18,11 @@ import pytest  # noqa: E402
 
 from conformance import backends as B
 
+# pytester runs pytest inside a test: the conformance plugin's options and the generic
+# variant tests are checked by their behaviour (tests/test_variants.py,
+# tests/test_conformance_grads.py).
+pytest_plugins = ["pytester"]
+
 # ATTN_REF_TEST_BACKENDS=numpy,array_api_strict narrows the matrix for a quick local run
 # (CI never sets it; ATTN_REF_REQUIRE_BACKENDS still fails on a required backend left out).
 _ONLY = [n.strip() for n in os.environ.get("ATTN_REF_TEST_BACKENDS", "").split(",") if n.strip()]
