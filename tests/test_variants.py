@@ -18,6 +18,7 @@ import inspect
 
 import array_api_compat
 import numpy as np
+import pytest
 
 from asv_benches import _common as bench
 from attn_ref import grad, registry
@@ -181,19 +182,32 @@ def _throwaway(q, k, v, /):
     return softmax_attention(q, k, v)
 
 
-def test_a_variant_without_its_parts_fails_here_saying_what_is_missing(pytester):
+class _Reports:
+    """A pytest plugin that keeps the reports of the tests it sees run."""
+
+    def __init__(self):
+        self.reports = []
+
+    def pytest_runtest_logreport(self, report):
+        self.reports.append(report)
+
+
+def test_a_variant_without_its_parts_fails_here_saying_what_is_missing():
     name = "throwaway_test_variant"
     registry.register(Variant(name=name, fn=_throwaway, family="softmax", exact=True, causal=False,
                               time="O(N^2 d)", memory="O(N^2)"))
+    seen = _Reports()
     try:
         assert name in [v.name for v in registry.variants()]
-        rec = pytester.inline_run(__file__, "-p", "no:cacheprovider", "-q", "--no-header", "-k", name)
+        # This module run again, in this process (the registry is this process's), by
+        # pytest.main rather than pytester, which would drop the modules the run imports
+        # (torch, jax) from sys.modules afterwards.
+        pytest.main([__file__, "-p", "no:cacheprovider", "-q", "--no-header", "-k", name], plugins=[seen])
     finally:
         registry.unregister(name)
     assert name not in [v.name for v in registry.variants()]
-    reports = rec.getreports("pytest_runtest_logreport")
-    failed = {r.nodeid.split("::")[-1]: r.longreprtext for r in reports if r.failed}
-    ran = {r.nodeid.split("::")[-1] for r in reports if r.when == "call"}
+    failed = {r.nodeid.split("::")[-1]: r.longreprtext for r in seen.reports if r.failed}
+    ran = {r.nodeid.split("::")[-1] for r in seen.reports if r.when == "call"}
     want = {
         f"test_has_a_weights_function[{name}]": "registers no weights function",
         f"test_has_a_vjp[{name}]": "registers no VJP",
