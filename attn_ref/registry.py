@@ -90,7 +90,7 @@ class Variant:
 
 
 def register(variant: Variant) -> Variant:
-    """Add ``variant`` to the catalogue; registering the same function twice is a no-op."""
+    """Add ``variant`` to the catalogue (again, with the same function: a reloaded module)."""
     if variant.name in _REGISTRY and _REGISTRY[variant.name].fn is not variant.fn:
         raise ValueError(f"variant {variant.name!r} is already registered")
     _REGISTRY[variant.name] = variant
@@ -99,7 +99,6 @@ def register(variant: Variant) -> Variant:
 
 def unregister(name: str) -> Variant:
     """Remove the variant called ``name`` (a plugin's or a test's) and return it."""
-    _load()
     try:
         return _REGISTRY.pop(name)
     except KeyError:

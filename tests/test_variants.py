@@ -171,6 +171,20 @@ def test_vjp_is_the_gradient(name):
                                    err_msg=f"{name}: d{n} is not the gradient")
 
 
+def test_a_vjp_path_that_does_not_import_is_named():
+    name = "bad_vjp_path_variant"
+    registry.register(Variant(name=name, fn=softmax_attention, family="softmax", exact=True,
+                              causal=False, time="O(N^2 d)", memory="O(N^2)",
+                              vjp="attn_ref.grad.softmax:no_such_function"))
+    try:
+        with pytest.raises(ImportError, match=f"variant '{name}': cannot import its vjp "
+                                              f"'attn_ref.grad.softmax:no_such_function'"):
+            registry.get("softmax")
+    finally:
+        registry.unregister(name)
+    assert registry.get("softmax").vjp is grad.softmax_attention
+
+
 # ---------------------------------------------------------------- a variant that has nothing
 
 
