@@ -26,7 +26,7 @@ from attn_ref.registry import Variant
 from attn_ref.softmax import softmax_attention
 from conformance.backends import load
 from tests import plain
-from tests.helpers import EPS, assert_close, call, host, randn
+from tests.helpers import EPS, NOT_TRACEABLE, assert_close, call, host, randn
 
 BATCH, N, D, DV = (2, 3), 12, 4, 3
 SEED = 3
@@ -238,3 +238,20 @@ def test_a_variant_without_its_parts_fails_here_saying_what_is_missing():
     for test, words in want.items():
         assert test in failed, f"{test} did not fail; failed: {sorted(failed)}"
         assert words in failed[test], f"{test}: {words!r} not in\n{failed[test]}"
+
+
+def test_a_function_runs_eagerly_on_jax_only_when_not_traceable_lists_it():
+    from conformance.backends import BackendUnavailable
+
+    try:
+        backend = load("jax")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    q, qh = randn(backend, (3, 4), seed=1)
+    with pytest.raises(AssertionError, match="_throwaway cannot be traced under jax.jit"):
+        call(backend, _throwaway, q, q, q)
+    NOT_TRACEABLE[_throwaway] = "inspects q on the host (a test of the mechanism)"
+    try:
+        assert_close(call(backend, _throwaway, q, q, q), plain.naive_attention(qh, qh, qh)[0], backend)
+    finally:
+        del NOT_TRACEABLE[_throwaway]
