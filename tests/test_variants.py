@@ -206,7 +206,9 @@ class _Reports:
         self.reports.append(report)
 
 
-def test_a_variant_without_its_parts_fails_here_saying_what_is_missing():
+def test_a_variant_without_its_parts_fails_here_saying_what_is_missing(monkeypatch):
+    # The run below must stay in this process (no -n, no --junitxml of the outer run's).
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     name = "throwaway_test_variant"
     registry.register(Variant(name=name, fn=_throwaway, family="softmax", exact=True, causal=False,
                               time="O(N^2 d)", memory="O(N^2)"))
