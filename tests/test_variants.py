@@ -132,18 +132,17 @@ def test_output_is_the_plain_reference_and_weights_at_v(backend, name):
 
 def test_float32_in_float32_out(backend, name):
     variant = registry.get(name)
-    (q, k, v), _, extra = _inputs(backend, variant, "float32")
-    extra64 = _inputs(backend, variant)[2]
+    (q, k, v), (qh, kh, vh), extra = _inputs(backend, variant, "float32")
     opts = _options(variant)
     out = call(backend, variant.fn, q, k, v, **extra, **opts)
     _like_q(out, q, BATCH + (N, DV), f"the float32 output of {name!r}")
-    # Close to the float64 result from the same (float32-rounded) inputs: within 2^10
+    # Close to the plain reference on the same (float32-rounded) inputs: within 2^10
     # float32 epsilons of the output's scale, room for rounding but not for a mistake.
     got = host(out)
-    ref = host(call(backend, variant.fn, *(backend.xp.astype(x, backend.xp.float64) for x in (q, k, v)),
-                    **extra64, **opts))
+    assert name in plain.PLAIN, f"variant {name!r} has no plain reference (PLAIN in tests/plain.py)"
+    want = plain.PLAIN[name](qh, kh, vh, bool(opts), **_on_host(extra))[0]
     assert np.all(np.isfinite(got))
-    np.testing.assert_allclose(got, ref, rtol=0, atol=2**10 * EPS["float32"] * np.abs(ref).max())
+    np.testing.assert_allclose(got, want, rtol=0, atol=2**10 * EPS["float32"] * np.abs(want).max())
 
 
 def test_vjp_is_the_gradient(name):
@@ -232,7 +231,8 @@ def test_a_variant_without_its_parts_fails_here_saying_what_is_missing(monkeypat
         f"test_has_a_plain_reference[{name}]": "has no plain reference",
     }
     for test in ran:
-        if test.startswith("test_output_is_the_plain_reference_and_weights_at_v["):
+        if test.startswith(("test_output_is_the_plain_reference_and_weights_at_v[",
+                            "test_float32_in_float32_out[")):
             want[test] = "has no plain reference"
         if test.endswith(f"[{name}-jax]"):  # both tests on JAX: jit comes first
             want[test] = "cannot be traced under jax.jit"
