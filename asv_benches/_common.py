@@ -288,7 +288,7 @@ def variant_names() -> list[str]:
 # ``Variant.options`` and ``Variant.params`` in attn_ref/ are sized for tests (rank 8,
 # 4 landmarks, window 3, ...), which say little about what users run. The suite calls
 # each variant with the configuration below instead; a variant missing here falls back
-# to the registry's arguments (with a warning, and tests/test_benchmarks.py fails so
+# to the registry's arguments (with a warning, and tests/test_variants.py fails so
 # that it gets one).
 #
 # ``options`` are passed to the variant's function; ``sizes`` (a rank, a number of

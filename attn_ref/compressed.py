@@ -286,6 +286,7 @@ def _register():
 
     register(Variant(
         name="compressed", fn=compressed_attention, family="compressed", exact=False,
+        vjp="attn_ref.grad.compressed:compressed_attention",
         causal=True, time="O(N^2 d / s)", memory="O(N^2 / s)", params=_params,
         options={"stride": 3}, weights=compressed_weights,
         summary="memory-compressed attention: keys/values through a stride-3 kernel-3 conv",

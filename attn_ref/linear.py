@@ -752,6 +752,7 @@ def _register():
 
     register(Variant(
         name="linear", fn=linear_attention, family="linear", exact=False, causal=True,
+        vjp="attn_ref.grad.linear:linear_attention",
         time="O(N d^2)", memory="O(N d + B C + (B/C) d^2)", weights=linear_attention_weights,
         options={"feature_map": "elu+1", "order": "linear", "chunk_size": 8, "block_size": 16},
         summary="linear attention phi(Q)(phi(K)^T V), elu+1 features; causal chunked",

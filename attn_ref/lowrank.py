@@ -201,6 +201,7 @@ def _register():
 
     register(Variant(
         name="linformer", fn=linformer_attention, family="lowrank", exact=False, causal=False,
+        vjp="attn_ref.grad.lowrank:linformer_attention",
         time="O(N r d)", memory="O(N r)", params=_params, weights=linformer_weights,
         summary="softmax(Q (EK)^T / sqrt(d)) (FV), keys/values projected to r = min(8, N)",
     ))

@@ -465,6 +465,7 @@ def _register():
 
     register(Variant(
         name="performer", fn=performer_attention, family="performer", exact=False, causal=True,
+        vjp="attn_ref.grad.performer:performer_attention",
         time="O(N m d)", memory="O(N m + m d)", params=_params, weights=performer_attention_weights,
         options={"kernel": "positive", "chunk_size": 8},
         summary="Performer FAVOR+: positive orthogonal random features, m = d log d",

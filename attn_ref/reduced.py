@@ -613,27 +613,32 @@ def _register():
 
     register(Variant(
         name="pooled", fn=pooled_attention, family="reduced", exact=False, causal=True,
+        vjp="attn_ref.grad.reduced:pooled_attention",
         time="O(N m d)", memory="O(N m)", params=segments, weights=pooled_weights,
         summary="softmax over m = 4 segment-mean-pooled keys/values",
     ))
     register(Variant(
         name="query_reduced", fn=query_reduced_attention, family="reduced", exact=False,
+        vjp="attn_ref.grad.reduced:query_reduced_attention",
         causal=False, time="O(N m d)", memory="O(N m)", params=query_segments,
         weights=query_reduced_weights, self_attention=False,
         summary="m = 4 segment-mean queries attend; outputs copied back to their segments",
     ))
     register(Variant(
         name="nystrom", fn=nystrom_attention, family="reduced", exact=False, causal=False,
+        vjp="attn_ref.grad.reduced:nystrom_attention",
         time="O(N m d + m^3)", memory="O(N m)", params=landmarks, weights=nystrom_weights,
         summary="Nystromformer, m = 4 segment-mean landmarks, 6-step iterative pinv",
     ))
     register(Variant(
         name="clustered", fn=clustered_attention, family="reduced", exact=False, causal=False,
+        vjp="attn_ref.grad.reduced:clustered_attention",
         time="O(N C d)", memory="O(N C)", params=clusters, weights=clustered_weights,
         summary="clustered attention, C = 4 k-means query clusters (10 Lloyd steps)",
     ))
     register(Variant(
         name="clustered_topk", fn=clustered_attention, family="reduced", exact=False,
+        vjp="attn_ref.grad.reduced:clustered_attention",
         causal=False, time="O(N C d + N k d)", memory="O(N C + N k)", params=clusters_topk,
         weights=clustered_weights,
         summary="improved clustered attention, exact softmax on each cluster's top-4 keys",

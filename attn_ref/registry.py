@@ -1,21 +1,23 @@
 """The catalogue of attention variants.
 
 Each family module registers its public variants here with what a caller needs to
-run, compare and benchmark them generically: the function, its cost in ``N``,
-whether it is exact and supports causal masking, and how to build the extra inputs
-(projections, random features, ...) it takes. ``attn-ref verify``, the conformance
+run, compare, differentiate and benchmark them generically: the function, its cost
+in ``N``, whether it is exact and supports causal masking, how to build the extra
+inputs (projections, random features, ...) it takes, the attention matrix it implies
+and its vector-Jacobian product. ``attn-ref verify``, the conformance
 oracle, the benchmarks and the docs' comparison table all iterate over this list, so
 a new variant is picked up everywhere by registering it once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Variant", "register", "get", "variants", "FAMILIES"]
+__all__ = ["Variant", "register", "unregister", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
 FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer")
@@ -54,6 +56,15 @@ class Variant:
     options : dict
         Keyword options that ``attn-ref verify`` passes besides ``params`` (a block
         size, a window, ...).
+    summary : str
+        One line for the docs' comparison table.
+    vjp : callable or str, optional
+        The exact gradient ``vjp(q, k, v, do, /, **params, **options) -> {input name:
+        gradient}`` (see :mod:`attn_ref.grad`), or where to import it from, as
+        ``"module:function"``. A family module registers the path: the VJPs import the
+        forward modules, so a forward module cannot import its VJP while it registers.
+        :func:`variants` and :func:`get` import it on first use, so a variant read from
+        the catalogue always holds the function.
     """
 
     name: str
@@ -68,6 +79,7 @@ class Variant:
     self_attention: bool = False
     options: dict = field(default_factory=dict)
     summary: str = ""
+    vjp: Callable[..., dict] | str | None = None
 
     def extra(self, seed, nq, nk, d, dv, *, dtype, device, xp):
         """The extra arguments for one call: ``params(...)`` merged with ``options``."""
@@ -78,15 +90,38 @@ class Variant:
 
 
 def register(variant: Variant) -> Variant:
+    """Add ``variant`` to the catalogue (again, with the same function: a reloaded module)."""
     if variant.name in _REGISTRY and _REGISTRY[variant.name].fn is not variant.fn:
         raise ValueError(f"variant {variant.name!r} is already registered")
     _REGISTRY[variant.name] = variant
     return variant
 
 
+def unregister(name: str) -> Variant:
+    """Remove the variant called ``name`` (a plugin's or a test's) and return it."""
+    try:
+        return _REGISTRY.pop(name)
+    except KeyError:
+        raise KeyError(f"unknown variant {name!r}; known: {sorted(_REGISTRY)}") from None
+
+
+def _resolve(name: str, path: str) -> Callable[..., dict]:
+    module, _, attr = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ImportError(f"variant {name!r}: cannot import its vjp {path!r} "
+                          f"(expected 'module:function'): {exc}") from exc
+
+
 def _load():
     for fam in FAMILIES:
         importlib.import_module(f"attn_ref.{fam}")
+    # Resolved here, after every forward module is imported, because the VJP modules
+    # import the forward modules (see Variant.vjp).
+    for name, variant in list(_REGISTRY.items()):
+        if isinstance(variant.vjp, str):
+            _REGISTRY[name] = dataclasses.replace(variant, vjp=_resolve(name, variant.vjp))
 
 
 def variants() -> list[Variant]:

@@ -1019,11 +1019,13 @@ def _register():
 
     register(Variant(
         name="softmax", fn=softmax_attention, family="softmax", exact=True, causal=True,
+        vjp="attn_ref.grad.softmax:softmax_attention",
         time="O(N^2 d)", memory="O(N^2)", weights=attention_weights,
         summary="one-shot softmax(QK^T/sqrt(d))V",
     ))
     register(Variant(
         name="online_softmax", fn=online_softmax_attention, family="softmax", exact=True,
+        vjp="attn_ref.grad.softmax:online_softmax_attention",
         causal=True, time="O(N^2 d)", memory="O(N)", weights=attention_weights,
         options={"block_q": 16, "block_k": 24},
         summary="online-softmax (FlashAttention) recurrence over key blocks",

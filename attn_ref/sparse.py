@@ -1235,23 +1235,27 @@ def _register():
 
     register(Variant(
         name="block_sparse", fn=block_sparse_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:block_sparse_attention",
         time="O(nnz B^2 d)", memory="O(nnz B^2)", params=_block_sparse_params,
         weights=block_sparse_weights,
         summary="softmax over the active blocks of a block layout (gather, then softmax)",
     ))
     register(Variant(
         name="local", fn=local_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:local_attention",
         time="O(N w d)", memory="O(N w)", weights=local_weights, self_attention=True,
         options={"window": 3}, summary="sliding window of w keys per side (one-sided if causal)",
     ))
     register(Variant(
         name="longformer", fn=longformer_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:longformer_attention",
         time="O(N (w + g B) d)", memory="O(N (w + g B))", weights=longformer_weights,
         self_attention=True, options={"window": 2, "global_tokens": (0,)},
         summary="sliding window plus symmetric global tokens (Beltagy et al. 2020)",
     ))
     register(Variant(
         name="bigbird", fn=bigbird_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:bigbird_attention",
         time="O(N B (2w + 1 + g + r) d)", memory="O(N B (2w + 1 + g + r))",
         params=_bigbird_params, weights=bigbird_weights, self_attention=True,
         options={"block_size": 4, "window": 1, "global_blocks": 1, "random_blocks": 1},
@@ -1259,12 +1263,14 @@ def _register():
     ))
     register(Variant(
         name="strided", fn=strided_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:strided_attention",
         time="O(N (l + N/l) d)", memory="O(N (l + N/l))", weights=strided_weights,
         self_attention=True, options={"stride": 4},
         summary="Sparse Transformer strided pattern, both parts in one head",
     ))
     register(Variant(
         name="fixed", fn=fixed_attention, family="sparse", exact=False, causal=True,
+        vjp="attn_ref.grad.sparse:fixed_attention",
         time="O(N (l + c N/l) d)", memory="O(N (l + c N/l))", weights=fixed_weights,
         self_attention=True, options={"stride": 4, "summary": 1},
         summary="Sparse Transformer fixed pattern, both parts in one head",

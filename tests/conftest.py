@@ -3,9 +3,20 @@
 A backend that is not installed is skipped with its reason, unless
 ``ATTN_REF_REQUIRE_BACKENDS`` lists it: then it fails, so CI cannot go green by
 silently skipping a backend.
+
+A run that requires backends also runs every test it has: with
+``ATTN_REF_REQUIRE_BACKENDS`` set, any other skip is a failure too, except
+
+- a backend that the variable does not list being unavailable (CuPy without a GPU,
+  say), whether the ``backend`` fixture or a test's ``importorskip`` found it missing;
+- a reason in :data:`EXPECTED_SKIPS`: a test that does not apply by design.
+
+So a test extra that lacks a package (matplotlib), or a committed file gone missing,
+fails CI instead of skipping quietly.
 """
 
 import os
+import re
 
 # JAX compiles every traced function for the CPU; the tests' arrays are tiny, so LLVM's
 # expensive optimisation passes buy nothing and cost most of the suite's time (compiles
@@ -18,6 +29,11 @@ import pytest  # noqa: E402
 
 from conformance import backends as B
 
+# pytester runs pytest inside a test: the conformance plugin's options and the generic
+# variant tests are checked by their behaviour (tests/test_variants.py,
+# tests/test_conformance_grads.py).
+pytest_plugins = ["pytester"]
+
 # ATTN_REF_TEST_BACKENDS=numpy,array_api_strict narrows the matrix for a quick local run
 # (CI never sets it; ATTN_REF_REQUIRE_BACKENDS still fails on a required backend left out).
 _ONLY = [n.strip() for n in os.environ.get("ATTN_REF_TEST_BACKENDS", "").split(",") if n.strip()]
@@ -28,6 +44,43 @@ _LEFT_OUT = set(B.required()) - set(_ONLY) if _ONLY else set()
 if _LEFT_OUT:
     raise ValueError(f"ATTN_REF_TEST_BACKENDS leaves out required backends {sorted(_LEFT_OUT)}")
 MATRIX = tuple(n for n in B.BACKENDS if not _ONLY or n in _ONLY)
+
+
+#: Skip reasons that are not a missing dependency but a test that does not apply, with why.
+EXPECTED_SKIPS = {
+    # "inputs are not modified" has nothing to check where arrays cannot be written to.
+    "JAX arrays are immutable": "JAX arrays cannot be modified in place",
+}
+
+# The module each backend is imported as (what importorskip names).
+_BACKEND_MODULES = {"numpy": "numpy", "array_api_strict": "array_api_strict", "torch": "torch",
+                    "jax": "jax", "cupy": "cupy"}
+
+
+def _allowed_skip(reason, required):
+    if reason in EXPECTED_SKIPS:
+        return True
+    # conformance.backends.BackendUnavailable says "<backend> is not installed ...",
+    # "cupy is installed but CUDA is not usable ..."; importorskip "could not import 'torch'".
+    m = re.match(r"(\w+) is ", reason) or re.match(r"could not import '(\w+)'", reason)
+    backend = m and {mod: b for b, mod in _BACKEND_MODULES.items()}.get(m.group(1))
+    return bool(backend) and backend not in required
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    required = B.required()
+    if required and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if not _allowed_skip(reason, required):
+            report.outcome = "failed"
+            report.longrepr = (
+                f"skipped ({reason}), but ATTN_REF_REQUIRE_BACKENDS={','.join(required)} requires every "
+                f"test to run: install what it needs, or, if it cannot apply by design, list the "
+                f"reason in EXPECTED_SKIPS in tests/conftest.py")
+    return report
 
 
 def _backend_or_skip(name):

@@ -48,32 +48,6 @@ def assert_close(actual, expected, backend, *, dtype="float64", rtol=None, atol=
     np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
 
 
-def naive_attention(q, k, v, *, mask=None, bias=None, causal=None, scale=None):
-    """Plain NumPy float64 softmax attention, written independently of attn_ref.
-
-    ``causal`` is None, "top-left" or "bottom-right"; rows with no allowed key are 0.
-    """
-    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1 / np.sqrt(d) if scale is None else scale
-    s = np.einsum("...id,...jd->...ij", q, k) * scale
-    if bias is not None:
-        s = s + bias
-    allowed = np.ones(s.shape, dtype=bool)
-    if mask is not None:
-        allowed = allowed & mask
-    if causal is not None:
-        off = 0 if causal == "top-left" else nk - nq
-        allowed = allowed & (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
-    s = np.where(allowed, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True) if nk else np.zeros(s.shape[:-1] + (1,))
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    den = p.sum(-1, keepdims=True)
-    p = p / np.where(den > 0, den, 1.0)
-    return p @ v, p
-
-
 def property_test(backend, examples=20):
     """Hypothesis settings for a property test on ``backend``.
 
@@ -89,7 +63,20 @@ def property_test(backend, examples=20):
     )
 
 
+#: The functions that cannot run under ``jax.jit``, each with the reason: :func:`call`
+#: runs these eagerly on JAX. Every other function a test passes to :func:`call` must
+#: trace, and a tracer error fails the test.
+NOT_TRACEABLE: dict = {}
+
 _JITTED = {}
+
+
+def _hashable(x):
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def call(backend, fn, *args, **kwargs):
@@ -98,34 +85,41 @@ def call(backend, fn, *args, **kwargs):
     JAX compiles every op of every new shape in eager mode (~50 ms each), which makes
     op-by-op tests slow; one jit per (function, static options) compiles the whole
     function at once. It also proves the reference is traceable: no data-dependent
-    Python control flow, no host round-trips. Array keyword arguments are traced,
-    everything else is static. Functions that must inspect values on the host (to
-    raise an error, say) fall back to eager mode.
+    Python control flow, no host round-trips. Array arguments are traced, everything
+    else (a segment count, a block size, a layout) is static. A function that cannot be
+    traced fails the test with a message saying so, unless :data:`NOT_TRACEABLE` lists
+    it with the reason.
     """
-    if backend.name != "jax":
+    if backend.name != "jax" or fn in NOT_TRACEABLE:
         return fn(*args, **kwargs)
     import jax
 
-    arrays = {
-        k: v
-        for k, v in kwargs.items()
-        if array_api_compat.is_array_api_obj(v) and not isinstance(v, (int, float))
-    }
+    def is_array(x):
+        return array_api_compat.is_array_api_obj(x) and not isinstance(x, (int, float))
+
+    arrays = {k: v for k, v in kwargs.items() if is_array(v)}
     static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
-    key = (fn, static)
+    # Positional non-arrays are static too (a segment count must be a Python int), by
+    # position; unhashable ones (a list of arrays) are traced as pytrees.
+    fixed = tuple((i, a) for i, a in enumerate(args) if not is_array(a) and _hashable(a))
+    traced = tuple(a for i, a in enumerate(args) if i not in dict(fixed))
+    key = (fn, static, fixed)
     if key not in _JITTED:
 
-        def run(args, arrays, _static=None):
-            if _static is None:
-                _static = dict(static)
-            return fn(*args, **arrays, **_static)
+        def run(traced, arrays):
+            rest, given = iter(traced), dict(fixed)
+            full = [given[i] if i in given else next(rest) for i in range(len(traced) + len(given))]
+            return fn(*full, **arrays, **dict(static))
 
         _JITTED[key] = jax.jit(run)
     try:
-        return _JITTED[key](args, arrays)
-    except (
-        jax.errors.ConcretizationTypeError,
-        jax.errors.TracerBoolConversionError,
-        jax.errors.TracerIntegerConversionError,
-    ):
-        return fn(*args, **kwargs)
+        return _JITTED[key](traced, arrays)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerIntegerConversionError) as exc:
+        # (TracerBoolConversionError is a ConcretizationTypeError.)
+        name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', fn)}"
+        raise AssertionError(
+            f"{name} cannot be traced under jax.jit ({type(exc).__name__}): it inspects array "
+            f"values on the host. Make it traceable; if it must inspect values (to raise an "
+            f"error, say), add it to NOT_TRACEABLE in tests/helpers.py with the reason."
+        ) from exc

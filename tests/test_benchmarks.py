@@ -5,14 +5,19 @@ variant that breaks under the benchmark's shapes fails in CI, not in the next as
 """
 
 import importlib
+import importlib.util
 import inspect
 import json
 import math
 import os
 import pkgutil
 import re
+import shutil
+import subprocess
+import sys
 import warnings
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -134,11 +139,60 @@ def test_gpu_probe_can_be_given(monkeypatch):
         C.gpu_probe.cache_clear()
 
 
-def test_gpu_probe_without_a_gpu():
-    probe = C.gpu_probe()
-    assert set(probe) == {"cupy", "torch-cuda"} and all(isinstance(v, bool) for v in probe.values())
-    if not os.path.exists("/dev/nvidiactl"):
-        assert not any(probe.values())
+def _probe_with(monkeypatch, *, driver, child=None):
+    """``C.gpu_probe()`` on a machine with or without an NVIDIA driver, its child faked."""
+    monkeypatch.delenv("ATTN_REF_BENCH_GPU", raising=False)
+    exists = os.path.exists
+    monkeypatch.setattr(C.os.path, "exists", lambda p: driver if p == "/dev/nvidiactl" else exists(p))
+    monkeypatch.setattr(C.shutil, "which", lambda n: "/usr/bin/nvidia-smi" if driver else None)
+    pytest.importorskip("torch")  # gpu_probe asks a child only where a GPU library is installed
+
+    def run(*args, **kwargs):
+        if child is None:
+            raise AssertionError("gpu_probe started a child without an NVIDIA driver")
+        return subprocess.CompletedProcess(args, 0, stdout=child, stderr="")
+
+    monkeypatch.setattr(C.subprocess, "run", run)
+    C.gpu_probe.cache_clear()
+    try:
+        return C.gpu_probe()
+    finally:
+        C.gpu_probe.cache_clear()
+
+
+def test_gpu_probe_reads_the_childs_answer(monkeypatch):
+    none = {"cupy": False, "torch-cuda": False}
+    # No driver: no GPU library can run, and no child is started.
+    assert _probe_with(monkeypatch, driver=False) == none
+    # A driver: the child's last line is the answer (CUDA may print warnings before it).
+    got = _probe_with(monkeypatch, driver=True, child='warning\n{"cupy": true, "torch-cuda": false}\n')
+    assert got == {"cupy": True, "torch-cuda": False}
+    got = _probe_with(monkeypatch, driver=True, child='{"torch-cuda": true}\n')
+    assert got == {"cupy": False, "torch-cuda": True}
+    # A child that crashed before answering: no GPU.
+    assert _probe_with(monkeypatch, driver=True, child="") == none
+
+
+def test_gpu_probe_agrees_with_the_gpu_libraries_here(monkeypatch):
+    # The real probe on this machine, against each library asked directly: on a machine
+    # without a GPU both are False, on a GPU machine each is what its library says.
+    monkeypatch.delenv("ATTN_REF_BENCH_GPU", raising=False)
+    C.gpu_probe.cache_clear()
+    try:
+        probe = C.gpu_probe()
+    finally:
+        C.gpu_probe.cache_clear()
+    asks = {"cupy": "import cupy; print(cupy.cuda.runtime.getDeviceCount() > 0)",
+            "torch-cuda": "import torch; print(torch.cuda.is_available())"}
+    driver = os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi")
+    truth = {}
+    for name, code in asks.items():
+        if not driver:
+            truth[name] = False  # CUDA cannot run without the NVIDIA driver
+            continue
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        truth[name] = out.stdout.strip().splitlines()[-1:] == ["True"]
+    assert probe == truth
 
 
 def test_benchmarks_use_the_functions_default_tiles():
@@ -162,13 +216,13 @@ def test_benchmarks_use_the_functions_default_tiles():
 # ------------------------------------------------------------- benchmark configurations
 
 
-def test_every_registered_variant_has_a_benchmark_configuration():
-    # A new variant needs an entry in asv_benches/_common.py BENCH_CONFIGS (its paper's
-    # parameters); without one it would be benchmarked with test-sized arguments.
+def test_every_configuration_is_of_a_registered_variant():
+    # That every variant has a configuration is checked per variant in
+    # tests/test_variants.py; here the converse, and missing_configs() agreeing.
     from attn_ref.registry import variants as registered
 
     names = [v.name for v in registered()]
-    assert C.missing_configs() == [], "add these to BENCH_CONFIGS in asv_benches/_common.py"
+    assert C.missing_configs() == [n for n in names if n not in C.BENCH_CONFIGS]
     assert sorted(set(C.BENCH_CONFIGS) - set(names)) == [], "configurations of no variant"
     for name, config in C.BENCH_CONFIGS.items():
         assert re.search(r"(19|20)\d\d", config.source), f"{name}: source names no paper"
@@ -401,11 +455,20 @@ def test_torch_sdpa_peer_matches_numpy():
 
 
 def test_baseline_loads_each_backend():
-    for backend in peers.Baseline.params[0]:
+    # Every installed CPU library is a Baseline case; each loads and holds the tiny input.
+    cases = peers.Baseline.params[0]
+    installed = [b for b in C.CPU_BACKENDS if importlib.util.find_spec(b) is not None]
+    assert [b for b in cases if b != "cupy"] == installed
+    want = C.inputs(1)[0]
+    for backend in cases:
         if backend == "cupy":
             continue
         bench = peers.Baseline()
         bench.setup(backend)
+        assert bench.b.name == backend
+        assert array_api_compat.array_namespace(bench.x) is array_api_compat.array_namespace(
+            bench.b.xp.asarray(want)), backend
+        np.testing.assert_array_equal(C.host_copy(bench.x), want)
         bench.peakmem_loaded(backend)
 
 

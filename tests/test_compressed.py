@@ -5,9 +5,9 @@ import pytest
 
 from attn_ref import compressed_attention, compressed_weights, pooled_attention
 from attn_ref.compressed import num_blocks, strided_conv
-from attn_ref.registry import get
-from conformance.backends import from_numpy, load
-from tests.helpers import assert_close, call, host, naive_attention, randn
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, call, host, randn
+from tests.plain import naive_attention, naive_compressed, naive_conv
 
 N, D, DV = 12, 4, 3
 
@@ -17,34 +17,6 @@ def _qkv(backend, dtype="float64", nq=N, nk=N, batch=(2, 3)):
     k, kh = randn(backend, batch + (nk, D), dtype, seed=2)
     v, vh = randn(backend, batch + (nk, DV), dtype, seed=3)
     return (q, k, v), (qh, kh, vh)
-
-
-def _naive_conv(x, w, s):
-    """Loop form: block j = sum_t x[j s + t] @ w[t], rows past the end are zero; a new
-    window starts while the previous one has not reached the end."""
-    n, c = x.shape[-2], w.shape[-3]
-    starts = [0]
-    while starts[-1] + c < n and starts[-1] + s < n:
-        starts.append(starts[-1] + s)
-    out = []
-    for j in range(len(starts)):
-        acc = 0.0
-        for t in range(c):
-            if j * s + t < n:
-                acc = acc + x[..., j * s + t, :][..., None, :] @ w[..., t, :, :]
-        out.append(acc[..., 0, :])
-    return np.stack(out, axis=-2)
-
-
-def _naive_compressed(qh, kh, vh, wk, wv, s, causal=None):
-    kc, vc = _naive_conv(kh, wk, s), _naive_conv(vh, wv, s)
-    nq, nk, c, m = qh.shape[-2], kh.shape[-2], wk.shape[-3], kc.shape[-2]
-    mask = None
-    if causal is not None:
-        off = 0 if causal == "top-left" else nk - nq
-        last = [min(j * s + c, nk) - 1 for j in range(m)]
-        mask = np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
-    return naive_attention(qh, kc, vc, mask=mask)[0]
 
 
 def _weights(backend, shape, seed, dtype="float64"):
@@ -88,7 +60,7 @@ def test_matches_plain_numpy(backend, causal, c, s, nk):
     wv = _weights(backend, (c, DV, 5), seed=5)  # values to a different width
     out = call(backend, compressed_attention, q, k, v, k_weight=wk, v_weight=wv, stride=s,
                causal=causal)
-    want = _naive_compressed(qh, kh, vh, host(wk), host(wv), s, None if causal is False else causal)
+    want = naive_compressed(qh, kh, vh, host(wk), host(wv), s, None if causal is False else causal)
     assert_close(out, want, backend)
     if causal:  # the query-blocked (online softmax) form computes the same function
         blocked = call(backend, compressed_attention, q, k, v, k_weight=wk, v_weight=wv, stride=s,
@@ -102,7 +74,7 @@ def test_strided_conv(backend, n, c, s):
     w = _weights(backend, (c, D, 2), seed=7)
     out = call(backend, strided_conv, x, w, stride=s)
     assert tuple(out.shape) == (2, num_blocks(n, c, s), 2)
-    assert_close(out, _naive_conv(xh, host(w), s), backend)
+    assert_close(out, naive_conv(xh, host(w), s), backend)
 
 
 def test_num_blocks_covers_every_position():
@@ -167,7 +139,7 @@ def test_weights_reproduce_output(backend):
     np.testing.assert_allclose(host(w) @ vh, host(out), rtol=1e-12, atol=1e-12)
     # v_weight=None: the averaging kernel.
     avg = call(backend, compressed_weights, q, k, k_weight=wk, stride=2)
-    want = _naive_compressed(qh, kh, vh, host(wk), np.stack([np.eye(DV) / 3] * 3), 2)
+    want = naive_compressed(qh, kh, vh, host(wk), np.stack([np.eye(DV) / 3] * 3), 2)
     np.testing.assert_allclose(host(avg) @ vh, want, rtol=1e-12, atol=1e-12)
 
 
@@ -215,18 +187,3 @@ def test_bad_input(backend):
     with pytest.raises(ValueError, match=r"v_weight must be a scalar kernel of shape \(c, dv, dv\)"):
         compressed_weights(q, k, k_weight=wk, v_weight=arr((3, D, 2)))
 
-
-def test_registered_variant():
-    # The wiring is backend-independent; the function itself runs on every backend above.
-    backend = load("array_api_strict")
-    variant = get("compressed")
-    assert variant.family == "compressed" and variant.causal and not variant.exact
-    (q, k, v), (qh, kh, vh) = _qkv(backend)
-    xp = backend.xp
-    extra = variant.extra(0, N, N, D, DV, dtype=xp.float64, device=backend.device, xp=xp)
-    out = call(backend, variant.fn, q, k, v, **extra, causal=True)
-    want = _naive_compressed(qh, kh, vh, host(extra["k_weight"]), host(extra["v_weight"]),
-                             extra["stride"], "top-left")
-    assert_close(out, want, backend)
-    w = call(backend, variant.weights, q, k, **extra, causal=True)
-    np.testing.assert_allclose(host(w) @ vh, want, rtol=1e-12, atol=1e-12)

@@ -389,4 +389,11 @@ def test_plugin_runs_one_item_per_case(tmp_path):
            "--attn-causal", "top-left", "-rs"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "13 passed, 1 skipped" in out.stdout and "bottom-right" in out.stdout
+    # The plugin's items follow the oracle's verdicts: a pass per passing case, a skip
+    # per case the kernel's declared semantics exclude (the bottom-right causal case).
+    rep = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="top-left")
+    verdicts = [r.verdict for r in rep.results if r.output == "out"]
+    assert len(verdicts) == len(cases(None, "quick")) and "n/a" in verdicts
+    passed, skipped = verdicts.count("pass"), verdicts.count("n/a")
+    assert passed + skipped == len(verdicts)
+    assert f"{passed} passed, {skipped} skipped" in out.stdout and "bottom-right" in out.stdout

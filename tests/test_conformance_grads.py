@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from conformance.grads import MISTAKES
 from conformance.vectors import export_vectors, load_vectors
 
 QUICK = cases(None, "quick")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ------------------------------------------------------------- a NumPy kernel and its backward
@@ -230,9 +232,40 @@ def test_cli_and_pytest_flags_exist():
     p = build_parser()
     assert p.parse_args(["verify", "m:f", "--grads"]).grads is True
     assert p.parse_args(["export-vectors", "d", "--grads"]).grads is True
-    import conformance.pytest_plugin as plugin
 
-    assert "--attn-grads" in open(plugin.__file__, encoding="utf-8").read()
+
+KERNELS = """
+import torch
+
+def sdpa(q, k, v, *, scale=None):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+def sdpa_detached_k(q, k, v, *, scale=None):  # right forward, dk = 0
+    return torch.nn.functional.scaled_dot_product_attention(q, k.detach(), v, scale=scale)
+"""
+
+
+def test_plugin_attn_grads_checks_the_kernels_gradients(pytester, monkeypatch):
+    pytest.importorskip("torch")
+    pytester.makepyfile(attn_grads_kernels=KERNELS)
+    # A child process (in-process runs drop the modules they imported, the registry's
+    # among them), which imports this checkout's conformance.
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+
+    def run(*flags):
+        return pytester.runpytest_subprocess(
+            "--pyargs", "conformance", "-p", "no:cacheprovider",
+            "--attn-kernel", "attn_grads_kernels:sdpa_detached_k", "--attn-backend", "torch",
+            "--attn-dtype", "float64", "--attn-suite", "quick", "-k", "basic or scale", *flags,
+            timeout=300)
+
+    # Without --attn-grads only the forward is checked, and the forward is right.
+    run().assert_outcomes(passed=2)
+    # With it, each case also checks dq, dk, dv: the missing dk fails, and only dk.
+    bad = run("--attn-grads")
+    bad.assert_outcomes(failed=2)
+    rows = [line for line in bad.outlines if line.startswith("fail: ")]
+    assert len(rows) == 2 and all(" dk " in r for r in rows), bad.outlines
 
 
 def test_cancelling_gradient_of_a_non_softmax_variant_has_a_term_sized_floor():

@@ -10,11 +10,11 @@ from attn_ref import (
     linear_attention_state,
     linear_attention_step,
     linear_attention_weights,
-    registry,
 )
 from attn_ref.linear import FEATURE_MAPS
 from conformance.backends import from_numpy
 from tests.helpers import assert_close, call, host, property_test, randn
+from tests.plain import np_linear, visible
 
 CAUSAL = [False, "top-left", "bottom-right"]
 SHAPES = [
@@ -22,35 +22,6 @@ SHAPES = [
     ((3,), 9, 14, 4, 6),  # cross-attention, Nq < Nk, dv != d
     ((), 14, 5, 5, 3),  # Nq > Nk, single head
 ]
-
-_PHI = {
-    "elu+1": lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0))),
-    "relu": lambda x: np.maximum(x, 0.0),
-    "identity": lambda x: x,
-}
-
-
-def _visible(nq, nk, causal):
-    if not causal:
-        return np.ones((nq, nk), dtype=bool)
-    off = 0 if causal in (True, "top-left") else nk - nq
-    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
-
-
-def np_linear(q, k, v, *, feature_map="elu+1", causal=False, scale=1.0, normalize=True, eps=1e-6):
-    """Plain NumPy float64 linear attention in the quadratic order, written independently.
-
-    Returns ``(output, weights)``; the denominator rule is the documented one.
-    """
-    phi = _PHI[feature_map] if isinstance(feature_map, str) else feature_map
-    a = scale * np.einsum("...if,...jf->...ij", phi(q), phi(k))
-    a = a * _visible(q.shape[-2], k.shape[-2], causal)
-    if normalize:
-        den = a.sum(-1, keepdims=True)
-        den = np.where(np.abs(den) < eps, np.where(den < 0, -eps, eps), den)
-        a = a / den
-    return a @ v, a
-
 
 def _qkv(backend, batch, nq, nk, d, dv, dtype="float64", seed=0):
     q, qh = randn(backend, batch + (nq, d), dtype, seed=seed + 1)
@@ -224,10 +195,10 @@ def test_weights(backend):
         ph = host(p)
         assert np.all(ph >= 0), "positive feature maps give non-negative weights"
         sums = ph.sum(-1)
-        has_key = _visible(9, 11, causal).any(-1) & (np.abs(want_p).sum(-1) > 0)
+        has_key = visible(9, 11, causal).any(-1) & (np.abs(want_p).sum(-1) > 0)
         np.testing.assert_allclose(sums[has_key], 1.0, rtol=0, atol=1e-14)
         assert np.all(sums[~has_key] == 0)
-        assert np.all(ph[..., ~_visible(9, 11, causal)] == 0)
+        assert np.all(ph[..., ~visible(9, 11, causal)] == 0)
         out = call(backend, linear_attention, q, k, v, feature_map=fm, causal=causal, chunk_size=4)
         assert_close(out, ph @ vh, backend)
     raw = call(backend, linear_attention_weights, q, k, feature_map="identity", normalize=False, scale=2.0)
@@ -436,7 +407,7 @@ def test_property_convex_combination(backend):
         hs = [rng.standard_normal(s) * 3 for s in ((nq, d), (nk, d), (nk, dv))]
         out = host(call(backend, linear_attention, *(from_numpy(a, backend) for a in hs), causal=causal,
                         chunk_size=3))
-        vis = _visible(nq, nk, causal)
+        vis = visible(nq, nk, causal)
         for i in range(nq):
             if not vis[i].any():
                 assert np.all(out[i] == 0)
@@ -449,13 +420,3 @@ def test_property_convex_combination(backend):
 
 # ---------------------------------------------------------------- catalogue
 
-
-def test_registered(backend):
-    var = registry.get("linear")
-    assert var.causal and not var.exact and var.weights is linear_attention_weights
-    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 10, 10, 4, 3, seed=99)
-    extra = var.extra(0, 10, 10, 4, 3, dtype=backend.xp.float64, device=backend.device, xp=backend.xp)
-    out = call(backend, var.fn, q, k, v, causal=True, **extra)
-    assert_close(out, np_linear(qh, kh, vh, causal=True)[0], backend)
-    p = call(backend, var.weights, q, k, causal=True, **extra)
-    assert_close(p, np_linear(qh, kh, vh, causal=True)[1], backend)

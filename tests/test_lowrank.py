@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from attn_ref import linformer_attention, linformer_projection, linformer_weights
-from attn_ref.registry import get
-from conformance.backends import from_numpy, load
-from tests.helpers import assert_close, call, host, naive_attention, randn
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, call, host, randn
+from tests.plain import naive_attention, naive_linformer
 
 SHAPE = (2, 3, 12, 8)  # batch, heads, N, d
 DV = 6
@@ -17,12 +17,6 @@ def _qkv(backend, dtype="float64", nq=12, nk=12):
     k, kh = randn(backend, SHAPE[:2] + (nk, SHAPE[-1]), dtype, seed=2)
     v, vh = randn(backend, SHAPE[:2] + (nk, DV), dtype, seed=3)
     return (q, k, v), (qh, kh, vh)
-
-
-def _naive_linformer(qh, kh, vh, e, f):
-    """Independent NumPy form: project keys and values, then plain softmax attention."""
-    out, p = naive_attention(qh, e @ kh, f @ vh)
-    return out, p @ f
 
 
 @pytest.mark.parametrize("dtype,form", [("float32", "shared"), ("float64", "shared"),
@@ -45,7 +39,7 @@ def test_matches_plain_numpy(backend, per_head, nq):
     f = linformer_projection(5, 12, heads=heads, seed=5, dtype=backend.xp.float64,
                              device=backend.device, xp=backend.xp)
     out = call(backend, linformer_attention, q, k, v, e_proj=e, f_proj=f, scale=0.5)
-    want, want_w = _naive_linformer(qh * 0.5 * np.sqrt(8), kh, vh, host(e), host(f))
+    want, want_w = naive_linformer(qh * 0.5 * np.sqrt(8), kh, vh, host(e), host(f))
     assert_close(out, want, backend)
     w = call(backend, linformer_weights, q, k, e_proj=e, f_proj=f, scale=0.5)
     assert_close(w, want_w, backend)
@@ -61,7 +55,7 @@ def test_shared_projection_is_f_equal_e(backend):
     e = linformer_projection(12, 12, seed=6, dtype=backend.xp.float64, device=backend.device,
                              xp=backend.xp)
     shared = call(backend, linformer_attention, q, k, v, e_proj=e)
-    assert_close(shared, _naive_linformer(qh, kh, vh, host(e), host(e))[0], backend)
+    assert_close(shared, naive_linformer(qh, kh, vh, host(e), host(e))[0], backend)
     assert np.abs(host(shared) - naive_attention(qh, kh, vh)[0]).max() > 1e-2
 
 
@@ -156,17 +150,3 @@ def test_bad_input(backend):
         with pytest.raises(exc, match=msg):
             linformer_attention(q, k, v, **kwargs)
 
-
-def test_registered_variant():
-    # The wiring is backend-independent; the function itself runs on every backend above.
-    backend = load("array_api_strict")
-    variant = get("linformer")
-    assert variant.family == "lowrank" and not variant.causal and not variant.exact
-    (q, k, v), (qh, kh, vh) = _qkv(backend)
-    xp = backend.xp
-    extra = variant.extra(0, 12, 12, 8, DV, dtype=xp.float64, device=backend.device, xp=xp)
-    out = call(backend, variant.fn, q, k, v, **extra)
-    want, _ = _naive_linformer(qh, kh, vh, host(extra["e_proj"]), host(extra["f_proj"]))
-    assert_close(out, want, backend)
-    w = call(backend, variant.weights, q, k, **extra)
-    np.testing.assert_allclose(host(w) @ vh, want, rtol=1e-13, atol=1e-13)

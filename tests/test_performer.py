@@ -8,34 +8,12 @@ from attn_ref import (
     performer_attention,
     performer_attention_weights,
     random_features,
-    registry,
     softmax_attention,
 )
-from attn_ref.performer import KERNELS, default_num_features
+from attn_ref.performer import KERNELS
 from conformance.backends import from_numpy
-from tests.helpers import assert_close, call, host, naive_attention, randn
-
-
-def np_favor(x, w, kernel="positive"):
-    """Plain NumPy float64 FAVOR features, unstabilised, written independently."""
-    u = x @ w.T
-    sq = (x * x).sum(-1, keepdims=True) / 2
-    if kernel == "positive":
-        return np.exp(u - sq) / np.sqrt(len(w))
-    return np.exp(sq) * np.concatenate([np.sin(u), np.cos(u)], axis=-1) / np.sqrt(len(w))
-
-
-def np_performer(q, k, v, w, *, kernel="positive", causal=False, scale=None):
-    """The Performer estimate in the quadratic order, NumPy float64; returns (out, weights)."""
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    a = np_favor(q * np.sqrt(scale), w, kernel) @ np.swapaxes(np_favor(k * np.sqrt(scale), w, kernel), -1, -2)
-    nq, nk = a.shape[-2:]
-    if causal:
-        off = 0 if causal in (True, "top-left") else nk - nq
-        a = a * (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
-    den = a.sum(-1, keepdims=True)
-    a = a / np.where(den == 0, 1.0, den)
-    return a @ v, a
+from tests.helpers import assert_close, call, host, randn
+from tests.plain import naive_attention, np_favor, np_performer
 
 
 def _proj(backend, d, m, seed=0, kind="orthogonal", dtype="float64"):
@@ -333,15 +311,3 @@ def test_bad_input(backend):
 
 # ---------------------------------------------------------------- catalogue
 
-
-def test_registered(backend):
-    var = registry.get("performer")
-    assert var.causal and not var.exact and var.weights is performer_attention_weights
-    xp = backend.xp
-    extra = var.extra(3, 10, 10, 4, 3, dtype=xp.float64, device=backend.device, xp=xp)
-    assert tuple(extra["projection"].shape) == (default_num_features(4), 4)
-    (q, k, v), (qh, kh, vh) = _qkv(backend, (2,), 10, 10, 4, 3, seed=80)
-    out = call(backend, var.fn, q, k, v, causal=True, **extra)
-    want, p = np_performer(qh, kh, vh, host(extra["projection"]), causal=True)
-    assert_close(out, want, backend, rtol=1e-11, atol=1e-11)
-    assert_close(call(backend, var.weights, q, k, causal=True, **extra), p, backend, rtol=1e-11, atol=1e-11)

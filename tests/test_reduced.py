@@ -14,11 +14,17 @@ from attn_ref import (
     query_reduced_attention,
     query_reduced_weights,
 )
-from attn_ref.random import permutation
 from attn_ref.reduced import kmeans, segment_expand, segment_means, segment_sizes
-from attn_ref.registry import get
-from conformance.backends import from_numpy, load
-from tests.helpers import assert_close, call, host, naive_attention, randn
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, call, host, randn
+from tests.plain import (
+    naive_attention,
+    naive_clustered,
+    naive_expand,
+    naive_means,
+    naive_nystrom,
+    pool_mask,
+)
 
 N, D, DV = 10, 4, 3
 
@@ -28,22 +34,6 @@ def _qkv(backend, dtype="float64", nq=N, nk=N, batch=(2, 3)):
     k, kh = randn(backend, batch + (nk, D), dtype, seed=2)
     v, vh = randn(backend, batch + (nk, DV), dtype, seed=3)
     return (q, k, v), (qh, kh, vh)
-
-
-def _bounds(n, m):
-    c, r = divmod(n, m)
-    sizes = [c + 1] * r + [c] * (m - r)
-    ends = np.cumsum(sizes)
-    return list(zip(ends - sizes, ends))
-
-
-def _naive_means(x, m):
-    return np.stack([x[..., a:b, :].mean(-2) for a, b in _bounds(x.shape[-2], m)], axis=-2)
-
-
-def _naive_expand(y, n):
-    return np.concatenate([np.repeat(y[..., j:j + 1, :], b - a, axis=-2)
-                           for j, (a, b) in enumerate(_bounds(n, y.shape[-2]))], axis=-2)
 
 
 def _rel(a, b):
@@ -61,28 +51,20 @@ def test_segment_sizes():
             assert sum(sizes) == n and len(sizes) == m and max(sizes) - min(sizes) <= 1
             assert sizes == sorted(sizes, reverse=True)
             x = np.random.default_rng(n).standard_normal((n, 2))
-            np.testing.assert_allclose(segment_means(x, m, xp=xp), _naive_means(x, m), rtol=1e-14)
-            np.testing.assert_array_equal(segment_expand(x[:m], n, xp=xp), _naive_expand(x[:m], n))
+            np.testing.assert_allclose(segment_means(x, m, xp=xp), naive_means(x, m), rtol=1e-14)
+            np.testing.assert_array_equal(segment_expand(x[:m], n, xp=xp), naive_expand(x[:m], n))
 
 
 @pytest.mark.parametrize("n,m", [(10, 3), (12, 4)])
 def test_segment_means_and_expand(backend, n, m):
     x, xh = randn(backend, (2, n, 3), seed=4)
     means = call(backend, segment_means, x, m)
-    assert_close(means, _naive_means(xh, m), backend)
-    assert_close(call(backend, segment_expand, means, n), _naive_expand(_naive_means(xh, m), n),
+    assert_close(means, naive_means(xh, m), backend)
+    assert_close(call(backend, segment_expand, means, n), naive_expand(naive_means(xh, m), n),
                  backend)
 
 
 # ------------------------------------------------------------------------------ pooled
-
-def _pool_mask(nq, nk, m, causal):
-    if causal is False:
-        return None
-    off = 0 if causal == "top-left" else nk - nq
-    last = [b - 1 for _, b in _bounds(nk, m)]
-    return np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
-
 
 @pytest.mark.parametrize("causal", [False, "top-left"])
 def test_pooled_all_segments_is_softmax(backend, causal):
@@ -97,8 +79,8 @@ def test_pooled_matches_plain_numpy(backend, causal, nq):
     (q, k, v), (qh, kh, vh) = _qkv(backend, nq=nq)
     m = 3  # segments of 4, 3, 3
     out = call(backend, pooled_attention, q, k, v, num_segments=m, causal=causal)
-    want, p = naive_attention(qh, _naive_means(kh, m), _naive_means(vh, m),
-                              mask=_pool_mask(nq, N, m, causal))
+    want, p = naive_attention(qh, naive_means(kh, m), naive_means(vh, m),
+                              mask=pool_mask(nq, N, m, causal))
     assert_close(out, want, backend)
     if causal == "top-left":  # queries before the end of the first segment see nothing
         w = host(call(backend, pooled_weights, q, k, num_segments=m, causal=causal))
@@ -117,13 +99,13 @@ def test_query_reduced_all_segments_is_softmax(backend):
 def test_query_reduced_matches_plain_numpy(backend):
     (q, k, v), (qh, kh, vh) = _qkv(backend, nk=7)
     m = 4  # segments of 3, 3, 2, 2
-    short, p = naive_attention(_naive_means(qh, m), kh, vh)
+    short, p = naive_attention(naive_means(qh, m), kh, vh)
     out = call(backend, query_reduced_attention, q, k, v, num_segments=m, expand=False)
     assert_close(out, short, backend)
     full = call(backend, query_reduced_attention, q, k, v, num_segments=m)
-    assert_close(full, _naive_expand(short, N), backend)
+    assert_close(full, naive_expand(short, N), backend)
     w = host(call(backend, query_reduced_weights, q, k, num_segments=m))
-    np.testing.assert_allclose(w, _naive_expand(p, N), rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(w, naive_expand(p, N), rtol=1e-13, atol=1e-13)
 
 
 # ----------------------------------------------------------------------- iterative pinv
@@ -194,25 +176,6 @@ def test_iterative_pinv_bad_input(backend):
 
 # ------------------------------------------------------------------------ Nystromformer
 
-def _naive_nystrom(qh, kh, vh, m, iterations):
-    qs = qh / np.sqrt(qh.shape[-1])
-    ql, kl = _naive_means(qs, m), _naive_means(kh, m)
-    k1 = naive_attention(qs, kl, vh[..., :m, :], scale=1.0)[1]
-    k2 = naive_attention(ql, kl, vh[..., :m, :], scale=1.0)[1]
-    k3 = naive_attention(ql, kh, vh, scale=1.0)[1]
-    if iterations is None:
-        z = np.linalg.pinv(k2)
-    else:
-        # Razavi et al. written out, Z_0 = A^T / (||A||_1 ||A||_inf) per matrix.
-        norm = np.abs(k2).sum(-2).max(-1) * np.abs(k2).sum(-1).max(-1)
-        z, eye = np.swapaxes(k2, -1, -2) / norm[..., None, None], np.eye(m)
-        for _ in range(iterations):
-            az = k2 @ z
-            z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
-    w = k1 @ z @ k3
-    return w @ vh, w
-
-
 @pytest.mark.parametrize("iterations", [None, 20])
 def test_nystrom_all_landmarks_is_softmax(backend, iterations):
     (q, k, v), (qh, kh, vh) = _qkv(backend)
@@ -225,7 +188,7 @@ def test_nystrom_matches_plain_numpy(backend, iterations, nq):
     (q, k, v), (qh, kh, vh) = _qkv(backend, nq=nq)
     m = 3  # N = 10 is not a multiple of 3: segments of 4, 3, 3
     out = call(backend, nystrom_attention, q, k, v, num_landmarks=m, pinv_iterations=iterations)
-    want, want_w = _naive_nystrom(qh, kh, vh, m, iterations)
+    want, want_w = naive_nystrom(qh, kh, vh, m, iterations)
     assert_close(out, want, backend, rtol=1e-11, atol=1e-11)
     if iterations is not None:
         w = call(backend, nystrom_weights, q, k, num_landmarks=m, pinv_iterations=iterations)
@@ -237,42 +200,11 @@ def test_nystrom_matches_plain_numpy(backend, iterations, nq):
 def test_nystrom_float32(backend):
     (q, k, v), (qh, kh, vh) = _qkv(backend, "float32")
     out = call(backend, nystrom_attention, q, k, v, num_landmarks=5)
-    want, _ = _naive_nystrom(qh, kh, vh, 5, 6)
+    want, _ = naive_nystrom(qh, kh, vh, 5, 6)
     assert_close(out, want, backend, dtype="float32", rtol=1e-4, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------- clustered
-
-def _naive_kmeans(x, c, iterations, seed):
-    """One 2-D ``x (N, d)``: Lloyd's algorithm with explicit distances and loops."""
-    cent = x[permutation(x.shape[0], seed=seed)[:c]].copy()
-    for _ in range(iterations + 1):
-        assign = np.argmin(((x[:, None, :] - cent[None]) ** 2).sum(-1), axis=-1)
-        if _ == iterations:
-            break
-        for j in range(c):
-            if np.any(assign == j):
-                cent[j] = x[assign == j].mean(0)
-    return cent, assign
-
-
-def _naive_clustered(qh, kh, vh, c, iterations, seed, topk):
-    out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
-    weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
-    for idx in np.ndindex(qh.shape[:-2]):
-        q, k, v = qh[idx], kh[idx], vh[idx]
-        cent, assign = _naive_kmeans(q, c, iterations, seed)
-        _, pc = naive_attention(cent, k, v)
-        for i in range(q.shape[0]):
-            row = pc[assign[i]].copy()
-            if topk is not None:
-                top = np.argsort(-row, kind="stable")[:topk]
-                _, pi = naive_attention(q[i:i + 1], k[top], v[top])
-                row[top] = row[top].sum() * pi[0]
-            weights[idx + (i,)] = row
-            out[idx + (i,)] = row @ v
-    return out, weights
-
 
 def _with_duplicates(backend, dtype):
     (q, k, v), (qh, kh, vh) = _qkv(backend, dtype)
@@ -304,7 +236,7 @@ def test_clustered_matches_plain_numpy(backend, topk):
     (q, k, v), (qh, kh, vh) = _qkv(backend)
     out = call(backend, clustered_attention, q, k, v, num_clusters=3, iterations=3, topk=topk,
                seed=7)
-    want, want_w = _naive_clustered(qh, kh, vh, 3, 3, 7, topk)
+    want, want_w = naive_clustered(qh, kh, vh, 3, 3, 7, topk)
     assert_close(out, want, backend, rtol=1e-12, atol=1e-12)
     # Deterministic from the seed: a second run is bit-identical.
     again = call(backend, clustered_attention, q, k, v, num_clusters=3, iterations=3, topk=topk,
@@ -379,17 +311,3 @@ def test_bad_input(backend):
 
 
 # -------------------------------------------------------------------------- registry
-
-@pytest.mark.parametrize("name", ["pooled", "query_reduced", "nystrom", "clustered", "clustered_topk"])
-def test_registered_variants(name):
-    # The wiring is backend-independent; the functions themselves run on every backend above.
-    backend = load("array_api_strict")
-    variant = get(name)
-    assert variant.family == "reduced" and not variant.exact
-    (q, k, v), (_, _, vh) = _qkv(backend)
-    xp = backend.xp
-    extra = variant.extra(3, N, N, D, DV, dtype=xp.float64, device=backend.device, xp=xp)
-    out = host(call(backend, variant.fn, q, k, v, **extra))
-    assert out.shape == (2, 3, N, DV) and np.all(np.isfinite(out))
-    w = host(call(backend, variant.weights, q, k, **extra))
-    np.testing.assert_allclose(w @ vh, out, rtol=1e-12, atol=1e-12)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from attn_ref import attention_weights, online_softmax_attention, softmax_attention
 from conformance.backends import from_numpy
-from tests.helpers import EPS, assert_close, call, host, naive_attention, property_test, randn
+from tests.helpers import EPS, assert_close, call, host, property_test, randn
+from tests.plain import naive_attention
 
 CAUSAL = [False, "top-left", "bottom-right"]
 FORMS = {

@@ -4,7 +4,6 @@ Every efficient form is checked against dense masked softmax built from masks th
 are written here again, independently, straight from the papers' set definitions.
 """
 
-import functools
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attn_ref import softmax_attention
-from attn_ref.registry import get
 from attn_ref.sparse import (
     bigbird_attention,
     bigbird_layout,
@@ -35,11 +33,11 @@ from attn_ref.sparse import (
     strided_mask,
 )
 from conformance.backends import from_numpy
-from tests.helpers import EPS, assert_close, call, host, naive_attention, property_test, randn
+from tests.helpers import EPS, assert_close, call, host, property_test, randn
+from tests.plain import naive_attention, ref_fixed, ref_global, ref_layout, ref_local, ref_strided
 
 CAUSAL = [False, "top-left", "bottom-right"]
 N = 13  # ragged against every block size used below
-SPARSE = ["block_sparse", "local", "longformer", "bigbird", "strided", "fixed"]
 
 
 def _qkv(backend, n=N, dtype="float64", batch=(2, 3), d=4, dv=3, nk=None):
@@ -52,57 +50,6 @@ def _qkv(backend, n=N, dtype="float64", batch=(2, 3), d=4, dv=3, nk=None):
 
 # ---------------------------------------------------------------- reference masks
 # Written from the set definitions with Python loops, independent of attn_ref.
-
-
-def _ref_local(n, w, one_sided=False, dil=1):
-    m = np.zeros((n, n), bool)
-    for i in range(n):
-        for t in range(-w, w + 1):
-            j = i - t * dil
-            if 0 <= j < n and (t >= 0 or not one_sided):
-                m[i, j] = True
-    return m
-
-
-def _ref_strided(n, l, causal=True, part="both"):
-    m = np.zeros((n, n), bool)
-    for i in range(n):
-        for j in range(n):
-            if causal and j > i:
-                continue
-            a1 = abs(i - j) <= l  # {max(0, i - l), ..., i} when causal
-            a2 = (i - j) % l == 0
-            m[i, j] = {"local": a1, "strided": a2, "both": a1 or a2}[part]
-    return m
-
-
-def _ref_fixed(n, l, c, causal=True, part="both"):
-    m = np.zeros((n, n), bool)
-    for i in range(n):
-        for j in range(n):
-            if causal and j > i:
-                continue
-            a1 = j // l == i // l
-            a2 = j % l in range(l - c, l)
-            m[i, j] = {"block": a1, "summary": a2, "both": a1 or a2}[part]
-    return m
-
-
-def _ref_global(n, tokens):
-    m = np.zeros((n, n), bool)
-    for t in tokens:
-        m[t, :] = True
-        m[:, t] = True
-    return m
-
-
-def _ref_layout(layout, b, nq, nk):
-    m = np.zeros((nq, nk), bool)
-    for a, row in enumerate(layout):
-        for c, on in enumerate(row):
-            if on:
-                m[a * b:(a + 1) * b, c * b:(c + 1) * b] = True
-    return m
 
 
 def _is_mask(backend, m, want):
@@ -120,19 +67,19 @@ def test_mask_builders_match_definitions(backend, n):
     for w, one, dil in [(0, False, 1), (1, False, 1), (2, True, 1), (2, False, 3), (1, True, 2),
                         (n + 5, False, 1)]:
         _is_mask(backend, local_mask(n, window=w, one_sided=one, dilation=dil, xp=xp, device=dev),
-                 _ref_local(n, w, one, dil))
+                 ref_local(n, w, one, dil))
     for l, causal, part in [(1, True, "both"), (3, True, "both"), (4, False, "both"), (3, True, "local"),
                             (3, False, "strided")]:
         _is_mask(backend, strided_mask(n, stride=l, causal=causal, part=part, xp=xp, device=dev),
-                 _ref_strided(n, l, causal, part))
+                 ref_strided(n, l, causal, part))
     for l, c, causal, part in [(4, 1, True, "both"), (4, 2, False, "both"), (3, 3, True, "both"),
                                (5, 2, True, "summary"), (5, 1, False, "block")]:
         _is_mask(backend, fixed_mask(n, stride=l, summary=c, causal=causal, part=part, xp=xp,
-                                     device=dev), _ref_fixed(n, l, c, causal, part))
+                                     device=dev), ref_fixed(n, l, c, causal, part))
     tokens = tuple(t for t in (0, 5, 5, 12) if t < n)
-    _is_mask(backend, global_mask(n, global_tokens=tokens, xp=xp, device=dev), _ref_global(n, tokens))
+    _is_mask(backend, global_mask(n, global_tokens=tokens, xp=xp, device=dev), ref_global(n, tokens))
     _is_mask(backend, longformer_mask(n, window=1, global_tokens=tokens, dilation=2, xp=xp, device=dev),
-             _ref_local(n, 1, False, 2) | _ref_global(n, tokens))
+             ref_local(n, 1, False, 2) | ref_global(n, tokens))
 
 
 def test_sparse_transformer_pattern_sizes():
@@ -166,13 +113,13 @@ def test_bigbird_layout_structure():
 def test_layout_and_bigbird_masks(backend):
     xp, dev = backend.xp, backend.device
     lay = random_block_layout(4, 3, seed=2)
-    _is_mask(backend, layout_mask(lay, 4, nq=13, nk=11, xp=xp, device=dev), _ref_layout(lay, 4, 13, 11))
-    _is_mask(backend, layout_mask(lay, 2, xp=xp, device=dev), _ref_layout(lay, 2, 8, 6))
+    _is_mask(backend, layout_mask(lay, 4, nq=13, nk=11, xp=xp, device=dev), ref_layout(lay, 4, 13, 11))
+    _is_mask(backend, layout_mask(lay, 2, xp=xp, device=dev), ref_layout(lay, 2, 8, 6))
     arr = from_numpy(np.asarray(lay), backend)
-    _is_mask(backend, layout_mask(arr, 4, nq=13, nk=11, xp=xp, device=dev), _ref_layout(lay, 4, 13, 11))
+    _is_mask(backend, layout_mask(arr, 4, nq=13, nk=11, xp=xp, device=dev), ref_layout(lay, 4, 13, 11))
     lay = bigbird_layout(4, window=1, global_blocks=1, random_blocks=1, seed=3)
     _is_mask(backend, bigbird_mask(N, block_size=4, window=1, global_blocks=1, random_blocks=1, seed=3,
-                                   xp=xp, device=dev), _ref_layout(lay, 4, N, N))
+                                   xp=xp, device=dev), ref_layout(lay, 4, N, N))
 
 
 # ---------------------------------------------------------------- efficient = dense masked
@@ -194,7 +141,7 @@ def test_local_equals_dense_masked(backend, dtype, causal, window, dilation, blo
     (q, k, v), (qh, kh, vh) = _qkv(backend, dtype=dtype)
     out = call(backend, local_attention, q, k, v, window=window, causal=causal, dilation=dilation,
                block_size=block)
-    want, _ = naive_attention(qh, kh, vh, mask=_ref_local(N, window, causal is not False, dilation))
+    want, _ = naive_attention(qh, kh, vh, mask=ref_local(N, window, causal is not False, dilation))
     assert_close(out, want, backend, dtype=dtype)
 
 
@@ -232,7 +179,7 @@ def test_block_sparse_equals_dense_masked(backend, causal, nq, nk, b, seed):
     lay[-1] = [False] * nbk  # a query block with nothing to attend: zeros
     lay = tuple(tuple(r) for r in lay)
     out = call(backend, block_sparse_attention, q, k, v, layout=lay, block_size=b, causal=causal)
-    want, p = naive_attention(qh, kh, vh, mask=_ref_layout(lay, b, nq, nk),
+    want, p = naive_attention(qh, kh, vh, mask=ref_layout(lay, b, nq, nk),
                               causal=None if causal is False else causal)
     assert_close(out, want, backend)
     assert np.all(host(out)[..., (nbq - 1) * b:, :] == 0.0)
@@ -246,7 +193,7 @@ def test_bigbird_equals_dense_masked(backend, causal, b, w, g, r):
     out = call(backend, bigbird_attention, q, k, v, block_size=b, window=w, global_blocks=g,
                random_blocks=r, seed=7, causal=causal)
     lay = bigbird_layout(-(-N // b), window=w, global_blocks=g, random_blocks=r, seed=7)
-    want, _ = naive_attention(qh, kh, vh, mask=_ref_layout(lay, b, N, N),
+    want, _ = naive_attention(qh, kh, vh, mask=ref_layout(lay, b, N, N),
                               causal="top-left" if causal else None)
     assert_close(out, want, backend)
 
@@ -266,7 +213,7 @@ def test_longformer_equals_dense_masked(backend, causal, window, tokens, dil):
     (q, k, v), (qh, kh, vh) = _qkv(backend)
     out = call(backend, longformer_attention, q, k, v, window=window, global_tokens=tokens,
                dilation=dil, causal=causal)
-    mask = _ref_local(N, window, False, dil) | _ref_global(N, tokens)
+    mask = ref_local(N, window, False, dil) | ref_global(N, tokens)
     want, _ = naive_attention(qh, kh, vh, mask=mask, causal="top-left" if causal else None)
     assert_close(out, want, backend)
 
@@ -288,14 +235,14 @@ def test_longformer_limits(backend):
 def test_strided_equals_dense_masked(backend, causal, stride):
     (q, k, v), (qh, kh, vh) = _qkv(backend)
     out = call(backend, strided_attention, q, k, v, stride=stride, causal=causal)
-    assert_close(out, naive_attention(qh, kh, vh, mask=_ref_strided(N, stride, causal))[0], backend)
+    assert_close(out, naive_attention(qh, kh, vh, mask=ref_strided(N, stride, causal))[0], backend)
 
 
 @pytest.mark.parametrize("stride,summary,causal", [(1, 1, True), (3, 1, True), (4, 2, False)])
 def test_fixed_equals_dense_masked(backend, causal, stride, summary):
     (q, k, v), (qh, kh, vh) = _qkv(backend)
     out = call(backend, fixed_attention, q, k, v, stride=stride, summary=summary, causal=causal)
-    assert_close(out, naive_attention(qh, kh, vh, mask=_ref_fixed(N, stride, summary, causal))[0],
+    assert_close(out, naive_attention(qh, kh, vh, mask=ref_fixed(N, stride, summary, causal))[0],
                  backend)
 
 
@@ -310,25 +257,6 @@ def test_sparse_transformer_limits(backend):
     assert_close(call(backend, fixed_attention, q, k, v, stride=4, summary=4, causal=False), dense, backend)
 
 
-@pytest.mark.parametrize("name,causal", [(n, i % 2 == 0) for i, n in enumerate(SPARSE)])
-def test_registered_variants_match_their_weights(backend, name, causal):
-    var = get(name)
-    assert var.family == "sparse" and var.weights is not None and var.causal
-    (q, k, v), _ = _qkv(backend, n=16)
-    extra = var.extra(3, 16, 16, 4, 3, dtype=q.dtype, device=backend.device, xp=backend.xp)
-    if backend.name == "jax":
-        # jax.jit itself, not tests.helpers.call (which falls back to eager mode on a
-        # tracer error): each efficient form traces with only q, k, v as arrays.
-        import jax
-
-        out = jax.jit(functools.partial(var.fn, causal=causal, **extra))(q, k, v)
-    else:
-        out = var.fn(q, k, v, causal=causal, **extra)
-    w = call(backend, var.weights, q, k, causal=causal, **extra)
-    assert_close(out, host(w @ v), backend)
-    assert np.all(host(w).sum(-1) > 0.999)  # every pattern keeps the diagonal
-
-
 def test_float32_large_logits(backend):
     # The row maximum is subtracted per gathered block; 1e3-sized logits must not overflow.
     (q, k, v), _ = _qkv(backend, dtype="float32")
@@ -336,7 +264,7 @@ def test_float32_large_logits(backend):
     qh, kh, vh = host(q), host(k), host(v)
     out = host(call(backend, local_attention, q, k, v, window=2, scale=1.0))
     assert np.all(np.isfinite(out))
-    want, _ = naive_attention(qh, kh, vh, mask=_ref_local(N, 2), scale=1.0)
+    want, _ = naive_attention(qh, kh, vh, mask=ref_local(N, 2), scale=1.0)
     assert np.abs(out - want).max() < 1e3 * EPS["float32"] * np.abs(qh).max()
 
 
@@ -466,7 +394,7 @@ def test_property_local_equals_dense_masked(backend):
         qh, kh, vh = (rng.standard_normal((n, 3)) for _ in range(3))
         q, k, v = (from_numpy(a, backend) for a in (qh, kh, vh))
         out = call(backend, local_attention, q, k, v, window=w, dilation=dil, block_size=b, causal=causal)
-        want, _ = naive_attention(qh, kh, vh, mask=_ref_local(n, w, causal, dil))
+        want, _ = naive_attention(qh, kh, vh, mask=ref_local(n, w, causal, dil))
         np.testing.assert_allclose(host(out), want, rtol=1e-12, atol=1e-12)
 
     check()
@@ -482,7 +410,7 @@ def test_property_block_sparse_equals_dense_masked(backend):
         lay = random_block_layout(-(-nq // b), -(-nk // b), density=density, seed=seed)
         q, k, v = (from_numpy(a, backend) for a in (qh, kh, vh))
         out = call(backend, block_sparse_attention, q, k, v, layout=lay, block_size=b, causal=causal)
-        want, _ = naive_attention(qh, kh, vh, mask=_ref_layout(lay, b, nq, nk),
+        want, _ = naive_attention(qh, kh, vh, mask=ref_layout(lay, b, nq, nk),
                                   causal=None if causal is False else causal)
         np.testing.assert_allclose(host(out), want, rtol=1e-12, atol=1e-12)
 

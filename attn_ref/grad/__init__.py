@@ -12,8 +12,8 @@ the name of each differentiable input to its gradient::
 Gradients have the shape of their input: an input that was broadcast (a bias of
 shape ``(1, Nq, Nk)`` against a batch of 4) gets the gradient summed over the
 broadcast dimensions. Non-array options (masks, ``causal``, block sizes) are not
-differentiated. :data:`VJPS` maps each registered variant name to its VJP, for the
-conformance oracle and for generic tests.
+differentiated. Each registered variant names its VJP (``attn_ref.registry.get(name).vjp``);
+:data:`VJPS` is a read-only view of that catalogue, name -> VJP.
 
 Each VJP is a composition of the small VJPs in :mod:`attn_ref.grad._common` (matrix
 product, row softmax, broadcasting, feature maps) applied to the forward's named
@@ -23,6 +23,9 @@ steps, and is tested against central finite differences in float64 and against
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
+from .. import registry
 from .compressed import compressed_attention
 from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
@@ -62,24 +65,34 @@ __all__ = [
     "varlen_attention",
 ]
 
+
+class _RegistryVJPs(Mapping):
+    """Variant name -> ``registry.get(name).vjp``, for every variant that has one.
+
+    A view, not a copy: the catalogue is the one place a VJP is recorded, so a variant
+    registered later (a plugin's) appears here too, and nothing can be assigned here.
+    """
+
+    def __getitem__(self, name: str):
+        try:
+            vjp = registry.get(name).vjp
+        except KeyError:
+            vjp = None
+        if vjp is None:
+            raise KeyError(name)
+        return vjp
+
+    def __iter__(self) -> Iterator[str]:
+        return (v.name for v in registry.variants() if v.vjp is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"VJPS({dict(self)!r})"
+
+
 #: Variant name (as in :mod:`attn_ref.registry`) -> its VJP
-#: ``vjp(q, k, v, do, /, **same options as the forward) -> {input name: gradient}``.
-VJPS = {
-    "softmax": softmax_attention,
-    "online_softmax": online_softmax_attention,
-    "linear": linear_attention,
-    "performer": performer_attention,
-    "linformer": linformer_attention,
-    "pooled": pooled_attention,
-    "query_reduced": query_reduced_attention,
-    "nystrom": nystrom_attention,
-    "compressed": compressed_attention,
-    "clustered": clustered_attention,
-    "clustered_topk": clustered_attention,
-    "block_sparse": block_sparse_attention,
-    "local": local_attention,
-    "longformer": longformer_attention,
-    "bigbird": bigbird_attention,
-    "strided": strided_attention,
-    "fixed": fixed_attention,
-}
+#: ``vjp(q, k, v, do, /, **same options as the forward) -> {input name: gradient}``:
+#: a read-only view of the ``vjp`` field of the registry's variants.
+VJPS: Mapping = _RegistryVJPs()

@@ -1,0 +1,384 @@
+"""The plain references: every variant again, in NumPy float64 with loops and explicit
+formulas, written from the papers and independently of attn_ref.
+
+The family tests check attn_ref's efficient forms against these, and
+``tests/test_variants.py`` checks every registered variant against :data:`PLAIN`, so
+each family's definition lives here once. Each is short enough to read in a minute;
+speed does not matter.
+"""
+
+import numpy as np
+
+# The seeded random choices (initial centroids, BigBird's random blocks) are attn_ref's:
+# the plain forms must make the same draws.
+from attn_ref.random import permutation
+from attn_ref.sparse import bigbird_layout
+
+__all__ = [
+    "PLAIN",
+    "PHI",
+    "bounds",
+    "naive_attention",
+    "naive_clustered",
+    "naive_compressed",
+    "naive_conv",
+    "naive_expand",
+    "naive_kmeans",
+    "naive_linformer",
+    "naive_means",
+    "naive_nystrom",
+    "np_favor",
+    "np_linear",
+    "np_performer",
+    "pool_mask",
+    "ref_fixed",
+    "ref_global",
+    "ref_layout",
+    "ref_local",
+    "ref_strided",
+    "visible",
+]
+
+
+# ---------------------------------------------------------------- softmax
+
+
+def naive_attention(q, k, v, *, mask=None, bias=None, causal=None, scale=None):
+    """Plain NumPy float64 softmax attention, written independently of attn_ref.
+
+    ``causal`` is None, "top-left" or "bottom-right"; rows with no allowed key are 0.
+    Returns ``(output, weights)``.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    s = np.einsum("...id,...jd->...ij", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    allowed = np.ones(s.shape, dtype=bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if causal is not None:
+        off = 0 if causal == "top-left" else nk - nq
+        allowed = allowed & (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True) if nk else np.zeros(s.shape[:-1] + (1,))
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    den = p.sum(-1, keepdims=True)
+    p = p / np.where(den > 0, den, 1.0)
+    return p @ v, p
+
+
+# ---------------------------------------------------------------- compressed
+
+
+def naive_conv(x, w, s):
+    """Loop form: block j = sum_t x[j s + t] @ w[t], rows past the end are zero; a new
+    window starts while the previous one has not reached the end."""
+    n, c = x.shape[-2], w.shape[-3]
+    starts = [0]
+    while starts[-1] + c < n and starts[-1] + s < n:
+        starts.append(starts[-1] + s)
+    out = []
+    for j in range(len(starts)):
+        acc = 0.0
+        for t in range(c):
+            if j * s + t < n:
+                acc = acc + x[..., j * s + t, :][..., None, :] @ w[..., t, :, :]
+        out.append(acc[..., 0, :])
+    return np.stack(out, axis=-2)
+
+
+def _compressed_blocks(qh, kh, vh, wk, wv, s, causal):
+    kc, vc = naive_conv(kh, wk, s), naive_conv(vh, wv, s)
+    nq, nk, c, m = qh.shape[-2], kh.shape[-2], wk.shape[-3], kc.shape[-2]
+    mask = None
+    if causal is not None:
+        off = 0 if causal == "top-left" else nk - nq
+        last = [min(j * s + c, nk) - 1 for j in range(m)]
+        mask = np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
+    return naive_attention(qh, kc, vc, mask=mask)
+
+
+def naive_compressed(qh, kh, vh, wk, wv, s, causal=None):
+    """Memory-compressed attention: softmax over strided convolutions of keys and values."""
+    return _compressed_blocks(qh, kh, vh, wk, wv, s, causal)[0]
+
+
+def _compressed_weights(qh, kh, vh, wk, wv, s, causal=None):
+    """(output, weights) when each value tap is a scalar: key j s + t gets p_j w_t."""
+    out, p = _compressed_blocks(qh, kh, vh, wk, wv, s, causal)
+    nk, c = kh.shape[-2], wv.shape[-3]
+    w = np.zeros(p.shape[:-1] + (nk,))
+    for j in range(p.shape[-1]):
+        for t in range(c):
+            if j * s + t < nk:
+                w[..., j * s + t] += p[..., j] * wv[t, 0, 0]
+    return out, w
+
+
+# ---------------------------------------------------------------- low rank
+
+
+def naive_linformer(qh, kh, vh, e, f):
+    """Independent NumPy form: project keys and values, then plain softmax attention."""
+    out, p = naive_attention(qh, e @ kh, f @ vh)
+    return out, p @ f
+
+
+# ---------------------------------------------------------------- linear attention
+
+PHI = {
+    "elu+1": lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0))),
+    "relu": lambda x: np.maximum(x, 0.0),
+    "identity": lambda x: x,
+}
+
+
+def visible(nq, nk, causal):
+    """Which keys each query sees: all, or up to its causal offset."""
+    if not causal:
+        return np.ones((nq, nk), dtype=bool)
+    off = 0 if causal in (True, "top-left") else nk - nq
+    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
+
+
+def np_linear(q, k, v, *, feature_map="elu+1", causal=False, scale=1.0, normalize=True, eps=1e-6):
+    """Plain NumPy float64 linear attention in the quadratic order, written independently.
+
+    Returns ``(output, weights)``; the denominator rule is the documented one.
+    """
+    phi = PHI[feature_map] if isinstance(feature_map, str) else feature_map
+    a = scale * np.einsum("...if,...jf->...ij", phi(q), phi(k))
+    a = a * visible(q.shape[-2], k.shape[-2], causal)
+    if normalize:
+        den = a.sum(-1, keepdims=True)
+        den = np.where(np.abs(den) < eps, np.where(den < 0, -eps, eps), den)
+        a = a / den
+    return a @ v, a
+
+
+# ---------------------------------------------------------------- Performer
+
+
+def np_favor(x, w, kernel="positive"):
+    """Plain NumPy float64 FAVOR features, unstabilised, written independently."""
+    u = x @ w.T
+    sq = (x * x).sum(-1, keepdims=True) / 2
+    if kernel == "positive":
+        return np.exp(u - sq) / np.sqrt(len(w))
+    return np.exp(sq) * np.concatenate([np.sin(u), np.cos(u)], axis=-1) / np.sqrt(len(w))
+
+
+def np_performer(q, k, v, w, *, kernel="positive", causal=False, scale=None):
+    """The Performer estimate in the quadratic order, NumPy float64; returns (out, weights)."""
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    a = np_favor(q * np.sqrt(scale), w, kernel) @ np.swapaxes(np_favor(k * np.sqrt(scale), w, kernel), -1, -2)
+    nq, nk = a.shape[-2:]
+    if causal:
+        off = 0 if causal in (True, "top-left") else nk - nq
+        a = a * (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
+    den = a.sum(-1, keepdims=True)
+    a = a / np.where(den == 0, 1.0, den)
+    return a @ v, a
+
+
+# ---------------------------------------------------------------- reduced: segments, landmarks, clusters
+
+
+def bounds(n, m):
+    """``m`` segments of ``n`` positions, the longer ones first: ``[(start, end), ...]``."""
+    c, r = divmod(n, m)
+    sizes = [c + 1] * r + [c] * (m - r)
+    ends = np.cumsum(sizes)
+    return list(zip(ends - sizes, ends))
+
+
+def naive_means(x, m):
+    return np.stack([x[..., a:b, :].mean(-2) for a, b in bounds(x.shape[-2], m)], axis=-2)
+
+
+def naive_expand(y, n):
+    return np.concatenate([np.repeat(y[..., j:j + 1, :], b - a, axis=-2)
+                           for j, (a, b) in enumerate(bounds(n, y.shape[-2]))], axis=-2)
+
+
+def pool_mask(nq, nk, m, causal):
+    """A query sees a pooled segment once it has seen the segment's last key."""
+    if causal is False:
+        return None
+    off = 0 if causal == "top-left" else nk - nq
+    last = [b - 1 for _, b in bounds(nk, m)]
+    return np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
+
+
+def naive_nystrom(qh, kh, vh, m, iterations):
+    """Nystromformer with segment-mean landmarks; ``iterations=None`` takes the exact pinv."""
+    qs = qh / np.sqrt(qh.shape[-1])
+    ql, kl = naive_means(qs, m), naive_means(kh, m)
+    k1 = naive_attention(qs, kl, vh[..., :m, :], scale=1.0)[1]
+    k2 = naive_attention(ql, kl, vh[..., :m, :], scale=1.0)[1]
+    k3 = naive_attention(ql, kh, vh, scale=1.0)[1]
+    if iterations is None:
+        z = np.linalg.pinv(k2)
+    else:
+        # Razavi et al. written out, Z_0 = A^T / (||A||_1 ||A||_inf) per matrix.
+        norm = np.abs(k2).sum(-2).max(-1) * np.abs(k2).sum(-1).max(-1)
+        z, eye = np.swapaxes(k2, -1, -2) / norm[..., None, None], np.eye(m)
+        for _ in range(iterations):
+            az = k2 @ z
+            z = 0.25 * z @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
+    w = k1 @ z @ k3
+    return w @ vh, w
+
+
+def naive_kmeans(x, c, iterations, seed):
+    """One 2-D ``x (N, d)``: Lloyd's algorithm with explicit distances and loops."""
+    cent = x[permutation(x.shape[0], seed=seed)[:c]].copy()
+    for _ in range(iterations + 1):
+        assign = np.argmin(((x[:, None, :] - cent[None]) ** 2).sum(-1), axis=-1)
+        if _ == iterations:
+            break
+        for j in range(c):
+            if np.any(assign == j):
+                cent[j] = x[assign == j].mean(0)
+    return cent, assign
+
+
+def naive_clustered(qh, kh, vh, c, iterations, seed, topk):
+    """Clustered attention, and with ``topk`` the improved form; returns (out, weights)."""
+    out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
+    weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
+    for idx in np.ndindex(qh.shape[:-2]):
+        q, k, v = qh[idx], kh[idx], vh[idx]
+        cent, assign = naive_kmeans(q, c, iterations, seed)
+        _, pc = naive_attention(cent, k, v)
+        for i in range(q.shape[0]):
+            row = pc[assign[i]].copy()
+            if topk is not None:
+                top = np.argsort(-row, kind="stable")[:topk]
+                _, pi = naive_attention(q[i:i + 1], k[top], v[top])
+                row[top] = row[top].sum() * pi[0]
+            weights[idx + (i,)] = row
+            out[idx + (i,)] = row @ v
+    return out, weights
+
+
+# ---------------------------------------------------------------- sparse patterns
+# Written from the set definitions with Python loops.
+
+
+def ref_local(n, w, one_sided=False, dil=1):
+    m = np.zeros((n, n), bool)
+    for i in range(n):
+        for t in range(-w, w + 1):
+            j = i - t * dil
+            if 0 <= j < n and (t >= 0 or not one_sided):
+                m[i, j] = True
+    return m
+
+
+def ref_strided(n, l, causal=True, part="both"):
+    m = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(n):
+            if causal and j > i:
+                continue
+            a1 = abs(i - j) <= l  # {max(0, i - l), ..., i} when causal
+            a2 = (i - j) % l == 0
+            m[i, j] = {"local": a1, "strided": a2, "both": a1 or a2}[part]
+    return m
+
+
+def ref_fixed(n, l, c, causal=True, part="both"):
+    m = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(n):
+            if causal and j > i:
+                continue
+            a1 = j // l == i // l
+            a2 = j % l in range(l - c, l)
+            m[i, j] = {"block": a1, "summary": a2, "both": a1 or a2}[part]
+    return m
+
+
+def ref_global(n, tokens):
+    m = np.zeros((n, n), bool)
+    for t in tokens:
+        m[t, :] = True
+        m[:, t] = True
+    return m
+
+
+def ref_layout(layout, b, nq, nk):
+    m = np.zeros((nq, nk), bool)
+    for a, row in enumerate(layout):
+        for c, on in enumerate(row):
+            if on:
+                m[a * b:(a + 1) * b, c * b:(c + 1) * b] = True
+    return m
+
+
+# ---------------------------------------------------------------- every registered variant
+# PLAIN[name](q, k, v, causal, **extra) -> (output, weights) for the registry's variant
+# ``name`` called as ``fn(q, k, v, causal=causal, **extra)``: q, k, v and the array
+# entries of ``extra`` are float64 NumPy, ``causal`` is a bool.
+
+
+def _tl(causal):
+    return "top-left" if causal else None
+
+
+def _bigbird(q, k, v, causal, *, block_size, window, global_blocks, random_blocks, seed):
+    n = q.shape[-2]
+    lay = bigbird_layout(-(-n // block_size), window=window, global_blocks=global_blocks,
+                         random_blocks=random_blocks, seed=seed)
+    return naive_attention(q, k, v, mask=ref_layout(lay, block_size, n, n), causal=_tl(causal))
+
+
+def _pooled(q, k, v, causal, *, num_segments):
+    nk, m = k.shape[-2], num_segments
+    out, p = naive_attention(q, naive_means(k, m), naive_means(v, m),
+                             mask=pool_mask(q.shape[-2], nk, m, _tl(causal) or False))
+    # A segment's weight is shared equally by its keys.
+    return out, np.concatenate([np.repeat(p[..., j:j + 1] / (b - a), b - a, axis=-1)
+                                for j, (a, b) in enumerate(bounds(nk, m))], axis=-1)
+
+
+def _query_reduced(q, k, v, causal, *, num_segments):
+    n = q.shape[-2]
+    out, p = naive_attention(naive_means(q, num_segments), k, v)
+    return naive_expand(out, n), naive_expand(p, n)
+
+
+PLAIN = {
+    "softmax": lambda q, k, v, causal: naive_attention(q, k, v, causal=_tl(causal)),
+    "online_softmax": lambda q, k, v, causal, block_q, block_k: naive_attention(q, k, v, causal=_tl(causal)),
+    "linear": lambda q, k, v, causal, feature_map, order, chunk_size, block_size: np_linear(
+        q, k, v, feature_map=feature_map, causal=causal),
+    "performer": lambda q, k, v, causal, projection, kernel, chunk_size: np_performer(
+        q, k, v, projection, kernel=kernel, causal=causal),
+    "linformer": lambda q, k, v, causal, e_proj, f_proj: naive_linformer(q, k, v, e_proj, f_proj),
+    "compressed": lambda q, k, v, causal, k_weight, v_weight, stride: _compressed_weights(
+        q, k, v, k_weight, v_weight, stride, _tl(causal)),
+    "pooled": _pooled,
+    "query_reduced": _query_reduced,
+    "nystrom": lambda q, k, v, causal, num_landmarks: naive_nystrom(q, k, v, num_landmarks, 6),
+    "clustered": lambda q, k, v, causal, num_clusters, seed: naive_clustered(
+        q, k, v, num_clusters, 10, seed, None),
+    "clustered_topk": lambda q, k, v, causal, num_clusters, seed, topk: naive_clustered(
+        q, k, v, num_clusters, 10, seed, topk),
+    "block_sparse": lambda q, k, v, causal, block_size, layout: naive_attention(
+        q, k, v, mask=ref_layout(layout, block_size, q.shape[-2], k.shape[-2]), causal=_tl(causal)),
+    "local": lambda q, k, v, causal, window: naive_attention(
+        q, k, v, mask=ref_local(q.shape[-2], window, one_sided=causal)),
+    "longformer": lambda q, k, v, causal, window, global_tokens: naive_attention(
+        q, k, v, mask=ref_local(q.shape[-2], window) | ref_global(q.shape[-2], global_tokens),
+        causal=_tl(causal)),
+    "bigbird": _bigbird,
+    "strided": lambda q, k, v, causal, stride: naive_attention(
+        q, k, v, mask=ref_strided(q.shape[-2], stride, causal)),
+    "fixed": lambda q, k, v, causal, stride, summary: naive_attention(
+        q, k, v, mask=ref_fixed(q.shape[-2], stride, summary, causal)),
+}
