@@ -14,7 +14,9 @@ When a case fails, :func:`diagnose` tries, in order:
    left unmasked, an online softmax that never rescales its accumulator, a
    denominator epsilon...).
 3. **Where the error lives**: only in the last partial query block, or only on some
-   batch entries / heads (named), every other one within tolerance.
+   batch entries / heads (named), every other one within tolerance and ten times
+   closer than the worst (so that rounding noise crossing the line on a few slices
+   is not mistaken for a confined mistake).
 4. **Precision**: an error the size of a plain float16/bfloat16 implementation's, and
    whether it grows with ``N`` (the kernel is re-run on the same case at ``N/4``), as
    low-precision accumulation does.
@@ -521,7 +523,8 @@ def _exp_range(prep, rows, compared):
     subnormal; subtracting a maximum larger than the row's own (that of a whole tile of
     queries) underflows the same way. Each fault predicts a set of rows; it is named
     only when the kernel's non-finite rows are exactly that set, up to rows within
-    rounding of a threshold.
+    rounding of a threshold (and rows that underflow without the maximum subtracted,
+    which a kernel guarding its division by zero returns finite).
     """
     if not _plain_softmax(prep):
         return None
@@ -535,16 +538,18 @@ def _exp_range(prep, rows, compared):
     for dt in dict.fromkeys((np.dtype(host_dtype(prep.dtype)), np.dtype(np.float32),
                              np.dtype(np.float64))):
         fi = np.finfo(dt)
-        hi, lo = math.log(float(fi.max)), math.log(float(fi.smallest_subnormal) / 2)
+        hi, lo = math.log(float(fi.max)), math.log(float(fi.smallest_subnormal)) - math.log(2.0)
         margin = 1.0 + 16 * float(fi.eps) * size  # rounding of the logits in dt
 
-        def consistent(sure, near):
-            sure, near = sure & compared, (near | ~live) & compared
-            return sure.any() and not (sure & ~rows).any() and not (rows & ~sure & ~near).any()
+        def consistent(must, may):
+            # every row of ``must`` is non-finite, and no row outside ``must | may``
+            must, may = must & compared, (may | ~live) & compared
+            return rows.any() and not (must & ~rows).any() and not (rows & ~must & ~may).any()
 
         over, under = top > hi + margin, live & (top < lo - margin)
         near = (np.abs(top - hi) <= margin) | (np.abs(top - lo) <= margin)
-        if consistent(over | under, near):
+        # inf / inf is always NaN; 0 / 0 is NaN only where the division is unguarded
+        if consistent(over, under | near):
             parts = []
             if (over & rows).any():
                 parts.append(f"exp() overflows on large logits ({int((over & rows).sum())} rows "
@@ -613,10 +618,15 @@ def _where(prep, got, tol):
         parts.append(f"{'head' if len(h_bad) == 1 else 'heads'} {_span(h_bad)} (of H = {nh})")
     if not parts:
         return None
-    words = ("the output is wrong only on " + " and ".join(parts)
-             + "; the other batch entries and heads are within tolerance")
     sel = np.zeros(bad.shape[:2], bool)
     sel[np.ix_(b_bad, h_bad)] = True
+    slice_err = row.max(-1)  # (B, H)
+    if slice_err[~sel].max(initial=0.0) > slice_err[sel].max() / 10:
+        # the rest is only just within tolerance: noise (low precision) that happens to
+        # cross the line on some slices, not a mistake confined to them
+        return None
+    words = ("the output is wrong only on " + " and ".join(parts)
+             + "; the other batch entries and heads are within tolerance, ten times closer")
     if np.all(got[sel] == 0) and np.any(prep.golden[sel] != 0):
         words += "; the output there is all zeros (never written)"
     return words
