@@ -27,7 +27,8 @@ output is off the golden by more than the tolerance), and the kernel's output is
 the case tolerance of the mistake's, or the mistake explains all but 1/50 of the
 kernel's error (``max|got - mistake| <= max|got - golden| / 50``); of several, the
 closest is named. For non-finite values (1), the rows the fault predicts must be
-exactly the kernel's non-finite rows (up to rows within rounding of a threshold).
+exactly the kernel's non-finite rows (up to rows within rounding of a threshold, and
+``0/0`` rows a kernel that guards its division returns finite).
 Localisations (3) are measurements, stated only when true. A mistake that explains
 less is never named: the failure is then reported as unexplained, with its size and
 place.
