@@ -26,7 +26,8 @@ did. For a signature (2) that is: the mistake changes the output on this case (i
 output is off the golden by more than the tolerance), and the kernel's output is within
 the case tolerance of the mistake's, or the mistake explains all but 1/50 of the
 kernel's error (``max|got - mistake| <= max|got - golden| / 50``); of several, the
-closest is named. For non-finite values (1), the rows the fault predicts must be
+closest is named, and with it every other that reproduces the output within tolerance
+(they cannot be told apart on this case). For non-finite values (1), the rows the fault predicts must be
 exactly the kernel's non-finite rows (up to rows within rounding of a threshold, and
 ``0/0`` rows a kernel that guards its division returns finite).
 Localisations (3) are measurements, stated only when true. A mistake that explains
@@ -67,6 +68,8 @@ class Signature:
     candidates: Callable[..., Iterator]
     exact_only: bool = False  # needs the variant to be exact softmax
     needs_output: bool = False
+    # a costly fit, skipped once another mistake reproduces the output within tolerance
+    fit: bool = False
 
 
 SIGNATURES: list[Signature] = []
@@ -397,7 +400,7 @@ for _sig in (
     Signature("epsilon", _eps_sigs, exact_only=True),
     Signature("online", _online_sigs, exact_only=True),
     Signature("unmasked padding", _padding_sigs, exact_only=True),
-    Signature("scale factor", _scale_fit_sigs, needs_output=True),
+    Signature("scale factor", _scale_fit_sigs, needs_output=True, fit=True),
 ):
     register_signature(_sig)
 
@@ -695,23 +698,31 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
     words = _nonfinite(prep, got)
     if words:
         return words
-    best = None
+    best, hits = None, []
     # fits last: they cost many reference runs, and are skipped once a mistake reproduces
-    for sig in sorted(SIGNATURES, key=lambda sig: sig.needs_output):
+    for sig in sorted(SIGNATURES, key=lambda sig: sig.fit):
         if sig.exact_only and not prep.variant.exact:
             continue
-        if sig.needs_output and best is not None and best[0] <= res.tol_max:
+        if sig.fit and best is not None and best[0] <= res.tol_max:
             continue  # a fit costs many reference runs; a mistake already reproduces it
         try:
             found = sig.candidates(prep, got) if sig.needs_output else sig.candidates(prep)
             for message, cand in found:
                 r = _reproduces(prep, got, cand, res.max_err)
-                if r is not None and (best is None or r < best[0]):
-                    best = (r, message)
+                if r is not None:
+                    hits.append((r, message))
+                    if best is None or r < best[0]:
+                        best = (r, message)
         except Exception:  # a signature that cannot be built for this case says nothing
             continue
     if best is not None:
-        return best[1]
+        # mistakes that all reproduce the output within tolerance cannot be told apart on
+        # this case (causal ignored and the other alignment with one query): name each
+        same = list(dict.fromkeys(m for r, m in sorted(hits) if r <= res.tol_max and m != best[1]))
+        if best[0] > res.tol_max or not same:
+            return best[1]
+        return (" - or ".join([best[1]] + same[:2])
+                + " (these mistakes give the same output on this case)")
     for fn in (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun)):
         words = fn()
         if words:
