@@ -6,7 +6,8 @@ When a case fails, :func:`diagnose` tries, in order:
    fully-masked-row convention mismatch); or exactly on the rows where ``exp()``
    overflows (largest logit above ``ln(max)`` of the dtype) or underflows on every key
    (``0/0``: all logits below ``ln`` of the smallest subnormal, or far below a maximum
-   taken over a tile of queries instead of the row); or elsewhere (rows counted).
+   taken over a tile of queries instead of the row), or where ``Q K^T`` itself exceeds
+   float16's range (logits computed in float16); or elsewhere (rows counted).
 2. **Mistake signatures** (:data:`SIGNATURES`): each builds, from the case's rounded
    inputs, the output a specific mistake would produce (scale ``1/d``, a scale off by a
    fitted factor, causal diagonal shifted by one, the other layout, keys and values
@@ -539,6 +540,20 @@ def _exp_range(prep, rows, compared):
     live = fin.any(-1)
     size = np.max(np.where(fin, np.abs(s), 0.0), axis=-1)
     nq = rows.shape[-1]
+    # Q K^T itself overflowing a low-precision dtype: a row with a +inf logit gives
+    # inf - inf = NaN; the unscaled products, or the logits with the scale folded in first
+    a = prep.arrays
+    qk = np.broadcast_to(a["q"] @ np.swapaxes(a["k"], -1, -2), s.shape)
+    for dt in (np.dtype(np.float16),):
+        fmax, eps = float(np.finfo(dt).max), float(np.finfo(dt).eps)
+        for what, x in (("q.k (before the scale)", qk), ("the scaled logits", s)):
+            big = np.max(np.where(fin, x, -np.inf), axis=-1)
+            must, may = big > fmax * (1 + 16 * eps), np.abs(big - fmax) <= fmax * 16 * eps
+            must, may = must & compared, may & compared
+            if must.any() and not (must & ~rows).any() and not (rows & ~must & ~may).any():
+                return (f"Q K^T overflows {dt}: {what} exceed its largest value {fmax:g} in "
+                        f"{int((must & rows).sum())} rows (+inf, then inf - inf) - the logits "
+                        f"are computed in {dt}")
     for dt in dict.fromkeys((np.dtype(host_dtype(prep.dtype)), np.dtype(np.float32),
                              np.dtype(np.float64))):
         fi = np.finfo(dt)
