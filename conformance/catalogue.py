@@ -11,7 +11,8 @@ arrays in the canonical ``(B, H, N, d)`` layout. Catalogues are plain lists per 
     1000), head dims 1..256 including 80 and 96, ``Nq != Nk``, batch/head
     broadcasting, large logits, near-ties, one-hot rows, constant keys, padding and
     random masks, fully masked rows, causal in both alignments, additive bias, long
-    sequences.
+    sequences; batch 3 x 5 heads for every feature set, ``Nk = 4096`` with and
+    without a causal mask, ``Nq != Nk`` both ways at lengths >= 1000.
 ``exhaustive``
     ``standard`` plus longer sequences; :func:`conformance.verify` then runs a
     hypothesis search (:func:`case_strategy`) that shrinks a failure to the smallest
@@ -313,6 +314,45 @@ def _standard():
         C("long", (1, 1), 1000, 1000, 64, 64),
         C("long", (1, 1), 1000, 1000, 64, 64, causal="top-left"),
     ]
+    return out + _ranges()
+
+
+def _ranges():
+    """Batch, head and length ranges (issue 14): the indices and lengths kernels get wrong.
+
+    A kernel that declares any one feature (or none) meets a batch of 3 and 5 heads -
+    batch index 2 and head index 4, past the grids and strides of two batch entries and
+    four heads - in a case that needs only that feature. Keys reach 4096 (past fixed
+    key buffers of 1024 and 2048), with and without a causal mask, and ``Nq != Nk``
+    both ways with both lengths >= 1000. Few and small: the standard suite runs for
+    every variant, in several tests.
+    """
+    C = Case
+    bh = (3, 5)
+    out = [
+        C("range", bh, 37, 37, 16, 16),
+        C("range", bh, 37, 37, 16, 16, mask="random"),
+        C("range", bh, 37, 37, 16, 16, bias=True),
+        C("range", bh, 37, 37, 16, 16, scale=0.5),
+        C("range", bh, 37, 37, 16, 16, causal="top-left"),
+        # Nq != Nk, or bottom-right would be the same mask as top-left
+        C("range", bh, 29, 37, 16, 16, causal="bottom-right"),
+        C("range", bh, 37, 37, 16, 24),
+        C("range", bh, 37, 37, 16, 16, kv_batch=(1, 5)),
+    ]
+    # Nk = 4096 against 64 queries (a prefill chunk) reaches every key from some query
+    # (bottom-right: query i sees keys 0..i + 4032) at 1/64 of the cost of 4096 x 4096;
+    # a float64 golden is computed in longdouble, without BLAS, and performer's causal
+    # prefix in longdouble costs 6x more at d = 64 than at 32 (and a longdouble golden
+    # of 1000 x 1300 twice as much at d = 32 as at 16). Nk = 1300 keeps a
+    # 1024-key buffer apart from a dropped last partial block (1280 for blocks of
+    # 16..256), so the two mistakes are told apart.
+    out += [
+        C("long", (1, 1), 64, 4096, 32, 32),
+        C("long", (1, 1), 64, 4096, 32, 32, causal="bottom-right"),
+        C("long", (1, 1), 1000, 1300, 16, 16),
+        C("long", (1, 1), 1100, 1000, 16, 16),
+    ]
     return out
 
 
@@ -427,8 +467,10 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
 def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128)):
     """A hypothesis strategy over small-to-medium :class:`Case` objects.
 
-    Shrinking goes towards short sequences, small head dims and no mask/bias/causal,
-    so a failure found by search is reported at its simplest.
+    Batch sizes 1..4 and 1..8 heads, so batch indices >= 2 and head indices >= 4 are
+    drawn. Shrinking goes towards short sequences, small head dims, one batch entry
+    and head, and no mask/bias/causal, so a failure found by search is reported at
+    its simplest.
     """
     from hypothesis import strategies as st
 
@@ -436,7 +478,7 @@ def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128))
         lambda nq, nk, d, dv, b, h, dist, mask, causal, bias: Case(
             "search", (b, h), nq, nk, d, dv, dist=dist, mask=mask, causal=causal, bias=bias),
         st.integers(1, max_n), st.integers(1, max_n), st.sampled_from(head_dims),
-        st.sampled_from(head_dims), st.integers(1, 2), st.integers(1, 3),
+        st.sampled_from(head_dims), st.integers(1, 4), st.integers(1, 8),
         st.sampled_from(DISTRIBUTIONS), st.sampled_from(MASKS), st.sampled_from(ALIGNMENTS),
         st.booleans(),
     )

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Mutant", "MUTANTS", "correct_kernel", "catch_rate"]
+__all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -197,6 +197,114 @@ MUTANTS += [
            {"cases": _feature_cases("seqlens_q")}),
     Mutant("softcap: scale applied twice", _modern("softcap scale twice"),
            "scale is applied again after the soft-cap", {"cases": _feature_cases("softcap")}),
+]
+
+
+# ------------------------------------------------------------------ structural mutants
+# Right on the shapes their author tried, wrong past them: on batch entries >= 2, on
+# heads >= 4, on keys past a fixed buffer (issue 14). The standard suite must fail
+# each; their cases are the standard ones that reach those indices and lengths. Then
+# mistakes whose error is small or non-finite, which diagnoses used to mislabel as
+# precision or overflow: a scale 1 % off, keys padded and not masked, 0/0 underflow.
+
+
+def _batch_clamped(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    """Batch entries >= 2 read the keys and values of entry 1 (a grid written for two)."""
+    if k.shape[0] > 2:
+        idx = np.minimum(np.arange(k.shape[0]), 1)
+        k, v = k[idx], v[idx]
+    return correct_kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale)
+
+
+def _heads_wrapped(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    """Head h >= 4 reads the keys and values of head h % 4 (a head stride for four)."""
+    if k.shape[1] > 4:
+        idx = np.arange(k.shape[1]) % 4
+        k, v = k[:, idx], v[:, idx]
+    return correct_kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale)
+
+
+def _key_buffer(length):
+    def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+        # the visibility the full-length kernel computes, then only the keys the buffer
+        # holds: keys length..Nk-1 are never loaded
+        al = _allowed(q.shape[-2], k.shape[-2], causal, mask)
+        inside = np.arange(k.shape[-2]) < length
+        al = inside if al is None else al & inside
+        return _kernel(q, k, v, mask=al, bias=bias, scale=scale)
+
+    kernel.__name__ = f"key_buffer_{length}"
+    return kernel
+
+
+def _scaled(factor):
+    def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+        s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return _kernel(q, k, v, mask=mask, bias=bias, causal=causal, scale=s * factor)
+
+    kernel.__name__ = f"scale_times_{factor:g}"
+    return kernel
+
+
+def _unmasked_padding(q, k, v, *, mask=None, bias=None, causal=False, scale=None, block=64):
+    """Keys and values padded with zeros to a multiple of ``block``; the padding is
+    never masked, so every row's softmax counts the extra keys (logit 0)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    pad = -nk % block
+    al = _allowed(nq, nk, causal, mask)
+    if pad == 0:
+        return _kernel(q, k, v, mask=al, bias=bias, scale=scale)
+    al = np.ones((nq, nk), dtype=bool) if al is None else al
+    al = np.concatenate([al, np.ones(al.shape[:-1] + (pad,), dtype=bool)], axis=-1)
+    k = np.concatenate([k, np.zeros(k.shape[:-2] + (pad, k.shape[-1]), k.dtype)], axis=-2)
+    v = np.concatenate([v, np.zeros(v.shape[:-2] + (pad, v.shape[-1]), v.dtype)], axis=-2)
+    if bias is not None:
+        bias = np.concatenate([bias, np.zeros(bias.shape[:-1] + (pad,), bias.dtype)], axis=-1)
+    return _kernel(q, k, v, mask=al, bias=bias, scale=scale)
+
+
+def _tile_max(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    """The maximum subtracted before exp() is the whole (Nq, Nk) tile's, not each row's:
+    rows far below it underflow on every key and divide 0 by 0."""
+    ct = q.dtype
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ np.swapaxes(k, -1, -2)) * ct.type(scale)
+    if bias is not None:
+        s = s + bias.astype(ct)
+    al = _allowed(q.shape[-2], k.shape[-2], causal, mask)
+    if al is not None:
+        s = np.where(al, s, -np.inf)
+    m = np.max(s, axis=(-2, -1), keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    # rows with no key are zeros, as declared; the others divide by their sum as it is
+    live = np.ones(s.shape[:-1] + (1,), bool) if al is None else np.any(
+        np.broadcast_to(al, s.shape), axis=-1, keepdims=True)
+    den = np.where(live, np.sum(e, axis=-1, keepdims=True), 1)
+    return ((e / den) @ v).astype(q.dtype)
+
+
+def structural_cases():
+    """The standard cases past two batch entries, four heads or 1024 keys."""
+    from .catalogue import CATALOGUE
+
+    return [c for c in CATALOGUE["standard"]
+            if not c.needs - {"mask", "bias", "causal", "scale", "broadcast", "value_dim"}
+            and (c.batch[0] > 2 or c.batch[1] > 4 or c.nk > 1024)]
+
+
+STRUCTURAL: list[Mutant] = [
+    Mutant("wrong on batch entries >= 2", _batch_clamped, "wrong only on batch entr"),
+    Mutant("wrong on heads >= 4", _heads_wrapped, "wrong only on head"),
+    Mutant("keys past a buffer of 1024 dropped", _key_buffer(1024),
+           "keys beyond the first 1024 are ignored"),
+    Mutant("keys past a buffer of 2048 dropped", _key_buffer(2048),
+           "keys beyond the first 2048 are ignored"),
+]
+MUTANTS += [replace(m, options={"cases": structural_cases(), **m.options}) for m in STRUCTURAL]
+MUTANTS += [
+    Mutant("scale 1 % too large", _scaled(1.01), "logit scale is 1 % too large"),
+    Mutant("zero padding not masked", _unmasked_padding, "padded with zeros from Nk"),
+    Mutant("maximum over the tile, not the row", _tile_max, "0/0 from underflow"),
 ]
 
 
