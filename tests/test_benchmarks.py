@@ -37,7 +37,7 @@ CLASSES = dict(_benchmark_classes())
 
 def test_suite_has_the_expected_benchmarks():
     assert {"variants.Attention", "variants.FlopRate", "peers.TorchSDPA", "peers.NumpyOneShot",
-            "peers.Matmul", "peers.Baseline"} <= set(CLASSES)
+            "peers.JaxDotProductAttention", "peers.Matmul", "peers.Baseline"} <= set(CLASSES)
     assert {"time_forward", "peakmem_forward"} <= set(vars(variants.Attention))
 
 
@@ -392,12 +392,70 @@ def test_numpy_peer_is_softmax_attention():
 
 def test_torch_sdpa_peer_matches_numpy():
     pytest.importorskip("torch")
-    bench = peers.TorchSDPA()
-    bench.setup("cpu-float32", 256)
-    got = bench.run().numpy()
-    np.testing.assert_allclose(got, peers.numpy_oneshot(*C.inputs(256)), rtol=1e-4, atol=1e-5)
+    configs = peers.TorchSDPA.params[0]
+    assert {"cpu-float32", "cpu-flash-float32", "cpu-math-float32"} <= set(configs)
+    want = peers.numpy_oneshot(*C.inputs(256))
+    for config in (c for c in configs if c.startswith("cpu")):
+        bench = peers.TorchSDPA()
+        bench.setup(config, 256)
+        assert tuple(bench.q.shape) == (1, C.HEADS, 256, C.HEAD_DIM), config  # 4-D: fused path
+        got = bench.run().numpy()[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=config)
     with pytest.raises(NotImplementedError, match="exceeds the cap"):
         bench.setup("cpu-float32", 65536)
+    with pytest.raises(NotImplementedError, match="exceeds the cap N=8192"):
+        bench.setup("cpu-math-float32", 16384)  # the math path holds N x N logits
+
+
+# Peak memory of one SDPA call per CPU configuration, one head at N = 8192, in a fresh
+# process: torch's allocator is invisible to tracemalloc, the RSS high-water mark is
+# not. The math configuration runs last, as the high-water mark only rises.
+_SDPA_PEAK = r"""
+import json, resource, sys
+from asv_benches import peers
+
+out = {}
+for config in sys.argv[2:]:
+    bench = peers.TorchSDPA()
+    bench.heads = 1
+    bench.setup(config, int(sys.argv[1]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bench.run()
+    out[config] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps(out))
+"""
+
+
+def test_torch_sdpa_peer_stays_on_the_fused_path():
+    # A configuration that falls to SDPA's math path (3-D inputs did, silently: 5.5x
+    # slower at N = 8192) holds the N x N logits; the fused kernel holds O(N). The
+    # forced math row shows that the measurement sees the logits.
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    n = 8192
+    logits = n * n * 4  # one head's float32 N x N: 256 MiB
+    done = subprocess.run([sys.executable, "-c", _SDPA_PEAK, str(n), "cpu-float32",
+                           "cpu-flash-float32", "cpu-math-float32"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    mib = {c: round(b / 2**20) for c, b in peak.items()}
+    assert peak["cpu-float32"] < logits / 8, f"default SDPA holds O(N^2) memory (MiB): {mib}"
+    assert peak["cpu-flash-float32"] < logits / 8, mib
+    assert peak["cpu-math-float32"] > 0.9 * logits, f"the math path's logits were not seen: {mib}"
+
+
+def test_jax_peer_matches_numpy():
+    pytest.importorskip("jax")
+    bench = peers.JaxDotProductAttention()
+    bench.setup("cpu-float32", 256)
+    assert tuple(bench.q.shape) == (1, 256, C.HEADS, C.HEAD_DIM)  # JAX's (B, T, H, d)
+    got = np.swapaxes(np.asarray(bench.run())[0], 0, 1)
+    np.testing.assert_allclose(got, peers.numpy_oneshot(*C.inputs(256)), rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="exceeds the cap N=8192"):
+        bench.setup("cpu-float32", 16384)
 
 
 def test_baseline_loads_each_backend():
