@@ -488,3 +488,73 @@ def test_timeouts_cover_the_slowest_cases():
     # and the time benchmarks do not loop (number = 1).
     assert variants.Attention.timeout >= 600 and variants.Attention.number == 1
     assert math.isclose(variants.Attention.repeat[2], 10.0)
+
+
+# ------------------------------------------------------------------------- roofline
+
+
+def test_every_registered_variant_has_a_work_count():
+    # A new variant needs its least work in asv_benches/costs.py WORK (the roofline).
+    from asv_benches.costs import WORK
+    from attn_ref.registry import variants as registered
+
+    names = [v.name for v in registered()]
+    assert sorted(set(names) - set(WORK)) == [], "add these to WORK in asv_benches/costs.py"
+    assert sorted(set(WORK) - set(names)) == [], "work counts of no variant"
+
+
+def test_softmax_work_is_the_textbook_count():
+    from asv_benches.costs import variant_work
+
+    n, d, h = 4096, C.HEAD_DIM, C.HEADS
+    w = variant_work("online_softmax", n, C.BENCH_CONFIGS["online_softmax"].describe(n))
+    assert w.gemm_flops == 4 * n * n * d * h and w.transcendentals == n * n * h
+    assert w.bytes == 4 * n * d * h * 4
+    lin = variant_work("linear", n, C.BENCH_CONFIGS["linear"].describe(n))
+    assert lin.gemm_flops == 4 * n * d * d * h
+
+
+@pytest.mark.parametrize("name", sorted(C.BENCH_CONFIGS))
+def test_work_grows_as_the_benchmarked_cost(name):
+    # The count's growth in N between the two largest benchmarked sizes is the
+    # configured cost's exponent (a count that forgot a term, or counted a
+    # quadratic variant as linear, fails).
+    from asv_benches.costs import variant_work
+    from attn_ref.registry import get
+
+    time_cost, memory_cost = C.benchmark_costs(get(name))
+    cap = C.max_n(time_cost, memory_cost, gpu=False)
+    config = C.BENCH_CONFIGS[name]
+
+    def total(n):
+        w = variant_work(name, n, config.describe(n))
+        assert min(w.gemm_flops, w.transcendentals, w.elementwise, w.bytes) >= 0, name
+        return w.gemm_flops + w.transcendentals + w.elementwise
+
+    exponent = math.log2(total(cap) / total(cap // 4)) / 2
+    want = C.cost_exponent(time_cost)
+    if want is None:  # block_sparse: nnz blocks grow with N at a fixed budget per row
+        want = 1.0
+    assert abs(exponent - want) < 0.2, (name, exponent, time_cost)
+
+
+def test_roofline_is_compute_or_memory_bound():
+    from asv_benches.costs import Work
+
+    rates = {"gemm_flops": 1e11, "exp": 1e9, "elementwise": 1e10, "bandwidth": 1e10}
+    assert Work(1e11, 1e9, 1e10, 0.0).seconds(rates) == pytest.approx(3.0)
+    assert Work(1e11, 0.0, 0.0, 5e10).seconds(rates) == pytest.approx(5.0)
+    assert (Work(1.0, 2.0, 3.0, 4.0) + Work(1.0, 1.0, 1.0, 1.0)) * 2 == Work(4.0, 6.0, 8.0, 10.0)
+
+
+def test_targets_measure_the_roofline_rates(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "tools", "targets.py"))
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    rates = targets.roofline_rates(("numpy",), reps=1)["numpy"]
+    assert set(rates) == {"gemm_flops", "exp", "elementwise", "bandwidth"}
+    assert all(0 < r < 1e14 for r in rates.values()), rates
+    with pytest.raises(ValueError, match="backends must be among"):
+        targets.roofline_rates(("tpu",))
