@@ -5,10 +5,10 @@ Each peer runs on its fastest documented path, and its name says which:
 * ``TorchSDPA``: PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)``
   inputs. On CPU, 4-D float32 inputs take the fused flash kernel (``O(N)`` memory);
   3-D ``(H, N, d)`` inputs cannot (the flash kernel refuses them) and fall to the math
-  path, which materialises the ``N x N`` logits and was 5.5x slower at N = 8192 (issue
-  15). Rows: ``cpu-float32`` (torch's own choice), ``cpu-flash-float32`` and
-  ``cpu-math-float32`` (forced with ``torch.nn.attention.sdpa_kernel``; torch 2.13's CPU
-  build has no memory-efficient or cuDNN kernel), and on a GPU the fused kernels, also
+  path, which materialises the ``N x N`` logits (issue 15). Rows: ``cpu-float32``
+  (torch's own choice), ``cpu-flash-float32`` and ``cpu-math-float32`` (forced with
+  ``torch.nn.attention.sdpa_kernel``; torch 2.13's CPU build has no memory-efficient
+  or cuDNN kernel), and on a GPU the fused kernels, also
   forced to flash and memory-efficient in half precision. ``tests/test_benchmarks.py``
   fails if the default or flash row's peak memory grows like ``N^2``.
 * ``JaxDotProductAttention``: ``jax.nn.dot_product_attention`` under ``jax.jit``, its
