@@ -8,8 +8,9 @@ suite (:mod:`asv_benches._common`) caps ``N`` by it and the scaling report
 from __future__ import annotations
 
 import re
+from dataclasses import astuple, dataclass
 
-__all__ = ["cost_exponent"]
+__all__ = ["cost_exponent", "Work", "WORK", "variant_work"]
 
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|([A-Za-z_][A-Za-z_0-9]*)|(.))")
 _N_SYMBOLS = {"N", "Nq", "Nk", "N_q", "N_k", "n"}
@@ -123,3 +124,184 @@ def cost_exponent(cost: str) -> float | None:
 
 
 # --------------------------------------------------------------------------- fitting
+
+
+# --------------------------------------------------------------------------- roofline
+#
+# What each variant must do at least, under its benchmark configuration
+# (``BENCH_CONFIGS`` in ``asv_benches/_common.py``), counted per head and summed over
+# the heads. The counts are the method's, not the implementation's: a tiled
+# implementation that computes a score twice, or writes a tile to memory and reads it
+# back, is slower than its roofline by exactly that. A variant that attends over
+# ``S`` query-key pairs does ``4 S d`` GEMM FLOPs (``Q K^T`` and ``P V``), ``S``
+# exponentials and ``3 S`` other elementwise operations (scale and subtract the
+# running maximum, add to the row sum, divide); reading ``q, k, v`` and writing the
+# output moves ``4 N d`` floats, whatever the variant.
+
+
+@dataclass(frozen=True)
+class Work:
+    """Least work of one call: GEMM FLOPs, transcendental evaluations (``exp``, ``log``),
+    other elementwise operations, and bytes that must cross the memory bus."""
+
+    gemm_flops: float
+    transcendentals: float
+    elementwise: float
+    bytes: float
+
+    def __add__(self, other):
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __mul__(self, c):
+        return Work(*(a * c for a in astuple(self)))
+
+    def seconds(self, rates: dict) -> float:
+        """Roofline time at ``rates`` (``gemm_flops``, ``exp``, ``elementwise`` per
+        second in cache, ``bandwidth`` bytes per second): the compute terms add up
+        (one core does them in turn), the memory traffic overlaps them."""
+        compute = (self.gemm_flops / rates["gemm_flops"] + self.transcendentals / rates["exp"]
+                   + self.elementwise / rates["elementwise"])
+        return max(compute, self.bytes / rates["bandwidth"])
+
+
+_F32 = 4
+
+
+def _attend(pairs: float, d: int) -> Work:
+    """Softmax attention over ``pairs`` query-key pairs of dimension ``d``."""
+    return Work(4 * pairs * d, pairs, 3 * pairs, 0.0)
+
+
+def _io(n: int, d: int, arrays: int = 4) -> Work:
+    """Reading ``q, k, v`` and writing the output, ``(n, d)`` float32 each."""
+    return Work(0.0, 0.0, 0.0, arrays * n * d * _F32)
+
+
+def _clusters(n, d, c, iterations):
+    # Lloyd's algorithm on the queries: distances to C centroids (a GEMM), the argmin,
+    # the centroid means; then the C centroids attend to every key.
+    lloyd = Work(2 * n * c * d, 0.0, n * c + n * d, 0.0) * iterations
+    return lloyd + _attend(c * n, d)
+
+
+def _work_softmax(n, d, c):
+    return _attend(n * n, d) + _io(n, d)
+
+
+def _work_compressed(n, d, c):
+    m = -(-n // c["stride"])  # compressed keys and values
+    conv = Work(2 * 2 * m * c["kernel_size"] * d * d, 0.0, 0.0, 0.0)
+    return conv + _attend(n * m, d) + _io(n, d)
+
+
+def _work_linear(n, d, c):
+    # elu(x) + 1 on q and k (one exp each element); K^T V, Q (K^T V); the normaliser
+    # q . sum(k) and the division.
+    return (Work(4 * n * d * d, 2 * n * d, 2 * n * d + 3 * n * d, 0.0) + _io(n, d))
+
+
+def _work_linformer(n, d, c):
+    r = c["rank"]
+    project = Work(2 * 2 * r * n * d, 0.0, 0.0, 2 * r * n * _F32)  # E K, F V; E and F read
+    return project + _attend(n * r, d) + _io(n, d)
+
+
+def _work_performer(n, d, c):
+    m = c["features"]
+    # phi(x) = exp(w x - |x|^2 / 2) / sqrt(m) for q and k; K'^T V, Q' (K'^T V), normaliser.
+    features = Work(2 * 2 * n * d * m, 2 * n * m, 2 * (n * m + n * d), 0.0)
+    return features + Work(4 * n * m * d, 0.0, 2 * n * m + n * d, 0.0) + _io(n, d)
+
+
+def _work_pooled(n, d, c):
+    m = c["num_segments"]
+    return Work(0.0, 0.0, 2 * n * d, 0.0) + _attend(n * m, d) + _io(n, d)
+
+
+def _work_query_reduced(n, d, c):
+    m = c["num_segments"]
+    return Work(0.0, 0.0, n * d, 0.0) + _attend(m * n, d) + _io(n, d)
+
+
+def _work_nystrom(n, d, c):
+    m = c["num_landmarks"]
+    pinv = Work(6 * 4 * 2 * m**3, 0.0, 6 * 2 * m * m, 0.0)  # Newton-Schulz, 4 products a step
+    # F = softmax(Q K~^T) (N x m), A = softmax(Q~ K~^T) (m x m), B = softmax(Q~ K^T) (m x N);
+    # B V, A+ (B V), F (A+ B V).
+    kernels = Work(2 * (n * m + m * m + m * n) * d, n * m + m * m + m * n,
+                   3 * (n * m + m * m + m * n) + 2 * n * d, 0.0)
+    products = Work(2 * m * n * d + 2 * m * m * d + 2 * n * m * d, 0.0, 0.0, 0.0)
+    return pinv + kernels + products + _io(n, d)
+
+
+def _work_clustered(n, d, c):
+    return _clusters(n, d, c["num_clusters"], 10) + _io(n, d)
+
+
+def _work_clustered_topk(n, d, c):
+    # the clustered attention, then each query again on its cluster's top-k keys
+    return _work_clustered(n, d, c) + _attend(n * c["topk"], d) + Work(0.0, 0.0, c["num_clusters"] * n, 0.0)
+
+
+def _work_block_sparse(n, d, c):
+    b = c["block_size"]
+    return _attend(n * min(n, c["blocks_per_row"] * b), d) + _io(n, d)
+
+
+def _work_local(n, d, c):
+    return _attend(n * min(n, 2 * c["window"] + 1), d) + _io(n, d)
+
+
+def _work_longformer(n, d, c):
+    g = len(c["global_tokens"])
+    # each query: its window and the global tokens; each global token: every key
+    return _attend(n * min(n, 2 * c["window"] + 1 + g) + g * n, d) + _io(n, d)
+
+
+def _work_bigbird(n, d, c):
+    b = c["block_size"]
+    keys = (2 * c["window"] + 1 + c["global_blocks"] + c["random_blocks"]) * b
+    return _attend(n * min(n, keys) + c["global_blocks"] * b * n, d) + _io(n, d)
+
+
+def _work_strided(n, d, c):
+    # causal: the last l positions and every l-th before them, N / (2 l) on average
+    s = c["stride"]
+    return _attend(n * (min(n, s) + n / (2 * s)), d) + _io(n, d)
+
+
+def _work_fixed(n, d, c):
+    # causal: the query's own block (l / 2 on average) and c summary positions of
+    # each earlier block (N / (2 l) of them on average)
+    s = c["stride"]
+    return _attend(n * (s / 2 + c["summary"] * n / (2 * s)), d) + _io(n, d)
+
+
+#: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
+#: without one fails ``tests/test_benchmarks.py``.
+WORK = {
+    "softmax": _work_softmax,
+    "online_softmax": _work_softmax,
+    "compressed": _work_compressed,
+    "linear": _work_linear,
+    "linformer": _work_linformer,
+    "performer": _work_performer,
+    "pooled": _work_pooled,
+    "query_reduced": _work_query_reduced,
+    "nystrom": _work_nystrom,
+    "clustered": _work_clustered,
+    "clustered_topk": _work_clustered_topk,
+    "block_sparse": _work_block_sparse,
+    "local": _work_local,
+    "longformer": _work_longformer,
+    "bigbird": _work_bigbird,
+    "strided": _work_strided,
+    "fixed": _work_fixed,
+}
+
+
+def variant_work(name: str, n: int, values: dict, *, d: int = 64, heads: int = 8) -> Work | None:
+    """Least work of variant ``name`` at length ``n`` under configuration ``values``
+    (``BenchConfig.describe(n)``), all heads; None for a variant without a count."""
+    f = WORK.get(name)
+    return None if f is None else f(n, d, values) * heads

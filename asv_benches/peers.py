@@ -1,9 +1,22 @@
 """The native peers, in the same suite so that one asv run gives the ratios.
 
-* ``TorchSDPA``: PyTorch's ``scaled_dot_product_attention`` (fused kernels; on a GPU
-  also forced to its flash and memory-efficient backends in half precision).
-* ``NumpyOneShot``: softmax attention written plainly in NumPy, in-place where NumPy
-  allows it - what a NumPy user would write.
+Each peer runs on its fastest documented path, and its name says which:
+
+* ``TorchSDPA``: PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)``
+  inputs. On CPU, 4-D float32 inputs take the fused flash kernel (``O(N)`` memory);
+  3-D ``(H, N, d)`` inputs cannot (the flash kernel refuses them) and fall to the math
+  path, which materialises the ``N x N`` logits (issue 15). Rows: ``cpu-float32``
+  (torch's own choice), ``cpu-flash-float32`` and ``cpu-math-float32`` (forced with
+  ``torch.nn.attention.sdpa_kernel``; torch 2.13's CPU build has no memory-efficient
+  or cuDNN kernel), and on a GPU the fused kernels, also
+  forced to flash and memory-efficient in half precision. ``tests/test_benchmarks.py``
+  fails if the default or flash row's peak memory grows like ``N^2``.
+* ``JaxDotProductAttention``: ``jax.nn.dot_product_attention`` under ``jax.jit``, its
+  ``"xla"`` implementation (the only one on CPU: the ``N x N`` logits are materialised,
+  XLA fuses the softmax).
+* ``NumpyOneShot``: softmax attention written plainly in NumPy, one shot: the logits
+  materialised, both products through NumPy's BLAS (batched over heads), in-place
+  where NumPy allows it - what a NumPy user would write.
 * ``Matmul``: the float32 matrix-product rate of each library, the floor that the
   arithmetic of attention sets.
 * ``Baseline``: peak memory of a process that loaded a backend and did nothing, to
@@ -15,6 +28,7 @@ import time
 import numpy as np
 
 from ._common import (
+    HEADS,
     backends,
     gpu_probe,
     inputs,
@@ -26,6 +40,8 @@ from ._common import (
 # (device, dtype, forced SDPA backend or None)
 SDPA_CONFIGS = {
     "cpu-float32": ("cpu", "float32", None),
+    "cpu-flash-float32": ("cpu", "float32", "FLASH_ATTENTION"),
+    "cpu-math-float32": ("cpu", "float32", "MATH"),
     "cuda-float32": ("cuda", "float32", None),
     "cuda-flash-bfloat16": ("cuda", "bfloat16", "FLASH_ATTENTION"),
     "cuda-flash-float16": ("cuda", "float16", "FLASH_ATTENTION"),
@@ -37,15 +53,25 @@ def _sdpa_configs():
     wanted = set(backends())
     out = []
     if "torch" in wanted:
-        out.append("cpu-float32")
+        out += [c for c in SDPA_CONFIGS if c.startswith("cpu")]
     if gpu_probe()["torch-cuda"] and ("cupy" in wanted or "torch" in wanted):
         out += [c for c in SDPA_CONFIGS if c.startswith("cuda")]
     return out
 
 
-class TorchSDPA:
-    """``torch.nn.functional.scaled_dot_product_attention`` on ``(8, N, 64)``."""
+def sdpa_layout(host: np.ndarray) -> np.ndarray:
+    """``(H, N, d) -> (1, H, N, d)``: the 4-D layout that SDPA's fused CPU kernel takes."""
+    return host[None]
 
+
+class TorchSDPA:
+    """``torch.nn.functional.scaled_dot_product_attention`` on ``(1, 8, N, 64)``.
+
+    ``config`` names the device, the kernel (none: torch's choice, the fused flash
+    kernel on a CPU; ``flash``, ``math``, ``efficient``: forced) and the dtype.
+    """
+
+    heads = HEADS  # the memory test runs one head, to stay cheap
     params = (_sdpa_configs(), ns())
     param_names = ("config", "N")
     timeout = 900.0
@@ -59,8 +85,8 @@ class TorchSDPA:
 
         device, dtype, forced = SDPA_CONFIGS[config]
         gpu = device == "cuda"
-        # Fused SDPA needs O(N) memory and O(N^2) time.
-        cap = max_n("O(N^2 d)", "O(N)", gpu=gpu)
+        # Fused SDPA needs O(N) memory and O(N^2) time; the math path O(N^2) memory.
+        cap = max_n("O(N^2 d)", "O(N^2)" if forced == "MATH" else "O(N)", gpu=gpu)
         if n > cap:
             raise NotImplementedError(f"torch SDPA at N={n} exceeds the cap N={cap} on {device}")
         if gpu and not torch.cuda.is_available():
@@ -68,7 +94,8 @@ class TorchSDPA:
         self.torch = torch
         self.gpu = gpu
         self.q, self.k, self.v = (
-            torch.from_numpy(a).to(device=device, dtype=getattr(torch, dtype)) for a in inputs(n)
+            torch.from_numpy(sdpa_layout(a)).to(device=device, dtype=getattr(torch, dtype))
+            for a in inputs(n, heads=self.heads)
         )
         self.context = None
         if forced is not None:
@@ -106,8 +133,49 @@ def numpy_oneshot(q, k, v):
     return s @ v
 
 
+class JaxDotProductAttention:
+    """``jax.jit(jax.nn.dot_product_attention)``, implementation ``"xla"``, ``(1, N, 8, 64)``.
+
+    JAX's layout is ``(batch, length, heads, d)``. On CPU ``"xla"`` is the only
+    implementation (``"cudnn"`` needs a GPU); it materialises the logits, so its cap
+    is that of quadratic memory. Compiled in ``setup``, outside the timing.
+    """
+
+    params = (["cpu-float32"], ns())
+    param_names = ("config", "N")
+    timeout = 900.0
+    number = 1
+    repeat = (1, 10, 10.0)
+    rounds = 1
+    warmup_time = 0.0
+
+    def setup(self, config, n):
+        if "jax" not in backends():
+            raise NotImplementedError("JAX is not installed or not selected here")
+        import jax
+
+        cap = max_n("O(N^2 d)", "O(N^2)", gpu=False)
+        if n > cap:
+            raise NotImplementedError(f"jax.nn.dot_product_attention at N={n} exceeds the cap "
+                                      f"N={cap} (its xla implementation holds the N x N logits)")
+        self.q, self.k, self.v = (jax.device_put(np.ascontiguousarray(np.swapaxes(a, 0, 1))[None])
+                                  for a in inputs(n))
+        self.f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v,
+                                                                      implementation="xla"))
+        self.run()  # compile
+
+    def run(self):
+        return self.f(self.q, self.k, self.v).block_until_ready()
+
+    def time_forward(self, config, n):
+        self.run()
+
+    def peakmem_forward(self, config, n):
+        self.run()
+
+
 class NumpyOneShot:
-    """Plain NumPy one-shot softmax attention, ``(8, N, 64)`` float32."""
+    """Plain NumPy one-shot softmax attention, ``(8, N, 64)`` float32, BLAS products."""
 
     params = (ns(),)
     param_names = ("N",)

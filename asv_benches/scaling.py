@@ -12,6 +12,11 @@ Reads one asv results file (``.asv/results/<machine>/<commit>-<env>.json``, writ
   ``scaled_dot_product_attention`` on the same kind of device, the plain NumPy
   one-shot implementation, and the floor (analytic FLOPs over the backend's
   measured matmul rate) where the FLOP count is plain;
+* the ratio to the variant's own roofline: the least work of the method under its
+  benchmark configuration (GEMM FLOPs, exponentials, elementwise operations, bytes:
+  ``asv_benches/costs.py``, ``WORK``) at the rates measured by
+  ``tools/targets.py rates`` (``--rates``; default the committed
+  ``docs/_static/roofline_rates.json``, whose metadata says where and under what load);
 * where a fitted exponent disagrees with the analytic cost registered in
   :mod:`attn_ref.registry` (``Variant.time`` / ``Variant.memory``).
 
@@ -30,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import _common
-from .costs import cost_exponent
+from .costs import cost_exponent, variant_work
 
 __all__ = [
     "cost_exponent",
@@ -38,6 +43,8 @@ __all__ = [
     "Series",
     "Row",
     "load_results",
+    "load_rates",
+    "roofline_seconds",
     "find_results",
     "analyse",
     "format_table",
@@ -49,6 +56,8 @@ __all__ = [
 
 DEFAULT_RESULTS = ".asv/results"
 COMMITTED_RESULTS = os.path.join("docs", "_static", "scaling_results.json")
+COMMITTED_RATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "docs", "_static", "roofline_rates.json")
 TOLERANCE = 0.3  # exponents within this of the analytic one agree
 
 def fit_exponent(ns, values, *, baseline=0.0, points=4):
@@ -165,9 +174,9 @@ def load_results(path) -> Results:
             if cls == "Attention" and kind in ("time", "peakmem"):
                 add(kind, combo[0], combo[1], combo[2], value)
             elif cls == "TorchSDPA" and kind in ("time", "peakmem"):
-                cfg = combo[0]
-                add(kind, "torch_sdpa", "torch" if cfg.startswith("cpu") else f"torch-{cfg}",
-                    combo[1], value, peer=True)
+                add(kind, "torch_sdpa", _sdpa_backend(combo[0]), combo[1], value, peer=True)
+            elif cls == "JaxDotProductAttention" and kind in ("time", "peakmem"):
+                add(kind, "jax_dpa", "jax", combo[1], value, peer=True)
             elif cls == "NumpyOneShot" and kind in ("time", "peakmem"):
                 add(kind, "numpy_oneshot", "numpy", combo[0], value, peer=True)
             elif value is None or not math.isfinite(float(value)):
@@ -178,6 +187,29 @@ def load_results(path) -> Results:
                 baseline[combo[0]] = float(value)
     meta = {k: data.get(k) for k in ("commit_hash", "env_name", "date", "params")}
     return Results(list(series.values()), matmul, baseline, meta)
+
+
+def _sdpa_backend(config):
+    """``cpu-float32`` (torch's choice: the fused kernel) -> ``torch``; a forced CPU
+    kernel, ``cpu-math-float32`` -> ``torch-math``; a GPU one keeps its name."""
+    if config == "cpu-float32":
+        return "torch"
+    if config.startswith("cpu-"):
+        return "torch-" + config.split("-")[1]
+    return f"torch-{config}"
+
+
+def load_rates(path=None):
+    """``(rates, meta)`` of a ``tools/targets.py rates --json`` file; ``({}, {})`` if absent.
+
+    ``rates`` is ``{backend: {gemm_flops, exp, elementwise, bandwidth}}`` per second.
+    """
+    path = COMMITTED_RATES if path is None else path
+    if not path or not os.path.exists(path):
+        return {}, {}
+    with open(path) as fh:
+        data = json.load(fh)
+    return data.get("rates", {}), data.get("meta", {})
 
 
 # -------------------------------------------------------------------------- report
@@ -200,10 +232,12 @@ class Row:
     vs_sdpa: tuple | None = None  # (ratio, N)
     vs_numpy: tuple | None = None
     vs_floor: tuple | None = None
+    vs_roofline: tuple | None = None
     notes: list = field(default_factory=list)
 
 
-_PEER_COSTS = {"torch_sdpa": ("O(N^2 d)", "O(N)"), "numpy_oneshot": ("O(N^2 d)", "O(N^2)")}
+_PEER_COSTS = {"torch_sdpa": ("O(N^2 d)", "O(N)"), "numpy_oneshot": ("O(N^2 d)", "O(N^2)"),
+               "jax_dpa": ("O(N^2 d)", "O(N^2)")}
 
 # The plain FLOP counts (see asv_benches/_common.py): per head, Q K^T + P V, or
 # K^T V + Q (K^T V).
@@ -248,14 +282,28 @@ def benchmark_costs() -> dict:
     return {v.name: _common.benchmark_costs(v) for v in variants()}
 
 
-def analyse(results: Results, *, costs=None, points=4, tolerance=TOLERANCE, heads=8, d=64):
+def roofline_seconds(name, n, rates, *, heads=8, d=64):
+    """Roofline time of variant ``name`` at ``n`` under its benchmark configuration at
+    ``rates`` (one backend's), or None without a count, a configuration or rates."""
+    config = _common.BENCH_CONFIGS.get(name)
+    if config is None or not rates:
+        return None
+    work = variant_work(name, n, config.describe(n), d=d, heads=heads)
+    return None if work is None else work.seconds(rates)
+
+
+def analyse(results: Results, *, costs=None, points=4, tolerance=TOLERANCE, heads=8, d=64,
+            rates=None):
     """One :class:`Row` per (variant or peer, backend), with disagreements in ``notes``.
 
     ``costs`` (``{name: (time, memory)}``) defaults to :func:`benchmark_costs`, the
-    costs under which the suite measured, else :func:`registry_costs`.
+    costs under which the suite measured, else :func:`registry_costs`. ``rates``
+    (``{backend: rates}``) defaults to the committed ``roofline_rates.json``.
     """
     if costs is None:
         costs = benchmark_costs() or registry_costs()
+    if rates is None:
+        rates = load_rates()[0]
     by = {(s.kind, s.name, s.backend): s for s in results.series}
     keys = sorted({(s.name, s.backend, s.peer) for s in results.series},
                   key=lambda k: (k[2], k[0], k[1]))
@@ -288,6 +336,11 @@ def analyse(results: Results, *, costs=None, points=4, tolerance=TOLERANCE, head
             n = max(t.points)
             floor = heads * flops(n, d) / (rate * 1e9)
             row.vs_floor = (t.points[n] / floor, n)
+        if t and t.points and not peer:
+            n = max(t.points)
+            roof = roofline_seconds(name, n, rates.get(backend), heads=heads, d=d)
+            if roof:
+                row.vs_roofline = (t.points[n] / roof, n)
         _judge(row, tolerance)
         rows.append(row)
     return rows
@@ -345,7 +398,7 @@ def _fmt_ratio(r):
 
 
 HEADER = ("variant", "backend", "time exp (analytic)", "mem exp (analytic)", "N max",
-          "time", "peak-base", "/SDPA", "/NumPy", "/floor")
+          "time", "peak-base", "/SDPA", "/NumPy", "/floor", "/roofline")
 
 
 def table_rows(rows):
@@ -353,7 +406,8 @@ def table_rows(rows):
              _fmt_exp(r.time_exp, r.analytic_time_exp),
              _fmt_exp(r.mem_exp, None if r.analytic_mem_exp is None else max(1.0, r.analytic_mem_exp)),
              "-" if r.n_max is None else str(r.n_max), _fmt_time(r.t_max), _fmt_bytes(r.mem_max),
-             _fmt_ratio(r.vs_sdpa), _fmt_ratio(r.vs_numpy), _fmt_ratio(r.vs_floor))
+             _fmt_ratio(r.vs_sdpa), _fmt_ratio(r.vs_numpy), _fmt_ratio(r.vs_floor),
+             _fmt_ratio(r.vs_roofline))
             for r in rows]
 
 
@@ -383,7 +437,10 @@ def format_table(rows, results: Results | None = None, *, markdown=False) -> str
     lines.append("")
     lines.append("Exponents are fitted over the largest sizes measured; memory is the peak "
                  "minus the backend's loaded-process baseline. Ratios are times at the "
-                 "largest N both ran; /floor is time over analytic FLOPs at the matmul rate.")
+                 "largest N both ran; /floor is time over analytic FLOPs at the matmul rate; "
+                 "/roofline is time over the method's least work (GEMM, exp, elementwise, "
+                 "memory traffic: asv_benches/costs.py) at the rates of tools/targets.py rates "
+                 "(the committed docs/_static/roofline_rates.json says where and under what load).")
     if notes:
         lines.append("")
         lines.append("Where the measurement disagrees with the analytic cost, or cannot be fitted:")
@@ -473,6 +530,9 @@ def add_arguments(p):
                    help="also write the table as Markdown")
     p.add_argument("--title", default=None,
                    help="plot title (default: the commit of the results); say where it was measured")
+    p.add_argument("--rates", default=None, metavar="JSON",
+                   help="roofline rates of `python tools/targets.py rates --json` (default the "
+                        "committed docs/_static/roofline_rates.json)")
     p.add_argument("--fit-points", type=int, default=4,
                    help="fit over this many of the largest sizes (default 4)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
@@ -492,8 +552,12 @@ def command(args) -> int:
     if not results.series:
         print(f"attn-ref scaling: {path} holds no time_/peakmem_ results of asv_benches")
         return 2
-    rows = analyse(results, points=args.fit_points, tolerance=args.tolerance)
+    rates, rates_meta = load_rates(args.rates)
+    rows = analyse(results, points=args.fit_points, tolerance=args.tolerance, rates=rates)
     print(f"results: {path}")
+    if rates_meta:
+        print(f"roofline rates: {args.rates or COMMITTED_RATES} ({rates_meta.get('date')}, "
+              f"{rates_meta.get('note')})")
     print(format_table(rows, results))
     if args.markdown:
         with open(args.markdown, "w") as fh:

@@ -61,7 +61,12 @@ def _semantics(args) -> dict:
 
 
 def reference_kernel(variant, backend):
-    """``variant.fn`` as a kernel on ``backend`` (jit-compiled on JAX), same signature."""
+    """``variant.fn`` as a kernel on ``backend`` (jit-compiled on JAX), same signature.
+
+    On JAX each distinct shape, dtype and static option is one XLA compilation; they
+    are compiled with XLA's backend optimisation off (:data:`JAX_COMPILER_OPTIONS`)
+    and kept in the persistent cache of :func:`jax_cache_dir`.
+    """
     fn = variant.fn
     if backend.name != "jax":
         return fn
@@ -75,7 +80,8 @@ def reference_kernel(variant, backend):
         arrays = {n: x for n, x in kw.items() if hasattr(x, "shape")}
         static = tuple(sorted((n, x) for n, x in kw.items() if n not in arrays))
         if static not in cache:
-            cache[static] = jax.jit(lambda q, k, v, arrays: fn(q, k, v, **arrays, **dict(static)))
+            cache[static] = jax.jit(lambda q, k, v, arrays: fn(q, k, v, **arrays, **dict(static)),
+                                    compiler_options=JAX_COMPILER_OPTIONS)
         return cache[static](q, k, v, arrays)
 
     kernel.__signature__ = inspect.signature(fn)
@@ -84,13 +90,33 @@ def reference_kernel(variant, backend):
     return kernel
 
 
-def _jax_compilation_cache(jax):
-    """Keep compiled references between runs (the built-in job compiles hundreds of shapes).
+#: XLA options of the references' JAX compilations. A reference runs each shape a
+#: few times on small inputs, so compile time, not run time, is the cost: XLA's
+#: compiler took 65% of the built-in job's time with a cold cache (cProfile), and
+#: these options cut the CPU time of the JAX part by 38% (softmax, online_softmax,
+#: bigbird, clustered in float32 and float64). They make the compiled code slower,
+#: not different in what it is asked to compute; every reference still passes.
+JAX_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                        "xla_llvm_disable_expensive_passes": True}
 
-    ``ATTN_REF_JAX_CACHE`` sets the directory; an empty value turns the cache off.
+
+def jax_cache_dir() -> str:
+    """Directory of the persistent JAX compilation cache ("" when it is off).
+
+    ``ATTN_REF_JAX_CACHE`` sets it (an empty value turns the cache off); the default
+    is ``$XDG_CACHE_HOME/attn-ref/jax``, i.e. ``~/.cache/attn-ref/jax``. Deleting the
+    directory only costs the next run its compilations.
     """
-    path = os.environ.get("ATTN_REF_JAX_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "attn-ref", "jax"))
+    path = os.environ.get("ATTN_REF_JAX_CACHE")
+    if path is not None:
+        return path
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attn-ref", "jax")
+
+
+def _jax_compilation_cache(jax):
+    """Keep compiled references between runs (the built-in job compiles ~250 shapes)."""
+    path = jax_cache_dir()
     if not path:
         return
     try:
@@ -146,6 +172,9 @@ def verify_arguments(p):
                    help="seconds per kernel call; a call still running then is stopped and "
                         "fails as timed out (default 60)")
     p.add_argument("--json", metavar="PATH", help="write the report(s) as JSON")
+    p.add_argument("--jobs", "-j", type=int, default=None,
+                   help="built-in job: worker processes (default one per CPU; 1 runs in this "
+                        "process)")
     p.add_argument("--show-na", action="store_true", help="list not-applicable cases too")
     p.add_argument("--grads", action="store_true",
                    help="also check dq, dk, dv (torch autograd / jax.vjp of the kernel), one row each")
@@ -318,6 +347,62 @@ def _write_json(path, reports):
         f.write("\n")
 
 
+def _verify_jobs(jobs) -> int:
+    """Worker processes of the built-in job: ``--jobs``, else one per CPU; 1 = this process."""
+    if jobs is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    return jobs
+
+
+class _Done:
+    """A call run at once, with a future's ``result()`` (the built-in job with one process)."""
+
+    def __init__(self, fn, *args):
+        self.value = fn(*args)
+
+    def result(self):
+        return self.value
+
+
+def _completed(pending):
+    """``(future, result)`` of each pending call as it finishes."""
+    if pending and isinstance(next(iter(pending)), _Done):
+        return ((f, f.result()) for f in pending)
+    import concurrent.futures as cf
+
+    return ((f, f.result()) for f in cf.as_completed(pending))
+
+
+def _backend_status(name):
+    """None when the backend loads here, else why not (its import stays in the worker)."""
+    from . import backends as B
+
+    try:
+        B.load(name)
+    except B.BackendUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def _verify_task(name, backend_name, dtypes, settings) -> list:
+    """The reports of one reference on one backend, one per dtype (run in a worker)."""
+    from attn_ref.registry import get
+
+    from . import backends as B
+    from .oracle import verify
+
+    v, be = get(name), B.load(backend_name)
+    sem = {"causal": _causal_convention(v.fn), **settings["semantics"]}
+    kernel = reference_kernel(v, be)
+    return [verify(kernel, name, backend=backend_name, dtypes=(dt,), suite=settings["suite"],
+                   seed=settings["seed"], supports={"broadcast": True}, progress=False,
+                   time_limit=settings["time_limit"], options=settings["options"],
+                   cases=settings["cases"], **sem)
+            for dt in dtypes]
+
+
 def _verify_builtin(args) -> int:
     """Every registered variant x installed backend x dtype, as one table."""
     from attn_ref.registry import get, variants
@@ -325,7 +410,6 @@ def _verify_builtin(args) -> int:
     from . import backends as B
     from .calling import parse_options
     from .judging import with_options
-    from .oracle import verify
     from .report import Progress
 
     if args.backward or args.grads:
@@ -337,35 +421,59 @@ def _verify_builtin(args) -> int:
         for v in vs:  # checked before the first case runs; --option applies to every variant
             with_options(v, options)
         todo = _chosen_cases(args.case)
+        jobs = _verify_jobs(args.jobs)
         unknown = [n for n in args.backend or () if n not in B.BACKENDS]
         if unknown:
             raise UsageError(f"unknown backend {unknown[0]!r}; known: {', '.join(B.BACKENDS)}")
     except (UsageError, KeyError, TypeError, ValueError) as exc:
         return _usage(exc, args.traceback)
     names = args.backend or list(B.BACKENDS)
-    avail, skipped = [], []
-    for n in names:
-        try:
-            avail.append(B.load(n))
-        except B.BackendUnavailable as exc:
-            skipped.append((n, str(exc)))
     dtypes = args.dtype or ["float32", "float64"]
     suite = args.suite or "quick"
-    rows, reports = [], []
+    settings = dict(suite=suite, seed=args.seed, time_limit=args.time_limit, options=options,
+                    cases=todo, semantics=_semantics(args))
     prog = Progress()
-    total, i = len(vs) * len(avail) * len(dtypes), 0
-    for v in vs:
-        sem = {"causal": _causal_convention(v.fn), **_semantics(args)}
-        for be in avail:
-            kernel = reference_kernel(v, be)
-            for dt in dtypes:
-                i += 1
-                prog.update(i, total, f"{v.name} {be.name} {dt}")
-                rep = verify(kernel, v.name, backend=be.name, dtypes=(dt,), suite=suite,
-                             seed=args.seed, supports={"broadcast": True}, progress=False,
-                             time_limit=args.time_limit, options=options, cases=todo, **sem)
-                reports.append(rep)
-                rows.append((v.name, be.name, dt, rep))
+    done = {}
+
+    def run(submit):
+        """Load the backends, then run every task; ``submit`` may run it in a worker."""
+        status = [f.result() for f in [submit(_backend_status, n) for n in names]]
+        avail = [n for n, why in zip(names, status) if why is None]
+        skipped = [(n, why) for n, why in zip(names, status) if why is not None]
+        # One task per (variant, backend), both dtypes: a JAX reference keeps its
+        # compilations per task. JAX's tasks go first, being the longest, so that
+        # a worker that finishes early takes the short ones.
+        tasks = [(v.name, b) for v in vs for b in avail]
+        order = sorted(tasks, key=lambda t: t[1] != "jax")
+        pending = {submit(_verify_task, name, b, dtypes, settings): (name, b) for name, b in order}
+        for fut, reps in _completed(pending):
+            done[pending[fut]] = reps
+            prog.update(len(done) * len(dtypes), len(tasks) * len(dtypes), " ".join(pending[fut]))
+        return tasks, avail, skipped
+
+    jobs = min(jobs, len(vs) * len(names))
+    if jobs > 1:
+        import concurrent.futures as cf
+        import multiprocessing
+
+        # Workers import the backends; this process imports neither torch nor JAX.
+        # spawn, not fork: a forked child would inherit JAX's and torch's threads.
+        pool = cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            tasks, avail, skipped = run(pool.submit)
+        except KeyboardInterrupt:  # the workers got the Ctrl-C too; nothing left to wait for
+            pool.shutdown(wait=False, cancel_futures=True)
+            prog.done()
+            print("attn-ref verify: interrupted", file=sys.stderr)
+            return INTERRUPTED
+        pool.shutdown()
+    else:
+        tasks, avail, skipped = run(_Done)
+    rows, reports = [], []
+    for name, bname in tasks:
+        for dt, rep in zip(dtypes, done[name, bname]):
+            reports.append(rep)
+            rows.append((name, bname, dt, rep))
     prog.done()
     print(f"attn-ref verify: every reference against the golden ({suite} suite, seed {args.seed})")
     hdr = f"{'function':<18} {'backend':<17} {'dtype':<8} {'cases':>7} {'max err':>9} " \

@@ -42,7 +42,7 @@ CLASSES = dict(_benchmark_classes())
 
 def test_suite_has_the_expected_benchmarks():
     assert {"variants.Attention", "variants.FlopRate", "peers.TorchSDPA", "peers.NumpyOneShot",
-            "peers.Matmul", "peers.Baseline"} <= set(CLASSES)
+            "peers.JaxDotProductAttention", "peers.Matmul", "peers.Baseline"} <= set(CLASSES)
     assert {"time_forward", "peakmem_forward"} <= set(vars(variants.Attention))
 
 
@@ -446,12 +446,70 @@ def test_numpy_peer_is_softmax_attention():
 
 def test_torch_sdpa_peer_matches_numpy():
     pytest.importorskip("torch")
-    bench = peers.TorchSDPA()
-    bench.setup("cpu-float32", 256)
-    got = bench.run().numpy()
-    np.testing.assert_allclose(got, peers.numpy_oneshot(*C.inputs(256)), rtol=1e-4, atol=1e-5)
+    configs = peers.TorchSDPA.params[0]
+    assert {"cpu-float32", "cpu-flash-float32", "cpu-math-float32"} <= set(configs)
+    want = peers.numpy_oneshot(*C.inputs(256))
+    for config in (c for c in configs if c.startswith("cpu")):
+        bench = peers.TorchSDPA()
+        bench.setup(config, 256)
+        assert tuple(bench.q.shape) == (1, C.HEADS, 256, C.HEAD_DIM), config  # 4-D: fused path
+        got = bench.run().numpy()[0]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=config)
     with pytest.raises(NotImplementedError, match="exceeds the cap"):
         bench.setup("cpu-float32", 65536)
+    with pytest.raises(NotImplementedError, match="exceeds the cap N=8192"):
+        bench.setup("cpu-math-float32", 16384)  # the math path holds N x N logits
+
+
+# Peak memory of one SDPA call per CPU configuration, one head at N = 8192, in a fresh
+# process: torch's allocator is invisible to tracemalloc, the RSS high-water mark is
+# not. The math configuration runs last, as the high-water mark only rises.
+_SDPA_PEAK = r"""
+import json, resource, sys
+from asv_benches import peers
+
+out = {}
+for config in sys.argv[2:]:
+    bench = peers.TorchSDPA()
+    bench.heads = 1
+    bench.setup(config, int(sys.argv[1]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    bench.run()
+    out[config] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(json.dumps(out))
+"""
+
+
+def test_torch_sdpa_peer_stays_on_the_fused_path():
+    # A configuration that falls to SDPA's math path (3-D inputs did, silently: 5.5x
+    # slower at N = 8192) holds the N x N logits; the fused kernel holds O(N). The
+    # forced math row shows that the measurement sees the logits.
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    n = 8192
+    logits = n * n * 4  # one head's float32 N x N: 256 MiB
+    done = subprocess.run([sys.executable, "-c", _SDPA_PEAK, str(n), "cpu-float32",
+                           "cpu-flash-float32", "cpu-math-float32"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    peak = json.loads(done.stdout.strip().splitlines()[-1])
+    mib = {c: round(b / 2**20) for c, b in peak.items()}
+    assert peak["cpu-float32"] < logits / 8, f"default SDPA holds O(N^2) memory (MiB): {mib}"
+    assert peak["cpu-flash-float32"] < logits / 8, mib
+    assert peak["cpu-math-float32"] > 0.9 * logits, f"the math path's logits were not seen: {mib}"
+
+
+def test_jax_peer_matches_numpy():
+    pytest.importorskip("jax")
+    bench = peers.JaxDotProductAttention()
+    bench.setup("cpu-float32", 256)
+    assert tuple(bench.q.shape) == (1, 256, C.HEADS, C.HEAD_DIM)  # JAX's (B, T, H, d)
+    got = np.swapaxes(np.asarray(bench.run())[0], 0, 1)
+    np.testing.assert_allclose(got, peers.numpy_oneshot(*C.inputs(256)), rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="exceeds the cap N=8192"):
+        bench.setup("cpu-float32", 16384)
 
 
 def test_baseline_loads_each_backend():
@@ -493,3 +551,73 @@ def test_timeouts_cover_the_slowest_cases():
     # and the time benchmarks do not loop (number = 1).
     assert variants.Attention.timeout >= 600 and variants.Attention.number == 1
     assert math.isclose(variants.Attention.repeat[2], 10.0)
+
+
+# ------------------------------------------------------------------------- roofline
+
+
+def test_every_registered_variant_has_a_work_count():
+    # A new variant needs its least work in asv_benches/costs.py WORK (the roofline).
+    from asv_benches.costs import WORK
+    from attn_ref.registry import variants as registered
+
+    names = [v.name for v in registered()]
+    assert sorted(set(names) - set(WORK)) == [], "add these to WORK in asv_benches/costs.py"
+    assert sorted(set(WORK) - set(names)) == [], "work counts of no variant"
+
+
+def test_softmax_work_is_the_textbook_count():
+    from asv_benches.costs import variant_work
+
+    n, d, h = 4096, C.HEAD_DIM, C.HEADS
+    w = variant_work("online_softmax", n, C.BENCH_CONFIGS["online_softmax"].describe(n))
+    assert w.gemm_flops == 4 * n * n * d * h and w.transcendentals == n * n * h
+    assert w.bytes == 4 * n * d * h * 4
+    lin = variant_work("linear", n, C.BENCH_CONFIGS["linear"].describe(n))
+    assert lin.gemm_flops == 4 * n * d * d * h
+
+
+@pytest.mark.parametrize("name", sorted(C.BENCH_CONFIGS))
+def test_work_grows_as_the_benchmarked_cost(name):
+    # The count's growth in N between the two largest benchmarked sizes is the
+    # configured cost's exponent (a count that forgot a term, or counted a
+    # quadratic variant as linear, fails).
+    from asv_benches.costs import variant_work
+    from attn_ref.registry import get
+
+    time_cost, memory_cost = C.benchmark_costs(get(name))
+    cap = C.max_n(time_cost, memory_cost, gpu=False)
+    config = C.BENCH_CONFIGS[name]
+
+    def total(n):
+        w = variant_work(name, n, config.describe(n))
+        assert min(w.gemm_flops, w.transcendentals, w.elementwise, w.bytes) >= 0, name
+        return w.gemm_flops + w.transcendentals + w.elementwise
+
+    exponent = math.log2(total(cap) / total(cap // 4)) / 2
+    want = C.cost_exponent(time_cost)
+    if want is None:  # block_sparse: nnz blocks grow with N at a fixed budget per row
+        want = 1.0
+    assert abs(exponent - want) < 0.2, (name, exponent, time_cost)
+
+
+def test_roofline_is_compute_or_memory_bound():
+    from asv_benches.costs import Work
+
+    rates = {"gemm_flops": 1e11, "exp": 1e9, "elementwise": 1e10, "bandwidth": 1e10}
+    assert Work(1e11, 1e9, 1e10, 0.0).seconds(rates) == pytest.approx(3.0)
+    assert Work(1e11, 0.0, 0.0, 5e10).seconds(rates) == pytest.approx(5.0)
+    assert (Work(1.0, 2.0, 3.0, 4.0) + Work(1.0, 1.0, 1.0, 1.0)) * 2 == Work(4.0, 6.0, 8.0, 10.0)
+
+
+def test_targets_measure_the_roofline_rates(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "tools", "targets.py"))
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    rates = targets.roofline_rates(("numpy",), reps=1)["numpy"]
+    assert set(rates) == {"gemm_flops", "exp", "elementwise", "bandwidth"}
+    assert all(0 < r < 1e14 for r in rates.values()), rates
+    with pytest.raises(ValueError, match="backends must be among"):
+        targets.roofline_rates(("tpu",))

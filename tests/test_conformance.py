@@ -371,6 +371,22 @@ def test_cli_verify_kernel_and_builtin(tmp_path, capsys):
     assert "online_softmax" in out and "float64" in out and "all passed" in out
 
 
+def test_cli_builtin_job_in_workers_is_the_same_table(capsys):
+    # --jobs 2 runs the references in spawned worker processes; the table must be the
+    # one the single process prints, row for row, in the same order.
+    args = ("verify", "--backend", "numpy", "--backend", "array_api_strict", "--variant",
+            "softmax", "--variant", "linear", "--dtype", "float32")
+    assert _cli(*args, "--jobs", "1") == 0
+    one = capsys.readouterr().out
+    assert _cli(*args, "--jobs", "2") == 0
+    two = capsys.readouterr().out
+    rows = [line for line in one.splitlines() if line.startswith(("softmax", "linear"))]
+    assert len(rows) == 4 and rows == [line for line in two.splitlines()
+                                       if line.startswith(("softmax", "linear"))]
+    assert _cli(*args, "--jobs", "0") == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err
+
+
 def test_cli_export_vectors(tmp_path, capsys):
     assert _cli("export-vectors", str(tmp_path), "--suite", "quick", "--dtype", "float32") == 0
     assert (tmp_path / "manifest.json").exists() and "wrote" in capsys.readouterr().out

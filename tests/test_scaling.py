@@ -270,3 +270,50 @@ def test_benchmark_costs_are_the_suites_and_the_default(tmp_path):
     assert row.name == "pooled" and not any("time disagrees" in n for n in row.notes), row.notes
     (row,) = S.analyse(res, costs=S.registry_costs())
     assert any("time disagrees" in n for n in row.notes), row.notes
+
+
+# ------------------------------------------------------------------ peers and roofline
+
+
+def test_sdpa_rows_keep_their_kernel(tmp_path):
+    # The default (fused) and the forced rows are separate series; the math path
+    # must not overwrite the row that /SDPA compares with.
+    path = _results_file(tmp_path)
+    data = json.loads(path.read_text())
+    ns = [str(n) for n in NS[:7]]
+    cfgs = ["'cpu-float32'", "'cpu-flash-float32'", "'cpu-math-float32'"]
+    data["results"]["peers.TorchSDPA.time_forward"] = _entry(
+        [c * 1e-9 * int(n) ** 2 for c in (0.5, 0.6, 3.0) for n in ns], [cfgs, ns])
+    data["results"]["peers.JaxDotProductAttention.time_forward"] = _entry(
+        [1e-9 * int(n) ** 2 for n in ns], [["'cpu-float32'"], ns])
+    path.write_text(json.dumps(data))
+    res, rows = _rows(path)
+    backends = {s.backend for s in res.series if s.name == "torch_sdpa"}
+    assert backends == {"torch", "torch-flash", "torch-math"}
+    assert rows[("softmax", "numpy")].vs_sdpa == (pytest.approx(2.0), 8192)
+    assert rows[("jax_dpa", "jax")].peer
+
+
+RATES = {"gemm_flops": 100e9, "exp": 2e9, "elementwise": 4e9, "bandwidth": 10e9}
+
+
+def test_analyse_ratio_to_the_roofline(tmp_path):
+    _, rows = _rows(_results_file(tmp_path), rates={"numpy": RATES})
+    n, h, d = 8192, 8, 64
+    pairs = h * n * n
+    roof = 4 * pairs * d / 100e9 + pairs / 2e9 + 3 * pairs / 4e9  # compute-bound here
+    assert rows[("softmax", "numpy")].vs_roofline == (pytest.approx(1e-9 * n * n / roof), n)
+    assert rows[("numpy_oneshot", "numpy")].vs_roofline is None  # a peer has no count
+    _, rows = _rows(_results_file(tmp_path), rates={})
+    assert rows[("softmax", "numpy")].vs_roofline is None
+    table = S.format_table(list(rows.values()))
+    assert "/roofline" in table.splitlines()[0]
+
+
+def test_committed_roofline_rates_say_where_they_were_measured():
+    rates, meta = S.load_rates()
+    assert {"numpy", "torch"} <= set(rates)
+    for backend, r in rates.items():
+        assert all(r[k] > 0 for k in ("gemm_flops", "exp", "elementwise", "bandwidth")), backend
+    assert {"machine", "date", "loadavg_1min", "quiet", "note", "command"} <= set(meta)
+    assert ("loaded" in meta["note"]) != meta["quiet"]

@@ -2,6 +2,7 @@
 
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
+    python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -18,6 +19,15 @@ of causal at the largest N (tracemalloc; NumPy reports its buffers to it) agains
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
+
+``rates``: the four rates of the roofline (``asv_benches/costs.py``, ``Work``) per
+backend, in this process with the library's default threads: float32 GEMM (2048^3),
+``exp`` and an elementwise product on a 64 Ki-element array that stays in cache,
+written into a preallocated output (the rate a tiled kernel can reach; a fresh 16M
+output costs page faults instead), and memory bandwidth (a 256 MiB copy, bytes read
+plus written). ``--json`` writes them with the machine, the time and the load average
+(``docs/_static/roofline_rates.json`` is what the scaling report reads); rates taken
+on a loaded machine are marked so, and are lower bounds of the machine's.
 """
 
 from __future__ import annotations
@@ -136,6 +146,93 @@ def backward(args):
           f"{grads / 2**20:.0f} MiB (one N x N float32 matrix: {H * n * n * 4 / 2**20:.0f} MiB)")
 
 
+_CACHE_ELEMS = 1 << 16  # 256 KiB of float32: in L2 on any recent core
+_STREAM_BYTES = 256 << 20
+
+
+def _rates_numpy(reps):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(_CACHE_ELEMS, dtype=np.float32)
+    y, out = x.copy(), np.empty_like(x)
+    inner = 200
+
+    def many(f):
+        def run():
+            for _ in range(inner):
+                f()
+        return run
+
+    exp = inner * _CACHE_ELEMS / _median_time(many(lambda: np.exp(x, out=out)), reps)
+    mul = inner * _CACHE_ELEMS / _median_time(many(lambda: np.multiply(x, y, out=out)), reps)
+    src = np.ones(_STREAM_BYTES // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    bw = 2 * _STREAM_BYTES / _median_time(lambda: np.copyto(dst, src), reps)
+    return {"gemm_flops": matmul_rate(reps), "exp": exp, "elementwise": mul, "bandwidth": bw}
+
+
+def _rates_torch(reps):
+    import torch
+
+    a = torch.randn(2048, 2048)
+    gemm = 2 * 2048**3 / _median_time(lambda: a @ a, reps)
+    x = torch.randn(_CACHE_ELEMS)
+    y, out = x.clone(), torch.empty_like(x)
+    inner = 200
+
+    def many(f):
+        def run():
+            for _ in range(inner):
+                f()
+        return run
+
+    exp = inner * _CACHE_ELEMS / _median_time(many(lambda: torch.exp(x, out=out)), reps)
+    mul = inner * _CACHE_ELEMS / _median_time(many(lambda: torch.mul(x, y, out=out)), reps)
+    src = torch.ones(_STREAM_BYTES // 4)
+    dst = torch.empty_like(src)
+    bw = 2 * _STREAM_BYTES / _median_time(lambda: dst.copy_(src), reps)
+    return {"gemm_flops": gemm, "exp": exp, "elementwise": mul, "bandwidth": bw,
+            "threads": torch.get_num_threads()}
+
+
+def roofline_rates(backends=("numpy", "torch"), reps=7) -> dict:
+    """``{backend: {gemm_flops, exp, elementwise, bandwidth}}`` per second, measured here."""
+    measure = {"numpy": _rates_numpy, "torch": _rates_torch}
+    unknown = sorted(set(backends) - set(measure))
+    if unknown:
+        raise ValueError(f"backends must be among {sorted(measure)}, got {unknown}")
+    return {b: measure[b](reps) for b in backends}
+
+
+def rates(args):
+    import json
+    import platform
+
+    load_before = os.getloadavg()
+    measured = roofline_rates(args.backends.split(","), args.reps)
+    load_after = os.getloadavg()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    loaded = max(load_before[0], load_after[0]) > 0.5 * cpus
+    meta = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
+            "cpus": cpus, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "loadavg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
+            "command": f"python tools/targets.py rates --backends {args.backends} --reps {args.reps}",
+            "quiet": not loaded,
+            "note": ("measured on a loaded machine (1-min load average above half the CPUs): "
+                     "the rates are low and the ratios to the roofline high" if loaded else
+                     "measured on a quiet machine")}
+    for b, r in measured.items():
+        print(f"{b:6s} GEMM {r['gemm_flops'] / 1e9:7.1f} GFLOP/s | exp in cache "
+              f"{r['exp'] / 1e9:5.2f} Gelem/s | multiply in cache {r['elementwise'] / 1e9:5.2f} "
+              f"Gelem/s | copy {r['bandwidth'] / 1e9:5.1f} GB/s")
+    print(f"load average (1 min) before/after: {meta['loadavg_1min']} on {cpus} CPUs"
+          + ("" if meta["quiet"] else "  -- LOADED: not quotable"))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"meta": meta, "rates": measured}, fh, indent=1)
+            fh.write("\n")
+        print(f"wrote {args.json}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -147,8 +244,12 @@ def main(argv=None):
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)
     bwd.add_argument("--reps", type=int, default=3)
+    rt = sub.add_parser("rates", help="issue 15: GEMM, exp, elementwise and memory rates (roofline)")
+    rt.add_argument("--backends", default="numpy,torch")
+    rt.add_argument("--reps", type=int, default=7)
+    rt.add_argument("--json", metavar="PATH", help="write the rates with the machine and load")
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates}[args.what](args)
 
 
 if __name__ == "__main__":

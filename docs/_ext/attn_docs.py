@@ -250,9 +250,11 @@ class ScalingTable(SphinxDirective):
             f"asv results of commit {commit} on machine {p.get('machine', '?')} "
             f"({p.get('cpu', '?')}, {p.get('num_cpu', '?')} CPUs); exponents fitted over the "
             "largest sizes measured, analytic exponent in parentheses; peak memory above the "
-            "loaded-backend baseline; ratios are times at the largest N both ran."))
+            "loaded-backend baseline; ratios are times at the largest N both ran. /roofline: "
+            "time over the method's least work at the rates of _static/roofline_rates.json, "
+            f"{scaling.load_rates()[1].get('note', 'not measured')}."))
         out = [intro, _table(list(scaling.HEADER), [list(r) for r in scaling.table_rows(rows)],
-                             [16, 8, 10, 10, 6, 8, 9, 7, 7, 7])]
+                             [16, 8, 10, 10, 6, 8, 9, 7, 7, 7, 7])]
         notes = [f"{r.name} / {r.backend}: {n}" for r in rows for n in r.notes]
         if notes:
             out.append(nodes.paragraph(
