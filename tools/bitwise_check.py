@@ -98,48 +98,27 @@ def _extra_results(out):
     from attn_ref import grad, sparse
 
     q, k, v, do = _arrays(7, (2, 4, 20, D), (2, 2, 28, D), (2, 2, 28, DV), (2, 4, 20, DV))
+    slopes = np.asarray([0.5, 0.25, 0.1, 0.05])
+    lens = dict(seqlens_q=np.asarray([20, 13]), seqlens_k=np.asarray([17, 28]))
     for causal in (False, True, "bottom-right"):
-        slopes = np.asarray([0.5, 0.25, 0.1, 0.05])
-        kw = dict(causal=causal, gqa=True, window=(5, 3), softcap=3.0, alibi_slopes=slopes)
-        _record(out, f"softmax_gqa/{causal}/out", attn_ref.softmax_attention, q, k, v, **kw)
-        _record(
-            out,
-            f"online_gqa/{causal}/out",
-            attn_ref.online_softmax_attention,
-            q,
-            k,
-            v,
-            block_q=6,
-            block_k=7,
-            **kw,
-        )
-        _record(out, f"softmax_gqa/{causal}/vjp", grad.softmax_attention, q, k, v, do, **kw)
-        _record(
-            out,
-            f"online_gqa/{causal}/vjp",
-            grad.online_softmax_attention,
-            q,
-            k,
-            v,
-            do,
-            block_q=6,
-            block_k=7,
-            **kw,
-        )
-        kwl = dict(seqlens_q=np.asarray([20, 13]), seqlens_k=np.asarray([17, 28]), causal=causal, gqa=True)
-        _record(out, f"softmax_lens/{causal}/out", attn_ref.softmax_attention, q, k, v, **kwl)
-        _record(
-            out,
-            f"online_lens/{causal}/out",
-            attn_ref.online_softmax_attention,
-            q,
-            k,
-            v,
-            block_q=8,
-            block_k=5,
-            **kwl,
-        )
-        _record(out, f"online_lens/{causal}/vjp", grad.online_softmax_attention, q, k, v, do, **kwl)
+        gqa = dict(causal=causal, gqa=True, window=(5, 3), softcap=3.0, alibi_slopes=slopes)
+        gqa_blocks = dict(gqa, block_q=6, block_k=7)
+        kwl = dict(lens, causal=causal, gqa=True)
+        for key, fn, args, kw in (
+            ("softmax_gqa/{}/out", attn_ref.softmax_attention, (q, k, v), gqa),
+            ("online_gqa/{}/out", attn_ref.online_softmax_attention, (q, k, v), gqa_blocks),
+            ("softmax_gqa/{}/vjp", grad.softmax_attention, (q, k, v, do), gqa),
+            ("online_gqa/{}/vjp", grad.online_softmax_attention, (q, k, v, do), gqa_blocks),
+            ("softmax_lens/{}/out", attn_ref.softmax_attention, (q, k, v), kwl),
+            (
+                "online_lens/{}/out",
+                attn_ref.online_softmax_attention,
+                (q, k, v),
+                dict(kwl, block_q=8, block_k=5),
+            ),
+            ("online_lens/{}/vjp", grad.online_softmax_attention, (q, k, v, do), kwl),
+        ):
+            _record(out, key.format(causal), fn, *args, **kw)
 
     # Packed variable-length sequences.
     qp, kp, vp, dop = _arrays(8, (30, 4, D), (37, 2, D), (37, 2, DV), (30, 4, DV))
