@@ -39,13 +39,8 @@ import math
 import array_api_compat
 
 from ._checks import broadcast_batch, check_array, check_positive_int, check_qkv, default_scale
-from .softmax import (
-    TOP_LEFT,
-    attention_weights,
-    causal_alignment,
-    online_softmax_attention,
-    softmax_attention,
-)
+from ._common import causal_alignment, causal_offset, ceil_div
+from .softmax import attention_weights, online_softmax_attention, softmax_attention
 
 __all__ = ["compressed_attention", "compressed_weights", "strided_conv", "num_blocks"]
 
@@ -59,7 +54,7 @@ def num_blocks(n, kernel_size, stride):
     """
     if n == 0:
         return 0
-    return min(-(-max(n - kernel_size, 0) // stride) + 1, -(-n // stride))
+    return min(ceil_div(max(n - kernel_size, 0), stride) + 1, ceil_div(n, stride))
 
 
 def _check_weight(name, w, d_in, batch, q):
@@ -129,7 +124,7 @@ def strided_conv(x, w, /, *, stride, xp=None):
 def _visible(xp, alignment, nq, nk, c, s, m, device):
     """``(Nq, M)`` mask: block ``j`` is visible to query ``i`` iff its last real position
     ``min(j s + c, Nk) - 1`` is at most ``i + offset``."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     last = xp.minimum(xp.arange(m, device=device) * s + (c - 1),
                       xp.full((m,), nk - 1, device=device))
     qi = xp.arange(nq, device=device)

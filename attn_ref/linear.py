@@ -67,7 +67,8 @@ from ._checks import (
     is_floating,
     namespace,
 )
-from .softmax import TOP_LEFT, causal_alignment, logit_dtype
+from ._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
+from .softmax import logit_dtype
 
 __all__ = [
     "FEATURE_MAPS",
@@ -76,6 +77,17 @@ __all__ = [
     "linear_attention_weights",
     "linear_attention_state",
     "linear_attention_step",
+    "linear_from_features",
+    "weights_from_features",
+    "check_feature_map",
+    "check_eps",
+    "safe_denominator",
+    "kv_state",
+    "state_readout",
+    "causal_plan",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_EPS",
 ]
 
 FEATURE_MAPS = ("elu+1", "relu", "identity")
@@ -267,7 +279,7 @@ def _readout(xp, num, den, normalize, eps):
 
 def _causal_visible(xp, nq, nk, alignment, device):
     """Boolean ``(Nq, Nk)``: True where query ``i`` may see key ``j``."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
 
 
@@ -317,7 +329,7 @@ def _pad_rows(xp, x, before, after, fill=0.0):
 
 def causal_plan(nq, nk, alignment):
     """How :func:`_align_square` pads: ``(P, P', keep, tail)`` (see there)."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     p_q, p_k = max(off, 0), max(-off, 0)
     keep = max(min(nk, nq + p_q - p_k), 0)
     return p_q, p_k, keep, nq + p_q - p_k - keep
@@ -365,7 +377,7 @@ def _chunked_values(xp, fq, fk, v, chunk_size, state=None):
     """
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
     fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
@@ -451,7 +463,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
     c = min(chunk_size, length)
-    block = -(-block_size // c) * c  # whole chunks per block
+    block = ceil_div(block_size, c) * c  # whole chunks per block
     state = None
     for lo in range(0, length, block):
         hi = min(lo + block, length)

@@ -152,7 +152,7 @@ def linformer_weights(q, k, /, *, e_proj, f_proj=None, scale=None, mask=None, ca
     return attention_weights(q, _project(e_proj, k), scale=scale, xp=xp) @ f_proj
 
 
-def linformer_projection(k, n, *, heads=None, seed, dtype=None, device=None, xp):
+def linformer_projection(k, n, /, *, heads=None, seed, dtype=None, device=None, xp):
     """A Gaussian Johnson-Lindenstrauss projection ``E`` of shape ``(k, n)`` or ``(heads, k, n)``.
 
     Entries are i.i.d. ``N(0, 1/k)``, the projection of Linformer's Theorem 1, so that

@@ -42,6 +42,7 @@ import array_api_compat
 
 from . import random as _random
 from ._checks import check_array, check_positive_int, check_qkv, default_scale, is_floating, namespace
+from ._common import causal_alignment, ceil_div
 from .linear import (
     DEFAULT_CHUNK_SIZE,
     _causal_visible,
@@ -53,7 +54,6 @@ from .linear import (
     safe_denominator,
     weights_from_features,
 )
-from .softmax import causal_alignment
 
 __all__ = [
     "KERNELS",
@@ -62,6 +62,11 @@ __all__ = [
     "performer_attention",
     "performer_attention_weights",
     "default_num_features",
+    "half_sq_norm",
+    "feature_exponent",
+    "features_from_exponent",
+    "row_offset",
+    "key_offset",
 ]
 
 KERNELS = ("positive", "trigonometric")
@@ -153,8 +158,10 @@ def features_from_exponent(xp, x, projection, exponent, offset, kernel):
     return xp.concat([xp.sin(u) * e, xp.cos(u) * e], axis=-1) / math.sqrt(m)
 
 
-def query_offset(xp, exponent):
-    """Per-query stabiliser: each query's own maximum exponent (cancels per query)."""
+def row_offset(xp, exponent):
+    """Each row's own maximum exponent, shape ``(..., N, 1)``: the per-query stabiliser
+    (it cancels in each query's normalisation) and the per-key log-scales ``c_j`` of
+    the causal forward."""
     return xp.max(exponent, axis=-1, keepdims=True)
 
 
@@ -165,7 +172,7 @@ def key_offset(xp, exponent, projection, kernel, causal):
     alone (every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``), so it cannot leak a
     future key; it serves :func:`attn_ref.grad.performer_attention`, which differentiates
     the same function through it. The forward pass uses the sharper per-key form
-    (:func:`key_log_scales`), which does not underflow for large ``d``.
+    (per-key log-scales, :func:`row_offset` of the keys), which does not underflow for large ``d``.
     """
     if not causal:
         m = xp.max(exponent, axis=-1, keepdims=True)
@@ -178,11 +185,6 @@ def key_offset(xp, exponent, projection, kernel, causal):
     largest = xp.asarray(xp.finfo(projection.dtype).max, dtype=projection.dtype,
                          device=array_api_compat.device(projection))
     return bound - float(xp.log(largest)) / 4
-
-
-def key_log_scales(xp, exponent):
-    """Per-key offsets ``c_j``, shape ``(..., Nk, 1)``: each key's own maximum exponent."""
-    return xp.max(exponent, axis=-1, keepdims=True)
 
 
 def _very_negative(xp, dtype):
@@ -239,7 +241,7 @@ def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
     """
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
     neg = _very_negative(xp, ck.dtype)
     dev = array_api_compat.device(fq)
@@ -275,8 +277,8 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
-    ck = key_log_scales(xp, ek)
-    fq = features_from_exponent(xp, xq, projection, eq, query_offset(xp, eq), kernel)
+    ck = row_offset(xp, ek)
+    fq = features_from_exponent(xp, xq, projection, eq, row_offset(xp, eq), kernel)
     fk = features_from_exponent(xp, xk, projection, ek, ck, kernel)
     if v is None:  # the weights
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
@@ -338,7 +340,7 @@ def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scal
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
-    oq = query_offset(xp, eq) if stabilize else None
+    oq = row_offset(xp, eq) if stabilize else None
     # No keys: nothing to stabilise (and no maximum over an empty axis).
     ok = (key_offset(xp, ek, projection, kernel, alignment is not None)
           if stabilize and k.shape[-2] > 0 else None)

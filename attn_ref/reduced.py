@@ -36,8 +36,9 @@ from ._checks import (
     is_floating,
     namespace,
 )
+from ._common import causal_alignment, causal_offset
 from .random import permutation
-from .softmax import TOP_LEFT, attention_weights, causal_alignment, softmax_attention
+from .softmax import attention_weights, softmax_attention
 
 __all__ = [
     "segment_sizes",
@@ -131,7 +132,7 @@ def _pooled_mask(xp, causal, nq, nk, m, device):
     alignment = causal_alignment(causal)
     if alignment is None:
         return None
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     ends, total = [], 0
     for size in segment_sizes(nk, m):
         total += size

@@ -100,6 +100,16 @@ from ._checks import (
     is_integer,
     namespace,
 )
+from ._common import (
+    BOTTOM_RIGHT,
+    TOP_LEFT,
+    and_masks,
+    causal_alignment,
+    finish_partial,
+    finite_max,
+    online_step,
+    partial_lse,
+)
 
 __all__ = [
     "TOP_LEFT",
@@ -108,47 +118,14 @@ __all__ = [
     "attention_weights",
     "online_softmax_attention",
     "varlen_attention",
+    "causal_alignment",
+    "logit_dtype",
+    "check_window",
+    "check_softcap",
+    "check_dropout",
+    "check_alibi_slopes",
+    "check_seqlens",
 ]
-
-TOP_LEFT = "top-left"
-BOTTOM_RIGHT = "bottom-right"
-_CAUSAL = (TOP_LEFT, BOTTOM_RIGHT)
-
-
-def causal_alignment(causal):
-    """Normalise ``causal`` to ``None``, ``"top-left"`` or ``"bottom-right"``."""
-    if causal is None:
-        return None
-    if isinstance(causal, str):
-        if causal in _CAUSAL:
-            return causal
-    elif isinstance(causal, bool) or type(causal).__module__ == "numpy":
-        # A flag (a NumPy bool included); check_flag refuses other NumPy scalars.
-        return TOP_LEFT if check_flag("causal", causal) else None
-    raise ValueError(
-        f"causal must be False, True (= {TOP_LEFT!r}), {TOP_LEFT!r} or {BOTTOM_RIGHT!r}, "
-        f"got {causal!r}"
-    )
-
-
-def _causal_offset(alignment, nq, nk):
-    # Query i may see key j iff j <= i + offset.
-    return 0 if alignment == TOP_LEFT else nk - nq
-
-
-def _block_coverage(alignment, nq, nk, q0, q1, k0, k1):
-    """Is the causal tile ``[q0, q1) x [k0, k1)`` fully visible, fully hidden or mixed?"""
-    if alignment is None:
-        return "all"
-    return _band_coverage(None, _causal_offset(alignment, nq, nk), q0, q1, k0, k1)
-
-
-def _causal_tile(xp, alignment, nq, nk, q0, q1, k0, k1, device):
-    off = _causal_offset(alignment, nq, nk)
-    qi = xp.arange(q0, q1, device=device)
-    kj = xp.arange(k0, k1, device=device)
-    return kj[None, :] <= (qi[:, None] + off)
-
 
 def _tile(x, q0, q1, k0, k1):
     """Slice a ``(..., Nq|1, Nk|1)`` broadcastable array to one tile."""
@@ -157,14 +134,6 @@ def _tile(x, q0, q1, k0, k1):
     rows = slice(q0, q1) if x.shape[-2] != 1 else slice(None)
     cols = slice(k0, k1) if x.shape[-1] != 1 else slice(None)
     return x[..., rows, cols]
-
-
-def _and(xp, a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return xp.logical_and(a, b)
 
 
 # ---------------------------------------------------------------- option checks
@@ -411,11 +380,11 @@ def _tile_visible(xp, spec, q0, q1, k0, k1, device):
         return allowed
     qi, kj = _positions(xp, q0, q1, k0, k1, device)
     for bound, is_low in need:
-        allowed = _and(xp, allowed, kj >= qi + bound if is_low else kj <= qi + bound)
+        allowed = and_masks(xp, allowed, kj >= qi + bound if is_low else kj <= qi + bound)
     if spec.len_q is not None:
-        allowed = _and(xp, allowed, qi < spec.len_q)
+        allowed = and_masks(xp, allowed, qi < spec.len_q)
     if spec.len_k is not None:
-        allowed = _and(xp, allowed, kj < spec.len_k)
+        allowed = and_masks(xp, allowed, kj < spec.len_k)
     return allowed
 
 
@@ -486,17 +455,6 @@ def _dropout_scale(spec):
     return 1.0 if spec.keep is None else 1.0 / (1.0 - spec.dropout_p)
 
 
-def _masked_logits(xp, q, kt, mask, bias, alignment, scale, nq, nk, q0, k0):
-    """Scaled logits of one tile with ``-inf`` where attention is not allowed.
-
-    ``kt`` is the tile's keys already transposed, ``(..., d, block_k)``.
-    Returns ``(logits, allowed)``; ``allowed`` is None when every entry is allowed.
-    The mask/bias/causal subset of :func:`_tile_logits`.
-    """
-    spec = _Spec(nq=nq, nk=nk, scale=scale, mask=mask, bias=bias, alignment=alignment)
-    return _tile_logits(xp, q, kt, spec, q0, k0)
-
-
 def _transposed_copy(xp, k):
     """``k^T`` as a fresh row-major array, ``(..., d, Nk)``.
 
@@ -511,8 +469,7 @@ def _transposed_copy(xp, k):
 
 def _row_max(xp, s):
     """Row maximum with rows of only ``-inf`` mapped to 0, so ``exp(s - m)`` is 0 there."""
-    m = xp.max(s, axis=-1, keepdims=True)
-    return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+    return finite_max(xp, xp.max(s, axis=-1, keepdims=True))
 
 
 # ---------------------------------------------------------------- problem set-up
@@ -623,13 +580,12 @@ def _online_forward(pb, block_q, block_k):
     if nq == 0 or nk == 0:
         return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
     # The scale is not folded into q: scale * q can overflow where scale * (q k) does not.
-    qs, tile_spec = pb.q, spec
     kt = _transposed_copy(xp, pb.k)
     v = pb.v
     outputs, lses = [], []
     for q0 in range(0, nq, block_q):
         q1 = min(q0 + block_q, nq)
-        qb = qs[..., q0:q1, :]
+        qb = pb.q[..., q0:q1, :]
         shape = pb.batch_g + (q1 - q0, 1)
         m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
         l = xp.zeros(shape, dtype=dtype, device=device)
@@ -638,24 +594,13 @@ def _online_forward(pb, block_q, block_k):
             k1 = min(k0 + block_k, nk)
             if _tile_coverage(spec, q0, q1, k0, k1) == "none":
                 continue
-            s, _ = _tile_logits(xp, qb, kt[..., k0:k1], tile_spec, q0, k0)
-            m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
-            # A row that has seen no allowed key yet keeps m = -inf; shift it by 0 so
-            # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-            m_safe = xp.where(m_new == -xp.inf, xp.zeros_like(m_new), m_new)
-            p = xp.exp(s - m_safe)
-            alpha = xp.exp(m - m_safe)
+            s, _ = _tile_logits(xp, qb, kt[..., k0:k1], spec, q0, k0)
             # The normaliser counts dropped weights too (dropout acts after the softmax).
-            l = l * alpha + xp.sum(p, axis=-1, keepdims=True)
+            m, l, p, alpha = online_step(xp, m, l, s)
             pv = _keep_tile(xp, p, spec, q0, k0)
             acc = acc * alpha + (pv if pv.dtype == v.dtype else xp.astype(pv, v.dtype)) @ v[..., k0:k1, :]
-            m = m_new
-        empty = l == 0
-        one = xp.ones_like(l)
-        outputs.append(xp.astype(acc / xp.where(empty, one, l), pb.q.dtype))
-        lse = xp.where(empty, xp.full_like(l, xp.inf),
-                       xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
-        lses.append(lse[..., 0])
+        outputs.append(xp.astype(finish_partial(xp, l, acc), pb.q.dtype))
+        lses.append(partial_lse(xp, m, l)[..., 0])
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
     drop = _dropout_scale(spec)

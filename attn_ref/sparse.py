@@ -55,8 +55,24 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._checks import check_flag, check_nonnegative_int, check_positive_int, check_qkv, default_scale
-from .softmax import _causal_offset, attention_weights, causal_alignment
+from ._checks import (
+    check_flag,
+    check_nonnegative_int,
+    check_positive_int,
+    check_qkv,
+    check_real,
+    default_scale,
+)
+from ._common import (
+    and_masks,
+    causal_alignment,
+    causal_offset,
+    ceil_div,
+    finish_partial,
+    merge_partials,
+    softmax_partial,
+)
+from .softmax import attention_weights
 
 __all__ = [
     "local_mask",
@@ -67,6 +83,7 @@ __all__ = [
     "bigbird_layout",
     "bigbird_mask",
     "layout_mask",
+    "random_block_layout",
     "block_sparse_attention",
     "local_attention",
     "longformer_attention",
@@ -116,23 +133,11 @@ def _fixed_pred(xp, i, j, stride, summary, causal, part):
     return xp.logical_and(ok, j <= i) if causal else ok
 
 
-def _and(xp, a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return xp.logical_and(a, b)
-
-
 def _grid(xp, nq, nk, device):
     i = xp.arange(nq, dtype=xp.int64, device=device)[:, None]
     j = xp.arange(nk, dtype=xp.int64, device=device)[None, :]
     return i, j
 
-
-def _need_xp(xp, fn):
-    if xp is None:
-        raise TypeError(f"{fn} needs xp=, the array namespace to build the mask in")
 
 
 # ---------------------------------------------------------------- argument checks
@@ -192,9 +197,10 @@ def _layout_rows(layout, nbq, nbk, block_size, nq, nk):
         raise TypeError(f"layout must be {want}, got {type(layout).__name__}")
     rows = []
     for a, row in enumerate(layout):
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != nbk:
-            got = len(row) if isinstance(row, Sequence) else type(row).__name__
-            raise ValueError(f"layout must be {want}, got row {a} of length {got}")
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise TypeError(f"layout must be {want}, got row {a} of type {type(row).__name__}")
+        if len(row) != nbk:
+            raise ValueError(f"layout must be {want}, got row {a} of length {len(row)}")
         for b, x in enumerate(row):
             ok = x in (0, 1) if isinstance(x, int) else _is_flag(x)
             if not ok:
@@ -211,7 +217,7 @@ def _banded_rows(nb, block_size, reach, one_sided):
     Every row has the same length; slots that fall off either end are ``-1`` (an
     empty block), so a banded layout is one gather and one matmul.
     """
-    lo = min(nb - 1, -(-reach // block_size))
+    lo = min(nb - 1, ceil_div(reach, block_size))
     hi = 0 if one_sided else min(nb - 1, (block_size - 1 + reach) // block_size)
     return tuple(
         tuple(b if 0 <= b < nb else -1 for b in range(a - lo, a + hi + 1)) for a in range(nb)
@@ -221,7 +227,7 @@ def _banded_rows(nb, block_size, reach, one_sided):
 # ---------------------------------------------------------------- mask builders
 
 
-def local_mask(n, /, *, window, one_sided=False, dilation=1, xp=None, device=None):
+def local_mask(n, /, *, window, one_sided=False, dilation=1, xp, device=None):
     """Sliding-window mask: query ``i`` sees key ``j`` within ``window`` steps.
 
     Parameters
@@ -251,14 +257,13 @@ def local_mask(n, /, *, window, one_sided=False, dilation=1, xp=None, device=Non
     >>> [int(xp.sum(xp.astype(m[i, :], xp.int64))) for i in range(5)]
     [2, 3, 3, 3, 2]
     """
-    _need_xp(xp, "local_mask")
     check_nonnegative_int("n", n)
     reach = _check_window(window, dilation)
     i, j = _grid(xp, n, n, device)
     return _local_pred(xp, i, j, reach, bool(one_sided), dilation)
 
 
-def strided_mask(n, /, *, stride, causal=True, part="both", xp=None, device=None):
+def strided_mask(n, /, *, stride, causal=True, part="both", xp, device=None):
     """The strided pattern of the Sparse Transformer (Child et al. 2019).
 
     ``A1(i) = {j : 0 <= i - j <= stride}`` (the previous ``stride`` positions and
@@ -280,7 +285,6 @@ def strided_mask(n, /, *, stride, causal=True, part="both", xp=None, device=None
     -------
     bool array, shape (n, n)
     """
-    _need_xp(xp, "strided_mask")
     check_nonnegative_int("n", n)
     check_positive_int("stride", stride)
     _check_part("part", part, _STRIDED_PARTS)
@@ -288,7 +292,7 @@ def strided_mask(n, /, *, stride, causal=True, part="both", xp=None, device=None
     return _strided_pred(xp, i, j, stride, bool(causal), part)
 
 
-def fixed_mask(n, /, *, stride, summary=1, causal=True, part="both", xp=None, device=None):
+def fixed_mask(n, /, *, stride, summary=1, causal=True, part="both", xp, device=None):
     """The fixed pattern of the Sparse Transformer (Child et al. 2019).
 
     ``A1(i) = {j : floor(j / l) = floor(i / l)}`` (the block of ``stride = l``
@@ -312,7 +316,6 @@ def fixed_mask(n, /, *, stride, summary=1, causal=True, part="both", xp=None, de
     -------
     bool array, shape (n, n)
     """
-    _need_xp(xp, "fixed_mask")
     check_nonnegative_int("n", n)
     check_positive_int("stride", stride)
     _check_summary(summary, stride)
@@ -334,7 +337,7 @@ def _global_vector(xp, tokens, n, device):
     return xp.asarray(g, dtype=xp.bool, device=device)
 
 
-def global_mask(n, /, *, global_tokens, xp=None, device=None):
+def global_mask(n, /, *, global_tokens, xp, device=None):
     """Longformer's symmetric global attention: global tokens see and are seen by all.
 
     ``mask[i, j]`` is True when ``i`` or ``j`` is in ``global_tokens``.
@@ -351,14 +354,13 @@ def global_mask(n, /, *, global_tokens, xp=None, device=None):
     -------
     bool array, shape (n, n)
     """
-    _need_xp(xp, "global_mask")
     check_nonnegative_int("n", n)
     tokens = _check_global_tokens(global_tokens, n)
     g = _global_vector(xp, tokens, n, device)
     return xp.logical_or(g[:, None], g[None, :])
 
 
-def longformer_mask(n, /, *, window, global_tokens, dilation=1, xp=None, device=None):
+def longformer_mask(n, /, *, window, global_tokens, dilation=1, xp, device=None):
     """Longformer (Beltagy et al. 2020): a two-sided (dilated) window plus global tokens.
 
     The union of :func:`local_mask` and :func:`global_mask`; see those for the
@@ -412,7 +414,7 @@ def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1,
     return tuple(rows)
 
 
-def layout_mask(layout, block_size, /, *, nq=None, nk=None, xp=None, device=None):
+def layout_mask(layout, block_size, /, *, nq=None, nk=None, xp, device=None):
     """Expand a block layout into the element mask it stands for.
 
     Parameters
@@ -429,12 +431,11 @@ def layout_mask(layout, block_size, /, *, nq=None, nk=None, xp=None, device=None
     -------
     bool array, shape (nq, nk)
     """
-    _need_xp(xp, "layout_mask")
     check_positive_int("block_size", block_size)
     nbq, nbk = _layout_shape(layout)
     nq = nbq * block_size if nq is None else check_nonnegative_int("nq", nq)
     nk = nbk * block_size if nk is None else check_nonnegative_int("nk", nk)
-    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
+    rows = _layout_rows(layout, ceil_div(nq, block_size), ceil_div(nk, block_size), block_size, nq, nk)
     return _rows_mask(xp, rows, block_size, nq, nk, device)
 
 
@@ -451,7 +452,7 @@ def _layout_shape(layout):
 
 
 def _rows_mask(xp, rows, block_size, nq, nk, device):
-    nbk = -(-nk // block_size)
+    nbk = ceil_div(nk, block_size)
     table = xp.asarray([[b in set(r) for b in range(nbk)] for r in rows] or [[False] * nbk],
                        dtype=xp.bool, device=device)
     i, j = _grid(xp, nq, nk, device)
@@ -459,7 +460,7 @@ def _rows_mask(xp, rows, block_size, nq, nk, device):
     return xp.take(rows_of, xp.floor_divide(j[0, :], block_size), axis=1)
 
 
-def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0, xp=None,
+def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0, xp,
                  device=None):
     """The element mask of :func:`bigbird_layout` for a sequence of length ``n``.
 
@@ -469,7 +470,6 @@ def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1
     -------
     bool array, shape (n, n)
     """
-    _need_xp(xp, "bigbird_mask")
     check_nonnegative_int("n", n)
     check_positive_int("block_size", block_size)
     rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
@@ -477,20 +477,15 @@ def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1
 
 
 def _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed):
-    nb = -(-n // block_size)
+    nb = ceil_div(n, block_size)
     lay = bigbird_layout(nb, window=window, global_blocks=global_blocks,
                          random_blocks=random_blocks, seed=seed)
     return tuple(tuple(b for b, x in enumerate(row) if x) for row in lay)
 
 
 # ---------------------------------------------------------------- the block kernel
-# A "partial" is (m, l, acc): running row maximum (..., N, 1), normaliser (..., N, 1)
-# and unnormalised output (..., N, dv) of a softmax over a subset of the keys. Two
-# partials over disjoint key sets merge exactly, as in the online softmax.
-
-
-def _safe(xp, m):
-    return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+# Each part gives a softmax partial (m, l, acc) (attn_ref._common) over its keys; the
+# parts' key sets are disjoint, so the partials merge exactly.
 
 
 def _partial(xp, s, v, batch, core):
@@ -499,25 +494,9 @@ def _partial(xp, s, v, batch, core):
     ``core`` is the number of trailing non-batch axes of ``s``; ``m`` and ``l`` are
     broadcast to the full batch so that partials concatenate and merge.
     """
-    m = xp.max(s, axis=-1, keepdims=True)
-    p = xp.exp(s - _safe(xp, m))
-    l = xp.sum(p, axis=-1, keepdims=True)
-    acc = p @ v
+    m, l, acc = softmax_partial(xp, s, v)
     shape = batch + tuple(m.shape[m.ndim - core:])
     return xp.broadcast_to(m, shape), xp.broadcast_to(l, shape), acc
-
-
-def _merge(xp, a, b):
-    (ma, la, acca), (mb, lb, accb) = a, b
-    m = xp.maximum(ma, mb)
-    ms = _safe(xp, m)
-    ea, eb = xp.exp(ma - ms), xp.exp(mb - ms)
-    return m, la * ea + lb * eb, acca * ea + accb * eb
-
-
-def _finish(xp, part):
-    _, l, acc = part
-    return acc / xp.where(l > 0, l, xp.ones_like(l))
 
 
 def _pad_blocks(xp, x, block_size, nblocks, fill=0.0):
@@ -561,7 +540,7 @@ def _block_groups(xp, q, k, v, part, nk):
     """
     B, rows, predicate = part.block_size, part.rows, part.predicate
     device = array_api_compat.device(q)
-    nbq, nbk = len(rows), -(-nk // B)
+    nbq, nbk = len(rows), ceil_div(nk, B)
     d, dv = q.shape[-1], v.shape[-1]
     empty_slots = any(b < 0 for r in rows for b in r)
     # Empty slots point at one extra block past the end, which is all padding.
@@ -587,7 +566,7 @@ def _block_groups(xp, q, k, v, part, nk):
         kpos = xp.reshape(xp.reshape(fi, (g, cnt))[:, :, None] * B + offs, (g, 1, cnt * B))
         allowed = (kpos < nk) if (nk % B or empty_slots) else None
         if predicate is not None:
-            allowed = _and(xp, allowed, predicate(qpos, kpos))
+            allowed = and_masks(xp, allowed, predicate(qpos, kpos))
         if allowed is not None:
             s = xp.where(allowed, s, -xp.inf)
         yield _BlockGroup(cnt, ids, flat, ida, qg, kg, vg, s)
@@ -640,7 +619,7 @@ def _from_classes(xp, x, n):
 def _class_logits(xp, q, k, v, part, n):
     """A :class:`_Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``."""
     stride = part.stride
-    C = -(-n // stride)
+    C = ceil_div(n, stride)
     device = array_api_compat.device(q)
     qc, kc, vc = (_to_classes(xp, x, stride, C) for x in (q, k, v))
     s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
@@ -670,7 +649,7 @@ def _column_logits(xp, q, k, v, part, n):
 def _causal_pred(xp, alignment, nq, nk):
     if alignment is None:
         return None
-    off = _causal_offset(alignment, nq, nk)
+    off = causal_offset(alignment, nq, nk)
     return lambda i, j: j <= i + off
 
 
@@ -753,21 +732,22 @@ def _plan_partial(plan, qs, k, v):
         else:
             _, vc, s = _column_logits(xp, qs, k, v, part, n)
             p = _partial(xp, s, vc, plan.batch, 2)
-        out = p if out is None else _merge(xp, out, p)
+        out = p if out is None else merge_partials(xp, out, p)
     return out
 
 
 def _attend(plan, q, k, v):
     if plan.nq == 0 or plan.nk == 0:
         return _empty(plan.xp, q, v, plan.batch)
-    return _finish(plan.xp, _plan_partial(plan, _scaled(plan, q), k, v))
+    _, l, acc = _plan_partial(plan, _scaled(plan, q), k, v)
+    return finish_partial(plan.xp, l, acc)
 
 
 def _block_sparse_plan(q, k, v, *, layout, block_size, causal=False, scale=None, xp=None):
     xp, batch = check_qkv(q, k, v, xp=xp)
     check_positive_int("block_size", block_size)
     nq, nk = q.shape[-2], k.shape[-2]
-    rows = _layout_rows(layout, -(-nq // block_size), -(-nk // block_size), block_size, nq, nk)
+    rows = _layout_rows(layout, ceil_div(nq, block_size), ceil_div(nk, block_size), block_size, nq, nk)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     parts = (_Blocks(rows, block_size, _causal_pred(xp, alignment, nq, nk)),)
@@ -783,7 +763,7 @@ def _local_plan(q, k, v, *, window, causal=False, dilation=1, block_size=None, s
     scale = default_scale(q.shape[-1], scale)
     if n == 0:
         return _Plan(xp, batch, n, n, scale, ())
-    rows = _banded_rows(-(-n // B), B, reach, one_sided)
+    rows = _banded_rows(ceil_div(n, B), B, reach, one_sided)
     return _Plan(xp, batch, n, n, scale,
                  (_Blocks(rows, B, _local_predicate(xp, reach, one_sided, dilation, B)),))
 
@@ -799,7 +779,7 @@ def _longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1
     scale = default_scale(q.shape[-1], scale)
     if n == 0:
         return _Plan(xp, batch, n, n, scale, ())
-    nb = -(-n // B)
+    nb = ceil_div(n, B)
     gblocks = {t // B for t in tokens}
     rows = [
         tuple(range(nb)) if a in gblocks else r + tuple(sorted(gblocks - set(r)))
@@ -842,9 +822,9 @@ def _strided_plan(q, k, v, *, stride, causal=True, scale=None, xp=None):
     if n == 0:
         return _Plan(xp, batch, n, n, scale, ())
     B = min(stride, n)
-    rows = _banded_rows(-(-n // B), B, stride, one_sided)
+    rows = _banded_rows(ceil_div(n, B), B, stride, one_sided)
     parts = (_Blocks(rows, B, _local_predicate(xp, stride, one_sided, 1, B)),)
-    if -(-n // stride) >= 3:  # else no offset of two strides or more fits
+    if ceil_div(n, stride) >= 3:  # else no offset of two strides or more fits
         parts += (_Classes(stride, one_sided),)
     return _Plan(xp, batch, n, n, scale, parts)
 
@@ -858,7 +838,7 @@ def _fixed_plan(q, k, v, *, stride, summary=1, causal=True, scale=None, xp=None)
     scale = default_scale(q.shape[-1], scale)
     if n == 0:
         return _Plan(xp, batch, n, n, scale, ())
-    nb = -(-n // stride)
+    nb = ceil_div(n, stride)
     parts = (_Blocks(tuple((a,) for a in range(nb)), stride, _causal_pred(xp, alignment, n, n)),)
     cols = tuple(j for j in range(n) if j % stride >= stride - summary)
     if nb >= 2 and cols:
@@ -1207,7 +1187,7 @@ def random_block_layout(num_q_blocks, num_k_blocks, /, *, density=0.5, seed=0):
 
     check_nonnegative_int("num_q_blocks", num_q_blocks)
     check_nonnegative_int("num_k_blocks", num_k_blocks)
-    if not (isinstance(density, (int, float)) and 0.0 <= density <= 1.0):
+    if not 0.0 <= check_real("density", density, "a number in [0, 1]") <= 1.0:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
     cells = num_q_blocks * num_k_blocks
     rank = permutation(cells, seed=seed)
@@ -1218,12 +1198,10 @@ def random_block_layout(num_q_blocks, num_k_blocks, /, *, density=0.5, seed=0):
     )
 
 
-__all__ += ["random_block_layout"]
-
 
 def _block_sparse_params(seed, nq, nk, d, dv, *, dtype, device, xp):
     B = 4
-    return {"block_size": B, "layout": random_block_layout(-(-nq // B), -(-nk // B), seed=seed)}
+    return {"block_size": B, "layout": random_block_layout(ceil_div(nq, B), ceil_div(nk, B), seed=seed)}
 
 
 def _bigbird_params(seed, nq, nk, d, dv, *, dtype, device, xp):

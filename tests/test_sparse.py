@@ -404,7 +404,7 @@ def _bad_cases(backend):
         (strided_attention, (q, k, v), {"stride": 0}, ValueError, "stride must be a positive"),
         (fixed_attention, (q, k, v), {"stride": 3, "summary": 4}, ValueError, "summary must be at most"),
         (fixed_attention, (q, k, v), {"stride": 3, "summary": 0}, ValueError, "summary must be a positive"),
-        (local_mask, (5,), {"window": 1}, TypeError, "needs xp="),
+        (local_mask, (5,), {"window": 1}, TypeError, "required keyword-only argument: 'xp'"),
         (local_mask, (-1,), {"window": 1, "xp": xp}, ValueError, "n must be"),
         (strided_mask, (5,), {"stride": 2, "part": "all", "xp": xp}, ValueError, "part must be one of"),
         (fixed_mask, (5,), {"stride": 2, "part": "local", "xp": xp}, ValueError, "part must be one of"),

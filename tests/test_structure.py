@@ -55,7 +55,6 @@ KNOWN_PRIVATE_IMPORTS = {
     ("attn_ref.performer", "attn_ref.linear", "_causal_visible"),
     ("attn_ref.performer", "attn_ref.linear", "_pad_rows"),
     ("attn_ref.performer", "attn_ref.linear", "_readout"),
-    ("attn_ref.sparse", "attn_ref.softmax", "_causal_offset"),
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import array_api_compat
 
 from .._checks import check_flag, check_positive_int, check_qkv
+from .._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
 from ..linear import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
@@ -43,7 +44,6 @@ from ..linear import (
     kv_state,
     safe_denominator,
 )
-from ..softmax import TOP_LEFT, causal_alignment
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = ["linear_attention", "linear_from_features", "feature_map_backward"]
@@ -131,7 +131,7 @@ def _chunked_causal_vjp(xp, fq, fk, v, dnum, dden, chunk_size):
     """VJP of the top-left chunked causal form on square inputs; same chunking as the forward."""
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
     fq, fk, v, dnum = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v, dnum))
     qc, kc, vc, dnc = (_chunks(xp, x, n_chunks, c) for x in (fq, fk, v, dnum))
@@ -171,7 +171,7 @@ def _causal_linear_vjp(xp, fq, fk, v, do, alignment, chunk_size, normalize, eps)
     dfq2, dfk2, dv2 = _chunked_causal_vjp(xp, fq2, fk2, v2, dnum, dden, chunk_size)
     # Undo _align_square: queries were shifted down by ``start`` rows; keys by
     # ``p_k`` rows, of which only the first ``keep`` (the ones some query sees) stayed.
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     p_k = max(-off, 0)
     keep = max(min(nk, length - p_k), 0)
     dfk = _pad_rows(xp, dfk2[..., p_k:p_k + keep, :], 0, nk - keep)

@@ -49,6 +49,7 @@ __all__ = [
     "query_reduced_attention",
     "nystrom_attention",
     "iterative_pinv_vjp",
+    "pinv_vjp",
     "segment_means_vjp",
 ]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import array_api_compat
 
 from .. import sparse as _sp
+from .._common import ceil_div, finish_partial, partial_lse
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = [
@@ -49,7 +50,7 @@ __all__ = [
 def _blocks_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
     """``(dqs, dk, dv)`` of a :class:`attn_ref.sparse._Blocks` part (``dqs``: of the scaled queries)."""
     B, nbq = part.block_size, len(part.rows)
-    nbk = -(-plan.nk // B)
+    nbk = ceil_div(plan.nk, B)
     device, dtype = array_api_compat.device(qs), qs.dtype
     d, dv = qs.shape[-1], v.shape[-1]
     dob = _sp._pad_blocks(xp, do, B, nbq)
@@ -109,7 +110,7 @@ def _scatter_blocks(xp, pieces, slots, nbk, B, n, batch, c, dtype, device):
 def _classes_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
     """``(dqs, dk, dv)`` of the strided pattern's residue-class part."""
     n, stride = plan.nq, part.stride
-    C = -(-n // stride)
+    C = ceil_div(n, stride)
     qc, kc, vc, s = _sp._class_logits(xp, qs, k, v, part, n)
     doc, dc = (_sp._to_classes(xp, x, stride, C) for x in (do, dcoef))
     p = xp.exp(s - _sp._to_classes(xp, lse, stride, C, xp.inf))  # (..., l, C, C)
@@ -148,13 +149,8 @@ def _vjp(plan, q, k, v, do):
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
     qs = _sp._scaled(plan, q)
     m, l, acc = _sp._plan_partial(plan, qs, k, v)
-    live = l > 0
-    one = xp.ones_like(l)
-    out = acc / xp.where(live, l, one)
-    # The row log-sum-exp over every part; +inf on rows with no allowed key, so that
-    # exp(S - L) is 0 there.
-    lse = xp.where(live, xp.where(live, m, xp.zeros_like(m)) + xp.log(xp.where(live, l, one)),
-                   xp.full_like(l, xp.inf))
+    out = finish_partial(xp, l, acc)
+    lse = partial_lse(xp, m, l)  # over every part: +inf on rows with no allowed key
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)  # D = rowsum(dO * O) = rowsum(P * dP)
     dqs = dk = dv = None
     for part in plan.parts:
