@@ -45,12 +45,12 @@ from ._checks import check_array, check_positive_int, check_qkv, default_scale, 
 from ._common import causal_alignment, ceil_div
 from .linear import (
     DEFAULT_CHUNK_SIZE,
-    _causal_visible,
-    _pad_rows,
-    _readout,
     causal_plan,
+    causal_visible,
     check_eps,
     linear_from_features,
+    pad_rows,
+    readout,
     safe_denominator,
     weights_from_features,
 )
@@ -67,6 +67,9 @@ __all__ = [
     "features_from_exponent",
     "row_offset",
     "key_offset",
+    # Named steps that attn_ref.grad differentiates.
+    "performer_features",
+    "prepare_performer",
 ]
 
 KERNELS = ("positive", "trigonometric")
@@ -198,7 +201,7 @@ def _very_negative(xp, dtype):
 def _logscaled_quadratic(xp, fq, fk, ck, alignment):
     """Causal ``A_ij = (phi(q_i) . phi(k_j)) exp(c_j - R_i)`` (masked), ``R_i`` the visible max."""
     dev = array_api_compat.device(fq)
-    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
+    vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
     e = xp.where(vis, xp.matrix_transpose(ck), _very_negative(xp, ck.dtype))
     w = xp.exp(e - xp.max(e, axis=-1, keepdims=True))
     a = (fq @ xp.matrix_transpose(fk)) * w
@@ -245,8 +248,8 @@ def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
     pad = n_chunks * c - n
     neg = _very_negative(xp, ck.dtype)
     dev = array_api_compat.device(fq)
-    fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
-    ck = _pad_rows(xp, ck, 0, pad, fill=neg)
+    fq, fk, v = (pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
+    ck = pad_rows(xp, ck, 0, pad, fill=neg)
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
     cc = xp.reshape(ck, tuple(ck.shape[:-2]) + (n_chunks, c))
     top = xp.max(cc, axis=-1)  # (..., n_chunks)
@@ -284,15 +287,15 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
     if order == "quadratic":
         a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
-        return _readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
+        return readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
     nq = fq.shape[-2]
     p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
-    fq = _pad_rows(xp, fq, p_q, 0)
+    fq = pad_rows(xp, fq, p_q, 0)
     fk, v, ck = fk[..., :keep, :], v[..., :keep, :], ck[..., :keep, :]
-    fk, v = _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail)
-    ck = _pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
+    fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
+    ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
     num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
-    return _readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
+    return readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
 
 
 def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
@@ -335,7 +338,8 @@ def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None)
                                   offset, kernel)
 
 
-def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+def performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+    """The stabilised random features ``(phi(q), phi(k))`` of the scaled queries and keys."""
     root = math.sqrt(scale)
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
@@ -348,7 +352,8 @@ def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scal
             features_from_exponent(xp, xk, projection, ek, ok, kernel))
 
 
-def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
+def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp):
+    """Check the inputs of :func:`performer_attention`: ``(xp, alignment, scale, eps)``."""
     xp, _ = check_qkv(q, k, v, xp=xp)
     xp = namespace(("q", q), ("projection", projection), xp=xp)
     _check_kernel(kernel)
@@ -415,13 +420,13 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     >>> bool(err < 0.05)  # the error falls like 1/sqrt(m)
     True
     """
-    xp, alignment, scale, eps = _prepare(q, k, v, projection, kernel, causal, scale, eps, xp)
+    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
     if order not in ("linear", "quadratic"):
         raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
-    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
                                 eps=eps, xp=xp)
 
@@ -446,14 +451,14 @@ def performer_attention_weights(q, k, /, *, projection, kernel="positive", causa
     >>> bool(xp.all(xp.abs(xp.sum(p, axis=-1) - 1.0) < 1e-12))
     True
     """
-    xp, alignment, scale, eps = _prepare(q, k, k, projection, kernel, causal, scale, eps, xp)
+    xp, alignment, scale, eps = prepare_performer(q, k, k, projection, kernel, causal, scale, eps, xp)
     if order not in ("linear", "quadratic"):
         raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         a = _causal_stabilised(xp, q, k, None, projection, kernel, alignment, scale, order, chunk_size, eps)
         return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
-    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return weights_from_features(fq, fk, causal=alignment or False, eps=eps, xp=xp)
 
 

@@ -71,10 +71,10 @@ Order of operations for one logit, as in FlashAttention's ``attention_ref``:
 ``s = scale q.k`` -> soft-cap -> ``+ bias - slope |i + off - j|`` -> ``-inf`` where
 ``mask``, ``causal``, ``window`` or the lengths forbid -> softmax -> dropout -> ``@ V``.
 
-Shared tile helpers (``_Spec``, ``_tile_logits``, ``_tile_coverage``, ``_keep_tile``)
+Shared tile helpers (``TileSpec``, ``tile_logits``, ``tile_coverage``, ``keep_tile``)
 compute one ``[q0, q1) x [k0, k1)`` tile of that pipeline; the one-shot form is the
 single tile ``[0, Nq) x [0, Nk)``. A blockwise backward can call them per tile, and
-``_online_forward`` is the one tiled forward loop: it returns the output and the row
+``online_forward`` is the one tiled forward loop: it returns the output and the row
 log-sum-exp that the blockwise backward of :mod:`attn_ref.grad.softmax` recomputes
 ``P`` from.
 """
@@ -125,6 +125,21 @@ __all__ = [
     "check_dropout",
     "check_alibi_slopes",
     "check_seqlens",
+    # Named steps that attn_ref.grad differentiates.
+    "group_heads",
+    "TileSpec",
+    "tile_coverage",
+    "tile_logits",
+    "keep_tile",
+    "dropout_scale",
+    "transposed_copy",
+    "row_max",
+    "Problem",
+    "prepare_problem",
+    "online_forward",
+    "cu_offsets",
+    "unpack_index",
+    "packed_layout",
 ]
 
 def _tile(x, q0, q1, k0, k1):
@@ -264,7 +279,7 @@ def _check_gqa(q, k, v):
     return hk, hq // hk
 
 
-def _group(xp, x, hkv, g):
+def group_heads(xp, x, hkv, g):
     """View a per-query-head array ``(..., Hq|1, A, B)`` as ``(..., Hkv|1, g|1, A, B)``.
 
     Arrays without a head axis (rank < 3) broadcast as they are. Keys and values, with
@@ -282,7 +297,7 @@ def _group(xp, x, hkv, g):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Spec:
+class TileSpec:
     """Everything besides ``q``, ``k``, ``v`` that decides one logits tile.
 
     Array fields are "pairwise": they broadcast against ``(..., Nq, Nk)`` with the head
@@ -345,7 +360,7 @@ def _band_coverage(lo, hi, q0, q1, k0, k1):
     return "partial"
 
 
-def _tile_coverage(spec, q0, q1, k0, k1):
+def tile_coverage(spec, q0, q1, k0, k1):
     """``"none"`` when causal/window hide the tile ``[q0, q1) x [k0, k1)`` entirely (skip
     it), ``"all"`` when nothing in it is hidden, else ``"partial"``.
 
@@ -395,7 +410,7 @@ def _alibi_tile(xp, spec, q0, q1, k0, k1, dtype, device):
     return -spec.alibi * dist
 
 
-def _tile_logits(xp, q, kt, spec, q0, k0):
+def tile_logits(xp, q, kt, spec, q0, k0):
     """Logits of the tile whose first query is ``q0`` and first key ``k0``, ``-inf`` where
     attention is not allowed.
 
@@ -442,7 +457,7 @@ def logit_dtype(xp, dtype):
     return xp.float32 if xp.finfo(dtype).bits < 32 else dtype
 
 
-def _keep_tile(xp, p, spec, q0, k0):
+def keep_tile(xp, p, spec, q0, k0):
     """``p`` times the dropout keep-mask of its tile (the ``1/(1-p)`` factor is left to
     the caller, who applies it once to the output)."""
     if spec.keep is None:
@@ -451,11 +466,12 @@ def _keep_tile(xp, p, spec, q0, k0):
     return p * xp.astype(keep, p.dtype)
 
 
-def _dropout_scale(spec):
+def dropout_scale(spec):
+    """The factor ``1 / (1 - dropout_p)`` that dropout applies to the output (1 without dropout)."""
     return 1.0 if spec.keep is None else 1.0 / (1.0 - spec.dropout_p)
 
 
-def _transposed_copy(xp, k):
+def transposed_copy(xp, k):
     """``k^T`` as a fresh row-major array, ``(..., d, Nk)``.
 
     NumPy's stacked matmul calls BLAS only for operands whose matrices are row-major;
@@ -467,7 +483,7 @@ def _transposed_copy(xp, k):
     return xp.reshape(xp.reshape(kt, (-1,)), kt.shape)
 
 
-def _row_max(xp, s):
+def row_max(xp, s):
     """Row maximum with rows of only ``-inf`` mapped to 0, so ``exp(s - m)`` is 0 there."""
     return finite_max(xp, xp.max(s, axis=-1, keepdims=True))
 
@@ -476,7 +492,7 @@ def _row_max(xp, s):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Problem:
+class Problem:
     """Checked inputs of one call: ``q``, ``k``, ``v`` (grouped views when ``gqa=True``),
     the tile spec, the output batch shape and the batch shape of the computation."""
 
@@ -484,7 +500,7 @@ class _Problem:
     q: Any
     k: Any
     v: Any
-    spec: _Spec
+    spec: TileSpec
     batch: tuple
     batch_g: tuple
     grouped: bool
@@ -500,14 +516,15 @@ class _Problem:
         return self.xp.reshape(x, self.batch + tuple(x.shape[-2:]))
 
 
-def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
-           alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
-           gqa=False, xp=None):
+def prepare_problem(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+                    alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
+                    gqa=False, xp=None):
+    """Check the inputs of the softmax functions (same options) and group GQA heads: a :class:`Problem`."""
     gqa = check_flag("gqa", gqa)
     if gqa:
         xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
         hkv, g = _check_gqa(q, k, v)
-        qg, kg, vg = _group(xp, q, hkv, g), xp.expand_dims(k, axis=-3), xp.expand_dims(v, axis=-3)
+        qg, kg, vg = group_heads(xp, q, hkv, g), xp.expand_dims(k, axis=-3), xp.expand_dims(v, axis=-3)
         xp, batch_g = check_qkv(qg, kg, vg, xp=xp)
         batch = batch_g[:-2] + (hkv * g,)
     else:
@@ -534,27 +551,27 @@ def _setup(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=No
     len_k = check_seqlens(xp, "seqlens_k", seqlens_k, batch, nk, device, like=q)
     if gqa:
         mask, bias, alibi, keep, len_q, len_k = (
-            _group(xp, x, hkv, g) for x in (mask, bias, alibi, keep, len_q, len_k)
+            group_heads(xp, x, hkv, g) for x in (mask, bias, alibi, keep, len_q, len_k)
         )
-    spec = _Spec(nq=nq, nk=nk, scale=scale, mask=mask, bias=bias, alignment=alignment,
-                 window=window, softcap=softcap, alibi=alibi, len_q=len_q, len_k=len_k,
-                 keep=keep, dropout_p=dropout_p)
-    return _Problem(xp, qg, kg, vg, spec, tuple(batch), tuple(batch_g), gqa)
+    spec = TileSpec(nq=nq, nk=nk, scale=scale, mask=mask, bias=bias, alignment=alignment,
+                    window=window, softcap=softcap, alibi=alibi, len_q=len_q, len_k=len_k,
+                    keep=keep, dropout_p=dropout_p)
+    return Problem(xp, qg, kg, vg, spec, tuple(batch), tuple(batch_g), gqa)
 
 
 def _weights(pb):
     xp, spec = pb.xp, pb.spec
     if spec.nq == 0 or spec.nk == 0:
         return pb.zeros(spec.nk)
-    s, _ = _tile_logits(xp, pb.q, xp.matrix_transpose(pb.k), spec, 0, 0)
-    p = xp.exp(s - _row_max(xp, s))
+    s, _ = tile_logits(xp, pb.q, xp.matrix_transpose(pb.k), spec, 0, 0)
+    p = xp.exp(s - row_max(xp, s))
     denom = xp.sum(p, axis=-1, keepdims=True)
     # Rows with no allowed key have p == 0 everywhere; dividing by 1 keeps them zero.
     p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
     if p.dtype != pb.q.dtype:
         p = xp.astype(p, pb.q.dtype)
-    p = _keep_tile(xp, p, spec, 0, 0)
-    drop = _dropout_scale(spec)
+    p = keep_tile(xp, p, spec, 0, 0)
+    drop = dropout_scale(spec)
     return p * drop if drop != 1.0 else p
 
 
@@ -564,7 +581,7 @@ def _oneshot(pb):
     return _weights(pb) @ pb.v
 
 
-def _online_forward(pb, block_q, block_k):
+def online_forward(pb, block_q, block_k):
     """The online-softmax recurrence over key blocks: ``(out, lse)`` in the grouped shapes
     ``batch_g + (Nq, dv)`` and ``batch_g + (Nq,)``.
 
@@ -580,7 +597,7 @@ def _online_forward(pb, block_q, block_k):
     if nq == 0 or nk == 0:
         return pb.zeros(dv), xp.full(pb.batch_g + (nq,), xp.inf, dtype=dtype, device=device)
     # The scale is not folded into q: scale * q can overflow where scale * (q k) does not.
-    kt = _transposed_copy(xp, pb.k)
+    kt = transposed_copy(xp, pb.k)
     v = pb.v
     outputs, lses = [], []
     for q0 in range(0, nq, block_q):
@@ -592,18 +609,18 @@ def _online_forward(pb, block_q, block_k):
         acc = xp.zeros(pb.batch_g + (q1 - q0, dv), dtype=dtype, device=device)
         for k0 in range(0, nk, block_k):
             k1 = min(k0 + block_k, nk)
-            if _tile_coverage(spec, q0, q1, k0, k1) == "none":
+            if tile_coverage(spec, q0, q1, k0, k1) == "none":
                 continue
-            s, _ = _tile_logits(xp, qb, kt[..., k0:k1], spec, q0, k0)
+            s, _ = tile_logits(xp, qb, kt[..., k0:k1], spec, q0, k0)
             # The normaliser counts dropped weights too (dropout acts after the softmax).
             m, l, p, alpha = online_step(xp, m, l, s)
-            pv = _keep_tile(xp, p, spec, q0, k0)
+            pv = keep_tile(xp, p, spec, q0, k0)
             acc = acc * alpha + (pv if pv.dtype == v.dtype else xp.astype(pv, v.dtype)) @ v[..., k0:k1, :]
         outputs.append(xp.astype(finish_partial(xp, l, acc), pb.q.dtype))
         lses.append(partial_lse(xp, m, l)[..., 0])
     out = outputs[0] if len(outputs) == 1 else xp.concat(outputs, axis=-2)
     lse = lses[0] if len(lses) == 1 else xp.concat(lses, axis=-1)
-    drop = _dropout_scale(spec)
+    drop = dropout_scale(spec)
     return (out * drop if drop != 1.0 else out), lse
 
 
@@ -678,9 +695,9 @@ def attention_weights(q, k, /, *, mask=None, bias=None, causal=False, scale=None
            [0.5, 0.5, 0. ],
            [0. , 0.5, 0.5]], dtype=array_api_strict.float64)
     """
-    pb = _setup(q, k, k, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
+    pb = prepare_problem(q, k, k, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     return pb.ungroup(_weights(pb))
 
 
@@ -732,9 +749,9 @@ def softmax_attention(q, k, v, /, *, mask=None, bias=None, causal=False, scale=N
     >>> o[0, 0, :, 0], o[1, 3, :, 0]   # query i sees cache keys j <= i + Lk - Nq
     (Array([0.5, 1. ], dtype=array_api_strict.float64), Array([19.5, 20. ], dtype=array_api_strict.float64))
     """
-    pb = _setup(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
+    pb = prepare_problem(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     return pb.ungroup(_oneshot(pb))
 
 
@@ -789,19 +806,19 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
     True
     """
-    pb = _setup(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
+    pb = prepare_problem(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    out, _ = _online_forward(pb, block_q, block_k)
+    out, _ = online_forward(pb, block_q, block_k)
     return pb.ungroup(out)
 
 
 # ---------------------------------------------------------------- packed variable length
 
 
-def _cu_offsets(name, cu, total, tensor):
+def cu_offsets(name, cu, total, tensor):
     """``cu_seqlens`` as Python ints: 1-D, starting at 0, non-decreasing, ending at ``total``."""
     if array_api_compat.is_array_api_obj(cu):
         cxp = array_api_compat.array_namespace(cu)
@@ -838,7 +855,7 @@ def _cu_offsets(name, cu, total, tensor):
     return vals
 
 
-def _unpack_index(offsets, width):
+def unpack_index(offsets, width):
     """Gather indices ``(B * width,)`` taking packed rows to a padded ``(B, width)`` grid;
     padding slots repeat a valid row (their results are masked or dropped)."""
     idx = []
@@ -848,7 +865,7 @@ def _unpack_index(offsets, width):
     return idx
 
 
-def _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, extra=()):
+def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, extra=()):
     """Check the packed ``(total, H, d)`` layout; return the offsets and sequence lengths.
 
     ``extra`` holds further ``(name, array, expected shape)`` triples (the backward's
@@ -858,8 +875,8 @@ def _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, extra=()):
                           ("v", v, "(total_k, Hkv, dv)"), *extra):
         if x.ndim != 3:
             raise ValueError(f"{name} must have the packed shape {want}, got shape {tuple(x.shape)}")
-    cq = _cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
-    ck = _cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
+    cq = cu_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0], "q")
+    ck = cu_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0], "k")
     if len(cq) != len(ck):
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
@@ -926,7 +943,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
     online = check_flag("online", online)
-    cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    cq, ck, lq, lk = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k)
     device = array_api_compat.device(q)
     nb = len(cq) - 1
     wq, wk = max(lq, default=0), max(lk, default=0)
@@ -934,7 +951,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     def unpack(x, offsets, width):
         if x.shape[0] == 0:
             return xp.zeros((nb, x.shape[1], width, x.shape[2]), dtype=x.dtype, device=device)
-        idx = xp.asarray(_unpack_index(offsets, width), dtype=xp.int64, device=device)
+        idx = xp.asarray(unpack_index(offsets, width), dtype=xp.int64, device=device)
         x = xp.reshape(xp.take(x, idx, axis=0), (nb, width) + tuple(x.shape[1:]))
         return xp.permute_dims(x, (0, 2, 1, 3))
 
@@ -944,11 +961,11 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
               dropout_p=dropout_p, dropout_mask=dropout_mask, seqlens_q=lens_q, seqlens_k=lens_k,
               gqa=True, xp=xp)
-    pb = _setup(qp, kp, vp, **kw)
+    pb = prepare_problem(qp, kp, vp, **kw)
     if online:
         check_positive_int("block_q", block_q)
         check_positive_int("block_k", block_k)
-        out = pb.ungroup(_online_forward(pb, block_q, block_k)[0])
+        out = pb.ungroup(online_forward(pb, block_q, block_k)[0])
     else:
         out = pb.ungroup(_oneshot(pb))
     hq, dv = q.shape[1], v.shape[2]

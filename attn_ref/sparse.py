@@ -96,6 +96,25 @@ __all__ = [
     "bigbird_weights",
     "strided_weights",
     "fixed_weights",
+    # Named steps that attn_ref.grad differentiates.
+    "pad_blocks",
+    "block_groups",
+    "ungroup_blocks",
+    "to_classes",
+    "from_classes",
+    "class_logits",
+    "column_logits",
+    "Blocks",
+    "Classes",
+    "Columns",
+    "scaled_queries",
+    "plan_partial",
+    "block_sparse_plan",
+    "local_plan",
+    "longformer_plan",
+    "bigbird_plan",
+    "strided_plan",
+    "fixed_plan",
 ]
 
 _STRIDED_PARTS = ("both", "local", "strided")
@@ -499,7 +518,7 @@ def _partial(xp, s, v, batch, core):
     return xp.broadcast_to(m, shape), xp.broadcast_to(l, shape), acc
 
 
-def _pad_blocks(xp, x, block_size, nblocks, fill=0.0):
+def pad_blocks(xp, x, block_size, nblocks, fill=0.0):
     """``(..., n, c)`` -> ``(..., nblocks, B, c)``, padding the ragged tail with ``fill``."""
     pad = nblocks * block_size - x.shape[-2]
     if pad:
@@ -529,8 +548,8 @@ class _BlockGroup(NamedTuple):
     s: Any
 
 
-def _block_groups(xp, q, k, v, part, nk):
-    """The gathers of a :class:`_Blocks` part: one :class:`_BlockGroup` per row length.
+def block_groups(xp, q, k, v, part, nk):
+    """The gathers of a :class:`Blocks` part: one :class:`_BlockGroup` per row length.
 
     Query blocks are grouped by their number of active key blocks and each group is
     one gather and one batched matmul. The forward and the VJP both iterate over
@@ -545,7 +564,7 @@ def _block_groups(xp, q, k, v, part, nk):
     empty_slots = any(b < 0 for r in rows for b in r)
     # Empty slots point at one extra block past the end, which is all padding.
     nbk_alloc = nbk + 1 if empty_slots else nbk
-    qb, kb, vb = (_pad_blocks(xp, x, B, nb) for x, nb in ((q, nbq), (k, nbk_alloc), (v, nbk_alloc)))
+    qb, kb, vb = (pad_blocks(xp, x, B, nb) for x, nb in ((q, nbq), (k, nbk_alloc), (v, nbk_alloc)))
     groups: dict[int, list[int]] = {}
     for a, r in enumerate(rows):
         groups.setdefault(len(r), []).append(a)
@@ -572,7 +591,7 @@ def _block_groups(xp, q, k, v, part, nk):
         yield _BlockGroup(cnt, ids, flat, ida, qg, kg, vg, s)
 
 
-def _ungroup(xp, pieces, order, n):
+def ungroup_blocks(xp, pieces, order, n):
     """Per-group ``(..., g, B, c)`` pieces for query blocks ``order`` -> ``(..., n, c)``."""
     x = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-3)
     nb = len(order)
@@ -585,11 +604,11 @@ def _ungroup(xp, pieces, order, n):
 
 
 def _block_partials(xp, q, k, v, part, nk, batch):
-    """Partials of every query position over the key blocks of its block (a :class:`_Blocks`)."""
+    """Partials of every query position over the key blocks of its block (a :class:`Blocks`)."""
     B, dv = part.block_size, v.shape[-1]
     device = array_api_compat.device(q)
     parts, order = [], []
-    for grp in _block_groups(xp, q, k, v, part, nk):
+    for grp in block_groups(xp, q, k, v, part, nk):
         order.extend(grp.ids)
         g = len(grp.ids)
         if grp.s is None:
@@ -600,28 +619,29 @@ def _block_partials(xp, q, k, v, part, nk, batch):
             ))
             continue
         parts.append(_partial(xp, grp.s, grp.vg, batch, 3))
-    return tuple(_ungroup(xp, [p[t] for p in parts], order, q.shape[-2]) for t in range(3))
+    return tuple(ungroup_blocks(xp, [p[t] for p in parts], order, q.shape[-2]) for t in range(3))
 
 
-def _to_classes(xp, x, stride, nclasses, fill=0.0):
+def to_classes(xp, x, stride, nclasses, fill=0.0):
     """``(..., n, c)`` -> ``(..., stride, C, c)``: row ``r``, column ``t`` is position ``t l + r``."""
-    xb = _pad_blocks(xp, x, stride, nclasses, fill)  # (..., C, l, c)
+    xb = pad_blocks(xp, x, stride, nclasses, fill)  # (..., C, l, c)
     nd = xb.ndim
     return xp.permute_dims(xb, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
 
 
-def _from_classes(xp, x, n):
+def from_classes(xp, x, n):
+    """Inverse of :func:`to_classes`: ``(..., l, C, c)`` back to ``(..., n, c)``."""
     nd = x.ndim
     x = xp.permute_dims(x, tuple(range(nd - 3)) + (nd - 2, nd - 3, nd - 1))
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
 
 
-def _class_logits(xp, q, k, v, part, n):
-    """A :class:`_Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``."""
+def class_logits(xp, q, k, v, part, n):
+    """A :class:`Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``."""
     stride = part.stride
     C = ceil_div(n, stride)
     device = array_api_compat.device(q)
-    qc, kc, vc = (_to_classes(xp, x, stride, C) for x in (q, k, v))
+    qc, kc, vc = (to_classes(xp, x, stride, C) for x in (q, k, v))
     s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
     t = xp.arange(C, dtype=xp.int64, device=device)
     r = xp.arange(stride, dtype=xp.int64, device=device)
@@ -631,8 +651,8 @@ def _class_logits(xp, q, k, v, part, n):
     return qc, kc, vc, xp.where(ok, s, -xp.inf)
 
 
-def _column_logits(xp, q, k, v, part, n):
-    """A :class:`_Columns` part: ``(kc, vc, s)`` for the summary keys, ``s (..., N, |cols|)``."""
+def column_logits(xp, q, k, v, part, n):
+    """A :class:`Columns` part: ``(kc, vc, s)`` for the summary keys, ``s (..., N, |cols|)``."""
     device = array_api_compat.device(q)
     jc = xp.asarray(part.cols, dtype=xp.int64, device=device)
     kc, vc = xp.take(k, jc, axis=-2), xp.take(v, jc, axis=-2)
@@ -681,7 +701,7 @@ def _empty(xp, q, v, batch):
 # the masks are written once.
 
 
-class _Blocks(NamedTuple):
+class Blocks(NamedTuple):
     """Query block ``a`` sees key blocks ``rows[a]`` (``-1``: empty slot); ``predicate`` refines."""
 
     rows: tuple
@@ -689,14 +709,14 @@ class _Blocks(NamedTuple):
     predicate: Any
 
 
-class _Classes(NamedTuple):
+class Classes(NamedTuple):
     """Strided far part: within each residue class mod ``stride``, offsets of 2+ strides."""
 
     stride: int
     one_sided: bool
 
 
-class _Columns(NamedTuple):
+class Columns(NamedTuple):
     """Fixed summary part: key columns ``cols`` outside the query's own block of ``stride``."""
 
     stride: int
@@ -715,22 +735,23 @@ class _Plan(NamedTuple):
     parts: tuple
 
 
-def _scaled(plan, q):
+def scaled_queries(plan, q):
+    """``q * scale`` (``q`` itself when the scale is 1)."""
     return q * plan.scale if plan.scale != 1.0 else q
 
 
-def _plan_partial(plan, qs, k, v):
+def plan_partial(plan, qs, k, v):
     """The merged partial ``(m, l, acc)`` of all parts, for the scaled queries ``qs``."""
     xp, n = plan.xp, plan.nq
     out = None
     for part in plan.parts:
-        if isinstance(part, _Blocks):
+        if isinstance(part, Blocks):
             p = _block_partials(xp, qs, k, v, part, plan.nk, plan.batch)
-        elif isinstance(part, _Classes):
-            _, _, vc, s = _class_logits(xp, qs, k, v, part, n)
-            p = tuple(_from_classes(xp, x, n) for x in _partial(xp, s, vc, plan.batch, 3))
+        elif isinstance(part, Classes):
+            _, _, vc, s = class_logits(xp, qs, k, v, part, n)
+            p = tuple(from_classes(xp, x, n) for x in _partial(xp, s, vc, plan.batch, 3))
         else:
-            _, vc, s = _column_logits(xp, qs, k, v, part, n)
+            _, vc, s = column_logits(xp, qs, k, v, part, n)
             p = _partial(xp, s, vc, plan.batch, 2)
         out = p if out is None else merge_partials(xp, out, p)
     return out
@@ -739,22 +760,24 @@ def _plan_partial(plan, qs, k, v):
 def _attend(plan, q, k, v):
     if plan.nq == 0 or plan.nk == 0:
         return _empty(plan.xp, q, v, plan.batch)
-    _, l, acc = _plan_partial(plan, _scaled(plan, q), k, v)
+    _, l, acc = plan_partial(plan, scaled_queries(plan, q), k, v)
     return finish_partial(plan.xp, l, acc)
 
 
-def _block_sparse_plan(q, k, v, *, layout, block_size, causal=False, scale=None, xp=None):
+def block_sparse_plan(q, k, v, *, layout, block_size, causal=False, scale=None, xp=None):
+    """The checked inputs and parts of :func:`block_sparse_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp)
     check_positive_int("block_size", block_size)
     nq, nk = q.shape[-2], k.shape[-2]
     rows = _layout_rows(layout, ceil_div(nq, block_size), ceil_div(nk, block_size), block_size, nq, nk)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
-    parts = (_Blocks(rows, block_size, _causal_pred(xp, alignment, nq, nk)),)
+    parts = (Blocks(rows, block_size, _causal_pred(xp, alignment, nq, nk)),)
     return _Plan(xp, batch, nq, nk, scale, parts if nq and nk else ())
 
 
-def _local_plan(q, k, v, *, window, causal=False, dilation=1, block_size=None, scale=None, xp=None):
+def local_plan(q, k, v, *, window, causal=False, dilation=1, block_size=None, scale=None, xp=None):
+    """The checked inputs and parts of :func:`local_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     reach = _check_window(window, dilation)
     one_sided = causal_alignment(causal) is not None
@@ -765,11 +788,12 @@ def _local_plan(q, k, v, *, window, causal=False, dilation=1, block_size=None, s
         return _Plan(xp, batch, n, n, scale, ())
     rows = _banded_rows(ceil_div(n, B), B, reach, one_sided)
     return _Plan(xp, batch, n, n, scale,
-                 (_Blocks(rows, B, _local_predicate(xp, reach, one_sided, dilation, B)),))
+                 (Blocks(rows, B, _local_predicate(xp, reach, one_sided, dilation, B)),))
 
 
-def _longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1, block_size=None,
-                     scale=None, xp=None):
+def longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1, block_size=None,
+                    scale=None, xp=None):
+    """The checked inputs and parts of :func:`longformer_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     reach = _check_window(window, dilation)
     n = q.shape[-2]
@@ -798,22 +822,24 @@ def _longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1
         return xp.logical_or(local, xp.logical_or(gi, gj))
 
     pred = _combine(xp, pattern, _causal_pred(xp, alignment, n, n))
-    return _Plan(xp, batch, n, n, scale, (_Blocks(rows, B, pred),))
+    return _Plan(xp, batch, n, n, scale, (Blocks(rows, B, pred),))
 
 
-def _bigbird_plan(q, k, v, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
-                  causal=False, scale=None, xp=None):
+def bigbird_plan(q, k, v, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
+                 causal=False, scale=None, xp=None):
+    """The checked inputs and parts of :func:`bigbird_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     check_positive_int("block_size", block_size)
     n = q.shape[-2]
     rows = _bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
-    parts = (_Blocks(rows, block_size, _causal_pred(xp, alignment, n, n)),)
+    parts = (Blocks(rows, block_size, _causal_pred(xp, alignment, n, n)),)
     return _Plan(xp, batch, n, n, scale, parts if n else ())
 
 
-def _strided_plan(q, k, v, *, stride, causal=True, scale=None, xp=None):
+def strided_plan(q, k, v, *, stride, causal=True, scale=None, xp=None):
+    """The checked inputs and parts of :func:`strided_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     check_positive_int("stride", stride)
     one_sided = causal_alignment(causal) is not None
@@ -823,13 +849,14 @@ def _strided_plan(q, k, v, *, stride, causal=True, scale=None, xp=None):
         return _Plan(xp, batch, n, n, scale, ())
     B = min(stride, n)
     rows = _banded_rows(ceil_div(n, B), B, stride, one_sided)
-    parts = (_Blocks(rows, B, _local_predicate(xp, stride, one_sided, 1, B)),)
+    parts = (Blocks(rows, B, _local_predicate(xp, stride, one_sided, 1, B)),)
     if ceil_div(n, stride) >= 3:  # else no offset of two strides or more fits
-        parts += (_Classes(stride, one_sided),)
+        parts += (Classes(stride, one_sided),)
     return _Plan(xp, batch, n, n, scale, parts)
 
 
-def _fixed_plan(q, k, v, *, stride, summary=1, causal=True, scale=None, xp=None):
+def fixed_plan(q, k, v, *, stride, summary=1, causal=True, scale=None, xp=None):
+    """The checked inputs and parts of :func:`fixed_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     check_positive_int("stride", stride)
     _check_summary(summary, stride)
@@ -839,10 +866,10 @@ def _fixed_plan(q, k, v, *, stride, summary=1, causal=True, scale=None, xp=None)
     if n == 0:
         return _Plan(xp, batch, n, n, scale, ())
     nb = ceil_div(n, stride)
-    parts = (_Blocks(tuple((a,) for a in range(nb)), stride, _causal_pred(xp, alignment, n, n)),)
+    parts = (Blocks(tuple((a,) for a in range(nb)), stride, _causal_pred(xp, alignment, n, n)),)
     cols = tuple(j for j in range(n) if j % stride >= stride - summary)
     if nb >= 2 and cols:
-        parts += (_Columns(stride, cols, alignment is not None),)
+        parts += (Columns(stride, cols, alignment is not None),)
     return _Plan(xp, batch, n, n, scale, parts)
 
 
@@ -893,8 +920,8 @@ def block_sparse_attention(q, k, v, /, *, layout, block_size, causal=False, scal
     >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
     True
     """
-    plan = _block_sparse_plan(q, k, v, layout=layout, block_size=block_size, causal=causal,
-                              scale=scale, xp=xp)
+    plan = block_sparse_plan(q, k, v, layout=layout, block_size=block_size, causal=causal,
+                             scale=scale, xp=xp)
     return _attend(plan, q, k, v)
 
 
@@ -956,8 +983,8 @@ def local_attention(q, k, v, /, *, window, causal=False, dilation=1, block_size=
     >>> bool(xp.max(xp.abs(a - b)) < 1e-14)
     True
     """
-    plan = _local_plan(q, k, v, window=window, causal=causal, dilation=dilation, block_size=block_size,
-                       scale=scale, xp=xp)
+    plan = local_plan(q, k, v, window=window, causal=causal, dilation=dilation, block_size=block_size,
+                      scale=scale, xp=xp)
     return _attend(plan, q, k, v)
 
 
@@ -1003,8 +1030,8 @@ def longformer_attention(q, k, v, /, *, window, global_tokens, causal=False, dil
     their window and the blocks holding global tokens: ``O(N (w + g B) d)`` time for
     ``g`` global tokens.
     """
-    plan = _longformer_plan(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
-                            dilation=dilation, block_size=block_size, scale=scale, xp=xp)
+    plan = longformer_plan(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
+                           dilation=dilation, block_size=block_size, scale=scale, xp=xp)
     return _attend(plan, q, k, v)
 
 
@@ -1037,8 +1064,8 @@ def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, rand
     ``O(N B (2 window + 1 + global_blocks + random_blocks) d)`` time for the ordinary
     rows plus ``O(global_blocks B N d)`` for the global rows.
     """
-    plan = _bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
-                         random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
+    plan = bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
+                        random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
     return _attend(plan, q, k, v)
 
 
@@ -1071,7 +1098,7 @@ def strided_attention(q, k, v, /, *, stride, causal=True, scale=None, xp=None):
     ``O(N (l + N/l) d)`` time and ``O(N l + N^2/l)`` memory: ``O(N sqrt(N) d)`` at
     ``l = sqrt(N)``.
     """
-    return _attend(_strided_plan(q, k, v, stride=stride, causal=causal, scale=scale, xp=xp), q, k, v)
+    return _attend(strided_plan(q, k, v, stride=stride, causal=causal, scale=scale, xp=xp), q, k, v)
 
 
 def fixed_attention(q, k, v, /, *, stride, summary=1, causal=True, scale=None, xp=None):
@@ -1102,7 +1129,7 @@ def fixed_attention(q, k, v, /, *, stride, summary=1, causal=True, scale=None, x
     -----
     ``O(N (l + c N / l) d)`` time and ``O(N (l + c N / l))`` memory.
     """
-    plan = _fixed_plan(q, k, v, stride=stride, summary=summary, causal=causal, scale=scale, xp=xp)
+    plan = fixed_plan(q, k, v, stride=stride, summary=summary, causal=causal, scale=scale, xp=xp)
     return _attend(plan, q, k, v)
 
 
