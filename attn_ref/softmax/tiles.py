@@ -87,7 +87,7 @@ from typing import Any
 
 import array_api_compat
 
-from ._checks import (
+from .._checks import (
     broadcast_batch,
     check_array,
     check_bias,
@@ -100,7 +100,7 @@ from ._checks import (
     is_integer,
     namespace,
 )
-from ._common import (
+from .._common import (
     BOTTOM_RIGHT,
     TOP_LEFT,
     and_masks,
@@ -977,7 +977,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
 
 
 def _register():
-    from .registry import Variant, register
+    from ..registry import Variant, register
 
     register(Variant(
         name="softmax", fn=softmax_attention, family="softmax", exact=True, causal=True,

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from ._checks import (
+from .._checks import (
     check_flag,
     check_nonnegative_int,
     check_positive_int,
@@ -63,7 +63,7 @@ from ._checks import (
     check_real,
     default_scale,
 )
-from ._common import (
+from .._common import (
     and_masks,
     causal_alignment,
     causal_offset,
@@ -72,7 +72,7 @@ from ._common import (
     merge_partials,
     softmax_partial,
 )
-from .softmax import attention_weights
+from ..softmax import attention_weights
 
 __all__ = [
     "local_mask",
@@ -410,7 +410,7 @@ def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1,
     >>> [[int(x) for x in row] for row in lay]
     [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]]
     """
-    from .random import permutation
+    from ..random import permutation
 
     check_nonnegative_int("num_blocks", num_blocks)
     check_nonnegative_int("window", window)
@@ -1210,7 +1210,7 @@ def random_block_layout(num_q_blocks, num_k_blocks, /, *, density=0.5, seed=0):
     Used to exercise :func:`block_sparse_attention` generically; ``density`` is the
     fraction of off-diagonal blocks made active.
     """
-    from .random import permutation
+    from ..random import permutation
 
     check_nonnegative_int("num_q_blocks", num_q_blocks)
     check_nonnegative_int("num_k_blocks", num_k_blocks)
@@ -1236,7 +1236,7 @@ def _bigbird_params(seed, nq, nk, d, dv, *, dtype, device, xp):
 
 
 def _register():
-    from .registry import Variant, register
+    from ..registry import Variant, register
 
     register(Variant(
         name="block_sparse", fn=block_sparse_attention, family="sparse", exact=False, causal=True,
