@@ -87,69 +87,24 @@ Where each part lives
 from __future__ import annotations
 
 from .._common import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
-from .online import (
-    online_forward,
-    online_softmax_attention,
-)
-from .options import (
-    Problem,
-    check_alibi_slopes,
-    check_dropout,
-    check_seqlens,
-    check_softcap,
-    check_window,
-    group_heads,
-    prepare_problem,
-)
-from .reference import (
-    attention_weights,
-    softmax_attention,
-)
-from .tiles import (
-    TileSpec,
-    dropout_scale,
-    keep_tile,
-    logit_dtype,
-    row_max,
-    tile_coverage,
-    tile_logits,
-    transposed_copy,
-)
-from .varlen import (
-    cu_offsets,
-    packed_layout,
-    unpack_index,
-    varlen_attention,
-)
+from . import online, options, reference, tiles, varlen
+from .online import *  # noqa: F403 - the online (FlashAttention) form
+from .online import online_softmax_attention
+from .options import *  # noqa: F403 - the option checks and prepare_problem
+from .reference import *  # noqa: F403 - the defining form
+from .reference import attention_weights, softmax_attention
+from .tiles import *  # noqa: F403 - the tile machinery
+from .varlen import *  # noqa: F403 - packed variable-length batches
 
 __all__ = [
     "TOP_LEFT",
     "BOTTOM_RIGHT",
-    "softmax_attention",
-    "attention_weights",
-    "online_softmax_attention",
-    "varlen_attention",
     "causal_alignment",
-    "logit_dtype",
-    "check_window",
-    "check_softcap",
-    "check_dropout",
-    "check_alibi_slopes",
-    "check_seqlens",
-    "group_heads",
-    "TileSpec",
-    "tile_coverage",
-    "tile_logits",
-    "keep_tile",
-    "dropout_scale",
-    "transposed_copy",
-    "row_max",
-    "Problem",
-    "prepare_problem",
-    "online_forward",
-    "cu_offsets",
-    "unpack_index",
-    "packed_layout",
+    *reference.__all__,
+    *online.__all__,
+    *varlen.__all__,
+    *options.__all__,
+    *tiles.__all__,
 ]
 
 

@@ -51,6 +51,8 @@ Where each part lives
 from __future__ import annotations
 
 from .._common import ceil_div
+from . import attention, masks, plans  # noqa: F401 - the modules, as attn_ref.sparse.<module>
+from .attention import *  # noqa: F403 - the efficient forms and the *_weights functions
 from .attention import (
     bigbird_attention,
     bigbird_weights,
@@ -65,79 +67,10 @@ from .attention import (
     strided_attention,
     strided_weights,
 )
-from .masks import (
-    bigbird_layout,
-    bigbird_mask,
-    fixed_mask,
-    global_mask,
-    layout_mask,
-    local_mask,
-    longformer_mask,
-    random_block_layout,
-    strided_mask,
-)
-from .plans import (
-    Blocks,
-    Classes,
-    Columns,
-    bigbird_plan,
-    block_groups,
-    block_sparse_plan,
-    class_logits,
-    column_logits,
-    fixed_plan,
-    from_classes,
-    local_plan,
-    longformer_plan,
-    pad_blocks,
-    plan_partial,
-    scaled_queries,
-    strided_plan,
-    to_classes,
-    ungroup_blocks,
-)
+from .masks import *  # noqa: F403 - each pattern's mask and layout builders
+from .masks import random_block_layout
 
-__all__ = [
-    "local_mask",
-    "strided_mask",
-    "fixed_mask",
-    "global_mask",
-    "longformer_mask",
-    "bigbird_layout",
-    "bigbird_mask",
-    "layout_mask",
-    "random_block_layout",
-    "block_sparse_attention",
-    "local_attention",
-    "longformer_attention",
-    "bigbird_attention",
-    "strided_attention",
-    "fixed_attention",
-    "block_sparse_weights",
-    "local_weights",
-    "longformer_weights",
-    "bigbird_weights",
-    "strided_weights",
-    "fixed_weights",
-    "pad_blocks",
-    "block_groups",
-    "ungroup_blocks",
-    "to_classes",
-    "from_classes",
-    "class_logits",
-    "column_logits",
-    "Blocks",
-    "Classes",
-    "Columns",
-    "scaled_queries",
-    "plan_partial",
-    "block_sparse_plan",
-    "local_plan",
-    "longformer_plan",
-    "bigbird_plan",
-    "strided_plan",
-    "fixed_plan",
-]
+__all__ = [*masks.__all__, *attention.__all__]
 
 
 def _block_sparse_params(seed, nq, nk, d, dv, *, dtype, device, xp):
