@@ -8,14 +8,8 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .._checks import (
-    check_positive_int,
-)
-from .._common import (
-    finish_partial,
-    online_step,
-    partial_lse,
-)
+from .._checks import check_positive_int
+from .._common import finish_partial, online_step, partial_lse
 from .options import prepare_problem
 from .tiles import dropout_scale, keep_tile, logit_dtype, tile_coverage, tile_logits, transposed_copy
 

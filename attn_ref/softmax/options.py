@@ -23,9 +23,7 @@ from .._checks import (
     is_integer,
     namespace,
 )
-from .._common import (
-    causal_alignment,
-)
+from .._common import causal_alignment
 from .tiles import TileSpec
 
 __all__ = [
@@ -263,7 +261,7 @@ OPTIONS_DOC = """
     bias : float array broadcastable to (..., Nq, Nk), optional
         Added to the scaled (and soft-capped) logits.
     causal : {False, True, "top-left", "bottom-right"}
-        See the module docstring; True means "top-left".
+        See :mod:`attn_ref.softmax`; True means "top-left".
     scale : float, optional
         Logit scale, default ``1/sqrt(d)``.
     window : (left, right), optional

@@ -114,7 +114,8 @@ def softmax_attention(q, k, v, /, *, mask=None, bias=None, causal=False, scale=N
     -----
     ``O(Nq Nk (d + dv))`` time, ``O(Nq Nk)`` extra memory: the whole logits matrix is
     materialised. Use :func:`online_softmax_attention` for long sequences. The order
-    of operations and each option's convention are in the module docstring.
+    of operations and each option's convention are in the docstring of
+    :mod:`attn_ref.softmax`.
 
     Examples
     --------

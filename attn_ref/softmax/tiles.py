@@ -1,11 +1,12 @@
 """The tile machinery of softmax attention.
 
 Shared tile helpers (``TileSpec``, ``tile_logits``, ``tile_coverage``, ``keep_tile``)
-compute one ``[q0, q1) x [k0, k1)`` tile of that pipeline; the one-shot form is the
+compute one ``[q0, q1) x [k0, k1)`` tile of the logits pipeline of
+:mod:`attn_ref.softmax`; the defining form (:mod:`attn_ref.softmax.reference`) is the
 single tile ``[0, Nq) x [0, Nk)``. A blockwise backward can call them per tile, and
-``online_forward`` is the one tiled forward loop: it returns the output and the row
-log-sum-exp that the blockwise backward of :mod:`attn_ref.grad.softmax` recomputes
-``P`` from.
+``online_forward`` (:mod:`attn_ref.softmax.online`) is the one tiled forward loop: it
+returns the output and the row log-sum-exp that the blockwise backward of
+:mod:`attn_ref.grad.softmax` recomputes ``P`` from.
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._common import (
-    BOTTOM_RIGHT,
-    TOP_LEFT,
-    and_masks,
-    finite_max,
-)
+from .._common import BOTTOM_RIGHT, TOP_LEFT, and_masks, finite_max
 
 __all__ = [
     "logit_dtype",

@@ -7,12 +7,7 @@ import operator
 
 import array_api_compat
 
-from .._checks import (
-    check_flag,
-    check_positive_int,
-    is_integer,
-    namespace,
-)
+from .._checks import check_flag, check_positive_int, is_integer, namespace
 from .online import online_forward
 from .options import prepare_problem
 from .reference import one_shot

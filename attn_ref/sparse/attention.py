@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .._checks import (
-    check_qkv,
-)
-from .._common import (
-    causal_alignment,
-)
+from .._checks import check_qkv
+from .._common import causal_alignment
 from ..softmax import attention_weights
 from .masks import bigbird_mask, fixed_mask, layout_mask, local_mask, longformer_mask, strided_mask
 from .plans import (
@@ -55,7 +51,7 @@ def block_sparse_attention(q, k, v, /, *, layout, block_size, causal=False, scal
     k : array, shape (..., Nk, d)
     v : array, shape (..., Nk, dv)
     layout : nested sequences of bool or bool array, shape (ceil(Nq/B), ceil(Nk/B))
-        Host-side structure (see the module docstring); static under ``jax.jit``.
+        Host-side structure (see :mod:`attn_ref.sparse`); static under ``jax.jit``.
     block_size : int
         ``B >= 1``; ``Nq`` and ``Nk`` need not be multiples of it.
     causal : {False, True, "top-left", "bottom-right"}

@@ -10,15 +10,8 @@ from collections.abc import Sequence
 
 import array_api_compat
 
-from .._checks import (
-    check_flag,
-    check_nonnegative_int,
-    check_positive_int,
-    check_real,
-)
-from .._common import (
-    ceil_div,
-)
+from .._checks import check_flag, check_nonnegative_int, check_positive_int, check_real
+from .._common import ceil_div
 
 __all__ = [
     "local_mask",
@@ -184,7 +177,7 @@ def local_mask(n, /, *, window, one_sided=False, dilation=1, xp, device=None):
     n : int
         Sequence length.
     window : int
-        Keys per side (``>= 0``); see the module docstring.
+        Keys per side (``>= 0``); see :mod:`attn_ref.sparse`.
     one_sided : bool
         Only the past and the present (``0 <= i - j``): a causal sliding window.
     dilation : int

@@ -14,11 +14,7 @@ from typing import Any, NamedTuple
 
 import array_api_compat
 
-from .._checks import (
-    check_positive_int,
-    check_qkv,
-    default_scale,
-)
+from .._checks import check_positive_int, check_qkv, default_scale
 from .._common import (
     and_masks,
     causal_alignment,
