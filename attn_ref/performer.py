@@ -48,6 +48,7 @@ from .linear import (
     causal_plan,
     causal_visible,
     check_eps,
+    check_order,
     linear_from_features,
     pad_rows,
     readout,
@@ -421,8 +422,7 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     True
     """
     xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
-    if order not in ("linear", "quadratic"):
-        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
@@ -452,8 +452,7 @@ def performer_attention_weights(q, k, /, *, projection, kernel="positive", causa
     True
     """
     xp, alignment, scale, eps = prepare_performer(q, k, k, projection, kernel, causal, scale, eps, xp)
-    if order not in ("linear", "quadratic"):
-        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         a = _causal_stabilised(xp, q, k, None, projection, kernel, alignment, scale, order, chunk_size, eps)
