@@ -68,7 +68,7 @@ from ._checks import (
     namespace,
 )
 from ._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
-from .softmax import logit_dtype
+from .softmax.tiles import logit_dtype
 
 __all__ = [
     "FEATURE_MAPS",

@@ -32,19 +32,10 @@ import dataclasses
 import array_api_compat
 
 from .._checks import check_positive_int
-from ..softmax import (
-    dropout_scale,
-    group_heads,
-    keep_tile,
-    online_forward,
-    packed_layout,
-    prepare_problem,
-    row_max,
-    tile_coverage,
-    tile_logits,
-    transposed_copy,
-    unpack_index,
-)
+from ..softmax.online import online_forward
+from ..softmax.options import group_heads, prepare_problem
+from ..softmax.tiles import dropout_scale, keep_tile, row_max, tile_coverage, tile_logits, transposed_copy
+from ..softmax.varlen import packed_layout, unpack_index
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = ["softmax_attention", "online_softmax_attention", "online_softmax_forward", "varlen_attention"]
