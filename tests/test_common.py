@@ -83,13 +83,20 @@ def _plain(s, v):
     return out, lse
 
 
-def test_partial_of_all_keys_is_the_softmax(backend):
+def _is_softmax(backend, partial, s, v):
+    """The partial ``(m, l, acc)`` finishes to ``softmax(s) v`` and ``logsumexp(s)``."""
     xp = backend.xp
-    s, v = _logits(0)
+    m, l, acc = partial
     want_out, want_lse = _plain(s, v)
-    m, l, acc = softmax_partial(xp, from_numpy(s, backend), from_numpy(v, backend))
-    assert_close(finish_partial(xp, l, acc), want_out, backend)
+    out = finish_partial(xp, l, acc)
+    assert not np.isnan(host(out)).any()  # an empty row's exp(-inf + inf) avoided
+    assert_close(out, want_out, backend)
     assert_close(partial_lse(xp, m, l), want_lse, backend)
+
+
+def test_partial_of_all_keys_is_the_softmax(backend):
+    s, v = _logits(0)
+    _is_softmax(backend, softmax_partial(backend.xp, from_numpy(s, backend), from_numpy(v, backend)), s, v)
 
 
 def test_merged_partials_equal_one_partial(backend):
@@ -97,20 +104,16 @@ def test_merged_partials_equal_one_partial(backend):
     # when one set has no allowed key for a row.
     xp = backend.xp
     s, v = _logits(1)
-    want_out, want_lse = _plain(s, v)
     parts = [
         softmax_partial(xp, from_numpy(s[..., lo:hi], backend), from_numpy(v[:, lo:hi], backend))
         for lo, hi in ((0, 2), (2, 6), (6, 9))
     ]
-    m, l, acc = merge_partials(xp, merge_partials(xp, parts[0], parts[1]), parts[2])
-    assert_close(finish_partial(xp, l, acc), want_out, backend)
-    assert_close(partial_lse(xp, m, l), want_lse, backend)
+    _is_softmax(backend, merge_partials(xp, merge_partials(xp, parts[0], parts[1]), parts[2]), s, v)
 
 
 def test_online_steps_equal_one_partial(backend):
     xp = backend.xp
     s, v = _logits(2)
-    want_out, want_lse = _plain(s, v)
     shape = s.shape[:-1] + (1,)
     m = from_numpy(np.full(shape, -np.inf), backend)
     l = from_numpy(np.zeros(shape), backend)
@@ -118,10 +121,7 @@ def test_online_steps_equal_one_partial(backend):
     for lo, hi in ((0, 3), (3, 4), (4, 9)):
         m, l, p, alpha = online_step(xp, m, l, from_numpy(s[..., lo:hi], backend))
         acc = acc * alpha + p @ from_numpy(v[:, lo:hi], backend)
-    out = finish_partial(xp, l, acc)
-    assert not np.isnan(host(out)).any()  # the empty row's exp(-inf + inf) avoided
-    assert_close(out, want_out, backend)
-    assert_close(partial_lse(xp, m, l), want_lse, backend)
+    _is_softmax(backend, (m, l, acc), s, v)
 
 
 def test_finite_max_shifts_only_minus_inf(backend):
