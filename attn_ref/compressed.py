@@ -39,15 +39,19 @@ import math
 import array_api_compat
 
 from ._checks import broadcast_batch, check_array, check_positive_int, check_qkv, default_scale
-from .softmax import (
-    TOP_LEFT,
-    attention_weights,
-    causal_alignment,
-    online_softmax_attention,
-    softmax_attention,
-)
+from ._common import causal_alignment, causal_offset, ceil_div
+from .softmax import attention_weights, online_softmax_attention, softmax_attention
 
-__all__ = ["compressed_attention", "compressed_weights", "strided_conv", "num_blocks"]
+__all__ = [
+    "compressed_attention",
+    "compressed_weights",
+    "strided_conv",
+    "num_blocks",
+    # Named steps that attn_ref.grad differentiates.
+    "prepare_compressed",
+    "compress_kv",
+    "compressed_causal_mask",
+]
 
 
 def num_blocks(n, kernel_size, stride):
@@ -59,7 +63,7 @@ def num_blocks(n, kernel_size, stride):
     """
     if n == 0:
         return 0
-    return min(-(-max(n - kernel_size, 0) // stride) + 1, -(-n // stride))
+    return min(ceil_div(max(n - kernel_size, 0), stride) + 1, ceil_div(n, stride))
 
 
 def _check_weight(name, w, d_in, batch, q):
@@ -129,14 +133,15 @@ def strided_conv(x, w, /, *, stride, xp=None):
 def _visible(xp, alignment, nq, nk, c, s, m, device):
     """``(Nq, M)`` mask: block ``j`` is visible to query ``i`` iff its last real position
     ``min(j s + c, Nk) - 1`` is at most ``i + offset``."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     last = xp.minimum(xp.arange(m, device=device) * s + (c - 1),
                       xp.full((m,), nk - 1, device=device))
     qi = xp.arange(nq, device=device)
     return last[None, :] <= qi[:, None] + off
 
 
-def _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp):
+def prepare_compressed(q, k, v, k_weight, v_weight, stride, causal, scale, xp):
+    """Check the inputs of :func:`compressed_attention`: ``(xp, batch, alignment, scale)``."""
     xp, batch = check_qkv(q, k, v, xp=xp)
     check_positive_int("stride", stride)
     _check_weight("k_weight", k_weight, q.shape[-1], batch, q)
@@ -156,13 +161,16 @@ def _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp):
     return xp, batch, alignment, default_scale(q.shape[-1], scale)
 
 
-def _compress(xp, k, v, k_weight, v_weight, stride):
+def compress_kv(xp, k, v, k_weight, v_weight, stride):
+    """The compressed keys and values ``(kc, vc)``, ``(..., M, d)`` and ``(..., M, dv)``
+    (``vc`` is None without ``v``)."""
     kc = strided_conv(k, k_weight, stride=stride, xp=xp)
     vc = None if v is None else strided_conv(v, v_weight, stride=stride, xp=xp)
     return kc, vc
 
 
-def _mask(xp, alignment, q, k, k_weight, stride):
+def compressed_causal_mask(xp, alignment, q, k, k_weight, stride):
+    """The ``(Nq, M)`` mask of the compressed blocks each query may see (None when not causal)."""
     if alignment is None:
         return None
     nq, nk, c = q.shape[-2], k.shape[-2], k_weight.shape[-3]
@@ -221,9 +229,9 @@ def compressed_attention(q, k, v, /, *, k_weight, v_weight=None, stride=3, causa
     True
     """
     v_weight = k_weight if v_weight is None else v_weight
-    xp, batch, alignment, scale = _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp)
-    kc, vc = _compress(xp, k, v, k_weight, v_weight, stride)
-    mask = _mask(xp, alignment, q, k, k_weight, stride)
+    xp, batch, alignment, scale = prepare_compressed(q, k, v, k_weight, v_weight, stride, causal, scale, xp)
+    kc, vc = compress_kv(xp, k, v, k_weight, v_weight, stride)
+    mask = compressed_causal_mask(xp, alignment, q, k, k_weight, stride)
     if block_q is None:
         return softmax_attention(q, kc, vc, mask=mask, scale=scale, xp=xp)
     check_positive_int("block_q", block_q)
@@ -243,7 +251,7 @@ def compressed_weights(q, k, /, *, k_weight, v_weight=None, stride=3, causal=Fal
     ``O(Nq Nk)`` memory, for diagnostics at moderate ``N``.
     """
     c = k_weight.shape[-3]
-    xp, batch, alignment, scale = _prepare(q, k, k, k_weight, None, stride, causal, scale, xp)
+    xp, batch, alignment, scale = prepare_compressed(q, k, k, k_weight, None, stride, causal, scale, xp)
     device = array_api_compat.device(q)
     if v_weight is None:
         taps = xp.full((c,), 1.0 / c, dtype=q.dtype, device=device)
@@ -254,8 +262,8 @@ def compressed_weights(q, k, /, *, k_weight, v_weight=None, stride=3, causal=Fal
                 f"got shape {tuple(v_weight.shape)}"
             )
         taps = v_weight[:, 0, 0]
-    kc, _ = _compress(xp, k, None, k_weight, None, stride)
-    mask = _mask(xp, alignment, q, k, k_weight, stride)
+    kc, _ = compress_kv(xp, k, None, k_weight, None, stride)
+    mask = compressed_causal_mask(xp, alignment, q, k, k_weight, stride)
     p = attention_weights(q, kc, mask=mask, scale=scale, xp=xp)
     nk = k.shape[-2]
     m = num_blocks(nk, c, stride)

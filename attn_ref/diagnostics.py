@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import array_api_compat
 
-from ._checks import check_nonnegative_int, check_qkv, is_floating, namespace
+from ._checks import check_nonnegative_int, check_qkv, is_floating, is_integer, namespace
 
 __all__ = [
     "singular_values",
@@ -118,7 +118,9 @@ def normalized_cumulative_spectrum(p, /, *, power=1, xp=None):
         Non-decreasing, ending at 1; all zeros for the zero matrix.
     """
     xp = _matrix(p, xp)
-    if power not in (1, 2) or isinstance(power, bool):
+    if not is_integer(power):
+        raise TypeError(f"power must be 1 or 2, got {power!r} ({type(power).__name__})")
+    if power not in (1, 2):
         raise ValueError(f"power must be 1 or 2, got {power!r}")
     s = _svdvals(xp, p)
     w = s if power == 1 else s * s

@@ -67,7 +67,8 @@ from ._checks import (
     is_floating,
     namespace,
 )
-from .softmax import TOP_LEFT, causal_alignment, logit_dtype
+from ._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
+from .softmax.tiles import logit_dtype
 
 __all__ = [
     "FEATURE_MAPS",
@@ -76,6 +77,29 @@ __all__ = [
     "linear_attention_weights",
     "linear_attention_state",
     "linear_attention_step",
+    "linear_from_features",
+    "weights_from_features",
+    "check_feature_map",
+    "check_eps",
+    "safe_denominator",
+    "kv_state",
+    "state_readout",
+    "causal_plan",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_EPS",
+    # Named steps that attn_ref.grad differentiates.
+    "features_qk",
+    "check_order",
+    "check_scale",
+    "readout",
+    "causal_visible",
+    "quadratic_order",
+    "pad_rows",
+    "align_square",
+    "with_ones",
+    "split_num_den",
+    "chunked_values",
 ]
 
 FEATURE_MAPS = ("elu+1", "relu", "identity")
@@ -194,7 +218,8 @@ def _check_row_wise(xp, feature_map, x, f, name, what):
         )
 
 
-def _features_qk(xp, q, k, feature_map):
+def features_qk(xp, q, k, feature_map):
+    """The feature maps ``(phi(q), phi(k))``, checked to share their feature dimension ``d'``."""
     fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
     fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
     if fq.shape[-1] != fk.shape[-1]:
@@ -235,18 +260,21 @@ def _feature_pair(xp, q, k, feature_map, scale):
 
 
 def check_eps(eps):
+    """A positive finite ``eps`` as ``float``; a non-number is a ``TypeError``, the rest a ``ValueError``."""
     if not check_real("eps", eps, want="a positive finite real number") > 0:
         raise ValueError(f"eps must be a positive finite real number, got {eps!r}")
     return float(eps)
 
 
-def _check_order(order):
+def check_order(order):
+    """One of ``"linear"``, ``"quadratic"``, else a ``ValueError``."""
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {', '.join(map(repr, _ORDERS))}, got {order!r}")
     return order
 
 
-def _check_scale(scale):
+def check_scale(scale):
+    """The feature scale: ``1.0`` by default (linear attention does not scale by ``1/sqrt(d)``)."""
     return 1.0 if scale is None else default_scale(1, scale)
 
 
@@ -260,14 +288,14 @@ def safe_denominator(xp, den, eps):
     return xp.where(small, xp.where(den < 0, -e, e), den)
 
 
-def _readout(xp, num, den, normalize, eps):
+def readout(xp, num, den, normalize, eps):
     """The output from numerator ``(..., Nq, dv)`` and denominator ``(..., Nq, 1)``."""
     return num / safe_denominator(xp, den, eps) if normalize else num
 
 
-def _causal_visible(xp, nq, nk, alignment, device):
+def causal_visible(xp, nq, nk, alignment, device):
     """Boolean ``(Nq, Nk)``: True where query ``i`` may see key ``j``."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
 
 
@@ -276,11 +304,11 @@ def _similarities(xp, fq, fk, alignment):
     a = fq @ xp.matrix_transpose(fk)
     if alignment is None:
         return a
-    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+    vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
     return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
 
 
-def _quadratic(xp, fq, fk, v, alignment):
+def quadratic_order(xp, fq, fk, v, alignment):
     """Interact then sum: ``A = phi(Q) phi(K)^T`` (masked), ``(A V, rowsum A)``."""
     a = _similarities(xp, fq, fk, alignment)
     return a @ v, xp.sum(a, axis=-1, keepdims=True)
@@ -296,12 +324,7 @@ def state_readout(xp, fq, s, z):
     return fq @ s, fq @ z[..., :, None]
 
 
-def _linear_noncausal(xp, fq, fk, v):
-    s, z = kv_state(xp, fk, v)
-    return state_readout(xp, fq, s, z)
-
-
-def _pad_rows(xp, x, before, after, fill=0.0):
+def pad_rows(xp, x, before, after, fill=0.0):
     """``x`` with ``before``/``after`` rows of ``fill`` (zeros by default) added on axis -2."""
     if before == 0 and after == 0:
         return x
@@ -316,14 +339,14 @@ def _pad_rows(xp, x, before, after, fill=0.0):
 
 
 def causal_plan(nq, nk, alignment):
-    """How :func:`_align_square` pads: ``(P, P', keep, tail)`` (see there)."""
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    """How :func:`align_square` pads: ``(P, P', keep, tail)`` (see there)."""
+    off = causal_offset(alignment, nq, nk)
     p_q, p_k = max(off, 0), max(-off, 0)
     keep = max(min(nk, nq + p_q - p_k), 0)
     return p_q, p_k, keep, nq + p_q - p_k - keep
 
 
-def _align_square(xp, fq, fk, v, alignment):
+def align_square(xp, fq, fk, v, alignment):
     """Rewrite a causal problem with any ``Nq, Nk`` as a square top-left one of length ``L``.
 
     Query ``i`` moves to position ``i + P`` and key ``j`` to ``j + P'`` with
@@ -332,12 +355,12 @@ def _align_square(xp, fq, fk, v, alignment):
     see are dropped. Returns ``(fq, fk, v, P)``; the outputs are rows ``P:P+Nq``.
     """
     p_q, p_k, keep, tail = causal_plan(fq.shape[-2], fk.shape[-2], alignment)
-    fq = _pad_rows(xp, fq, p_q, 0)
+    fq = pad_rows(xp, fq, p_q, 0)
     fk, v = fk[..., :keep, :], v[..., :keep, :]
-    return fq, _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail), p_q
+    return fq, pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail), p_q
 
 
-def _with_ones(xp, v):
+def with_ones(xp, v):
     """``[V, 1]``: a column of ones after the values, whose output is the denominator.
 
     ``phi(Q) phi(K)^T [V, 1] = [num, den]``, so one matrix product per term gives
@@ -347,12 +370,12 @@ def _with_ones(xp, v):
     return xp.concat([v, ones], axis=-1)
 
 
-def _split(xp, out):
-    """``(num, den)`` from an output ``[num, den]`` of values extended by :func:`_with_ones`."""
+def split_num_den(xp, out):
+    """``(num, den)`` from an output ``[num, den]`` of values extended by :func:`with_ones`."""
     return out[..., :-1], out[..., -1:]
 
 
-def _chunked_values(xp, fq, fk, v, chunk_size, state=None):
+def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     """Top-left causal ``phi(Q) phi(K)^T V`` (masked) of square inputs, chunk by chunk.
 
     Per chunk ``c``: ``phi(Q_c) S_{c-1} + (phi(Q_c) phi(K_c)^T * M) V_c`` with the
@@ -365,9 +388,9 @@ def _chunked_values(xp, fq, fk, v, chunk_size, state=None):
     """
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
-    fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
+    fq, fk, v = (pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
     s = xp.matrix_transpose(kc) @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
@@ -395,12 +418,6 @@ def _exclusive_prefix(xp, s, state):
     return prefix if state is None else prefix + state[..., None, :, :]
 
 
-def _chunked_causal(xp, fq, fk, v, chunk_size):
-    """Top-left causal linear attention of square ``(fq, fk, v)``: ``(num, den)``."""
-    out, _ = _chunked_values(xp, fq, fk, _with_ones(xp, v), chunk_size)
-    return _split(xp, out)
-
-
 def _feature_rows(xp, phi, x, lo, hi, n):
     """``phi`` of rows ``lo:hi`` of ``x`` (``n`` rows); rows outside ``[0, n)`` get zero features.
 
@@ -410,12 +427,12 @@ def _feature_rows(xp, phi, x, lo, hi, n):
     a, b = max(lo, 0), min(hi, n)
     if a >= b:
         return None
-    return _pad_rows(xp, phi(x[..., a:b, :]), a - lo, hi - b)
+    return pad_rows(xp, phi(x[..., a:b, :]), a - lo, hi - b)
 
 
 def _value_rows(xp, v, lo, hi, n):
     a, b = max(lo, 0), min(hi, n)
-    return _pad_rows(xp, v[..., a:b, :], a - lo, hi - b)
+    return pad_rows(xp, v[..., a:b, :], a - lo, hi - b)
 
 
 def _fold(xp, state, fk, v1):
@@ -442,42 +459,42 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
         state = None
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            state = _fold(xp, state, phi_k(k[..., lo:hi, :]), _with_ones(xp, v[..., lo:hi, :]))
+            state = _fold(xp, state, phi_k(k[..., lo:hi, :]), with_ones(xp, v[..., lo:hi, :]))
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
-            num, den = _split(xp, phi_q(q[..., lo:hi, :]) @ state)
-            outs.append(_readout(xp, num, den, normalize, eps))
+            num, den = split_num_den(xp, phi_q(q[..., lo:hi, :]) @ state)
+            outs.append(readout(xp, num, den, normalize, eps))
         return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
     c = min(chunk_size, length)
-    block = -(-block_size // c) * c  # whole chunks per block
+    block = ceil_div(block_size, c) * c  # whole chunks per block
     state = None
     for lo in range(0, length, block):
         hi = min(lo + block, length)
         fk = _feature_rows(xp, phi_k, k, lo - p_k, hi - p_k, keep)
-        v1 = _with_ones(xp, _value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
+        v1 = with_ones(xp, _value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
         fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
         if fq is None:  # keys before the first query: only the summary grows
             if fk is not None:
                 state = _fold(xp, state, fk, v1)
             continue
         if fk is not None:
-            out, state = _chunked_values(xp, fq, fk, v1, c, state)
+            out, state = chunked_values(xp, fq, fk, v1, c, state)
         elif state is not None:
             out = fq @ state
         else:  # no key visible yet; zeros of the batch every other block has
             out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
-        num, den = _split(xp, out[..., max(p_q - lo, 0):, :])
-        outs.append(_readout(xp, num, den, normalize, eps))
+        num, den = split_num_den(xp, out[..., max(p_q - lo, 0):, :])
+        outs.append(readout(xp, num, den, normalize, eps))
     return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
 
 
 def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size, normalize, eps):
     """Shared by :func:`linear_attention` and :func:`linear_from_features`; options checked here."""
     alignment = causal_alignment(causal)
-    _check_order(order)
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("block_size", block_size)
     normalize = check_flag("normalize", normalize)
@@ -488,8 +505,8 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     if nq == 0 or nk == 0:
         return xp.zeros(batch + (nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
     if order == "quadratic":
-        num, den = _quadratic(xp, phi_q(q), phi_k(k), v, alignment)
-        return _readout(xp, num, den, normalize, eps)
+        num, den = quadratic_order(xp, phi_q(q), phi_k(k), v, alignment)
+        return readout(xp, num, den, normalize, eps)
     return _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps)
 
 
@@ -584,7 +601,7 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     True
     """
     xp, _ = check_qkv(q, k, v, xp=xp)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     work = logit_dtype(xp, q.dtype)
     if work != q.dtype:
         # float16 sums overflow at 65504 already for moderate inputs: the features and
@@ -632,11 +649,11 @@ def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scal
     (1.0, 0.0)
     """
     xp, _ = check_qkv(q, k, k, xp=xp)
-    scale = _check_scale(scale)
-    _check_order(order)
+    scale = check_scale(scale)
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("block_size", block_size)
-    fq, fk = _features_qk(xp, q, k, feature_map)
+    fq, fk = features_qk(xp, q, k, feature_map)
     if scale != 1.0:
         fq = fq * scale
     return weights_from_features(fq, fk, causal=causal, normalize=normalize, eps=eps, xp=xp)
@@ -729,10 +746,10 @@ def linear_attention_step(state, q, k, v, /, *, feature_map="elu+1", scale=None,
     xp, _ = check_qkv(q[..., None, :], k[..., None, :], v[..., None, :], xp=xp)
     if s.dtype != q.dtype or z.dtype != q.dtype:
         raise TypeError(f"state must have the dtype of q ({q.dtype}), got S {s.dtype}, z {z.dtype}")
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     normalize = check_flag("normalize", normalize)
     eps = check_eps(eps)
-    fq, fk = _features_qk(xp, q[..., None, :], k[..., None, :], feature_map)
+    fq, fk = features_qk(xp, q[..., None, :], k[..., None, :], feature_map)
     m, dv = fk.shape[-1], v.shape[-1]
     if s.shape[-2:] != (m, dv) or z.shape[-1] != m:
         raise ValueError(
@@ -744,7 +761,7 @@ def linear_attention_step(state, q, k, v, /, *, feature_map="elu+1", scale=None,
     if scale != 1.0:
         fq = fq * scale
     num, den = state_readout(xp, fq, s, z)
-    return _readout(xp, num, den, normalize, eps)[..., 0, :], (s, z)
+    return readout(xp, num, den, normalize, eps)[..., 0, :], (s, z)
 
 
 def _register():

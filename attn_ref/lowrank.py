@@ -26,7 +26,7 @@ from ._checks import check_array, check_positive_int, check_qkv, default_scale
 from .random import standard_normal
 from .softmax import attention_weights, softmax_attention
 
-__all__ = ["linformer_attention", "linformer_weights", "linformer_projection"]
+__all__ = ["linformer_attention", "linformer_weights", "linformer_projection", "prepare_linformer", "project"]
 
 
 def _refuse(fn, mask, causal):
@@ -65,7 +65,8 @@ def _check_projection(xp, name, p, nk, batch, q):
     return p
 
 
-def _prepare(q, k, v, e_proj, f_proj, mask, causal, scale, xp, fn):
+def prepare_linformer(q, k, v, e_proj, f_proj, mask, causal, scale, xp, fn):
+    """Check the inputs of :func:`linformer_attention`: ``(xp, e_proj, f_proj, scale)``."""
     _refuse(fn, mask, causal)
     xp, batch = check_qkv(q, k, v, xp=xp)
     nk = k.shape[-2]
@@ -79,7 +80,7 @@ def _prepare(q, k, v, e_proj, f_proj, mask, causal, scale, xp, fn):
     return xp, e_proj, f_proj, default_scale(q.shape[-1], scale)
 
 
-def _project(p, x):
+def project(p, x):
     """``P X``: ``(h?, r, N) @ (..., N, d) -> (..., r, d)``."""
     return p @ x
 
@@ -127,9 +128,9 @@ def linformer_attention(q, k, v, /, *, e_proj, f_proj=None, scale=None, mask=Non
     >>> bool(xp.max(xp.abs(a - softmax_attention(x, x, x))) < 1e-15)
     True
     """
-    xp, e_proj, f_proj, scale = _prepare(q, k, v, e_proj, f_proj, mask, causal, scale, xp,
-                                         "linformer_attention")
-    return softmax_attention(q, _project(e_proj, k), _project(f_proj, v), scale=scale, xp=xp)
+    xp, e_proj, f_proj, scale = prepare_linformer(q, k, v, e_proj, f_proj, mask, causal, scale, xp,
+                                                  "linformer_attention")
+    return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp)
 
 
 def linformer_weights(q, k, /, *, e_proj, f_proj=None, scale=None, mask=None, causal=False,
@@ -147,12 +148,12 @@ def linformer_weights(q, k, /, *, e_proj, f_proj=None, scale=None, mask=None, ca
     >>> linformer_weights(x, x, e_proj=xp.ones((2, 4)) / 4).shape
     (4, 4)
     """
-    xp, e_proj, f_proj, scale = _prepare(q, k, k, e_proj, f_proj, mask, causal, scale, xp,
-                                         "linformer_weights")
-    return attention_weights(q, _project(e_proj, k), scale=scale, xp=xp) @ f_proj
+    xp, e_proj, f_proj, scale = prepare_linformer(q, k, k, e_proj, f_proj, mask, causal, scale, xp,
+                                                  "linformer_weights")
+    return attention_weights(q, project(e_proj, k), scale=scale, xp=xp) @ f_proj
 
 
-def linformer_projection(k, n, *, heads=None, seed, dtype=None, device=None, xp):
+def linformer_projection(k, n, /, *, heads=None, seed, dtype=None, device=None, xp):
     """A Gaussian Johnson-Lindenstrauss projection ``E`` of shape ``(k, n)`` or ``(heads, k, n)``.
 
     Entries are i.i.d. ``N(0, 1/k)``, the projection of Linformer's Theorem 1, so that

@@ -42,18 +42,19 @@ import array_api_compat
 
 from . import random as _random
 from ._checks import check_array, check_positive_int, check_qkv, default_scale, is_floating, namespace
+from ._common import causal_alignment, ceil_div
 from .linear import (
     DEFAULT_CHUNK_SIZE,
-    _causal_visible,
-    _pad_rows,
-    _readout,
     causal_plan,
+    causal_visible,
     check_eps,
+    check_order,
     linear_from_features,
+    pad_rows,
+    readout,
     safe_denominator,
     weights_from_features,
 )
-from .softmax import causal_alignment
 
 __all__ = [
     "KERNELS",
@@ -62,6 +63,14 @@ __all__ = [
     "performer_attention",
     "performer_attention_weights",
     "default_num_features",
+    "half_sq_norm",
+    "feature_exponent",
+    "features_from_exponent",
+    "row_offset",
+    "key_offset",
+    # Named steps that attn_ref.grad differentiates.
+    "performer_features",
+    "prepare_performer",
 ]
 
 KERNELS = ("positive", "trigonometric")
@@ -153,8 +162,10 @@ def features_from_exponent(xp, x, projection, exponent, offset, kernel):
     return xp.concat([xp.sin(u) * e, xp.cos(u) * e], axis=-1) / math.sqrt(m)
 
 
-def query_offset(xp, exponent):
-    """Per-query stabiliser: each query's own maximum exponent (cancels per query)."""
+def row_offset(xp, exponent):
+    """Each row's own maximum exponent, shape ``(..., N, 1)``: the per-query stabiliser
+    (it cancels in each query's normalisation) and the per-key log-scales ``c_j`` of
+    the causal forward."""
     return xp.max(exponent, axis=-1, keepdims=True)
 
 
@@ -165,7 +176,7 @@ def key_offset(xp, exponent, projection, kernel, causal):
     alone (every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``), so it cannot leak a
     future key; it serves :func:`attn_ref.grad.performer_attention`, which differentiates
     the same function through it. The forward pass uses the sharper per-key form
-    (:func:`key_log_scales`), which does not underflow for large ``d``.
+    (per-key log-scales, :func:`row_offset` of the keys), which does not underflow for large ``d``.
     """
     if not causal:
         m = xp.max(exponent, axis=-1, keepdims=True)
@@ -180,11 +191,6 @@ def key_offset(xp, exponent, projection, kernel, causal):
     return bound - float(xp.log(largest)) / 4
 
 
-def key_log_scales(xp, exponent):
-    """Per-key offsets ``c_j``, shape ``(..., Nk, 1)``: each key's own maximum exponent."""
-    return xp.max(exponent, axis=-1, keepdims=True)
-
-
 def _very_negative(xp, dtype):
     # A finite stand-in for -inf: exp() of it (or of it minus a real number) is 0, and
     # the difference of two of them is 0, never NaN. Kept as the library's scalar of
@@ -196,7 +202,7 @@ def _very_negative(xp, dtype):
 def _logscaled_quadratic(xp, fq, fk, ck, alignment):
     """Causal ``A_ij = (phi(q_i) . phi(k_j)) exp(c_j - R_i)`` (masked), ``R_i`` the visible max."""
     dev = array_api_compat.device(fq)
-    vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
+    vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
     e = xp.where(vis, xp.matrix_transpose(ck), _very_negative(xp, ck.dtype))
     w = xp.exp(e - xp.max(e, axis=-1, keepdims=True))
     a = (fq @ xp.matrix_transpose(fk)) * w
@@ -239,12 +245,12 @@ def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
     """
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
     neg = _very_negative(xp, ck.dtype)
     dev = array_api_compat.device(fq)
-    fq, fk, v = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
-    ck = _pad_rows(xp, ck, 0, pad, fill=neg)
+    fq, fk, v = (pad_rows(xp, x, 0, pad) for x in (fq, fk, v))
+    ck = pad_rows(xp, ck, 0, pad, fill=neg)
     qc, kc, vc = (xp.reshape(x, tuple(x.shape[:-2]) + (n_chunks, c, x.shape[-1])) for x in (fq, fk, v))
     cc = xp.reshape(ck, tuple(ck.shape[:-2]) + (n_chunks, c))
     top = xp.max(cc, axis=-1)  # (..., n_chunks)
@@ -275,22 +281,22 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
-    ck = key_log_scales(xp, ek)
-    fq = features_from_exponent(xp, xq, projection, eq, query_offset(xp, eq), kernel)
+    ck = row_offset(xp, ek)
+    fq = features_from_exponent(xp, xq, projection, eq, row_offset(xp, eq), kernel)
     fk = features_from_exponent(xp, xk, projection, ek, ck, kernel)
     if v is None:  # the weights
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
     if order == "quadratic":
         a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
-        return _readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
+        return readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
     nq = fq.shape[-2]
     p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
-    fq = _pad_rows(xp, fq, p_q, 0)
+    fq = pad_rows(xp, fq, p_q, 0)
     fk, v, ck = fk[..., :keep, :], v[..., :keep, :], ck[..., :keep, :]
-    fk, v = _pad_rows(xp, fk, p_k, tail), _pad_rows(xp, v, p_k, tail)
-    ck = _pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
+    fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
+    ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
     num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
-    return _readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
+    return readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
 
 
 def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
@@ -333,12 +339,13 @@ def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None)
                                   offset, kernel)
 
 
-def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+def performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+    """The stabilised random features ``(phi(q), phi(k))`` of the scaled queries and keys."""
     root = math.sqrt(scale)
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
-    oq = query_offset(xp, eq) if stabilize else None
+    oq = row_offset(xp, eq) if stabilize else None
     # No keys: nothing to stabilise (and no maximum over an empty axis).
     ok = (key_offset(xp, ek, projection, kernel, alignment is not None)
           if stabilize and k.shape[-2] > 0 else None)
@@ -346,7 +353,8 @@ def _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scal
             features_from_exponent(xp, xk, projection, ek, ok, kernel))
 
 
-def _prepare(q, k, v, projection, kernel, causal, scale, eps, xp):
+def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp):
+    """Check the inputs of :func:`performer_attention`: ``(xp, alignment, scale, eps)``."""
     xp, _ = check_qkv(q, k, v, xp=xp)
     xp = namespace(("q", q), ("projection", projection), xp=xp)
     _check_kernel(kernel)
@@ -413,13 +421,12 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     >>> bool(err < 0.05)  # the error falls like 1/sqrt(m)
     True
     """
-    xp, alignment, scale, eps = _prepare(q, k, v, projection, kernel, causal, scale, eps, xp)
-    if order not in ("linear", "quadratic"):
-        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
-    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
                                 eps=eps, xp=xp)
 
@@ -444,14 +451,13 @@ def performer_attention_weights(q, k, /, *, projection, kernel="positive", causa
     >>> bool(xp.all(xp.abs(xp.sum(p, axis=-1) - 1.0) < 1e-12))
     True
     """
-    xp, alignment, scale, eps = _prepare(q, k, k, projection, kernel, causal, scale, eps, xp)
-    if order not in ("linear", "quadratic"):
-        raise ValueError(f"order must be one of 'linear', 'quadratic', got {order!r}")
+    xp, alignment, scale, eps = prepare_performer(q, k, k, projection, kernel, causal, scale, eps, xp)
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         a = _causal_stabilised(xp, q, k, None, projection, kernel, alignment, scale, order, chunk_size, eps)
         return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
-    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return weights_from_features(fq, fk, causal=alignment or False, eps=eps, xp=xp)
 
 

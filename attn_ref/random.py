@@ -12,6 +12,9 @@ from __future__ import annotations
 # Host-side RNG only: the standard has none. Nothing else in attn_ref imports NumPy.
 import numpy as np
 
+from ._checks import check_nonnegative_int, check_positive_int
+from ._common import ceil_div
+
 __all__ = ["standard_normal", "uniform", "permutation", "to_namespace", "orthogonal_gaussian"]
 
 
@@ -24,9 +27,7 @@ def to_namespace(a, *, dtype=None, device=None, xp):
 
 
 def _rng(seed):
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    return np.random.default_rng(int(seed))
+    return np.random.default_rng(check_nonnegative_int("seed", seed))
 
 
 def standard_normal(shape, *, seed, dtype=None, device=None, xp):
@@ -74,12 +75,10 @@ def orthogonal_gaussian(m, d, *, seed, dtype=None, device=None, xp):
     >>> bool(xp.max(xp.abs(g * (1.0 - xp.eye(4)))) < 1e-12)
     True
     """
-    for name, value in (("m", m), ("d", d)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    m, d = check_positive_int("m", m), check_positive_int("d", d)
     rng = _rng(seed)
     blocks = []
-    for _ in range(-(-int(m) // int(d))):
+    for _ in range(ceil_div(m, d)):
         qf, r = np.linalg.qr(rng.standard_normal((d, d)))
         blocks.append(qf.T * np.where(np.diag(r) < 0, -1.0, 1.0)[:, None])
     w = np.concatenate(blocks, axis=0)[:m]

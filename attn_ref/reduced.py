@@ -36,8 +36,9 @@ from ._checks import (
     is_floating,
     namespace,
 )
+from ._common import causal_alignment, causal_offset
 from .random import permutation
-from .softmax import TOP_LEFT, attention_weights, causal_alignment, softmax_attention
+from .softmax import attention_weights, softmax_attention
 
 __all__ = [
     "segment_sizes",
@@ -53,6 +54,14 @@ __all__ = [
     "kmeans",
     "clustered_attention",
     "clustered_weights",
+    # Named steps that attn_ref.grad differentiates.
+    "prepare_pooled",
+    "prepare_query_reduced",
+    "prepare_nystrom",
+    "assign_clusters",
+    "prepare_clustered",
+    "gather_rows",
+    "topk_parts",
 ]
 
 
@@ -131,7 +140,7 @@ def _pooled_mask(xp, causal, nq, nk, m, device):
     alignment = causal_alignment(causal)
     if alignment is None:
         return None
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     ends, total = [], 0
     for size in segment_sizes(nk, m):
         total += size
@@ -140,7 +149,8 @@ def _pooled_mask(xp, causal, nq, nk, m, device):
     return last[None, :] <= xp.arange(nq, device=device)[:, None] + off
 
 
-def _pooled_prepare(q, k, v, num_segments, causal, scale, xp):
+def prepare_pooled(q, k, v, num_segments, causal, scale, xp):
+    """Check the inputs of :func:`pooled_attention`: ``(xp, causal mask or None, scale)``."""
     xp, batch = check_qkv(q, k, v, xp=xp)
     nk = k.shape[-2]
     _check_count("num_segments", num_segments, nk, f"the number of keys Nk={nk}")
@@ -185,7 +195,7 @@ def pooled_attention(q, k, v, /, *, num_segments, causal=False, scale=None, xp=N
     >>> pooled_attention(x, x, x, num_segments=3).shape
     (7, 3)
     """
-    xp, mask, scale = _pooled_prepare(q, k, v, num_segments, causal, scale, xp)
+    xp, mask, scale = prepare_pooled(q, k, v, num_segments, causal, scale, xp)
     kp = segment_means(k, num_segments, xp=xp)
     vp = segment_means(v, num_segments, xp=xp)
     return softmax_attention(q, kp, vp, mask=mask, scale=scale, xp=xp)
@@ -194,7 +204,7 @@ def pooled_attention(q, k, v, /, *, num_segments, causal=False, scale=None, xp=N
 def pooled_weights(q, k, /, *, num_segments, causal=False, scale=None, xp=None):
     """The implied ``(..., Nq, Nk)`` matrix: ``softmax(scale Q Kp^T)`` spread evenly
     over each segment's positions."""
-    xp, mask, scale = _pooled_prepare(q, k, k, num_segments, causal, scale, xp)
+    xp, mask, scale = prepare_pooled(q, k, k, num_segments, causal, scale, xp)
     p = attention_weights(q, segment_means(k, num_segments, xp=xp), mask=mask, scale=scale, xp=xp)
     s = _membership(xp, k.shape[-2], num_segments, q.dtype, array_api_compat.device(q))
     return p @ (xp.matrix_transpose(s) / xp.sum(s, axis=0)[:, None])
@@ -202,7 +212,8 @@ def pooled_weights(q, k, /, *, num_segments, causal=False, scale=None, xp=None):
 
 # ------------------------------------------------------------------- query reduction
 
-def _query_prepare(q, k, v, num_segments, causal, scale, xp, fn):
+def prepare_query_reduced(q, k, v, num_segments, causal, scale, xp, fn):
+    """Check the inputs of :func:`query_reduced_attention`: ``(xp, scale)``."""
     _refuse_causal(fn, causal, "a representative query is the mean of its segment, so it "
                    "carries later queries of the segment to earlier positions")
     xp, batch = check_qkv(q, k, v, xp=xp)
@@ -252,8 +263,8 @@ def query_reduced_attention(q, k, v, /, *, num_segments, expand=True, causal=Fal
     >>> query_reduced_attention(x, x, x, num_segments=2, expand=False).shape
     (2, 3)
     """
-    xp, scale = _query_prepare(q, k, v, num_segments, causal, scale, xp,
-                               "query_reduced_attention")
+    xp, scale = prepare_query_reduced(q, k, v, num_segments, causal, scale, xp,
+                                      "query_reduced_attention")
     out = softmax_attention(segment_means(q, num_segments, xp=xp), k, v, scale=scale, xp=xp)
     return segment_expand(out, q.shape[-2], xp=xp) if expand else out
 
@@ -261,7 +272,7 @@ def query_reduced_attention(q, k, v, /, *, num_segments, expand=True, causal=Fal
 def query_reduced_weights(q, k, /, *, num_segments, expand=True, causal=False, scale=None,
                           xp=None):
     """The implied matrix: each query's row is its segment representative's softmax row."""
-    xp, scale = _query_prepare(q, k, k, num_segments, causal, scale, xp, "query_reduced_weights")
+    xp, scale = prepare_query_reduced(q, k, k, num_segments, causal, scale, xp, "query_reduced_weights")
     p = attention_weights(segment_means(q, num_segments, xp=xp), k, scale=scale, xp=xp)
     return segment_expand(p, q.shape[-2], xp=xp) if expand else p
 
@@ -327,7 +338,8 @@ def iterative_pinv(a, /, *, iterations=6, xp=None):
     return z
 
 
-def _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn):
+def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn):
+    """Check the inputs of :func:`nystrom_attention`: ``(xp, scale)``."""
     _refuse_causal(fn, causal, "every landmark is a mean over the whole sequence")
     xp, batch = check_qkv(q, k, v, xp=xp)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -396,8 +408,8 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=Fa
     >>> bool(xp.max(xp.abs(a - softmax_attention(x, x, x))) < 1e-12)
     True
     """
-    xp, scale = _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                 "nystrom_attention")
+    xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
+                                "nystrom_attention")
     k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
     return k1 @ (z @ (k3 @ v))
 
@@ -408,15 +420,15 @@ def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, causal=False, 
 
     Rows sum to one only approximately, and entries may be negative.
     """
-    xp, scale = _nystrom_prepare(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
-                                 "nystrom_weights")
+    xp, scale = prepare_nystrom(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
+                                "nystrom_weights")
     k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
     return (k1 @ z) @ k3
 
 
 # ----------------------------------------------------------------- clustered attention
 
-def _assign(xp, x, centroids):
+def assign_clusters(xp, x, centroids):
     """Nearest centroid of every row of ``x``: indices ``(..., N)`` and one-hot ``(..., N, C)``.
 
     ``|x|^2`` is the same for every centroid and is left out; ties go to the lowest
@@ -454,16 +466,17 @@ def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
     first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=device)
     centroids = xp.take(x, first, axis=x.ndim - 2)
     for _ in range(iterations):
-        _, onehot = _assign(xp, x, centroids)
+        _, onehot = assign_clusters(xp, x, centroids)
         counts = xp.sum(onehot, axis=-2)[..., None]
         sums = xp.matrix_transpose(onehot) @ x
         means = sums / xp.where(counts > 0, counts, xp.ones_like(counts))
         centroids = xp.where(counts > 0, means, centroids)
-    idx, onehot = _assign(xp, x, centroids)
+    idx, onehot = assign_clusters(xp, x, centroids)
     return centroids, idx, onehot
 
 
-def _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp, fn):
+def prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp, fn):
+    """Check the inputs of :func:`clustered_attention`: ``(xp, batch, scale)``."""
     _refuse_causal(fn, causal, "a centroid averages queries from the whole sequence")
     xp, batch = check_qkv(q, k, v, xp=xp)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -474,7 +487,7 @@ def _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, sc
     return xp, batch, default_scale(q.shape[-1], scale)
 
 
-def _gather_rows(xp, x, idx, batch):
+def gather_rows(xp, x, idx, batch):
     """``x (..., Nk, e)`` rows at ``idx (batch..., R, t)``: ``(batch..., R, t, e)``."""
     e = x.shape[-1]
     r, t = idx.shape[-2], idx.shape[-1]
@@ -483,7 +496,7 @@ def _gather_rows(xp, x, idx, batch):
     return xp.reshape(xp.take_along_axis(x, flat, axis=-2), batch + (r, t, e))
 
 
-def _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
+def topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
     """Pieces of improved clustered attention for every query.
 
     Returns ``(p_top, keys_idx, mass, pc, order)``: each query's exact softmax over its
@@ -499,7 +512,7 @@ def _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
     idx = xp.broadcast_to(idx, batch + (nq,))
     keys_idx = xp.take_along_axis(order, xp.broadcast_to(idx[..., None], batch + (nq, topk)),
                                   axis=-2)
-    k_top = _gather_rows(xp, k, keys_idx, batch)  # (..., N, topk, d)
+    k_top = gather_rows(xp, k, keys_idx, batch)  # (..., N, topk, d)
     p_top = attention_weights(q[..., None, :], k_top, scale=scale, xp=xp)[..., 0, :]
     return p_top, keys_idx, onehot @ mass_c, pc, order
 
@@ -552,18 +565,18 @@ def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, s
     >>> bool(xp.max(xp.abs(a - softmax_attention(x, x, x))) < 1e-14)
     True
     """
-    xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal,
-                                          scale, xp, "clustered_attention")
+    xp, batch, scale = prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal,
+                                         scale, xp, "clustered_attention")
     centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
     if topk is None:
         return onehot @ softmax_attention(centroids, k, v, scale=scale, xp=xp)
-    p_top, keys_idx, mass, pc, order = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
-                                                   batch)
-    v_top = _gather_rows(xp, v, keys_idx, batch)  # (..., N, topk, dv)
+    p_top, keys_idx, mass, pc, order = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                                  batch)
+    v_top = gather_rows(xp, v, keys_idx, batch)  # (..., N, topk, dv)
     top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
     # The centroid's output on the keys outside its top-k: everything minus the top-k part.
     pc_top = xp.take_along_axis(pc, order, axis=-1)
-    vc_top = _gather_rows(xp, v, order, batch)  # (..., C, topk, dv)
+    vc_top = gather_rows(xp, v, order, batch)  # (..., C, topk, dv)
     rest_c = pc @ v - (pc_top[..., None, :] @ vc_top)[..., 0, :]
     return mass * top_out + onehot @ rest_c
 
@@ -576,13 +589,13 @@ def clustered_weights(q, k, /, *, num_clusters, iterations=10, topk=None, seed=0
     the row's top-k entries are replaced by ``mass * p_top``; this builds an
     ``(..., Nq, topk, Nk)`` selection, so it is for diagnostics at moderate sizes.
     """
-    xp, batch, scale = _clustered_prepare(q, k, k, num_clusters, iterations, topk, seed, causal,
-                                          scale, xp, "clustered_weights")
+    xp, batch, scale = prepare_clustered(q, k, k, num_clusters, iterations, topk, seed, causal,
+                                         scale, xp, "clustered_weights")
     centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
     if topk is None:
         return onehot @ attention_weights(centroids, k, scale=scale, xp=xp)
-    p_top, keys_idx, mass, pc, _ = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
-                                               batch)
+    p_top, keys_idx, mass, pc, _ = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                              batch)
     base = onehot @ pc
     nk = k.shape[-2]
     sel = keys_idx[..., None] == xp.arange(nk, device=array_api_compat.device(q))

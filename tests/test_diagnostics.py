@@ -283,6 +283,8 @@ def test_bad_input(backend):
         (best_rank_k_error, (x, 1), {"norm": "nuclear"}, ValueError, "norm must be one of"),
         (best_rank_k_approximation, (x, 1.5), {}, TypeError, "k must be"),
         (normalized_cumulative_spectrum, (x,), {"power": 3}, ValueError, "power must be 1 or 2"),
+        (normalized_cumulative_spectrum, (x,), {"power": True}, TypeError, "power must be 1 or 2"),
+        (normalized_cumulative_spectrum, (x,), {"power": 2.0}, TypeError, "power must be 1 or 2"),
         (approximation_error, (x, xp.matrix_transpose(x)), {}, ValueError,
          r"p_approx must have the shape of p, \(4, 3\).*got \(3, 4\)"),
         (approximation_error, (x, xp.astype(x, xp.float32)), {}, TypeError, "share one dtype"),

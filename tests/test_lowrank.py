@@ -102,6 +102,9 @@ def test_projection_bad_arguments(args, msg):
         linformer_projection(2, 5, seed=-1, xp=xp)
     with pytest.raises(ValueError, match="heads must be a positive integer"):
         linformer_projection(2, 5, heads=0, seed=0, xp=xp)
+    # k and n are positional-only, as the data arguments of every public function.
+    with pytest.raises(TypeError, match="positional-only"):
+        linformer_projection(k=2, n=5, seed=0, xp=xp)
 
 
 @pytest.mark.parametrize("fn", [linformer_attention, linformer_weights])

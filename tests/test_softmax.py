@@ -591,17 +591,17 @@ def _brute_coverage(spec, q0, q1, k0, k1):
 
 
 def test_tile_coverage_skips_exactly_the_hidden_tiles():
-    from attn_ref.softmax import _Spec, _tile_coverage, check_window
+    from attn_ref.softmax import TileSpec, check_window, tile_coverage
 
     rng = np.random.default_rng(0)
     for _ in range(300):
         nq, nk = rng.integers(1, 40, 2)
         w = [int(x) if x >= 0 else -1 for x in rng.integers(-3, 12, 2)]
-        spec = _Spec(nq=int(nq), nk=int(nk), alignment=[None, "top-left", "bottom-right"][rng.integers(3)],
-                     window=check_window(w) if rng.random() < 0.8 else None)
+        spec = TileSpec(nq=int(nq), nk=int(nk), alignment=[None, "top-left", "bottom-right"][rng.integers(3)],
+                        window=check_window(w) if rng.random() < 0.8 else None)
         q0, k0 = int(rng.integers(0, nq)), int(rng.integers(0, nk))
         q1, k1 = int(rng.integers(q0 + 1, nq + 1)), int(rng.integers(k0 + 1, nk + 1))
-        assert _tile_coverage(spec, q0, q1, k0, k1) == _brute_coverage(spec, q0, q1, k0, k1)
+        assert tile_coverage(spec, q0, q1, k0, k1) == _brute_coverage(spec, q0, q1, k0, k1)
 
 
 @pytest.mark.parametrize("form", MODERN_FORMS)
@@ -737,7 +737,7 @@ def test_varlen_equals_each_sequence_alone(backend, online):
 
 def test_varlen_offsets_as_arrays_and_dropout(backend):
     from attn_ref import varlen_attention
-    from attn_ref.softmax import _cu_offsets
+    from attn_ref.softmax import cu_offsets
 
     cq, ck = (0, 4, 9), (0, 6, 8)
     q, qh = randn(backend, (9, 2, 4), seed=31)
@@ -745,7 +745,7 @@ def test_varlen_offsets_as_arrays_and_dropout(backend):
     v, vh = randn(backend, (8, 1, 3), seed=33)
     keep_h = np.random.default_rng(0).random((2, 2, 5, 6)) < 0.6  # (B, Hq, max Lq, max Lk)
     cu_q, cu_k = from_numpy(np.array(cq, np.int32), backend), from_numpy(np.array(ck), backend)
-    assert _cu_offsets("cu_seqlens_q", cu_q, 9, "q") == list(cq)
+    assert cu_offsets("cu_seqlens_q", cu_q, 9, "q") == list(cq)
     if backend.name == "jax":  # offsets are read on the host: under jit they must be static
         cu_q, cu_k = cq, ck
     out = host(call(backend, varlen_attention, q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dropout_p=0.4,

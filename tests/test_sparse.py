@@ -332,8 +332,13 @@ def _bad_cases(backend):
         (strided_attention, (q, k, v), {"stride": 0}, ValueError, "stride must be a positive"),
         (fixed_attention, (q, k, v), {"stride": 3, "summary": 4}, ValueError, "summary must be at most"),
         (fixed_attention, (q, k, v), {"stride": 3, "summary": 0}, ValueError, "summary must be a positive"),
-        (local_mask, (5,), {"window": 1}, TypeError, "needs xp="),
+        (local_mask, (5,), {"window": 1}, TypeError, "required keyword-only argument: 'xp'"),
         (local_mask, (-1,), {"window": 1, "xp": xp}, ValueError, "n must be"),
+        (bigbird_attention, (q, k, v), {"block_size": 4, "seed": 1.0}, TypeError, "seed"),
+        (block_sparse_attention, (q, k, v), {"layout": (1, 1, 1, 1), "block_size": 4}, TypeError,
+         "got row 0 of type int"),
+        (block_sparse_attention, (q, k, v), {"layout": ((1,),) * 4, "block_size": 4}, ValueError,
+         "got row 0 of length 1"),
         (strided_mask, (5,), {"stride": 2, "part": "all", "xp": xp}, ValueError, "part must be one of"),
         (fixed_mask, (5,), {"stride": 2, "part": "local", "xp": xp}, ValueError, "part must be one of"),
         (global_mask, (5,), {"global_tokens": (-1,), "xp": xp}, ValueError, "global_tokens"),
@@ -415,3 +420,11 @@ def test_property_block_sparse_equals_dense_masked(backend):
         np.testing.assert_allclose(host(out), want, rtol=1e-12, atol=1e-12)
 
     check()
+
+
+def test_random_block_layout_density_type_and_value():
+    # A density that is no number is a wrong type; one outside [0, 1] a wrong value.
+    with pytest.raises(TypeError, match="density must be a number in"):
+        random_block_layout(2, 2, density="half", seed=0)
+    with pytest.raises(ValueError, match="density must be a number in"):
+        random_block_layout(2, 2, density=1.5, seed=0)

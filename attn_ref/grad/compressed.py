@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array_api_compat
 
-from ..compressed import _compress, _mask, _prepare, num_blocks
+from ..compressed import compress_kv, compressed_causal_mask, num_blocks, prepare_compressed
 from ._common import transpose, unbroadcast
 from .softmax import softmax_attention
 
@@ -77,9 +77,9 @@ def compressed_attention(q, k, v, do, /, *, k_weight, v_weight=None, stride=3, c
     """
     shared = v_weight is None
     v_weight = k_weight if shared else v_weight
-    xp, batch, alignment, scale = _prepare(q, k, v, k_weight, v_weight, stride, causal, scale, xp)
-    kc, vc = _compress(xp, k, v, k_weight, v_weight, stride)
-    mask = _mask(xp, alignment, q, k, k_weight, stride)
+    xp, batch, alignment, scale = prepare_compressed(q, k, v, k_weight, v_weight, stride, causal, scale, xp)
+    kc, vc = compress_kv(xp, k, v, k_weight, v_weight, stride)
+    mask = compressed_causal_mask(xp, alignment, q, k, k_weight, stride)
     g = softmax_attention(q, kc, vc, do, mask=mask, scale=scale, xp=xp)
     dk, dwk = strided_conv_vjp(k, k_weight, g["k"], stride=stride, xp=xp)
     dv, dwv = strided_conv_vjp(v, v_weight, g["v"], stride=stride, xp=xp)

@@ -25,28 +25,42 @@ from __future__ import annotations
 import array_api_compat
 
 from .._checks import check_flag, check_positive_int, check_qkv
+from .._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
 from ..linear import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_EPS,
-    _align_square,
-    _causal_visible,
-    _check_order,
-    _check_scale,
-    _chunked_causal,
-    _features_qk,
-    _linear_noncausal,
-    _pad_rows,
-    _quadratic,
+    align_square,
+    causal_visible,
     check_eps,
     check_feature_map,
+    check_order,
+    check_scale,
+    chunked_values,
+    features_qk,
     kv_state,
+    pad_rows,
+    quadratic_order,
     safe_denominator,
+    split_num_den,
+    state_readout,
+    with_ones,
 )
-from ..softmax import TOP_LEFT, causal_alignment
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = ["linear_attention", "linear_from_features", "feature_map_backward"]
+
+
+def _linear_noncausal(xp, fq, fk, v):
+    """Non-causal linear attention ``(num, den)``: the state ``(S, z)`` read out by ``fq``."""
+    s, z = kv_state(xp, fk, v)
+    return state_readout(xp, fq, s, z)
+
+
+def _chunked_causal(xp, fq, fk, v, chunk_size):
+    """Top-left causal linear attention of square ``(fq, fk, v)``: ``(num, den)``."""
+    out, _ = chunked_values(xp, fq, fk, with_ones(xp, v), chunk_size)
+    return split_num_den(xp, out)
 
 
 def feature_map_backward(x, g, /, *, feature_map="elu+1", vjp=None, xp=None):
@@ -95,7 +109,7 @@ def _quadratic_vjp(xp, fq, fk, v, dnum, dden, alignment):
     if dden is not None:
         da = da + dden
     if alignment is not None:
-        vis = _causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+        vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
         zero = xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a))
         a = xp.where(vis, a, zero)
         da = xp.where(vis, da, zero)
@@ -131,11 +145,11 @@ def _chunked_causal_vjp(xp, fq, fk, v, dnum, dden, chunk_size):
     """VJP of the top-left chunked causal form on square inputs; same chunking as the forward."""
     n = fq.shape[-2]
     c = min(chunk_size, n)
-    n_chunks = -(-n // c)
+    n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
-    fq, fk, v, dnum = (_pad_rows(xp, x, 0, pad) for x in (fq, fk, v, dnum))
+    fq, fk, v, dnum = (pad_rows(xp, x, 0, pad) for x in (fq, fk, v, dnum))
     qc, kc, vc, dnc = (_chunks(xp, x, n_chunks, c) for x in (fq, fk, v, dnum))
-    ddc = None if dden is None else _chunks(xp, _pad_rows(xp, dden, 0, pad), n_chunks, c)
+    ddc = None if dden is None else _chunks(xp, pad_rows(xp, dden, 0, pad), n_chunks, c)
     s, z = kv_state(xp, kc, vc)
     s_prev = xp.cumulative_sum(s, axis=-3, include_initial=True)[..., :-1, :, :]
     # Inter-chunk read-out num = Qc S_{c-1}, den = Qc z_{c-1}.
@@ -161,21 +175,21 @@ def _chunked_causal_vjp(xp, fq, fk, v, dnum, dden, chunk_size):
 
 def _causal_linear_vjp(xp, fq, fk, v, do, alignment, chunk_size, normalize, eps):
     nq, nk = fq.shape[-2], fk.shape[-2]
-    fq2, fk2, v2, start = _align_square(xp, fq, fk, v, alignment)
+    fq2, fk2, v2, start = align_square(xp, fq, fk, v, alignment)
     num, den = _chunked_causal(xp, fq2, fk2, v2, chunk_size)
     num, den = num[..., start:start + nq, :], den[..., start:start + nq, :]
     dnum, dden = _readout_vjp(xp, num, den, do, normalize, eps)
     length = fq2.shape[-2]
-    dnum = _pad_rows(xp, dnum, start, length - start - nq)
-    dden = None if dden is None else _pad_rows(xp, dden, start, length - start - nq)
+    dnum = pad_rows(xp, dnum, start, length - start - nq)
+    dden = None if dden is None else pad_rows(xp, dden, start, length - start - nq)
     dfq2, dfk2, dv2 = _chunked_causal_vjp(xp, fq2, fk2, v2, dnum, dden, chunk_size)
-    # Undo _align_square: queries were shifted down by ``start`` rows; keys by
+    # Undo align_square: queries were shifted down by ``start`` rows; keys by
     # ``p_k`` rows, of which only the first ``keep`` (the ones some query sees) stayed.
-    off = 0 if alignment == TOP_LEFT else nk - nq
+    off = causal_offset(alignment, nq, nk)
     p_k = max(-off, 0)
     keep = max(min(nk, length - p_k), 0)
-    dfk = _pad_rows(xp, dfk2[..., p_k:p_k + keep, :], 0, nk - keep)
-    dv = _pad_rows(xp, dv2[..., p_k:p_k + keep, :], 0, nk - keep)
+    dfk = pad_rows(xp, dfk2[..., p_k:p_k + keep, :], 0, nk - keep)
+    dv = pad_rows(xp, dv2[..., p_k:p_k + keep, :], 0, nk - keep)
     return dfq2[..., start:, :], dfk, dv
 
 
@@ -190,7 +204,7 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
     """
     xp, batch = check_qkv(fq, fk, v, xp=xp)
     alignment = causal_alignment(causal)
-    _check_order(order)
+    check_order(order)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("block_size", block_size)
     normalize = check_flag("normalize", normalize)
@@ -202,7 +216,7 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=dev)
                 for n, x in (("fq", fq), ("fk", fk), ("v", v))}
     if order == "quadratic":
-        num, den = _quadratic(xp, fq, fk, v, alignment)
+        num, den = quadratic_order(xp, fq, fk, v, alignment)
         dnum, dden = _readout_vjp(xp, num, den, do, normalize, eps)
         dfq, dfk, dv = _quadratic_vjp(xp, fq, fk, v, dnum, dden, alignment)
     elif alignment is None:
@@ -255,8 +269,8 @@ def linear_attention(q, k, v, do, /, *, feature_map="elu+1", causal=False, order
     True
     """
     xp, _ = check_qkv(q, k, v, xp=xp)
-    scale = _check_scale(scale)
-    fq, fk = _features_qk(xp, q, k, feature_map)
+    scale = check_scale(scale)
+    fq, fk = features_qk(xp, q, k, feature_map)
     if scale != 1.0:
         fq = fq * scale
     g = linear_from_features(fq, fk, v, do, causal=causal, order=order, chunk_size=chunk_size,

@@ -10,7 +10,7 @@ sharing (``f_proj=None``, ``F = E``) both terms land in ``dE``.
 
 from __future__ import annotations
 
-from ..lowrank import _prepare, _project
+from ..lowrank import prepare_linformer, project
 from ._common import matmul_vjp, unbroadcast
 from .softmax import softmax_attention
 
@@ -51,9 +51,9 @@ def linformer_attention(q, k, v, do, /, *, e_proj, f_proj=None, scale=None, mask
     True
     """
     shared = f_proj is None
-    xp, e_proj, f_proj, scale = _prepare(q, k, v, e_proj, f_proj, mask, causal, scale, xp,
-                                         "linformer_attention")
-    kc, vc = _project(e_proj, k), _project(f_proj, v)
+    xp, e_proj, f_proj, scale = prepare_linformer(q, k, v, e_proj, f_proj, mask, causal, scale, xp,
+                                                  "linformer_attention")
+    kc, vc = project(e_proj, k), project(f_proj, v)
     g = softmax_attention(q, kc, vc, do, scale=scale, xp=xp)
     # g["k"], g["v"] are reduced to the shapes of kc, vc: the broadcast of the projection's
     # heads and the inputs' batch, which is what the projection VJPs need.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from ..performer import _performer_features, _prepare
+from ..performer import performer_features, prepare_performer
 from ._common import transpose, unbroadcast
 from .linear import linear_from_features
 
@@ -74,8 +74,8 @@ def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal
     >>> sorted(g), g["projection"].shape
     (['k', 'projection', 'q', 'v'], (8, 4))
     """
-    xp, alignment, scale, eps = _prepare(q, k, v, projection, kernel, causal, scale, eps, xp)
-    fq, fk = _performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     g = linear_from_features(fq, fk, v, do, causal=alignment or False, order=order, chunk_size=chunk_size,
                              eps=eps, xp=xp)
     root = math.sqrt(scale)

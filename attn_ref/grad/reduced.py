@@ -27,17 +27,17 @@ import array_api_compat
 from .._checks import check_qkv
 from ..random import permutation
 from ..reduced import (
-    _assign,
-    _clustered_prepare,
-    _gather_rows,
-    _nystrom_prepare,
-    _pooled_prepare,
-    _query_prepare,
-    _topk_parts,
+    assign_clusters,
+    gather_rows,
     iterative_pinv,
+    prepare_clustered,
+    prepare_nystrom,
+    prepare_pooled,
+    prepare_query_reduced,
     segment_expand,
     segment_means,
     segment_sizes,
+    topk_parts,
 )
 from ..softmax import attention_weights
 from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
@@ -49,6 +49,7 @@ __all__ = [
     "query_reduced_attention",
     "nystrom_attention",
     "iterative_pinv_vjp",
+    "pinv_vjp",
     "segment_means_vjp",
 ]
 
@@ -74,7 +75,7 @@ def pooled_attention(q, k, v, do, /, *, num_segments, causal=False, scale=None, 
 
     Same cost as the forward, ``O(N m d)``.
     """
-    xp, mask, scale = _pooled_prepare(q, k, v, num_segments, causal, scale, xp)
+    xp, mask, scale = prepare_pooled(q, k, v, num_segments, causal, scale, xp)
     kp, vp = segment_means(k, num_segments, xp=xp), segment_means(v, num_segments, xp=xp)
     g = softmax_attention(q, kp, vp, do, mask=mask, scale=scale, xp=xp)
     return {"q": g["q"], "k": segment_means_vjp(xp, g["k"], k.shape[-2]),
@@ -88,7 +89,7 @@ def query_reduced_attention(q, k, v, do, /, *, num_segments, expand=True, causal
     ``do`` has the forward output's shape: ``(..., Nq, dv)`` with ``expand=True``,
     ``(..., num_segments, dv)`` without.
     """
-    xp, scale = _query_prepare(q, k, v, num_segments, causal, scale, xp, "query_reduced_attention")
+    xp, scale = prepare_query_reduced(q, k, v, num_segments, causal, scale, xp, "query_reduced_attention")
     qr = segment_means(q, num_segments, xp=xp)
     if expand:
         _, batch = check_qkv(q, k, v, xp=xp)
@@ -180,8 +181,8 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     >>> g["q"].shape, g["k"].shape, g["v"].shape
     ((6, 4), (6, 4), (6, 4))
     """
-    xp, scale = _nystrom_prepare(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                 "nystrom_attention")
+    xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
+                                "nystrom_attention")
     _, batch = check_qkv(q, k, v, xp=xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
@@ -228,13 +229,13 @@ def _lloyd(xp, q, num_clusters, iterations, seed):
     centroids = xp.take(q, first, axis=q.ndim - 2)
     steps = []
     for _ in range(iterations):
-        _, onehot = _assign(xp, q, centroids)
+        _, onehot = assign_clusters(xp, q, centroids)
         counts = xp.sum(onehot, axis=-2)[..., None]
         has = counts > 0
         safe = xp.where(has, counts, xp.ones_like(counts))
         steps.append((onehot, has, safe))
         centroids = xp.where(has, (transpose(xp, onehot) @ q) / safe, centroids)
-    idx, onehot = _assign(xp, q, centroids)
+    idx, onehot = assign_clusters(xp, q, centroids)
     return centroids, idx, onehot, steps, first
 
 
@@ -286,10 +287,10 @@ def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch):
     ``o_i = mass_c sum_{j in T_c} p_ij v_j + sum_{j not in T_c} p_cj v_j`` with
     ``mass_c = sum_{j in T_c} p_cj``.
     """
-    p_top, keys_idx, mass, pc, order = _topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
-                                                   batch)
+    p_top, keys_idx, mass, pc, order = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
+                                                  batch)
     nk = k.shape[-2]
-    k_top, v_top = _gather_rows(xp, k, keys_idx, batch), _gather_rows(xp, v, keys_idx, batch)
+    k_top, v_top = gather_rows(xp, k, keys_idx, batch), gather_rows(xp, v, keys_idx, batch)
     top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
     hit = xp.astype(order[..., None] == xp.arange(nk, device=array_api_compat.device(q)), q.dtype)
     sel = xp.sum(hit, axis=-2)  # (..., C, Nk): 1 on the top-k keys (an argsort has no repeats)
@@ -342,8 +343,8 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     >>> all(bool(xp.max(xp.abs(c[n] - b[n])) < 1e-12) for n in "qkv")
     True
     """
-    xp, batch, scale = _clustered_prepare(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
-                                          "clustered_attention")
+    xp, batch, scale = prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
+                                         "clustered_attention")
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed)
     if topk is None:

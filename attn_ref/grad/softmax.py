@@ -32,26 +32,17 @@ import dataclasses
 import array_api_compat
 
 from .._checks import check_positive_int
-from ..softmax import (
-    _dropout_scale,
-    _group,
-    _keep_tile,
-    _online_forward,
-    _packed_layout,
-    _row_max,
-    _setup,
-    _tile_coverage,
-    _tile_logits,
-    _transposed_copy,
-    _unpack_index,
-)
+from ..softmax.online import online_forward
+from ..softmax.options import group_heads, prepare_problem
+from ..softmax.tiles import dropout_scale, keep_tile, row_max, tile_coverage, tile_logits, transposed_copy
+from ..softmax.varlen import packed_layout, unpack_index
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = ["softmax_attention", "online_softmax_attention", "online_softmax_forward", "varlen_attention"]
 
 
 def _problem(q, k, v, opts, xp):
-    return _setup(q, k, v, xp=xp, **opts)
+    return prepare_problem(q, k, v, xp=xp, **opts)
 
 
 def _grouped_cotangent(pb, x, name, last):
@@ -64,7 +55,7 @@ def _grouped_cotangent(pb, x, name, last):
     hkv, g = pb.q.shape[-4], pb.q.shape[-3]
     if last is None:
         return xp.reshape(x, tuple(x.shape[:-2]) + (hkv, g, x.shape[-1]))
-    return _group(xp, x, hkv, g)
+    return group_heads(xp, x, hkv, g)
 
 
 def _finish(pb, q, k, v, bias, bias_dtype, dq, dk, dv, dbias):
@@ -152,17 +143,17 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     if spec.nq == 0 or spec.nk == 0:
         return _zeros(pb, q, k, v, bias, bias_dtype)
     kt = xp.matrix_transpose(pb.k)
-    s, _ = _tile_logits(xp, pb.q, kt, spec, 0, 0)
-    p = xp.exp(s - _row_max(xp, s))
+    s, _ = tile_logits(xp, pb.q, kt, spec, 0, 0)
+    p = xp.exp(s - row_max(xp, s))
     denom = xp.sum(p, axis=-1, keepdims=True)
     p = p / xp.where(denom > 0, denom, xp.ones_like(denom))
     p = p if p.dtype == pb.q.dtype else xp.astype(p, pb.q.dtype)  # float16: logits in float32
-    drop = _dropout_scale(spec)
-    pd = _keep_tile(xp, p, spec, 0, 0)
+    drop = dropout_scale(spec)
+    pd = keep_tile(xp, p, spec, 0, 0)
     if drop != 1.0:
         pd = pd * drop
     dv = transpose(xp, pd) @ do
-    dp = _keep_tile(xp, do @ transpose(xp, pb.v), spec, 0, 0)
+    dp = keep_tile(xp, do @ transpose(xp, pb.v), spec, 0, 0)
     if drop != 1.0:
         dp = dp * drop
     ds = p * (dp - xp.sum(p * dp, axis=-1, keepdims=True))
@@ -208,7 +199,7 @@ def online_softmax_forward(
                                 gqa=gqa), xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
-    out, lse = _online_forward(pb, block_q, block_k)
+    out, lse = online_forward(pb, block_q, block_k)
     lse = lse if lse.dtype == q.dtype else pb.xp.astype(lse, q.dtype)
     lse = pb.ungroup(lse[..., None])[..., 0] if pb.grouped else lse
     return pb.ungroup(out), lse
@@ -285,7 +276,7 @@ def online_softmax_attention(
     if (out is None) != (lse is None):
         raise ValueError("give both out and lse (from online_softmax_forward) or neither")
     if out is None:
-        out, lse = _online_forward(pb, block_q, block_k)
+        out, lse = online_forward(pb, block_q, block_k)
     else:
         out = _grouped_cotangent(pb, out, "out", v.shape[-1])
         lse = _grouped_cotangent(pb, lse, "lse", None)
@@ -294,13 +285,13 @@ def online_softmax_attention(
         return _zeros(pb, q, k, v, bias, bias_dtype)
     device, dtype = array_api_compat.device(pb.q), pb.q.dtype
     tile_spec = dataclasses.replace(spec, scale=1.0)
-    drop = _dropout_scale(spec)
+    drop = dropout_scale(spec)
     qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
     # Every matrix product below takes row-major operands (NumPy's stacked matmul only
     # calls BLAS on those): the transposed ones are copied once here, O(N d), and dK, dV
     # are accumulated transposed, dK_j^T += (scale Q_i)^T dS_ij, dV_j^T += dO_i^T P_ij.
-    kt, vt = _transposed_copy(xp, pb.k), _transposed_copy(xp, pb.v)
-    qst, dot = _transposed_copy(xp, qs), _transposed_copy(xp, do)
+    kt, vt = transposed_copy(xp, pb.k), transposed_copy(xp, pb.v)
+    qst, dot = transposed_copy(xp, qs), transposed_copy(xp, do)
     # D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i): the softmax VJP's row term.
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)
     lse = lse[..., None]
@@ -316,15 +307,15 @@ def online_softmax_attention(
         kb, ktb, vtb = pb.k[..., k0:k1, :], kt[..., k0:k1], vt[..., k0:k1]
         dkt_j = dvt_j = None
         for i, (q0, q1) in enumerate(qblocks):
-            if _tile_coverage(spec, q0, q1, k0, k1) == "none":
+            if tile_coverage(spec, q0, q1, k0, k1) == "none":
                 continue
             qb = qs[..., q0:q1, :]
-            s, _ = _tile_logits(xp, qb, ktb, tile_spec, q0, k0)
+            s, _ = tile_logits(xp, qb, ktb, tile_spec, q0, k0)
             # exp(S - lse) is P exactly: the forward's normaliser is in lse.
             p = xp.exp(s - lse[..., q0:q1, :])
             p = p if p.dtype == dtype else xp.astype(p, dtype)  # float16: logits in float32
-            pd = _keep_tile(xp, p, spec, q0, k0)
-            dp = _keep_tile(xp, do[..., q0:q1, :] @ vtb, spec, q0, k0)
+            pd = keep_tile(xp, p, spec, q0, k0)
+            dp = keep_tile(xp, do[..., q0:q1, :] @ vtb, spec, q0, k0)
             if drop != 1.0:
                 pd, dp = pd * drop, dp * drop
             ds = p * (dp - dcoef[..., q0:q1, :])
@@ -388,8 +379,8 @@ def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False
     sequence boundary.
     """
     xp = array_api_compat.array_namespace(q, k, v) if xp is None else xp
-    cq, ck, lq, lk = _packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                    extra=(("do", do, "(total_q, Hq, dv)"),))
+    cq, ck, lq, lk = packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                   extra=(("do", do, "(total_q, Hq, dv)"),))
     device = array_api_compat.device(q)
     nb = len(cq) - 1
     wq, wk = max(lq, default=0), max(lk, default=0)
@@ -397,7 +388,7 @@ def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
 
     def unpack(x, offsets, width):
-        idx = xp.asarray(_unpack_index(offsets, width), dtype=xp.int64, device=device)
+        idx = xp.asarray(unpack_index(offsets, width), dtype=xp.int64, device=device)
         x = xp.reshape(xp.take(x, idx, axis=0), (nb, width) + tuple(x.shape[1:]))
         return xp.permute_dims(x, (0, 2, 1, 3))
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .. import sparse as _sp
+from .._common import ceil_div, finish_partial, partial_lse
+from ..sparse import plans
 from ._common import check_cotangent, transpose, unbroadcast
 
 __all__ = [
@@ -47,16 +48,16 @@ __all__ = [
 
 
 def _blocks_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
-    """``(dqs, dk, dv)`` of a :class:`attn_ref.sparse._Blocks` part (``dqs``: of the scaled queries)."""
+    """``(dqs, dk, dv)`` of a :class:`attn_ref.sparse.Blocks` part (``dqs``: of the scaled queries)."""
     B, nbq = part.block_size, len(part.rows)
-    nbk = -(-plan.nk // B)
+    nbk = ceil_div(plan.nk, B)
     device, dtype = array_api_compat.device(qs), qs.dtype
     d, dv = qs.shape[-1], v.shape[-1]
-    dob = _sp._pad_blocks(xp, do, B, nbq)
-    lseb = _sp._pad_blocks(xp, lse, B, nbq, xp.inf)  # padded query rows: P = 0
-    db = _sp._pad_blocks(xp, dcoef, B, nbq)
+    dob = plans.pad_blocks(xp, do, B, nbq)
+    lseb = plans.pad_blocks(xp, lse, B, nbq, xp.inf)  # padded query rows: P = 0
+    db = plans.pad_blocks(xp, dcoef, B, nbq)
     dq, order, dks, dvs, slots = [], [], [], [], []
-    for grp in _sp._block_groups(xp, qs, k, v, part, plan.nk):
+    for grp in plans.block_groups(xp, qs, k, v, part, plan.nk):
         g = len(grp.ids)
         order.extend(grp.ids)
         if grp.s is None:
@@ -73,7 +74,7 @@ def _blocks_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
         slots.extend(grp.flat)
     dk = _scatter_blocks(xp, dks, slots, nbk, B, plan.nk, plan.batch, d, dtype, device)
     dv = _scatter_blocks(xp, dvs, slots, nbk, B, plan.nk, plan.batch, dv, dtype, device)
-    return _sp._ungroup(xp, dq, order, plan.nq), dk, dv
+    return plans.ungroup_blocks(xp, dq, order, plan.nq), dk, dv
 
 
 def _scatter_blocks(xp, pieces, slots, nbk, B, n, batch, c, dtype, device):
@@ -103,19 +104,19 @@ def _scatter_blocks(xp, pieces, slots, nbk, B, n, batch, c, dtype, device):
         t = xp.take(x, idx, axis=-3)
         t = xp.reshape(t, tuple(t.shape[:-3]) + (len(blocks), cnt, B, c))
         out.append(xp.sum(t, axis=-3))
-    return _sp._ungroup(xp, out, order, n)
+    return plans.ungroup_blocks(xp, out, order, n)
 
 
 def _classes_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
     """``(dqs, dk, dv)`` of the strided pattern's residue-class part."""
     n, stride = plan.nq, part.stride
-    C = -(-n // stride)
-    qc, kc, vc, s = _sp._class_logits(xp, qs, k, v, part, n)
-    doc, dc = (_sp._to_classes(xp, x, stride, C) for x in (do, dcoef))
-    p = xp.exp(s - _sp._to_classes(xp, lse, stride, C, xp.inf))  # (..., l, C, C)
+    C = ceil_div(n, stride)
+    qc, kc, vc, s = plans.class_logits(xp, qs, k, v, part, n)
+    doc, dc = (plans.to_classes(xp, x, stride, C) for x in (do, dcoef))
+    p = xp.exp(s - plans.to_classes(xp, lse, stride, C, xp.inf))  # (..., l, C, C)
     ds = p * (doc @ transpose(xp, vc) - dc)
     # The class layout is a zero-padded reshape: its VJP reshapes back and drops the padding.
-    return tuple(_sp._from_classes(xp, x, n)
+    return tuple(plans.from_classes(xp, x, n)
                  for x in (ds @ kc, transpose(xp, ds) @ qc, transpose(xp, p) @ doc))
 
 
@@ -123,7 +124,7 @@ def _columns_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
     """``(dqs, dk, dv)`` of the fixed pattern's summary-column part."""
     n, cols = plan.nq, part.cols
     device = array_api_compat.device(qs)
-    kc, vc, s = _sp._column_logits(xp, qs, k, v, part, n)
+    kc, vc, s = plans.column_logits(xp, qs, k, v, part, n)
     p = xp.exp(s - lse)  # (..., N, |cols|)
     ds = p * (do @ transpose(xp, vc) - dcoef)
     where = {j: t for t, j in enumerate(cols)}
@@ -137,7 +138,7 @@ def _columns_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
     return ds @ kc, put_back(transpose(xp, ds) @ qs), put_back(transpose(xp, p) @ do)
 
 
-_PART_VJPS = {_sp._Blocks: _blocks_vjp, _sp._Classes: _classes_vjp, _sp._Columns: _columns_vjp}
+_PART_VJPS = {plans.Blocks: _blocks_vjp, plans.Classes: _classes_vjp, plans.Columns: _columns_vjp}
 
 
 def _vjp(plan, q, k, v, do):
@@ -146,15 +147,10 @@ def _vjp(plan, q, k, v, do):
     device = array_api_compat.device(q)
     if plan.nq == 0 or plan.nk == 0:
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
-    qs = _sp._scaled(plan, q)
-    m, l, acc = _sp._plan_partial(plan, qs, k, v)
-    live = l > 0
-    one = xp.ones_like(l)
-    out = acc / xp.where(live, l, one)
-    # The row log-sum-exp over every part; +inf on rows with no allowed key, so that
-    # exp(S - L) is 0 there.
-    lse = xp.where(live, xp.where(live, m, xp.zeros_like(m)) + xp.log(xp.where(live, l, one)),
-                   xp.full_like(l, xp.inf))
+    qs = plans.scaled_queries(plan, q)
+    m, l, acc = plans.plan_partial(plan, qs, k, v)
+    out = finish_partial(xp, l, acc)
+    lse = partial_lse(xp, m, l)  # over every part: +inf on rows with no allowed key
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)  # D = rowsum(dO * O) = rowsum(P * dP)
     dqs = dk = dv = None
     for part in plan.parts:
@@ -205,8 +201,8 @@ def block_sparse_attention(q, k, v, do, /, *, layout, block_size, causal=False, 
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._block_sparse_plan(q, k, v, layout=layout, block_size=block_size, causal=causal,
-                                  scale=scale, xp=xp)
+    plan = plans.block_sparse_plan(q, k, v, layout=layout, block_size=block_size, causal=causal,
+                                 scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 
@@ -247,8 +243,8 @@ def local_attention(q, k, v, do, /, *, window, causal=False, dilation=1, block_s
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._local_plan(q, k, v, window=window, causal=causal, dilation=dilation,
-                           block_size=block_size, scale=scale, xp=xp)
+    plan = plans.local_plan(q, k, v, window=window, causal=causal, dilation=dilation,
+                          block_size=block_size, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 
@@ -290,8 +286,8 @@ def longformer_attention(q, k, v, do, /, *, window, global_tokens, causal=False,
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._longformer_plan(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
-                                dilation=dilation, block_size=block_size, scale=scale, xp=xp)
+    plan = plans.longformer_plan(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
+                               dilation=dilation, block_size=block_size, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 
@@ -334,8 +330,8 @@ def bigbird_attention(q, k, v, do, /, *, block_size, window=1, global_blocks=1, 
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
-                             random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
+    plan = plans.bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
+                            random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 
@@ -375,7 +371,7 @@ def strided_attention(q, k, v, do, /, *, stride, causal=True, scale=None, xp=Non
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._strided_plan(q, k, v, stride=stride, causal=causal, scale=scale, xp=xp)
+    plan = plans.strided_plan(q, k, v, stride=stride, causal=causal, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 
@@ -415,5 +411,5 @@ def fixed_attention(q, k, v, do, /, *, stride, summary=1, causal=True, scale=Non
     >>> all(bool(xp.max(xp.abs(a[n] - b[n])) < 1e-13) for n in "qkv")
     True
     """
-    plan = _sp._fixed_plan(q, k, v, stride=stride, summary=summary, causal=causal, scale=scale, xp=xp)
+    plan = plans.fixed_plan(q, k, v, stride=stride, summary=summary, causal=causal, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)

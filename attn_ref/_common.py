@@ -1,0 +1,129 @@
+"""Rules every family follows, written once: causal alignment, block counts and the
+online softmax's running state.
+
+Nothing here checks its arguments; the public functions that call it have.
+"""
+
+from __future__ import annotations
+
+from ._checks import check_flag
+
+__all__ = [
+    "TOP_LEFT",
+    "BOTTOM_RIGHT",
+    "causal_alignment",
+    "causal_offset",
+    "ceil_div",
+    "and_masks",
+    "finite_max",
+    "softmax_partial",
+    "merge_partials",
+    "online_step",
+    "finish_partial",
+    "partial_lse",
+]
+
+TOP_LEFT = "top-left"
+BOTTOM_RIGHT = "bottom-right"
+_CAUSAL = (TOP_LEFT, BOTTOM_RIGHT)
+
+
+def causal_alignment(causal):
+    """Normalise ``causal`` to ``None``, ``"top-left"`` or ``"bottom-right"``."""
+    if causal is None:
+        return None
+    if isinstance(causal, str):
+        if causal in _CAUSAL:
+            return causal
+    elif isinstance(causal, bool) or type(causal).__module__ == "numpy":
+        # A flag (a NumPy bool included); check_flag refuses other NumPy scalars.
+        return TOP_LEFT if check_flag("causal", causal) else None
+    raise ValueError(
+        f"causal must be False, True (= {TOP_LEFT!r}), {TOP_LEFT!r} or {BOTTOM_RIGHT!r}, "
+        f"got {causal!r}"
+    )
+
+
+def causal_offset(alignment, nq, nk):
+    """The causal diagonal: query ``i`` may see key ``j`` iff ``j <= i + offset``.
+
+    ``0`` for ``"top-left"`` (query 0 sees key 0), ``nk - nq`` for ``"bottom-right"``
+    (the last query sees the last key: the KV-cache convention).
+    """
+    return 0 if alignment == TOP_LEFT else nk - nq
+
+
+def and_masks(xp, a, b):
+    """``a & b`` for optional bool masks, ``None`` meaning "everything allowed"."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return xp.logical_and(a, b)
+
+
+def ceil_div(n, b):
+    """``ceil(n / b)`` for integers, exactly (no float round trip): blocks of ``b`` that cover ``n``."""
+    return -(-n // b)
+
+
+# ---------------------------------------------------------------- online softmax
+# A "partial" is (m, l, acc): running row maximum (..., N, 1), normaliser (..., N, 1)
+# and unnormalised output (..., N, dv) of a softmax over a subset of the keys. Two
+# partials over disjoint key sets merge exactly (Milakov & Gimelshein 2018, "Online
+# normalizer calculation for softmax"; FlashAttention's running state).
+
+
+def finite_max(xp, m):
+    """Row maxima with ``-inf`` (a row with no allowed logit yet) replaced by 0.
+
+    Shifting by it keeps ``exp(s - m)`` at ``exp(-inf - 0) = 0`` on such a row instead
+    of ``exp(-inf + inf) = NaN``.
+    """
+    return xp.where(m == -xp.inf, xp.zeros_like(m), m)
+
+
+def softmax_partial(xp, s, v):
+    """The partial ``(m, l, acc)`` of logits ``s (..., N, n)`` (``-inf`` where not allowed)
+    against values ``v (..., n, dv)``: ``O(N n dv)`` time."""
+    m = xp.max(s, axis=-1, keepdims=True)
+    p = xp.exp(s - finite_max(xp, m))
+    return m, xp.sum(p, axis=-1, keepdims=True), p @ v
+
+
+def merge_partials(xp, a, b):
+    """The partial over the union of the disjoint key sets of partials ``a`` and ``b``."""
+    (ma, la, acca), (mb, lb, accb) = a, b
+    m = xp.maximum(ma, mb)
+    ms = finite_max(xp, m)
+    ea, eb = xp.exp(ma - ms), xp.exp(mb - ms)
+    return m, la * ea + lb * eb, acca * ea + accb * eb
+
+
+def online_step(xp, m, l, s):
+    """Fold one block of logits ``s (..., N, n)`` into the running ``(m, l)``.
+
+    Returns ``(m_new, l_new, p, alpha)``: ``p = exp(s - m_new)``, the block's
+    unnormalised weights, and ``alpha = exp(m - m_new)``, the factor that rescales the
+    running accumulator before ``p @ v`` is added to it. Start from ``m = -inf``,
+    ``l = 0``.
+    """
+    m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+    m_safe = finite_max(xp, m_new)
+    p = xp.exp(s - m_safe)
+    alpha = xp.exp(m - m_safe)
+    return m_new, l * alpha + xp.sum(p, axis=-1, keepdims=True), p, alpha
+
+
+def finish_partial(xp, l, acc):
+    """The softmax output ``acc / l``; rows with no allowed key (``l = 0``) are zero."""
+    return acc / xp.where(l == 0, xp.ones_like(l), l)
+
+
+def partial_lse(xp, m, l):
+    """Row log-sum-exp ``m + log l`` of a partial; ``+inf`` on a row with no allowed key
+    (``l = 0``), so that a backward's ``exp(S - lse)`` is 0 there."""
+    empty = l == 0
+    one = xp.ones_like(l)
+    return xp.where(empty, xp.full_like(l, xp.inf),
+                    xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))

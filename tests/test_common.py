@@ -1,0 +1,130 @@
+"""attn_ref._common: the rules every family shares, checked against their definitions.
+
+The online-softmax partials are checked against a plain host softmax: a partial of a
+key subset, partials merged over disjoint subsets, and blocks folded one at a time must
+all give ``softmax(S) V`` and ``logsumexp(S)``, with rows that see no key giving zeros
+and ``lse = +inf``.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+from attn_ref._common import (
+    BOTTOM_RIGHT,
+    TOP_LEFT,
+    and_masks,
+    causal_alignment,
+    causal_offset,
+    ceil_div,
+    finish_partial,
+    finite_max,
+    merge_partials,
+    online_step,
+    partial_lse,
+    softmax_partial,
+)
+from conformance.backends import from_numpy
+from tests.helpers import assert_close, host
+
+
+def test_ceil_div_is_exact():
+    for n in range(0, 40):
+        for b in range(1, 9):
+            assert ceil_div(n, b) == math.ceil(n / b)
+    # Past 2**53 a float round trip is off by one; the integer rule is not.
+    big = 2**60 + 1
+    assert ceil_div(big, 2) == 2**59 + 1
+
+
+def test_causal_offset_and_alignment():
+    # Query i sees key j iff j <= i + offset: top-left puts query 0 on key 0,
+    # bottom-right puts the last query on the last key.
+    assert causal_offset(TOP_LEFT, 3, 7) == 0
+    assert causal_offset(BOTTOM_RIGHT, 3, 7) == 4
+    assert causal_offset(BOTTOM_RIGHT, 7, 3) == -4
+    assert causal_alignment(True) == TOP_LEFT
+    assert causal_alignment(False) is None
+    assert causal_alignment(np.bool_(True)) == TOP_LEFT
+    assert causal_alignment("bottom-right") == BOTTOM_RIGHT
+    with pytest.raises(ValueError, match="causal must be"):
+        causal_alignment("bottom")
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        causal_alignment(np.int64(1))
+
+
+def test_and_masks(backend):
+    xp = backend.xp
+    a = from_numpy(np.array([True, True, False]), backend)
+    b = from_numpy(np.array([True, False, False]), backend)
+    assert and_masks(xp, None, None) is None
+    assert and_masks(xp, a, None) is a and and_masks(xp, None, b) is b
+    assert host(and_masks(xp, a, b)).tolist() == [True, False, False]
+
+
+def _logits(seed, rows=5, n=9):
+    rng = np.random.default_rng(seed)
+    s = rng.standard_normal((2, rows, n)) * 3
+    s[:, 1, :] = -np.inf  # a row that sees no key
+    s[:, 2, :4] = -np.inf  # a row that sees only the last keys
+    v = rng.standard_normal((2, n, 3))
+    return s, v
+
+
+def _plain(s, v):
+    """softmax(s) v with fully masked rows zero, and logsumexp(s) (+inf on those rows)."""
+    m = np.max(s, axis=-1, keepdims=True)
+    live = np.isfinite(m)
+    e = np.exp(s - np.where(live, m, 0.0))
+    z = np.sum(e, axis=-1, keepdims=True)
+    out = np.where(live, e @ v / np.where(live, z, 1.0), 0.0)
+    lse = np.where(live, np.where(live, m, 0.0) + np.log(np.where(live, z, 1.0)), np.inf)
+    return out, lse
+
+
+def _is_softmax(backend, partial, s, v):
+    """The partial ``(m, l, acc)`` finishes to ``softmax(s) v`` and ``logsumexp(s)``."""
+    xp = backend.xp
+    m, l, acc = partial
+    want_out, want_lse = _plain(s, v)
+    out = finish_partial(xp, l, acc)
+    assert not np.isnan(host(out)).any()  # an empty row's exp(-inf + inf) avoided
+    assert_close(out, want_out, backend)
+    assert_close(partial_lse(xp, m, l), want_lse, backend)
+
+
+def test_partial_of_all_keys_is_the_softmax(backend):
+    s, v = _logits(0)
+    _is_softmax(backend, softmax_partial(backend.xp, from_numpy(s, backend), from_numpy(v, backend)), s, v)
+
+
+def test_merged_partials_equal_one_partial(backend):
+    # Partials over disjoint key sets merge exactly, whichever set holds the row max and
+    # when one set has no allowed key for a row.
+    xp = backend.xp
+    s, v = _logits(1)
+    parts = [
+        softmax_partial(xp, from_numpy(s[..., lo:hi], backend), from_numpy(v[:, lo:hi], backend))
+        for lo, hi in ((0, 2), (2, 6), (6, 9))
+    ]
+    _is_softmax(backend, merge_partials(xp, merge_partials(xp, parts[0], parts[1]), parts[2]), s, v)
+
+
+def test_online_steps_equal_one_partial(backend):
+    xp = backend.xp
+    s, v = _logits(2)
+    shape = s.shape[:-1] + (1,)
+    m = from_numpy(np.full(shape, -np.inf), backend)
+    l = from_numpy(np.zeros(shape), backend)
+    acc = from_numpy(np.zeros(s.shape[:-1] + (v.shape[-1],)), backend)
+    for lo, hi in ((0, 3), (3, 4), (4, 9)):
+        m, l, p, alpha = online_step(xp, m, l, from_numpy(s[..., lo:hi], backend))
+        acc = acc * alpha + p @ from_numpy(v[:, lo:hi], backend)
+    _is_softmax(backend, (m, l, acc), s, v)
+
+
+def test_finite_max_shifts_only_minus_inf(backend):
+    xp = backend.xp
+    m = from_numpy(np.array([[-np.inf], [2.5], [-1e300], [np.inf]]), backend)
+    assert host(finite_max(xp, m))[:, 0].tolist() == [0.0, 2.5, -1e300, np.inf]
