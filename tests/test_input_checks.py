@@ -29,7 +29,8 @@ from attn_ref import (
 )
 from attn_ref.registry import get
 from conformance.backends import from_numpy, load
-from tests.helpers import host, naive_attention, property_test, randn
+from tests.helpers import host, property_test, randn
+from tests.plain import naive_attention
 
 H, N, D, DV = 2, 6, 4, 3
 
