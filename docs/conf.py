@@ -34,6 +34,7 @@ extensions = [
     "sphinxcontrib.bibtex",
     "matplotlib.sphinxext.plot_directive",
     "attn_docs",
+    "study_docs",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}

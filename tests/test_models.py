@@ -184,7 +184,7 @@ def test_every_study_config_runs_in_the_model(config, w_np, tok):
     np.testing.assert_allclose(np.linalg.norm(e, axis=-1), 1.0, atol=1e-5)
     # No fidelity is asserted here (the study measures it): untrained Linformer
     # projections, for one, take this 9-token sentence to cosine 0.09, while budgets
-    # clipped to N = 9 make pooled and Nystrom exact.
+    # clipped to N = 9 make pooled and clustered attention exact.
     assert exact.shape == e.shape
 
 

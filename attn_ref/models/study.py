@@ -42,7 +42,7 @@ from . import minilm
 __all__ = [
     "SPECTRUM_K", "LOW_RANK_LEVEL", "BUDGETS", "reference_text", "reference_sentences",
     "spectrum", "spectra", "low_rank_verdict", "spearman", "Config", "configs", "fidelity",
-    "run_study", "plot_spectra", "plot_fidelity", "table_rows",
+    "run_study", "plot_spectra", "plot_fidelity", "table_rows", "report_markdown",
 ]
 
 SPECTRUM_K = (16, 32, 64, 128, 256)
@@ -493,3 +493,61 @@ def table_rows(results, swap="all") -> list[list[str]]:
                     f"{r['peak_bytes'] / 2**20:.0f}"]
         out.append(row)
     return out
+
+
+def _md_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def report_markdown(results, part) -> str:
+    """One part of the study as Markdown, for the docs page and the terminal.
+
+    ``part``: ``"verdict"`` (the claim, layer by layer, with the spectra table),
+    ``"fidelity"`` (every layer swapped), ``"layers"`` (one layer swapped at a time) or
+    ``"run"`` (what was measured, where, how long it took).
+    """
+    if part == "verdict":
+        spec, v = results["spectra"], results["verdict"]
+        ks = spec["k"]
+        header = (["layer"] + [f"cumulative at k = {k}" for k in ks]
+                  + ["effective rank", f"best rank-{spec['n'] // 4} error", "low rank?"])
+        j = ks.index(spec["n"] // 4)
+        rows = []
+        for lay, r in zip(spec["layers"], v["layers"]):
+            heads = len(lay["cumulative"])
+            cum = [sum(h[i] for h in lay["cumulative"]) / heads for i in range(len(ks))]
+            ey = sum(h[j] for h in lay["eckart_young"]) / heads
+            rows.append([str(lay["layer"])] + [f"{c:.3f}" for c in cum]
+                        + [f"{r['mean_effective_rank']:.1f}", f"{ey:.3f}", "yes" if r["low_rank"] else "no"])
+        return (v["text"] + "\n\n" + _md_table(header, rows) + "\n\nMeans over the 12 heads; the "
+                "effective rank is out of N = " + str(spec["n"]) + ".")
+    if part == "fidelity":
+        ex = results["fidelity"]["exact"]
+        header = ["variant", "budget", "cosine, mean", "cosine, worst", "Spearman",
+                  "worst layer's attention error", "ms / forward", "MiB peak"]
+        rows = [["softmax (exact)", "-", "1", "1", "1", "0", f"{ex['time_s'] * 1e3:.0f}",
+                 f"{ex['peak_bytes'] / 2**20:.0f}"]]
+        rows += [[f"`{r[0]}`"] + r[1:] for r in table_rows(results)]
+        return _md_table(header, rows)
+    if part == "layers":
+        header = ["variant", "budget"] + [f"layer {i}" for i in range(minilm.LAYERS)]
+        by = {}
+        for r in results["fidelity"]["rows"]:
+            if r["swap"] != "all":
+                budget = "-" if r["budget_name"] is None else f"{r['budget_name']} = {r['budget']}"
+                key = (r["variant"], budget)
+                by.setdefault(key, {})[r["swap"]] = r["cos_mean"]
+        rows = [[f"`{k[0]}`", k[1]] + [f"{1 - c.get(i, float('nan')):.2e}" for i in range(minilm.LAYERS)]
+                for k, c in by.items()]
+        return _md_table(header, rows)
+    if part == "run":
+        run, t, sn = results["run"], results["text"], results["sentences"]
+        return (f"Measured {run['date']} with `attn-ref study` on {run['backend']} "
+                f"({run['machine']}, Python {run['python']}) in {run['seconds'] / 60:.0f} minutes; "
+                f"times are medians of {run['repeats']} forwards (wall clock; the CPU time is in the "
+                f"JSON). Text: {t['source']}, first {t['tokens']} tokens (sha256 {t['sha256_16']}...). "
+                f"Sentences: {sn['count']} from the {sn['source']}, {sn['mean_tokens']:.0f} tokens on "
+                f"average, at most {sn['max_tokens']} (sha256 {sn['sha256_16']}...).")
+    raise ValueError(f"part must be one of 'verdict', 'fidelity', 'layers', 'run', got {part!r}")
