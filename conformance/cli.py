@@ -286,7 +286,8 @@ def study_arguments(p):
     p.add_argument("--out", default="study-out", help="folder for study_results.json and the PNGs")
     p.add_argument("--sentences", type=int, default=240, help="reference sentences (default 240)")
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per config (median)")
-    p.add_argument("--no-layers", action="store_true", help="skip the one-layer-at-a-time swaps")
+    p.add_argument("--layers", choices=("all", "middle", "none"), default="all",
+                   help="one-layer-at-a-time swaps for every config, each variant's middle budget, or none")
     p.add_argument("--no-plots", action="store_true", help="write the JSON only")
 
 
@@ -294,7 +295,8 @@ def study_command(args) -> int:
     from attn_ref.models import study
 
     results = study.run_study(args.out, sentences=args.sentences, repeats=args.repeats,
-                              layers=not args.no_layers, plots=not args.no_plots)
+                              layers={"all": True, "none": False}.get(args.layers, args.layers),
+                              plots=not args.no_plots)
     print(results["verdict"]["text"])
     print(f"wrote {args.out}/study_results.json in {results['run']['seconds']:.0f} s")
     return 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import sys
@@ -41,7 +42,8 @@ from . import minilm
 
 __all__ = [
     "SPECTRUM_K", "LOW_RANK_LEVEL", "BUDGETS", "reference_text", "reference_sentences",
-    "spectrum", "spectra", "low_rank_verdict", "spearman", "Config", "configs", "fidelity",
+    "spectrum", "spectra", "low_rank_verdict", "spearman", "Config", "configs", "middle_configs",
+    "fidelity",
     "run_study", "plot_spectra", "plot_fidelity", "table_rows", "report_markdown",
 ]
 
@@ -245,6 +247,11 @@ def configs(budgets=BUDGETS) -> list[Config]:
     return [Config(v, name, b) for v, name, bs in budgets for b in bs]
 
 
+def middle_configs(budgets=BUDGETS) -> list[Config]:
+    """The middle budget of each variant (the one-layer swaps of a shortened study)."""
+    return [Config(v, name, bs[len(bs) // 2]) for v, name, bs in budgets]
+
+
 def _group_by_length(ids):
     groups = {}
     for i, t in enumerate(ids):
@@ -296,8 +303,10 @@ def fidelity(w, sentence_ids, ids512, /, *, configs_=None, layers=True, repeats=
 
     ``sentence_ids`` is a list of token-id lists (any lengths; grouped by length into
     batches), ``ids512`` one ``(N,)`` id array for the per-layer attention errors and the
-    time and memory of one forward. Returns ``{"exact": {"time_s", "cpu_s", "peak_bytes"}, "rows":
-    [...]}``, one row per config and swap (``"all"`` or a layer index) with ``cos_mean``,
+    time and memory of one forward. ``layers``: True swaps each config into each layer
+    alone as well, False never, a collection of configs only those. Returns
+    ``{"exact": {"time_s", "cpu_s", "peak_bytes"}, "rows": [...]}``, one row per config and
+    swap (``"all"`` or a layer index) with ``cos_mean``,
     ``cos_min``, ``spearman``; the ``"all"`` row also has ``layer_error`` (relative
     Frobenius error of each layer's attention output given the exact model's queries, keys
     and values on ``ids512``), ``time_s`` and ``cpu_s`` (medians of ``repeats`` forwards, wall
@@ -319,7 +328,8 @@ def fidelity(w, sentence_ids, ids512, /, *, configs_=None, layers=True, repeats=
             a = attend(t["q"], t["k"], t["v"])
             errors.append(float(xp.linalg.vector_norm(a - t["attention"])
                                 / xp.linalg.vector_norm(t["attention"])))
-        swaps = ["all"] + (list(range(minilm.LAYERS)) if layers else [])
+        one_layer = layers is True or (layers is not False and c in layers)
+        swaps = ["all"] + (list(range(minilm.LAYERS)) if one_layer else [])
         for swap in swaps:
             attention = attend if swap == "all" else {swap: attend}
             e = _embed(w, sentence_ids, groups, attention, xp, device)
@@ -363,8 +373,9 @@ def run_study(out_dir, /, *, n=512, sentences=240, budgets=BUDGETS, layers=True,
     """Measure spectra and fidelity, write ``study_results.json`` (and the two PNGs).
 
     ``n`` tokens of the reference text (or ``text``), ``sentences`` reference sentences,
-    the configs of ``budgets``; ``layers=False`` skips the one-layer swaps. ``xp`` defaults
-    to NumPy. Returns the results dict. About 10 minutes on one CPU core at the defaults.
+    the configs of ``budgets``; ``layers`` as in :func:`fidelity`, or ``"middle"`` for the
+    one-layer swaps of :func:`middle_configs` only. ``xp`` defaults to NumPy. Returns the
+    results dict. The slow part is the sentence passes, one per config and swap.
     """
     if xp is None:
         import array_api_compat.numpy as xp
@@ -381,8 +392,10 @@ def run_study(out_dir, /, *, n=512, sentences=240, budgets=BUDGETS, layers=True,
     sents, sent_source = reference_sentences(sentences)
     sentence_ids = minilm.tokenize(sents, tok, max_length=minilm.MAX_POSITIONS)
     cfgs = configs(budgets)
-    per = 1 + (minilm.LAYERS if layers else 0)
-    bar = _Bar(minilm.LAYERS + per * len(cfgs), enabled=progress)
+    if layers == "middle":
+        layers = middle_configs(budgets)
+    n_one = len(cfgs) if layers is True else 0 if layers is False else sum(c in layers for c in cfgs)
+    bar = _Bar(minilm.LAYERS + len(cfgs) + minilm.LAYERS * n_one, enabled=progress)
     ids512 = xp.asarray(ids_text, dtype=xp.int64)
     ks = tuple(sorted({kk for kk in SPECTRUM_K if kk <= n} | {n // 4}))
     spec = spectra(w, ids512, k=ks, xp=xp, progress=bar)
@@ -401,7 +414,9 @@ def run_study(out_dir, /, *, n=512, sentences=240, budgets=BUDGETS, layers=True,
                 "backend": xp.__name__, "machine": platform.machine(),
                 "processor": platform.processor() or "?", "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                  time.gmtime()),
-                "repeats": repeats},
+                "repeats": repeats, "one_layer_swaps": "all configs" if layers is True else
+                "none" if layers is False else [c.label for c in layers],
+                "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")},
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -501,6 +516,10 @@ def _md_table(header, rows):
     return "\n".join(lines)
 
 
+def _swaps_text(swaps):
+    return swaps if isinstance(swaps, str) else ", ".join(f"`{c}`" for c in swaps)
+
+
 def report_markdown(results, part) -> str:
     """One part of the study as Markdown, for the docs page and the terminal.
 
@@ -545,9 +564,11 @@ def report_markdown(results, part) -> str:
     if part == "run":
         run, t, sn = results["run"], results["text"], results["sentences"]
         return (f"Measured {run['date']} with `attn-ref study` on {run['backend']} "
-                f"({run['machine']}, Python {run['python']}) in {run['seconds'] / 60:.0f} minutes; "
-                f"times are medians of {run['repeats']} forwards (wall clock; the CPU time is in the "
-                f"JSON). Text: {t['source']}, first {t['tokens']} tokens (sha256 {t['sha256_16']}...). "
+                f"({run['machine']}, Python {run['python']}, BLAS threads: {run.get('blas_threads', '?')}) "
+                f"in {run['seconds'] / 60:.0f} minutes; times are medians of {run['repeats']} forwards "
+                f"(wall clock; the CPU time is in the JSON). One-layer swaps: "
+                f"{_swaps_text(run.get('one_layer_swaps', 'all configs'))}. "
+                f"Text: {t['source']}, first {t['tokens']} tokens (sha256 {t['sha256_16']}...). "
                 f"Sentences: {sn['count']} from the {sn['source']}, {sn['mean_tokens']:.0f} tokens on "
                 f"average, at most {sn['max_tokens']} (sha256 {sn['sha256_16']}...).")
     raise ValueError(f"part must be one of 'verdict', 'fidelity', 'layers', 'run', got {part!r}")
