@@ -506,7 +506,7 @@ def plot_fidelity(results, path):
 
 def table_rows(results, swap="all") -> list[list[str]]:
     """The fidelity table as strings: variant, budget, cosine mean/worst, Spearman,
-    worst layer error, time (ms), peak memory (MiB) for ``swap="all"``; for a layer index,
+    worst layer error, wall and CPU time (ms), peak memory (MiB) for ``swap="all"``; for a layer index,
     the one-layer-swap columns."""
     out = []
     for r in results["fidelity"]["rows"]:
@@ -515,10 +515,14 @@ def table_rows(results, swap="all") -> list[list[str]]:
         budget = "-" if r["budget_name"] is None else f"{r['budget_name']} = {r['budget']}"
         row = [r["variant"], budget, f"{r['cos_mean']:.5f}", f"{r['cos_min']:.4f}", f"{r['spearman']:.4f}"]
         if swap == "all":
-            row += [f"{max(r['layer_error']):.3f}", f"{r['time_s'] * 1e3:.0f}",
+            row += [f"{max(r['layer_error']):.3f}", f"{r['time_s'] * 1e3:.0f}", _ms(r.get("cpu_s")),
                     f"{r['peak_bytes'] / 2**20:.0f}", _mib(r.get("attention_peak_bytes"))]
         out.append(row)
     return out
+
+
+def _ms(t):
+    return "-" if t is None else f"{t * 1e3:.0f}"
 
 
 def _mib(b):
@@ -560,9 +564,9 @@ def report_markdown(results, part) -> str:
     if part == "fidelity":
         ex = results["fidelity"]["exact"]
         header = ["variant", "budget", "cosine, mean", "cosine, worst", "Spearman",
-                  "worst layer's attention error", "ms / forward", "MiB peak, forward",
+                  "worst layer's attention error", "ms / forward", "CPU ms / forward", "MiB peak, forward",
                   "MiB peak, one layer's attention"]
-        rows = [["softmax (exact)", "-", "1", "1", "1", "0", f"{ex['time_s'] * 1e3:.0f}",
+        rows = [["softmax (exact)", "-", "1", "1", "1", "0", _ms(ex["time_s"]), _ms(ex.get("cpu_s")),
                  f"{ex['peak_bytes'] / 2**20:.0f}", _mib(ex.get("attention_peak_bytes"))]]
         rows += [[f"`{r[0]}`"] + r[1:] for r in table_rows(results)]
         return _md_table(header, rows)
