@@ -581,6 +581,26 @@ def scaling_command(args) -> int:
 # ------------------------------------------------------------------------------- main
 
 # name -> (add arguments, run, one-line help)
+def study_arguments(p):
+    p.add_argument("--out", default="study-out", help="folder for study_results.json and the PNGs")
+    p.add_argument("--sentences", type=int, default=240, help="reference sentences (default 240)")
+    p.add_argument("--repeats", type=int, default=3, help="timed forwards per config (median)")
+    p.add_argument("--layers", choices=("all", "middle", "none"), default="all",
+                   help="one-layer-at-a-time swaps for every config, each variant's middle budget, or none")
+    p.add_argument("--no-plots", action="store_true", help="write the JSON only")
+
+
+def study_command(args) -> int:
+    from attn_ref.models import study
+
+    results = study.run_study(args.out, sentences=args.sentences, repeats=args.repeats,
+                              layers={"all": True, "none": False}.get(args.layers, args.layers),
+                              plots=not args.no_plots)
+    print(results["verdict"]["text"])
+    print(f"wrote {args.out}/study_results.json in {results['run']['seconds']:.0f} s")
+    return 0
+
+
 COMMANDS = {
     "verify": (verify_arguments, verify_command,
                "check a kernel (or every built-in reference) against the golden"),
@@ -588,6 +608,8 @@ COMMANDS = {
                        "write test vectors (.npz + manifest.json) for other languages"),
     "scaling": (scaling_arguments, scaling_command,
                 "fitted growth of time and memory in N from asv results, with a log-log plot"),
+    "study": (study_arguments, study_command,
+              "all-MiniLM-L6-v2: attention spectra and each variant's fidelity (needs .[model])"),
 }
 
 

@@ -37,6 +37,7 @@ extensions = [
     "sphinxcontrib.bibtex",
     "matplotlib.sphinxext.plot_directive",
     "attn_docs",
+    "study_docs",
 ]
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
