@@ -42,7 +42,11 @@ __all__ = [
     "round_to",
     "host_dtype",
     "bf16_round",
+    "LowPrecisionArray",
     "BF16Array",
+    "F16Array",
+    "LOW_PRECISION",
+    "lp_array",
     "Metrics",
     "measure",
 ]
@@ -110,33 +114,67 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.dtype(dtype)).astype(np.float64)
 
 
-class BF16Array(np.ndarray):
-    """A float32 ndarray whose every operation rounds its result to bfloat16.
+class LowPrecisionArray(np.ndarray):
+    """A float32 ndarray whose every operation rounds its result to a narrower dtype.
 
-    NumPy has no bfloat16 arithmetic and array_api_compat refuses ml_dtypes' bfloat16,
-    so the bfloat16 baseline runs the reference on float32 arrays of this subclass:
-    each ufunc (``@``, ``*``, ``exp``, ``max``, ``sum``, ...) and array function
-    (``where``, ``concat``, ...) computes in float32 and rounds its result to the
-    nearest bfloat16. This is what a plain bfloat16 implementation does: bfloat16
-    storage between operations, float32 accumulation inside a matmul or a reduction.
+    NumPy has no bfloat16 arithmetic, array_api_compat refuses ml_dtypes' bfloat16,
+    and NumPy's own float16 accumulates some reductions (``cumsum``) in float16, so
+    the low-precision baselines run the reference on float32 arrays of a subclass
+    (:class:`BF16Array`, :class:`F16Array`): each ufunc (``@``, ``*``, ``exp``,
+    ``max``, ``sum``, ...) and array function (``where``, ``concat``, ...) computes in
+    float32 and rounds its result to the nearest value of the dtype. That is a plain
+    **fp32-accumulating** implementation in the dtype, as SDPA's math path and
+    FlashAttention are: inputs and every intermediate stored in the dtype, products and
+    reductions accumulated in float32. A kernel that accumulates ``P V`` or the row
+    sum in its own dtype a few keys at a time makes a larger error than this.
     """
+
+    #: the name of the dtype the results are rounded to
+    dtype_name = ""
+
+    @staticmethod
+    def round(x: np.ndarray) -> np.ndarray:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         inputs = tuple(_plain(x) for x in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(_plain(x) for x in kwargs["out"])
-        return _bf16_wrap(getattr(ufunc, method)(*inputs, **kwargs))
+        return _lp_wrap(type(self), getattr(ufunc, method)(*inputs, **kwargs))
 
     def __array_function__(self, func, types, args, kwargs):
-        return _bf16_wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+        return _lp_wrap(type(self), func(*_unwrap(args), **_unwrap(kwargs)))
+
+
+class BF16Array(LowPrecisionArray):
+    """float32 storage, every result rounded to bfloat16 (see :class:`LowPrecisionArray`)."""
+
+    dtype_name = "bfloat16"
+
+    @staticmethod
+    def round(x):
+        return bf16_round(x)
+
+
+class F16Array(LowPrecisionArray):
+    """float32 storage, every result rounded to float16 (see :class:`LowPrecisionArray`)."""
+
+    dtype_name = "float16"
+
+    @staticmethod
+    def round(x):
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+LOW_PRECISION = {"bfloat16": BF16Array, "float16": F16Array}
 
 
 def _plain(x):
-    return x.view(np.ndarray) if isinstance(x, BF16Array) else x
+    return x.view(np.ndarray) if isinstance(x, LowPrecisionArray) else x
 
 
 def _unwrap(obj):
-    if isinstance(obj, BF16Array):
+    if isinstance(obj, LowPrecisionArray):
         return obj.view(np.ndarray)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_unwrap(o) for o in obj)
@@ -145,18 +183,25 @@ def _unwrap(obj):
     return obj
 
 
-def _bf16_wrap(out):
+def _lp_wrap(cls, out):
     if isinstance(out, tuple):
-        return tuple(_bf16_wrap(o) for o in out)
+        return tuple(_lp_wrap(cls, o) for o in out)
     if isinstance(out, np.ndarray) and out.dtype.kind == "f":
-        return bf16_round(out).view(BF16Array)
+        # float32 arithmetic first (a float64 operand would otherwise promote)
+        return cls.round(out.astype(np.float32, copy=False)).view(cls)
     if isinstance(out, np.floating):
-        return np.float32(bf16_round(np.asarray(out))[()])
+        return np.float32(cls.round(np.asarray(out, dtype=np.float32))[()])
     return out
 
 
+def lp_array(x: np.ndarray, dtype: str) -> LowPrecisionArray:
+    """``x`` rounded to ``dtype`` (``"bfloat16"`` or ``"float16"``) as a :class:`LowPrecisionArray`."""
+    cls = LOW_PRECISION[dtype]
+    return cls.round(np.asarray(x, dtype=np.float32)).view(cls)
+
+
 def bf16_array(x: np.ndarray) -> BF16Array:
-    return bf16_round(x).view(BF16Array)
+    return lp_array(x, "bfloat16")
 
 
 @dataclass(frozen=True)
