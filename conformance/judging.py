@@ -38,6 +38,7 @@ from .tolerance import (
     MANTISSA_BITS,
     Metrics,
     Tolerance,
+    elementwise_ulp_rms,
     lp_array,
     measure,
     round_to,
@@ -335,7 +336,8 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # resolve the logits): no tolerance derived from it would mean anything
         raise NotApplicable(f"ill-conditioned in {dtype}: a plain {dtype} implementation is off "
                             f"by {base_max:.2g} on outputs of size {mag:.2g}")
-    prep.tol_max, prep.tol_rms = tol.bounds(base_max, base_rms, mag, dtype)
+    prep.tol_max, prep.tol_rms = tol.bounds(base_max, base_rms, mag, dtype,
+                                            elementwise_ulp_rms(prep.golden, dtype, keep))
     return prep
 
 
