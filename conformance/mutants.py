@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "correct_kernel", "catch_rate", "VARIANT_CHANGES", "variant_kernel",
-           "variant_mutants", "first_failure"]
+           "variant_mutants", "first_failure", "fp32_accumulating_kernel",
+           "low_precision_accumulating_kernel"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -200,6 +201,47 @@ MUTANTS += [
     Mutant("softcap: scale applied twice", _modern("softcap scale twice"),
            "scale is applied again after the soft-cap", {"cases": _feature_cases("softcap")}),
 ]
+
+
+# ------------------------------------- float16/bfloat16: accumulating in the kernel's dtype
+
+
+def _blockwise(q, k, v, mask, causal, scale, block, acc_dtype, row_sum_in_dtype=None):
+    """Softmax attention over key blocks; ``acc_dtype`` holds the running ``P V`` (and row
+    sum) between blocks; the logits, exponentials and products inside a block are float32."""
+    dt = q.dtype
+    row_sum_dtype = acc_dtype if row_sum_in_dtype is None else row_sum_in_dtype
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.astype(np.float32) @ np.swapaxes(k, -1, -2).astype(np.float32)) * np.float32(scale)
+    al = _allowed(nq, nk, causal, mask)
+    if al is not None:
+        s = np.where(al, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0).astype(np.float32)
+    acc = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc_dtype)
+    den = np.zeros(q.shape[:-1] + (1,), dtype=row_sum_dtype)
+    for j0 in range(0, nk, block):
+        p = np.exp(s[..., j0:j0 + block] - m)  # float32
+        # P rounded to the kernel dtype for the product, as FlashAttention does
+        part = p.astype(dt).astype(np.float32) @ v[..., j0:j0 + block, :].astype(np.float32)
+        acc = (acc.astype(np.float32) + part).astype(acc_dtype)
+        den = (den.astype(np.float32) + np.sum(p, axis=-1, keepdims=True)).astype(row_sum_dtype)
+    den = den.astype(np.float32)
+    return (acc.astype(np.float32) / np.where(den > 0, den, 1)).astype(dt)
+
+
+def fp32_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None, block=64):
+    """A correct float16 kernel: key blocks of ``block``, running ``P V`` and row sum in
+    float32, ``P`` rounded to float16 for the product (FlashAttention's recipe)."""
+    return _blockwise(q, k, v, mask, causal, scale, block, np.float32)
+
+
+def low_precision_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None,
+                                      block=16):
+    """The mistake: as :func:`fp32_accumulating_kernel` but ``P V`` and the row sum are
+    accumulated in the kernel's own dtype, ``block`` keys at a time."""
+    return _blockwise(q, k, v, mask, causal, scale, block, q.dtype)
 
 
 # ------------------------------------------------ variant mutants: every registered variant
