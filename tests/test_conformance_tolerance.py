@@ -111,21 +111,31 @@ def test_float16_baseline_accumulates_in_float32():
 
 # ---------------------------------------------- tolerances the size of softmax's, per dtype
 
-# Where a variant is ill-conditioned on more than 5 % of the cases in float32/float64,
-# the reason (docs/conformance.md, "Tolerances of approximate variants").
-ILL_CONDITIONED_EXCEPTIONS: dict[str, str] = {}
-# every 3rd standard case: all variants and dtypes, a third of the cost (measured below)
-EVERY = 3
+# Variants allowed more than 5 % ill-conditioned cases in float32/float64, and only on
+# the cases of these tags (docs/conformance.md, "Tolerances of approximate variants").
+ILL_CONDITIONED_EXCEPTIONS: dict[tuple, tuple] = {
+    # FAVOR+ features exp(w.x - |x|^2/2) of inputs with |x|^2/2 ~ 1e3 span more than
+    # float32's exponent range: every float32 implementation's denominators underflow
+    ("performer", "float32"): ("large-logits",),
+    # k-means assignments and the top-k keys of logits ~ 1e4 flip between float64 and
+    # longdouble rounding: the output is discontinuous in its rounding there
+    ("clustered_topk", "float64"): ("large-logits",),
+    ("clustered_topk", "float32"): ("large-logits",),
+}
+# every 4th standard case (by id): all variants and dtypes at a quarter of the cost
+EVERY = 4
 
 
 def _statistic(name, dtype, every=EVERY):
-    rel, ill, n = [], 0, 0
+    """``(median tol_max / max|golden|, ill-conditioned case tags, cases)`` of a sample."""
+    rel, ill, n = [], [], 0
     for case in _sample(name, every):
         n += 1
         try:
             prep = prepare(case, name, dtype)
         except NotApplicable as exc:
-            ill += "ill-conditioned" in str(exc)
+            if "ill-conditioned" in str(exc):
+                ill.append(case.tag)
             continue
         mag = float(np.max(np.abs(prep.golden))) if prep.golden.size else 0.0
         if mag > 0:
@@ -143,8 +153,14 @@ def test_every_variant_gets_a_tolerance_the_size_of_softmaxs(dtype):
         med, ill, n = _statistic(name, dtype)
         if not med <= 16 * ref:
             bad.append(f"{name}: median tol/max|golden| {med:.3g} > 16 x softmax's {ref:.3g}")
-        if dtype in ("float32", "float64") and ill > 0.05 * n and name not in ILL_CONDITIONED_EXCEPTIONS:
-            bad.append(f"{name}: {ill} of {n} sampled cases ill-conditioned in {dtype}")
+        if dtype not in ("float32", "float64"):
+            continue
+        allowed = ILL_CONDITIONED_EXCEPTIONS.get((name, dtype))
+        if allowed is not None:
+            bad += [f"{name}: ill-conditioned {tag} case in {dtype} (only {allowed} are known)"
+                    for tag in ill if tag not in allowed]
+        elif len(ill) > 0.05 * n:
+            bad.append(f"{name}: {len(ill)} of {n} sampled cases ill-conditioned in {dtype}: {ill}")
     assert not bad, "\n".join(bad)
 
 
@@ -288,18 +304,25 @@ def test_calibration_fp32_accumulating_kernels_pass(kernel, dtype):
     the pair so that CI sees many draws over the runs (ATTN_REF_CALIBRATION_SEEDS=20: all)."""
     pytest.importorskip("jax" if kernel == "jax" else "torch")
     fn, kw = _kernel(kernel)
+    # N = 4096 rows where accumulation shows most (in float64 their longdouble golden
+    # costs a minute: the low-precision dtypes only, unless the full calibration runs)
     extra = [Case("long", (1, 1), 4096, 4096, 64, 64),
              Case("long", (1, 1), 4096, 4096, 64, 64, causal="top-left")]
-    std = cases("softmax", "standard")
+    if not SEEDS and dtype in ("float32", "float64"):
+        extra = []
+    # CI: the quick suite and the long rows (where accumulation shows); full: standard
+    suite = cases("softmax", "standard" if SEEDS else "quick")
+    if not SEEDS:
+        suite += [c for c in cases("softmax", "standard") if c.tag == "long"]
     ci_seed = CALIBRATION.index((kernel, dtype)) % 20
     for seed in (range(SEEDS) if SEEDS else [ci_seed]):
-        rep = verify(fn, "softmax", dtypes=(dtype,), seed=seed, cases=std + extra,
+        rep = verify(fn, "softmax", dtypes=(dtype,), seed=seed, cases=suite + extra,
                      progress=False, diagnose=False, **kw)
         xla_bug = [r for r in rep.failures if r.verdict == "error"
                    and "ALG_DOT_BF16_BF16_F32" in r.diagnosis and "q1k1" in r.case]
         rep.results = [r for r in rep.results if r not in xla_bug]
         assert rep.passed, f"seed {seed}\n" + rep.table()
-        assert rep.counts["pass"] >= 40, rep.summary()
+        assert rep.counts["pass"] >= (40 if SEEDS else 10), rep.summary()
 
 
 def test_torch_blockwise_kernel_is_a_fair_calibration_kernel():
