@@ -214,7 +214,8 @@ def precision(m, plain) -> float:
     """The kernel's max error over the plain implementation's (nan when both are 0).
 
     About 1 for a kernel that rounds like a plain fp32-accumulating implementation in
-    its dtype; 10 or more for one that accumulates ``P V`` in float16 at ``N = 4096``.
+    its dtype; several times that for one that accumulates ``P V`` and the row sum in
+    float16 16 keys at a time at ``N = 4096`` (measured: 4.7).
     """
     if plain is None or m.nonfinite:
         return math.inf if m.nonfinite else math.nan
