@@ -21,7 +21,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases"]
+__all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
+           "VARIANT_CHANGES", "variant_kernel", "variant_mutants", "first_failure",
+           "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -111,6 +113,7 @@ class Mutant:
     kernel: Any
     expect: str  # words the diagnosis should contain
     options: dict = field(default_factory=dict)  # extra verify() keywords
+    variant: str = "softmax"  # the registered variant the kernel claims to compute
 
 
 MUTANTS: list[Mutant] = [
@@ -308,11 +311,217 @@ MUTANTS += [
 ]
 
 
+# ------------------------------------- float16/bfloat16: accumulating in the kernel's dtype
+
+
+def _blockwise(q, k, v, mask, causal, scale, block, acc_dtype, row_sum_in_dtype=None):
+    """Softmax attention over key blocks; ``acc_dtype`` holds the running ``P V`` (and row
+    sum) between blocks; the logits, exponentials and products inside a block are float32."""
+    dt = q.dtype
+    row_sum_dtype = acc_dtype if row_sum_in_dtype is None else row_sum_in_dtype
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.astype(np.float32) @ np.swapaxes(k, -1, -2).astype(np.float32)) * np.float32(scale)
+    al = _allowed(nq, nk, causal, mask)
+    if al is not None:
+        s = np.where(al, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0).astype(np.float32)
+    acc = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=acc_dtype)
+    den = np.zeros(q.shape[:-1] + (1,), dtype=row_sum_dtype)
+    for j0 in range(0, nk, block):
+        p = np.exp(s[..., j0:j0 + block] - m)  # float32
+        # P rounded to the kernel dtype for the product, as FlashAttention does
+        part = p.astype(dt).astype(np.float32) @ v[..., j0:j0 + block, :].astype(np.float32)
+        acc = (acc.astype(np.float32) + part).astype(acc_dtype)
+        den = (den.astype(np.float32) + np.sum(p, axis=-1, keepdims=True)).astype(row_sum_dtype)
+    den = den.astype(np.float32)
+    return (acc.astype(np.float32) / np.where(den > 0, den, 1)).astype(dt)
+
+
+def fp32_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None, block=64):
+    """A correct float16 kernel: key blocks of ``block``, running ``P V`` and row sum in
+    float32, ``P`` rounded to float16 for the product (FlashAttention's recipe)."""
+    return _blockwise(q, k, v, mask, causal, scale, block, np.float32)
+
+
+def low_precision_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None,
+                                      block=16):
+    """The mistake: as :func:`fp32_accumulating_kernel` but ``P V`` and the row sum are
+    accumulated in the kernel's own dtype, ``block`` keys at a time."""
+    return _blockwise(q, k, v, mask, causal, scale, block, q.dtype)
+
+
+# ------------------------------------------------ variant mutants: every registered variant
+# For each variant three kernels that compute a slightly different function: the output
+# times 1.01, a 1 % (or off-by-one) change of a feature map or parameter, and a variant
+# parameter ignored. Each must fail the standard suite in float64 and float32: an
+# oracle whose tolerance for a variant is the distance to another function passes them.
+
+
+def variant_kernel(variant, change=None, *, factor=None):
+    """The variant's reference as a NumPy kernel, with one ``change`` to its arguments.
+
+    ``change(q, k, v, kw) -> (q, k, v, kw)`` edits the call (``kw`` is a copy of the
+    keywords the oracle passed); ``factor`` multiplies the output. The kernel has the
+    reference's signature, so it receives the variant's parameters and options.
+    """
+    import inspect
+
+    from attn_ref.registry import get
+
+    fn = get(variant).fn
+
+    def kernel(q, k, v, **kw):
+        kw = dict(kw)
+        if change is not None:
+            q, k, v, kw = change(q, k, v, kw)
+        out = fn(q, k, v, **kw)
+        return out if factor is None else (out * factor).astype(out.dtype)
+
+    kernel.__signature__ = inspect.signature(fn)
+    kernel.__name__ = f"{variant}_mutant"
+    return kernel
+
+
+def _set(**values):
+    """A change that sets keywords: ``value(current, q, k, v)`` for each name."""
+
+    def change(q, k, v, kw):
+        for name, val in values.items():
+            kw[name] = val(kw.get(name), q, k, v)
+        return q, k, v, kw
+
+    return change
+
+
+def _drop(*names):
+    def change(q, k, v, kw):
+        for name in names:
+            kw.pop(name, None)
+        return q, k, v, kw
+
+    return change
+
+
+def _scaled_logits(factor, default):
+    """The logit scale times ``factor``; ``default(d)`` when the case gives none."""
+    return _set(scale=lambda s, q, k, v: factor * (default(q.shape[-1]) if s is None else s))
+
+
+def _elu_plus(c):
+    def phi(x):
+        return np.where(x > 0, x, np.expm1(np.minimum(x, 0))) + x.dtype.type(c)
+
+    return lambda current, q, k, v: phi
+
+
+def _times(factor):
+    return lambda x, q, k, v: (x * factor).astype(x.dtype)
+
+
+def _plus(n):
+    return lambda x, q, k, v: x + n
+
+
+def _shared_values(q, k, v, kw):
+    kw["v_weight"] = kw.get("k_weight")
+    return q, k, v, kw
+
+
+def _linformer_shared(q, k, v, kw):
+    kw["f_proj"] = kw.get("e_proj")
+    return q, k, v, kw
+
+
+def _softmax_scale(d):
+    return 1.0 / math.sqrt(d)
+
+
+def _nq(name):
+    """``name`` set to the number of queries (one segment / landmark / cluster each)."""
+    return _set(**{name: lambda x, q, k, v: q.shape[-2]})
+
+
+#: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
+#: ignored parameter); the output-times-1.01 mutant is built for every variant
+VARIANT_CHANGES: dict[str, tuple] = {
+    "softmax": (("logit scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
+                ("scale argument ignored", _drop("scale"))),
+    "online_softmax": (("logit scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
+                       ("scale argument ignored", _drop("scale"))),
+    "compressed": (("key compression weights x 1.01", _set(k_weight=_times(1.01))),
+                   ("v_weight ignored (k_weight compresses the values too)", _shared_values)),
+    "linear": (("feature map elu+1.01 instead of elu+1", _set(feature_map=_elu_plus(1.01))),
+               ("causal argument ignored", _drop("causal"))),
+    "linformer": (("key projection E x 1.01", _set(e_proj=_times(1.01))),
+                  ("f_proj ignored (E projects the values too)", _linformer_shared)),
+    "performer": (("random projection x 1.01", _set(projection=_times(1.01))),
+                  ("scale argument ignored", _drop("scale"))),
+    "pooled": (("one segment too many", _set(num_segments=_plus(1))),
+               ("num_segments ignored (no pooling)", _nq("num_segments"))),
+    "query_reduced": (("one segment too many", _set(num_segments=_plus(1))),
+                      ("num_segments ignored (no pooling)", _nq("num_segments"))),
+    "nystrom": (("one landmark too few", _set(num_landmarks=_plus(-1))),
+                ("pinv_iterations ignored (one iteration)", _set(pinv_iterations=lambda *a: 1))),
+    "clustered": (("one cluster too few", _set(num_clusters=_plus(-1))),
+                  ("num_clusters ignored (one cluster per query)", _nq("num_clusters"))),
+    "clustered_topk": (("top-k one key short", _set(topk=_plus(-1))),
+                       ("topk ignored (no top-k correction)", _set(topk=lambda *a: None))),
+    "block_sparse": (("logit scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
+                     ("layout ignored (every block attends)",
+                      _set(layout=lambda x, q, k, v: tuple(tuple(True for _ in r) for r in x)))),
+    "local": (("window one key wider", _set(window=_plus(1))),
+              ("scale argument ignored", _drop("scale"))),
+    "longformer": (("window one key wider", _set(window=_plus(1))),
+                   ("global_tokens ignored", _set(global_tokens=lambda *a: ()))),
+    "bigbird": (("window one block wider", _set(window=_plus(1))),
+                ("random_blocks ignored", _set(random_blocks=lambda *a: 0))),
+    "strided": (("stride one longer", _set(stride=_plus(1))),
+                ("scale argument ignored", _drop("scale"))),
+    "fixed": (("summary one key longer", _set(summary=_plus(1))),
+              ("scale argument ignored", _drop("scale"))),
+}
+
+
+def variant_mutants(variant: str) -> list[Mutant]:
+    """The three mutants of a registered variant; KeyError if it has none declared."""
+    if variant not in VARIANT_CHANGES:
+        raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
+                       f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
+    (pert, pchange), (ign, ichange) = VARIANT_CHANGES[variant]
+    return [Mutant(f"{variant}: output x 1.01", variant_kernel(variant, factor=1.01), "",
+                   variant=variant),
+            Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
+            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)]
+
+
+def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
+    """Run ``m`` case by case, cheapest first, up to its first value failure.
+
+    Returns ``(result, cases_run)``; ``result`` is None when every case passed (or was
+    not applicable, or the kernel raised: an error is no evidence the values are caught).
+    """
+    from .catalogue import cases
+    from .oracle import verify
+
+    ran = 0
+    for case in sorted(cases(m.variant, suite), key=lambda c: (c.size, c.id)):
+        rep = verify(m.kernel, m.variant, backend="numpy", dtypes=(dtype,), seed=seed,
+                     cases=[case], causal="both", supports={"broadcast": True},
+                     diagnose=False, progress=False, **m.options)
+        ran += 1
+        fails = [r for r in rep.results if r.verdict == "fail"]
+        if fails:
+            return fails[0], ran
+    return None, ran
+
+
 def run_mutant(m: Mutant, suite="quick", seed=0):
     from .oracle import verify
 
     opts = {"causal": "both", "supports": {"broadcast": True}, **m.options}
-    return verify(m.kernel, "softmax", backend="numpy", suite=suite, seed=seed, **opts)
+    return verify(m.kernel, m.variant, backend="numpy", suite=suite, seed=seed, **opts)
 
 
 def catch_rate(suite="quick", seed=0, out=sys.stdout):

@@ -33,6 +33,8 @@ class CaseResult:
 
     ``worst`` is the index ``(batch, head, query)`` of the largest error in the
     canonical ``(B, H, N, d)`` layout. ``ratio`` is ``max(max_err/tol_max, rms_err/tol_rms)``.
+    ``precision`` is ``max_err`` over the max error of a plain implementation in the same
+    dtype (fp32-accumulating in float16/bfloat16): ~1 rounds like one, >> 1 does not.
     """
 
     case: str
@@ -48,6 +50,8 @@ class CaseResult:
     diagnosis: str = ""
     baseline_max: float = float("nan")
     baseline_rms: float = float("nan")
+    #: max_err over the max error of a plain (fp32-accumulating) implementation in the dtype
+    precision: float = float("nan")
     shapes: dict = field(default_factory=dict)
     time_s: float = 0.0
 
@@ -152,14 +156,14 @@ class Report:
         shown = [r for r in self.results if show_na or r.verdict != "n/a"]
         width = max([len(r.case) for r in shown] + [width or 24, 4])
         hdr = f"{'case':<{width}} {'dtype':<8} {'out':<4} {'max err':>9} {'tol':>9} " \
-              f"{'rms err':>9} {'tol rms':>9} {'ratio':>7}  verdict"
+              f"{'rms err':>9} {'tol rms':>9} {'ratio':>7} {'prec':>7}  verdict"
         lines += [hdr, "-" * len(hdr)]
         order = {"fail": 0, "error": 1, "pass": 2, "n/a": 3}
         rows = sorted(shown, key=lambda r: order[r.verdict])
         for r in rows:
             lines.append(
                 f"{r.case:<{width}} {r.dtype:<8} {r.output:<4} {_e(r.max_err)} {_e(r.tol_max)} "
-                f"{_e(r.rms_err)} {_e(r.tol_rms)} {_r(r.ratio)}  {r.verdict}"
+                f"{_e(r.rms_err)} {_e(r.tol_rms)} {_r(r.ratio)} {_r(r.precision)}  {r.verdict}"
             )
             if r.diagnosis and r.verdict != "pass":
                 lines.append(f"    -> {r.diagnosis}")

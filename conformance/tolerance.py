@@ -8,14 +8,16 @@ For each case and kernel dtype:
    rounded inputs - in ``np.longdouble`` (80-bit extended on x86) when the kernel
    itself is float64, so that the golden is more precise than the kernel.
 3. The **baseline** is the same reference run in the kernel's dtype (NumPy float16 /
-   float32 / float64; bfloat16 emulated, see :func:`bf16_namespace_arrays`). Its error
+   float32 / float64; float16 and bfloat16 as fp32-accumulating :class:`LowPrecisionArray`
+   arrays), in each of the variant's forms (:func:`conformance.judging.forms`). Its error
    against the golden is what a plain implementation in that dtype makes.
 4. The kernel passes when, over the compared elements,
 
    ``max_err <= fudge * baseline_max + floor_ulps * ulp(M)`` and
-   ``rms_err <= fudge_rms * baseline_rms + floor_rms_ulps * ulp(M)``,
+   ``rms_err <= fudge_rms * baseline_rms + floor_rms_ulps * U``,
 
-   where ``M = max |golden|`` and ``ulp(M)`` is the spacing of the dtype at ``M``.
+   where ``M = max |golden|``, ``ulp(M)`` is the spacing of the dtype at ``M`` and ``U``
+   the RMS over elements of each golden element's own ulp.
    The floors keep an exactly representable baseline from giving a zero tolerance.
    A non-finite kernel value where the golden is finite always fails; a non-finite
    golden is never a pass (it is reported as an oracle error).
@@ -39,10 +41,15 @@ __all__ = [
     "DEFAULTS",
     "MANTISSA_BITS",
     "ulp",
+    "elementwise_ulp_rms",
     "round_to",
     "host_dtype",
     "bf16_round",
+    "LowPrecisionArray",
     "BF16Array",
+    "F16Array",
+    "LOW_PRECISION",
+    "lp_array",
     "Metrics",
     "measure",
 ]
@@ -62,16 +69,31 @@ class Tolerance:
     # normalisation still rounds every element by up to an ulp (performer, torch float64)
     floor_rms_ulps: float = 2.0
 
-    def bounds(self, base_max: float, base_rms: float, magnitude: float, dtype: str):
+    def bounds(self, base_max: float, base_rms: float, magnitude: float, dtype: str,
+               ulp_rms: float | None = None):
+        """``(tol_max, tol_rms)``. The RMS floor is in units of ``ulp_rms`` (the RMS of
+        each golden element's own ulp, :func:`elementwise_ulp_rms`) when given, else of
+        ``ulp(magnitude)``: on long rows the outputs are far below their maximum, and a
+        floor at the maximum's ulp would hide an error many times the baseline's."""
         u = ulp(magnitude, dtype)
+        ur = u if ulp_rms is None else ulp_rms
         return (self.fudge * base_max + self.floor_ulps * u,
-                self.fudge_rms * base_rms + self.floor_rms_ulps * u)
+                self.fudge_rms * base_rms + self.floor_rms_ulps * ur)
 
     def to_dict(self):
         return asdict(self)
 
 
 DEFAULTS: dict[str, Tolerance] = {dt: Tolerance() for dt in DTYPES}
+# float16/bfloat16: the baseline is a plain fp32-accumulating implementation in the
+# dtype (:class:`LowPrecisionArray`); SDPA, FlashAttention-style blockwise kernels and
+# jax.nn.dot_product_attention make at most about its error. FlashAttention's own rule
+# ("at most twice a plain low-precision implementation's error") for the maximum, and
+# 1.5x on the RMS with a floor of half an ulp per element (a correctly rounded exact
+# result), so that a kernel accumulating P V or the row sum in its own dtype a few keys
+# at a time - several times the plain error at N = 4096 - fails.
+for _dt in ("float16", "bfloat16"):
+    DEFAULTS[_dt] = Tolerance(fudge=2.0, floor_ulps=2.0, fudge_rms=1.5, floor_rms_ulps=0.5)
 
 
 def ulp(magnitude: float, dtype: str) -> float:
@@ -80,6 +102,20 @@ def ulp(magnitude: float, dtype: str) -> float:
     if not math.isfinite(m) or m == 0.0:
         m = 1.0
     return 2.0 ** (math.floor(math.log2(m)) - MANTISSA_BITS[dtype])
+
+
+def elementwise_ulp_rms(golden: np.ndarray, dtype: str, keep: np.ndarray | None = None) -> float:
+    """RMS over the compared finite elements of each element's own ``dtype`` ulp (0 at 0)."""
+    g = np.abs(np.asarray(golden, dtype=np.float64))
+    sel = np.isfinite(g) & (g > 0)
+    if keep is not None:
+        sel &= np.broadcast_to(keep, g.shape)
+    n = int(np.count_nonzero(np.isfinite(g) if keep is None
+                             else np.broadcast_to(keep, g.shape) & np.isfinite(g)))
+    if n == 0 or not sel.any():
+        return 0.0
+    u = np.exp2(np.floor(np.log2(g[sel])) - MANTISSA_BITS[dtype])
+    return float(np.sqrt(np.sum(u * u) / n))
 
 
 def bf16_round(x: np.ndarray) -> np.ndarray:
@@ -110,33 +146,67 @@ def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.dtype(dtype)).astype(np.float64)
 
 
-class BF16Array(np.ndarray):
-    """A float32 ndarray whose every operation rounds its result to bfloat16.
+class LowPrecisionArray(np.ndarray):
+    """A float32 ndarray whose every operation rounds its result to a narrower dtype.
 
-    NumPy has no bfloat16 arithmetic and array_api_compat refuses ml_dtypes' bfloat16,
-    so the bfloat16 baseline runs the reference on float32 arrays of this subclass:
-    each ufunc (``@``, ``*``, ``exp``, ``max``, ``sum``, ...) and array function
-    (``where``, ``concat``, ...) computes in float32 and rounds its result to the
-    nearest bfloat16. This is what a plain bfloat16 implementation does: bfloat16
-    storage between operations, float32 accumulation inside a matmul or a reduction.
+    NumPy has no bfloat16 arithmetic, array_api_compat refuses ml_dtypes' bfloat16,
+    and NumPy's own float16 accumulates some reductions (``cumsum``) in float16, so
+    the low-precision baselines run the reference on float32 arrays of a subclass
+    (:class:`BF16Array`, :class:`F16Array`): each ufunc (``@``, ``*``, ``exp``,
+    ``max``, ``sum``, ...) and array function (``where``, ``concat``, ...) computes in
+    float32 and rounds its result to the nearest value of the dtype. That is a plain
+    **fp32-accumulating** implementation in the dtype, as SDPA's math path and
+    FlashAttention are: inputs and every intermediate stored in the dtype, products and
+    reductions accumulated in float32. A kernel that accumulates ``P V`` or the row
+    sum in its own dtype a few keys at a time makes a larger error than this.
     """
+
+    #: the name of the dtype the results are rounded to
+    dtype_name = ""
+
+    @staticmethod
+    def round(x: np.ndarray) -> np.ndarray:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         inputs = tuple(_plain(x) for x in inputs)
         if "out" in kwargs:
             kwargs["out"] = tuple(_plain(x) for x in kwargs["out"])
-        return _bf16_wrap(getattr(ufunc, method)(*inputs, **kwargs))
+        return _lp_wrap(type(self), getattr(ufunc, method)(*inputs, **kwargs))
 
     def __array_function__(self, func, types, args, kwargs):
-        return _bf16_wrap(func(*_unwrap(args), **_unwrap(kwargs)))
+        return _lp_wrap(type(self), func(*_unwrap(args), **_unwrap(kwargs)))
+
+
+class BF16Array(LowPrecisionArray):
+    """float32 storage, every result rounded to bfloat16 (see :class:`LowPrecisionArray`)."""
+
+    dtype_name = "bfloat16"
+
+    @staticmethod
+    def round(x):
+        return bf16_round(x)
+
+
+class F16Array(LowPrecisionArray):
+    """float32 storage, every result rounded to float16 (see :class:`LowPrecisionArray`)."""
+
+    dtype_name = "float16"
+
+    @staticmethod
+    def round(x):
+        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+
+
+LOW_PRECISION = {"bfloat16": BF16Array, "float16": F16Array}
 
 
 def _plain(x):
-    return x.view(np.ndarray) if isinstance(x, BF16Array) else x
+    return x.view(np.ndarray) if isinstance(x, LowPrecisionArray) else x
 
 
 def _unwrap(obj):
-    if isinstance(obj, BF16Array):
+    if isinstance(obj, LowPrecisionArray):
         return obj.view(np.ndarray)
     if isinstance(obj, (list, tuple)):
         return type(obj)(_unwrap(o) for o in obj)
@@ -145,18 +215,25 @@ def _unwrap(obj):
     return obj
 
 
-def _bf16_wrap(out):
+def _lp_wrap(cls, out):
     if isinstance(out, tuple):
-        return tuple(_bf16_wrap(o) for o in out)
+        return tuple(_lp_wrap(cls, o) for o in out)
     if isinstance(out, np.ndarray) and out.dtype.kind == "f":
-        return bf16_round(out).view(BF16Array)
+        # float32 arithmetic first (a float64 operand would otherwise promote)
+        return cls.round(out.astype(np.float32, copy=False)).view(cls)
     if isinstance(out, np.floating):
-        return np.float32(bf16_round(np.asarray(out))[()])
+        return np.float32(cls.round(np.asarray(out, dtype=np.float32))[()])
     return out
 
 
+def lp_array(x: np.ndarray, dtype: str) -> LowPrecisionArray:
+    """``x`` rounded to ``dtype`` (``"bfloat16"`` or ``"float16"``) as a :class:`LowPrecisionArray`."""
+    cls = LOW_PRECISION[dtype]
+    return cls.round(np.asarray(x, dtype=np.float32)).view(cls)
+
+
 def bf16_array(x: np.ndarray) -> BF16Array:
-    return bf16_round(x).view(BF16Array)
+    return lp_array(x, "bfloat16")
 
 
 @dataclass(frozen=True)
