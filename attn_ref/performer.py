@@ -188,7 +188,8 @@ def key_offset(xp, exponent, projection, kernel, causal):
     # float64 (np.longdouble), and log(inf) would make the offset -inf.
     largest = xp.asarray(xp.finfo(projection.dtype).max, dtype=projection.dtype,
                          device=array_api_compat.device(projection))
-    return bound - float(xp.log(largest)) / 4
+    # kept an array (no float()): under jax.jit both are traced values
+    return bound - xp.log(largest) / 4
 
 
 def _very_negative(xp, dtype):

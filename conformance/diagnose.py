@@ -692,17 +692,27 @@ def _low_precision_accumulation(prep, res, rerun):
         if best is not None:
             words = (f"{head}, the size ({best[2]:.2g}) of one whose P V and row sum are "
                      f"accumulated in {dt} {best[1]} key(s) at a time")
-    c = prep.case
-    if rerun is not None and c.nk >= 256:
-        small = replace(c, nq=max(1, c.nq // 4), nk=max(1, c.nk // 4), tag=c.tag + "-quarter")
-        r = rerun(small)
-        if r.verdict in ("pass", "fail") and r.precision == r.precision and r.precision > 0:
-            grow = res.precision / r.precision
-            if grow > 1.25:
-                more = (f"its error grows with N faster than a plain implementation's "
-                        f"({r.precision:.3g}x at Nk={small.nk}, {res.precision:.3g}x at Nk={c.nk})")
-                words = f"{words}; {more}" if words else f"{head}; {more}"
+    grown = _at_quarter_length(prep, rerun, "precision")
+    if grown is not None and res.precision / grown[0] > 1.25:
+        more = (f"its error grows with N faster than a plain implementation's "
+                f"({grown[0]:.3g}x at Nk={grown[1]}, {res.precision:.3g}x at Nk={prep.case.nk})")
+        words = f"{words}; {more}" if words else f"{head}; {more}"
     return words
+
+
+def _at_quarter_length(prep, rerun, metric):
+    """``(value, Nk)`` of a result's ``metric`` (``"max_err"``, ``"precision"``) when the
+    kernel is re-run on the same case at a quarter of its lengths; None where it cannot
+    be (no re-run, Nk < 256, no positive finite value)."""
+    c = prep.case
+    if rerun is None or c.nk < 256:
+        return None
+    small = replace(c, nq=max(1, c.nq // 4), nk=max(1, c.nk // 4), tag=c.tag + "-quarter")
+    r = rerun(small)
+    value = getattr(r, metric)
+    if r.verdict in ("pass", "fail") and value == value and value > 0:
+        return value, small.nk
+    return None
 
 
 def _precision(prep, res, rerun):
@@ -721,16 +731,11 @@ def _precision(prep, res, rerun):
             words = (f"the error ({res.max_err:.2g}) is the size a plain {dt} implementation "
                      f"makes ({be:.2g}): computing or accumulating in {dt} (low precision)")
             break
-    c = prep.case
-    if rerun is not None and c.nk >= 256:
-        small = replace(c, nq=max(1, c.nq // 4), nk=max(1, c.nk // 4), tag=c.tag + "-quarter")
-        r = rerun(small)
-        if r.verdict in ("pass", "fail") and r.max_err == r.max_err and r.max_err > 0:
-            grow = res.max_err / r.max_err
-            if grow > 1.5:
-                more = (f"the error grows with N ({r.max_err:.2g} at Nk={small.nk}, "
-                        f"{res.max_err:.2g} at Nk={c.nk}), as low-precision accumulation does")
-                words = f"{words}; {more}" if words else more
+    grown = _at_quarter_length(prep, rerun, "max_err")
+    if grown is not None and res.max_err / grown[0] > 1.5:
+        more = (f"the error grows with N ({grown[0]:.2g} at Nk={grown[1]}, "
+                f"{res.max_err:.2g} at Nk={prep.case.nk}), as low-precision accumulation does")
+        words = f"{words}; {more}" if words else more
     return words
 
 

@@ -150,10 +150,9 @@ _CACHE_ELEMS = 1 << 16  # 256 KiB of float32: in L2 on any recent core
 _STREAM_BYTES = 256 << 20
 
 
-def _rates_numpy(reps):
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal(_CACHE_ELEMS, dtype=np.float32)
-    y, out = x.copy(), np.empty_like(x)
+def _streaming_rates(reps, exp, mul, copy, x, y, out, src, dst):
+    """In-cache ``exp`` and multiply rates (elements/s, written into ``out``) and the copy
+    bandwidth (bytes/s, read + write) of one library, given its three operations."""
     inner = 200
 
     def many(f):
@@ -162,12 +161,18 @@ def _rates_numpy(reps):
                 f()
         return run
 
-    exp = inner * _CACHE_ELEMS / _median_time(many(lambda: np.exp(x, out=out)), reps)
-    mul = inner * _CACHE_ELEMS / _median_time(many(lambda: np.multiply(x, y, out=out)), reps)
+    return {"exp": inner * _CACHE_ELEMS / _median_time(many(lambda: exp(x, out=out)), reps),
+            "elementwise": inner * _CACHE_ELEMS / _median_time(many(lambda: mul(x, y, out=out)), reps),
+            "bandwidth": 2 * _STREAM_BYTES / _median_time(lambda: copy(dst, src), reps)}
+
+
+def _rates_numpy(reps):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(_CACHE_ELEMS, dtype=np.float32)
     src = np.ones(_STREAM_BYTES // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    bw = 2 * _STREAM_BYTES / _median_time(lambda: np.copyto(dst, src), reps)
-    return {"gemm_flops": matmul_rate(reps), "exp": exp, "elementwise": mul, "bandwidth": bw}
+    rates = _streaming_rates(reps, np.exp, np.multiply, np.copyto, x, x.copy(), np.empty_like(x),
+                             src, np.empty_like(src))
+    return {"gemm_flops": matmul_rate(reps), **rates}
 
 
 def _rates_torch(reps):
@@ -176,22 +181,10 @@ def _rates_torch(reps):
     a = torch.randn(2048, 2048)
     gemm = 2 * 2048**3 / _median_time(lambda: a @ a, reps)
     x = torch.randn(_CACHE_ELEMS)
-    y, out = x.clone(), torch.empty_like(x)
-    inner = 200
-
-    def many(f):
-        def run():
-            for _ in range(inner):
-                f()
-        return run
-
-    exp = inner * _CACHE_ELEMS / _median_time(many(lambda: torch.exp(x, out=out)), reps)
-    mul = inner * _CACHE_ELEMS / _median_time(many(lambda: torch.mul(x, y, out=out)), reps)
     src = torch.ones(_STREAM_BYTES // 4)
-    dst = torch.empty_like(src)
-    bw = 2 * _STREAM_BYTES / _median_time(lambda: dst.copy_(src), reps)
-    return {"gemm_flops": gemm, "exp": exp, "elementwise": mul, "bandwidth": bw,
-            "threads": torch.get_num_threads()}
+    rates = _streaming_rates(reps, torch.exp, torch.mul, lambda dst, src: dst.copy_(src), x,
+                             x.clone(), torch.empty_like(x), src, torch.empty_like(src))
+    return {"gemm_flops": gemm, **rates, "threads": torch.get_num_threads()}
 
 
 def roofline_rates(backends=("numpy", "torch"), reps=7) -> dict:
