@@ -1,5 +1,7 @@
-"""Cost of the efficient forms
----------------------------
+"""Plans of the sparse family's efficient forms: gathered key blocks, residue classes and
+summary columns, merged exactly (the forward and the blockwise backward share them).
+
+Cost of the efficient forms
 ---------------------------
 A query block of ``B`` rows that sees ``c`` key blocks costs ``O(B c B d)`` time and
 ``O(B c B)`` logits memory, so a layout with ``c`` active blocks per row costs
