@@ -498,7 +498,10 @@ def test_torch_sdpa_peer_stays_on_the_fused_path():
     mib = {c: round(b / 2**20) for c, b in peak.items()}
     assert peak["cpu-float32"] < logits / 8, f"default SDPA holds O(N^2) memory (MiB): {mib}"
     assert peak["cpu-flash-float32"] < logits / 8, mib
-    assert peak["cpu-math-float32"] > 0.9 * logits, f"the math path's logits were not seen: {mib}"
+    # the RSS high-water mark of the math row lands between 0.85 and 2.3 x one N x N
+    # matrix depending on how the allocator reuses pages (measured 225 and 616 MiB):
+    # half of it is still four times the fused rows' bound
+    assert peak["cpu-math-float32"] > logits / 2, f"the math path's logits were not seen: {mib}"
 
 
 def test_jax_peer_matches_numpy():
