@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .calling import reference_features
-from .features import allowed_matrix, default_scale, sequence_lengths
+from .features import allowed_matrix, sequence_lengths
 from .tolerance import LOW_PRECISION, host_dtype, measure
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
@@ -87,17 +87,12 @@ def register_signature(sig: Signature) -> Signature:
 # ------------------------------------------------------------------ host softmax pieces
 
 
-def _scale(prep):
-    s = prep.kwargs.get("scale")
-    return default_scale(prep.case.d) if s is None else s
-
-
 _CASE = object()  # "as the case has it"
 
 
 def _logits(prep, *, scale=None, allowed=_CASE, bias=_CASE):
     a = prep.arrays
-    s = (a["q"] @ np.swapaxes(a["k"], -1, -2)) * (_scale(prep) if scale is None else scale)
+    s = (a["q"] @ np.swapaxes(a["k"], -1, -2)) * (prep.scale if scale is None else scale)
     b = a.get("bias") if bias is _CASE else bias
     if b is not None:
         s = s + b
@@ -191,7 +186,7 @@ def _bias_sigs(prep):
     b = prep.arrays["bias"]
     yield "the bias is ignored", _ref(prep, bias=None)
     yield "the bias is subtracted instead of added", _ref(prep, bias=-b)
-    yield "the bias is multiplied by the scale (added before scaling)", _ref(prep, bias=b * _scale(prep))
+    yield "the bias is multiplied by the scale (added before scaling)", _ref(prep, bias=b * prep.scale)
 
 
 def _swap_sigs(prep):
@@ -451,7 +446,7 @@ def _softcap_sigs(prep):
     c = prep.kwargs.get("softcap")
     if c is None:
         return
-    s = _scale(prep)
+    s = prep.scale
     # c' tanh(s' q.k / c') with the reference's (softcap, scale) = (c', s')
     yield "the soft-cap is ignored", _ref(prep, softcap=None)
     yield "the scale is applied again after the soft-cap", _ref(prep, softcap=c * s, scale=s * s)
@@ -474,7 +469,7 @@ def _varlen_sigs(prep):
         kw["alibi_slopes"] = a["alibi_slopes"]
     o = varlen_attention(pack(a["q"], lq), pack(a["k"], lk), pack(a["v"], lk),
                          cu_seqlens_q=[0, sum(lq)], cu_seqlens_k=[0, sum(lk)],
-                         causal=prep.kwargs.get("causal") or False, scale=_scale(prep), **kw)
+                         causal=prep.kwargs.get("causal") or False, scale=prep.scale, **kw)
     out = np.zeros(prep.golden.shape)
     start = 0
     for b, n in enumerate(lq):

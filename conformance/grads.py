@@ -25,14 +25,13 @@ A failing softmax gradient is compared with the known backward mistakes
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import numpy as np
 
 from .calling import call_kernel, changed_input, check_container, snapshot
-from .features import NotApplicable, allowed_matrix, default_scale
-from .judging import BASE_KEYS, as_dtype, resolve_tolerance
+from .features import NotApplicable, allowed_matrix
+from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, to_layout
 from .report import CaseResult
 from .tolerance import Tolerance, measure, round_to, ulp
@@ -342,15 +341,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
 
 
 def _judge(prep, m, output, tmax, trms, bm):
-    ratio = max(m.max_err / tmax if tmax > 0 else math.inf, m.rms_err / trms if trms > 0 else math.inf)
-    if m.golden_nonfinite:
-        verdict, why = "error", f"oracle: golden {output} has {m.golden_nonfinite} non-finite values"
-    elif m.nonfinite:
-        verdict, why, ratio = "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
-    elif m.max_err <= tmax and m.rms_err <= trms:
-        verdict, why = "pass", ""
-    else:
-        verdict, why = "fail", ""
+    verdict, why, ratio = verdict_of(m, tmax, trms, output)
     return CaseResult(case=prep.case.id, dtype=prep.dtype, output=output, max_err=m.max_err,
                       rms_err=m.rms_err, tol_max=tmax, tol_rms=trms, ratio=ratio, worst=m.worst[:3],
                       verdict=verdict, diagnosis=why,
@@ -425,8 +416,7 @@ def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:
     if prep.variant.name not in ("softmax", "online_softmax"):
         return {}
     a = prep.arrays
-    scale = prep.kwargs.get("scale")
-    scale = default_scale(prep.case.d) if scale is None else scale
+    scale = prep.scale
     allowed = allowed_matrix(prep.case, a, prep.kwargs)
     out = {}
     for mistake, words in MISTAKES.items():

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -57,7 +56,7 @@ from .tolerance import (
     ulp,
 )
 
-__all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge",
+__all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
@@ -203,17 +202,27 @@ class Prepared:
         return judge(self, m, output=output)
 
 
-def judge(prep: Prepared, m, *, output="out", **extra) -> CaseResult:
-    ratio = max(m.max_err / prep.tol_max if prep.tol_max > 0 else math.inf,
-                m.rms_err / prep.tol_rms if prep.tol_rms > 0 else math.inf)
+def verdict_of(m, tol_max, tol_rms, what="output"):
+    """``(verdict, diagnosis, ratio)`` of measured errors ``m`` against the bounds.
+
+    A non-finite golden is an oracle error, never a pass; a kernel value that is NaN/Inf
+    where the golden is finite fails whatever the bounds. ``ratio`` is
+    ``max(max_err / tol_max, rms_err / tol_rms)`` (infinite for non-finite values).
+    ``what`` names the output in the message (``"output"``, ``"dq"``...).
+    """
+    ratio = max(m.max_err / tol_max if tol_max > 0 else math.inf,
+                m.rms_err / tol_rms if tol_rms > 0 else math.inf)
     if m.golden_nonfinite:
-        verdict, why = "error", f"oracle: golden output has {m.golden_nonfinite} non-finite values"
-    elif m.nonfinite:
-        verdict, why, ratio = "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
-    elif m.max_err <= prep.tol_max and m.rms_err <= prep.tol_rms:
-        verdict, why = "pass", ""
-    else:
-        verdict, why = "fail", ""
+        return "error", f"oracle: golden {what} has {m.golden_nonfinite} non-finite values", ratio
+    if m.nonfinite:
+        return "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
+    if m.max_err <= tol_max and m.rms_err <= tol_rms:
+        return "pass", "", ratio
+    return "fail", "", ratio
+
+
+def judge(prep: Prepared, m, *, output="out", **extra) -> CaseResult:
+    verdict, why, ratio = verdict_of(m, prep.tol_max, prep.tol_rms)
     return CaseResult(
         case=prep.case.id, dtype=prep.dtype, output=output, shapes=extra.pop("shapes", {}),
         max_err=m.max_err, rms_err=m.rms_err, tol_max=prep.tol_max, tol_rms=prep.tol_rms,
@@ -546,7 +555,7 @@ class Form:
         """This form on ``prep``'s rounded inputs, computed in ``dtype``."""
         arrays, kwargs = prep.arrays, prep.kwargs
         if self.perturb:
-            rng = np.random.default_rng([prep.seed, zlib.crc32(prep.case.id.encode())])
+            rng = prep.case.rng(prep.seed)
             step = 2.0 ** -MANTISSA_BITS[prep.dtype]
             arrays = {**arrays, **{n: round_to(arrays[n] * (1 + step * rng.choice((-1.0, 1.0),
                                                                                arrays[n].shape)),

@@ -107,7 +107,7 @@ import os
 import numpy as np
 
 from .catalogue import cases as _cases
-from .features import NotApplicable, default_scale
+from .features import NotApplicable
 from .judging import parse_semantics, prepare, with_options
 from .layouts import to_layout
 from .report import jsonable
@@ -171,7 +171,6 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             if grads:
                 outputs, grad_tols = _add_grads(prep, arrays, layout, dt)
             np.savez(os.path.join(directory, fname), **arrays)
-            scale = prep.kwargs.get("scale")
             entries.append({
                 "file": fname,
                 "id": case.id,
@@ -179,8 +178,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "storage": {n: str(a.dtype) for n, a in arrays.items()},
                 "shapes": {n: list(a.shape) for n, a in arrays.items()},
                 "causal": prep.kwargs.get("causal"),
-                "scale": scale if scale is not None else default_scale(case.d),
-                "default_scale": scale is None,
+                "scale": prep.scale,
+                "default_scale": prep.kwargs.get("scale") is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},
                 # the case's other plain reference options: gqa, window, softcap,
