@@ -577,6 +577,18 @@ def benchmark_kwargs(variant, backend: Backend, n: int, d: int = HEAD_DIM) -> di
     return out
 
 
+class SingleCall:
+    """asv sampling for a benchmark whose call at large N takes seconds: single calls
+    (no calibration loop), no extra round in a second process, at most 10 samples in
+    10 s per case, no warm-up run (``setup`` compiles or warms what needs it)."""
+
+    timeout = 900.0
+    number = 1
+    repeat = (1, 10, 10.0)
+    rounds = 1
+    warmup_time = 0.0
+
+
 class VariantCase:
     """One variant on one backend at one N, ready to call."""
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._common import (
     HEADS,
+    SingleCall,
     backends,
     gpu_probe,
     inputs,
@@ -64,7 +65,7 @@ def sdpa_layout(host: np.ndarray) -> np.ndarray:
     return host[None]
 
 
-class TorchSDPA:
+class TorchSDPA(SingleCall):
     """``torch.nn.functional.scaled_dot_product_attention`` on ``(1, 8, N, 64)``.
 
     ``config`` names the device, the kernel (none: torch's choice, the fused flash
@@ -74,11 +75,6 @@ class TorchSDPA:
     heads = HEADS  # the memory test runs one head, to stay cheap
     params = (_sdpa_configs(), ns())
     param_names = ("config", "N")
-    timeout = 900.0
-    number = 1
-    repeat = (1, 10, 10.0)
-    rounds = 1
-    warmup_time = 0.0
 
     def setup(self, config, n):
         import torch
@@ -133,7 +129,7 @@ def numpy_oneshot(q, k, v):
     return s @ v
 
 
-class JaxDotProductAttention:
+class JaxDotProductAttention(SingleCall):
     """``jax.jit(jax.nn.dot_product_attention)``, implementation ``"xla"``, ``(1, N, 8, 64)``.
 
     JAX's layout is ``(batch, length, heads, d)``. On CPU ``"xla"`` is the only
@@ -143,11 +139,6 @@ class JaxDotProductAttention:
 
     params = (["cpu-float32"], ns())
     param_names = ("config", "N")
-    timeout = 900.0
-    number = 1
-    repeat = (1, 10, 10.0)
-    rounds = 1
-    warmup_time = 0.0
 
     def setup(self, config, n):
         if "jax" not in backends():
@@ -174,16 +165,11 @@ class JaxDotProductAttention:
         self.run()
 
 
-class NumpyOneShot:
+class NumpyOneShot(SingleCall):
     """Plain NumPy one-shot softmax attention, ``(8, N, 64)`` float32, BLAS products."""
 
     params = (ns(),)
     param_names = ("N",)
-    timeout = 900.0
-    number = 1
-    repeat = (1, 10, 10.0)
-    rounds = 1
-    warmup_time = 0.0
 
     def setup(self, n):
         cap = max_n("O(N^2 d)", "O(N^2)", gpu=False)

@@ -14,6 +14,7 @@ variant missing from an older commit is reported as skipped there
 from ._common import (
     HEAD_DIM,
     HEADS,
+    SingleCall,
     VariantCase,
     analytic_flops,
     backends,
@@ -27,18 +28,11 @@ from ._common import (
 )
 
 
-class Attention:
+class Attention(SingleCall):
     """Time and peak host memory of one forward call, ``(8, N, 64)`` float32."""
 
     params = discovered_params("variants.Attention.time_forward") or (variant_names(), backends(), ns())
     param_names = ("variant", "backend", "N")
-    timeout = 900.0
-    # A call at large N takes seconds: time single calls (no calibration loop), no
-    # extra round in a second process, at most 10 s of samples per case.
-    number = 1
-    repeat = (1, 10, 10.0)
-    rounds = 1
-    warmup_time = 0.0
 
     def setup(self, variant, backend, n):
         self.case = VariantCase(variant, backend, n)
