@@ -15,6 +15,7 @@ __all__ = [
     "causal_offset",
     "ceil_div",
     "and_masks",
+    "scaled_logits",
     "finite_max",
     "softmax_partial",
     "merge_partials",
@@ -65,6 +66,22 @@ def and_masks(xp, a, b):
 def ceil_div(n, b):
     """``ceil(n / b)`` for integers, exactly (no float round trip): blocks of ``b`` that cover ``n``."""
     return -(-n // b)
+
+
+def scaled_logits(xp, s, scale):
+    """``scale * s`` for products ``s = q k^T``, clamped to the dtype's finite range.
+
+    The scale multiplies the product, not ``q``: ``scale * q`` may overflow where
+    ``scale * (q . k)`` does not, and an infinite ``q`` gives ``inf - inf = NaN`` inside the
+    product. A logit past the range (a huge scale) becomes ``+-finfo.max``, never ``+-inf``,
+    so ``s - rowmax`` is never ``inf - inf``: the softmax tends to the row's hardmax, as
+    the mathematics does. ``finfo.max`` stays the library's scalar (``float()`` of
+    ``np.longdouble``'s is inf). Apply it before masking: it clamps ``-inf`` too.
+    """
+    if scale == 1.0:
+        return s
+    big = xp.finfo(s.dtype).max
+    return xp.clip(s * scale, min=-big, max=big)
 
 
 # ---------------------------------------------------------------- online softmax

@@ -146,10 +146,16 @@ def half_sq_norm(xp, x):
 
 
 def feature_exponent(xp, x, projection, kernel):
-    """The log-magnitude of the features: ``W x - |x|^2/2`` (positive) or ``|x|^2/2`` (trig)."""
-    if kernel == "positive":
-        return x @ xp.matrix_transpose(projection) - half_sq_norm(xp, x)
-    return half_sq_norm(xp, x)
+    """The log-magnitude of the features: ``W x - |x|^2/2`` (positive) or ``|x|^2/2`` (trig).
+
+    Clamped to ``+-finfo.max``: for ``x = sqrt(scale) q`` with a huge scale, ``|x|^2``
+    overflows, and an infinite exponent would meet its stabiliser as ``inf - inf = NaN``.
+    Clamped, the stabilised features stay finite (every such row shares one offset).
+    """
+    e = (x @ xp.matrix_transpose(projection) - half_sq_norm(xp, x) if kernel == "positive"
+         else half_sq_norm(xp, x))
+    big = xp.finfo(e.dtype).max
+    return xp.clip(e, min=-big, max=big)
 
 
 def features_from_exponent(xp, x, projection, exponent, offset, kernel):

@@ -49,6 +49,7 @@ __all__ = [
     "query_reduced_attention",
     "query_reduced_weights",
     "iterative_pinv",
+    "nystrom_kernels",
     "nystrom_attention",
     "nystrom_weights",
     "kmeans",
@@ -350,19 +351,26 @@ def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, 
     return xp, default_scale(q.shape[-1], scale)
 
 
-def _nystrom_kernels(xp, q, k, m, pinv_iterations, scale):
-    """``softmax(Q Kl^T)``, ``pinv(softmax(Ql Kl^T))``, ``softmax(Ql K^T)``."""
-    qs = q * scale  # the scale is linear, so landmarks of the scaled queries scale too
-    ql = segment_means(qs, m, xp=xp)
+def nystrom_kernels(xp, q, k, m, pinv_iterations, scale):
+    """Nystromformer's three kernels and the pseudo-inverse: ``(K1, K2, Z, K3)``.
+
+    ``K1 = softmax(scale Q Kl^T) (..., Nq, m)``, ``K2 = softmax(scale Ql Kl^T) (..., m, m)``,
+    ``Z = pinv(K2)`` (iterative unless ``pinv_iterations`` is None) and
+    ``K3 = softmax(scale Ql K^T) (..., m, Nk)``, with ``Ql``, ``Kl`` the segment means of
+    ``q``, ``k``. ``O((Nq + Nk) m d + m^3 pinv_iterations)`` time.
+    """
+    # The scale multiplies the products, not q (scale * q may overflow where the logits
+    # do not); the landmarks are means, so those of the unscaled queries are the same.
+    ql = segment_means(q, m, xp=xp)
     kl = segment_means(k, m, xp=xp)
-    k1 = attention_weights(qs, kl, scale=1.0, xp=xp)
-    k2 = attention_weights(ql, kl, scale=1.0, xp=xp)
-    k3 = attention_weights(ql, k, scale=1.0, xp=xp)
+    k1 = attention_weights(q, kl, scale=scale, xp=xp)
+    k2 = attention_weights(ql, kl, scale=scale, xp=xp)
+    k3 = attention_weights(ql, k, scale=scale, xp=xp)
     if pinv_iterations is None:
         z = xp.linalg.pinv(k2)
     else:
         z = iterative_pinv(k2, iterations=pinv_iterations, xp=xp)
-    return k1, z, k3
+    return k1, k2, z, k3
 
 
 def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
@@ -410,7 +418,7 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=Fa
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
                                 "nystrom_attention")
-    k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
     return k1 @ (z @ (k3 @ v))
 
 
@@ -422,7 +430,7 @@ def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, causal=False, 
     """
     xp, scale = prepare_nystrom(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
                                 "nystrom_weights")
-    k1, z, k3 = _nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
     return (k1 @ z) @ k3
 
 

@@ -10,6 +10,7 @@ the "exhaustive" suite that the variant accepts.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import array_api_compat.numpy as npx
@@ -117,3 +118,43 @@ def test_longdouble_causal_rectangular_performer_is_finite():
     assert chosen, "the exhaustive suite has no causal Nq != Nk case for performer"
     out, _ = _golden(variant, chosen[0], np.longdouble)
     assert np.all(np.isfinite(out))
+
+
+# Variants whose output past a documented range is not finite, and why. Every other
+# variant that takes ``scale`` must give finite output and gradients for any finite one.
+_HUGE_SCALE_RANGE = {
+    # The normalised output does not depend on the scale, but the reference forms the
+    # sums scale * phi(Q) phi(K)^T V; its module docstring states the range.
+    "linear": "attn_ref.linear: |scale| Nk max|phi(q)| max|phi(k)| d' max(1, max|v|) < finfo.max",
+}
+_HUGE_SCALE_VJP_RANGE = {
+    **_HUGE_SCALE_RANGE,
+    # The VJPs below differentiate logits they do not return past the clamp: their
+    # gradients overflow where the forward saturates (documented in attn_ref.grad).
+    "performer": "causal: the key stabiliser's bound exp(|w|^2/2) meets exponents clamped at finfo.max",
+    "clustered_topk": "the centroid and member softmaxes are recomputed without their logits",
+}
+
+
+def _scaled_variants():
+    return [v for v in variants()
+            if "scale" in inspect.signature(v.fn).parameters and v.name not in _HUGE_SCALE_RANGE]
+
+
+@pytest.mark.parametrize("variant", _scaled_variants(), ids=lambda v: v.name)
+def test_huge_scale_gives_finite_output_and_gradients(variant):
+    # scale=1e308: the logits saturate (the softmax tends to each row's hardmax); finite
+    # input must still give finite output, never inf - inf = NaN from a scaled copy of q.
+    rng = np.random.default_rng(0)
+    n, d = 12, 4
+    q, k, v, do = (rng.standard_normal((2, n, d)) for _ in range(4))
+    extra = variant.extra(0, n, n, d, d, dtype=npx.float64, device="cpu", xp=npx)
+    for opts in ({"causal": True}, {}) if variant.causal else ({},):
+        with np.errstate(all="ignore"):
+            out = np.asarray(variant.fn(q, k, v, scale=1e308, **extra, **opts))
+            assert np.all(np.isfinite(out)), f"{variant.name} {opts}: non-finite output at scale=1e308"
+            if variant.name in _HUGE_SCALE_VJP_RANGE:
+                continue
+            g = variant.vjp(q, k, v, do, scale=1e308, **extra, **opts)
+        bad = sorted(n for n, x in g.items() if not np.all(np.isfinite(np.asarray(x))))
+        assert not bad, f"{variant.name} {opts}: non-finite gradients {bad} at scale=1e308"

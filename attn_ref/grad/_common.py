@@ -12,6 +12,7 @@ from __future__ import annotations
 from .._checks import check_array
 
 __all__ = [
+    "through_clamp",
     "unbroadcast",
     "matmul_vjp",
     "softmax_vjp",
@@ -50,6 +51,17 @@ def matmul_vjp(xp, a, b, g, *, a_shape=None, b_shape=None):
     da = unbroadcast(xp, g @ transpose(xp, b), a.shape if a_shape is None else a_shape)
     db = unbroadcast(xp, transpose(xp, a) @ g, b.shape if b_shape is None else b_shape)
     return da, db
+
+
+def through_clamp(xp, ds, s):
+    """``dS`` through the clamp of :func:`attn_ref._common.scaled_logits`: zero where the
+    logit ``s`` sits at ``+-finfo.max``.
+
+    The derivative of a clamp is zero outside its range. Without it, logits clamped to
+    one value tie, ``P`` splits between them, and ``scale dS K`` overflows where the
+    mathematics (a saturated softmax) has a vanishing gradient.
+    """
+    return xp.where(xp.abs(s) < xp.finfo(s.dtype).max, ds, xp.zeros_like(ds))
 
 
 def softmax_vjp(xp, p, dp):

@@ -29,7 +29,7 @@ from ..random import permutation
 from ..reduced import (
     assign_clusters,
     gather_rows,
-    iterative_pinv,
+    nystrom_kernels,
     prepare_clustered,
     prepare_nystrom,
     prepare_pooled,
@@ -39,7 +39,6 @@ from ..reduced import (
     segment_sizes,
     topk_parts,
 )
-from ..softmax import attention_weights
 from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
 from .softmax import softmax_attention
 
@@ -186,13 +185,8 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     _, batch = check_qkv(q, k, v, xp=xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
-    qs = q * scale
-    ql, kl = segment_means(qs, m, xp=xp), segment_means(k, m, xp=xp)
-    k1 = attention_weights(qs, kl, scale=1.0, xp=xp)
-    k2 = attention_weights(ql, kl, scale=1.0, xp=xp)
-    k3 = attention_weights(ql, k, scale=1.0, xp=xp)
-    z = xp.linalg.pinv(k2) if pinv_iterations is None else iterative_pinv(k2, iterations=pinv_iterations,
-                                                                          xp=xp)
+    ql, kl = segment_means(q, m, xp=xp), segment_means(k, m, xp=xp)
+    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale)
     w3 = k3 @ v
     w2 = z @ w3
     # out = k1 @ w2
@@ -207,13 +201,15 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     else:
         dk2 = iterative_pinv_vjp(k2, dz, iterations=pinv_iterations, xp=xp)
     ds1, ds2, ds3 = softmax_vjp(xp, k1, dk1), softmax_vjp(xp, k2, dk2), softmax_vjp(xp, k3, dk3)
-    dqs = ds1 @ kl
-    dkl = transpose(xp, ds1) @ qs + transpose(xp, ds2) @ ql
+    # dS of the logits scale * (...)^T (...): every product gets the factor scale once, at
+    # the end (a scaled copy of q could overflow where the logits do not).
+    dkl = transpose(xp, ds1) @ q + transpose(xp, ds2) @ ql
     dql = ds2 @ kl + ds3 @ k
-    dk = transpose(xp, ds3) @ ql
-    dqs = dqs + segment_means_vjp(xp, dql, q.shape[-2])
-    dk = dk + segment_means_vjp(xp, dkl, k.shape[-2])
-    return {"q": unbroadcast(xp, dqs * scale, q.shape), "k": unbroadcast(xp, dk, k.shape),
+    dq = ds1 @ kl + segment_means_vjp(xp, dql, q.shape[-2])
+    dk = transpose(xp, ds3) @ ql + segment_means_vjp(xp, dkl, k.shape[-2])
+    if scale != 1.0:
+        dq, dk = dq * scale, dk * scale
+    return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
             "v": unbroadcast(xp, dv, v.shape)}
 
 

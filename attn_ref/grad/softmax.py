@@ -27,16 +27,15 @@ recomputed ``P`` of that row is ``exp(-inf) = 0``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import array_api_compat
 
 from .._checks import check_positive_int
+from .._common import scaled_logits
 from ..softmax.online import online_forward
 from ..softmax.options import group_heads, prepare_problem
 from ..softmax.tiles import dropout_scale, keep_tile, row_max, tile_coverage, tile_logits, transposed_copy
 from ..softmax.varlen import packed_layout, unpack_index
-from ._common import check_cotangent, transpose, unbroadcast
+from ._common import check_cotangent, through_clamp, transpose, unbroadcast
 
 __all__ = ["softmax_attention", "online_softmax_attention", "online_softmax_forward", "varlen_attention"]
 
@@ -156,8 +155,9 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     dp = keep_tile(xp, do @ transpose(xp, pb.v), spec, 0, 0)
     if drop != 1.0:
         dp = dp * drop
-    ds = p * (dp - xp.sum(p * dp, axis=-1, keepdims=True))
-    ds0 = _softcap_vjp(xp, spec, ds, (pb.q @ kt) * spec.scale if spec.softcap is not None else None)
+    ds = through_clamp(xp, p * (dp - xp.sum(p * dp, axis=-1, keepdims=True)), s)
+    ds0 = _softcap_vjp(xp, spec, ds, scaled_logits(xp, pb.q @ kt, spec.scale)
+                       if spec.softcap is not None else None)
     dq = (ds0 @ pb.k) * spec.scale
     dk = (transpose(xp, ds0) @ pb.q) * spec.scale
     return _finish(pb, q, k, v, bias, bias_dtype, dq, dk, dv, ds)
@@ -284,14 +284,14 @@ def online_softmax_attention(
     if nq == 0 or nk == 0:
         return _zeros(pb, q, k, v, bias, bias_dtype)
     device, dtype = array_api_compat.device(pb.q), pb.q.dtype
-    tile_spec = dataclasses.replace(spec, scale=1.0)
     drop = dropout_scale(spec)
-    qs = pb.q * spec.scale if spec.scale != 1.0 else pb.q
     # Every matrix product below takes row-major operands (NumPy's stacked matmul only
     # calls BLAS on those): the transposed ones are copied once here, O(N d), and dK, dV
-    # are accumulated transposed, dK_j^T += (scale Q_i)^T dS_ij, dV_j^T += dO_i^T P_ij.
+    # are accumulated transposed, dK_j^T += Q_i^T dS_ij, dV_j^T += dO_i^T P_ij. The scale
+    # multiplies dQ and dK once at the end, never q: scale * q may overflow where the
+    # logits (tile_logits scales the products) do not.
     kt, vt = transposed_copy(xp, pb.k), transposed_copy(xp, pb.v)
-    qst, dot = transposed_copy(xp, qs), transposed_copy(xp, do)
+    qt, dot = transposed_copy(xp, pb.q), transposed_copy(xp, do)
     # D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i): the softmax VJP's row term.
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)
     lse = lse[..., None]
@@ -309,8 +309,8 @@ def online_softmax_attention(
         for i, (q0, q1) in enumerate(qblocks):
             if tile_coverage(spec, q0, q1, k0, k1) == "none":
                 continue
-            qb = qs[..., q0:q1, :]
-            s, _ = tile_logits(xp, qb, ktb, tile_spec, q0, k0)
+            qb = pb.q[..., q0:q1, :]
+            s, _ = tile_logits(xp, qb, ktb, spec, q0, k0)
             # exp(S - lse) is P exactly: the forward's normaliser is in lse.
             p = xp.exp(s - lse[..., q0:q1, :])
             p = p if p.dtype == dtype else xp.astype(p, dtype)  # float16: logits in float32
@@ -318,10 +318,11 @@ def online_softmax_attention(
             dp = keep_tile(xp, do[..., q0:q1, :] @ vtb, spec, q0, k0)
             if drop != 1.0:
                 pd, dp = pd * drop, dp * drop
-            ds = p * (dp - dcoef[..., q0:q1, :])
-            ds0 = _softcap_vjp(xp, spec, ds, qb @ ktb if spec.softcap is not None else None)
+            ds = through_clamp(xp, p * (dp - dcoef[..., q0:q1, :]), s)
+            ds0 = _softcap_vjp(xp, spec, ds, scaled_logits(xp, qb @ ktb, spec.scale)
+                               if spec.softcap is not None else None)
             dvt_ij = dot[..., q0:q1] @ pd
-            dkt_ij = qst[..., q0:q1] @ ds0
+            dkt_ij = qt[..., q0:q1] @ ds0
             dq_ij = ds0 @ kb
             dvt_j = dvt_ij if dvt_j is None else dvt_j + dvt_ij
             dkt_j = dkt_ij if dkt_j is None else dkt_j + dkt_ij
@@ -359,7 +360,7 @@ def online_softmax_attention(
                                + tuple(dbias.shape[-2:]))
         dbias = unbroadcast(xp, dbias, bias.shape) if dbias.ndim >= bias.ndim else dbias
         dbias = dbias if dbias.dtype == bias_dtype else xp.astype(dbias, bias_dtype)
-    g = _finish(pb, q, k, v, None, None, cat(dq, -2) * spec.scale, transpose(xp, cat(dkt, -1)),
+    g = _finish(pb, q, k, v, None, None, cat(dq, -2) * spec.scale, transpose(xp, cat(dkt, -1)) * spec.scale,
                 transpose(xp, cat(dvt, -1)), None)
     if bias is not None:
         g["bias"] = xp.reshape(dbias, bias.shape)

@@ -35,7 +35,7 @@ import array_api_compat
 
 from .._common import ceil_div, finish_partial, partial_lse
 from ..sparse import plans
-from ._common import check_cotangent, transpose, unbroadcast
+from ._common import check_cotangent, through_clamp, transpose, unbroadcast
 
 __all__ = [
     "block_sparse_attention",
@@ -47,17 +47,18 @@ __all__ = [
 ]
 
 
-def _blocks_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
-    """``(dqs, dk, dv)`` of a :class:`attn_ref.sparse.Blocks` part (``dqs``: of the scaled queries)."""
+def _blocks_vjp(xp, plan, part, q, k, v, do, lse, dcoef):
+    """``(dS K, dS^T Q, dV)`` of a :class:`attn_ref.sparse.Blocks` part: ``dQ`` and ``dK``
+    before the factor ``scale``."""
     B, nbq = part.block_size, len(part.rows)
     nbk = ceil_div(plan.nk, B)
-    device, dtype = array_api_compat.device(qs), qs.dtype
-    d, dv = qs.shape[-1], v.shape[-1]
+    device, dtype = array_api_compat.device(q), q.dtype
+    d, dv = q.shape[-1], v.shape[-1]
     dob = plans.pad_blocks(xp, do, B, nbq)
     lseb = plans.pad_blocks(xp, lse, B, nbq, xp.inf)  # padded query rows: P = 0
     db = plans.pad_blocks(xp, dcoef, B, nbq)
     dq, order, dks, dvs, slots = [], [], [], [], []
-    for grp in plans.block_groups(xp, qs, k, v, part, plan.nk):
+    for grp in plans.block_groups(xp, q, k, v, part, plan.nk, plan.scale):
         g = len(grp.ids)
         order.extend(grp.ids)
         if grp.s is None:
@@ -66,7 +67,7 @@ def _blocks_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
         do_g, lse_g, d_g = ((x if g == nbq else xp.take(x, grp.index, axis=-3)) for x in (dob, lseb, db))
         p = xp.exp(grp.s - lse_g)  # (..., g, B, cnt B)
         dp = do_g @ transpose(xp, grp.vg)
-        ds = p * (dp - d_g)
+        ds = through_clamp(xp, p * (dp - d_g), grp.s)
         dq.append(ds @ grp.kg)
         lead = tuple(ds.shape[:-3]) + (g * grp.cnt, B)
         dks.append(xp.reshape(transpose(xp, ds) @ grp.qg, lead + (d,)))
@@ -107,26 +108,26 @@ def _scatter_blocks(xp, pieces, slots, nbk, B, n, batch, c, dtype, device):
     return plans.ungroup_blocks(xp, out, order, n)
 
 
-def _classes_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
-    """``(dqs, dk, dv)`` of the strided pattern's residue-class part."""
+def _classes_vjp(xp, plan, part, q, k, v, do, lse, dcoef):
+    """``(dS K, dS^T Q, dV)`` of the strided pattern's residue-class part."""
     n, stride = plan.nq, part.stride
     C = ceil_div(n, stride)
-    qc, kc, vc, s = plans.class_logits(xp, qs, k, v, part, n)
+    qc, kc, vc, s = plans.class_logits(xp, q, k, v, part, n, plan.scale)
     doc, dc = (plans.to_classes(xp, x, stride, C) for x in (do, dcoef))
     p = xp.exp(s - plans.to_classes(xp, lse, stride, C, xp.inf))  # (..., l, C, C)
-    ds = p * (doc @ transpose(xp, vc) - dc)
+    ds = through_clamp(xp, p * (doc @ transpose(xp, vc) - dc), s)
     # The class layout is a zero-padded reshape: its VJP reshapes back and drops the padding.
     return tuple(plans.from_classes(xp, x, n)
                  for x in (ds @ kc, transpose(xp, ds) @ qc, transpose(xp, p) @ doc))
 
 
-def _columns_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
-    """``(dqs, dk, dv)`` of the fixed pattern's summary-column part."""
+def _columns_vjp(xp, plan, part, q, k, v, do, lse, dcoef):
+    """``(dS K, dS^T Q, dV)`` of the fixed pattern's summary-column part."""
     n, cols = plan.nq, part.cols
-    device = array_api_compat.device(qs)
-    kc, vc, s = plans.column_logits(xp, qs, k, v, part, n)
+    device = array_api_compat.device(q)
+    kc, vc, s = plans.column_logits(xp, q, k, v, part, n, plan.scale)
     p = xp.exp(s - lse)  # (..., N, |cols|)
-    ds = p * (do @ transpose(xp, vc) - dcoef)
+    ds = through_clamp(xp, p * (do @ transpose(xp, vc) - dcoef), s)
     where = {j: t for t, j in enumerate(cols)}
     # Row |cols| is zero: positions that are not summary columns get nothing.
     idx = xp.asarray([where.get(j, len(cols)) for j in range(n)], dtype=xp.int64, device=device)
@@ -135,7 +136,7 @@ def _columns_vjp(xp, plan, part, qs, k, v, do, lse, dcoef):
         z = xp.zeros(tuple(g.shape[:-2]) + (1, g.shape[-1]), dtype=g.dtype, device=device)
         return xp.take(xp.concat([g, z], axis=-2), idx, axis=-2)
 
-    return ds @ kc, put_back(transpose(xp, ds) @ qs), put_back(transpose(xp, p) @ do)
+    return ds @ kc, put_back(transpose(xp, ds) @ q), put_back(transpose(xp, p) @ do)
 
 
 _PART_VJPS = {plans.Blocks: _blocks_vjp, plans.Classes: _classes_vjp, plans.Columns: _columns_vjp}
@@ -147,16 +148,18 @@ def _vjp(plan, q, k, v, do):
     device = array_api_compat.device(q)
     if plan.nq == 0 or plan.nk == 0:
         return {n: xp.zeros(x.shape, dtype=x.dtype, device=device) for n, x in (("q", q), ("k", k), ("v", v))}
-    qs = plans.scaled_queries(plan, q)
-    m, l, acc = plans.plan_partial(plan, qs, k, v)
+    m, l, acc = plans.plan_partial(plan, q, k, v)
     out = finish_partial(xp, l, acc)
     lse = partial_lse(xp, m, l)  # over every part: +inf on rows with no allowed key
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)  # D = rowsum(dO * O) = rowsum(P * dP)
-    dqs = dk = dv = None
+    dq = dk = dv = None
     for part in plan.parts:
-        a, b, c = _PART_VJPS[type(part)](xp, plan, part, qs, k, v, do, lse, dcoef)
-        dqs, dk, dv = (a, b, c) if dqs is None else (dqs + a, dk + b, dv + c)
-    dq = dqs * plan.scale if plan.scale != 1.0 else dqs
+        a, b, c = _PART_VJPS[type(part)](xp, plan, part, q, k, v, do, lse, dcoef)
+        dq, dk, dv = (a, b, c) if dq is None else (dq + a, dk + b, dv + c)
+    # dS = d(logits); the logits are scale * q k^T, and the scale is applied to the
+    # products, never to q or k, whose scaled copies may overflow where the logits do not.
+    if plan.scale != 1.0:
+        dq, dk = dq * plan.scale, dk * plan.scale
     return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
             "v": unbroadcast(xp, dv, v.shape)}
 

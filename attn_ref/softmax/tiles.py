@@ -16,7 +16,7 @@ from typing import Any
 
 import array_api_compat
 
-from .._common import BOTTOM_RIGHT, TOP_LEFT, and_masks, finite_max
+from .._common import BOTTOM_RIGHT, TOP_LEFT, and_masks, finite_max, scaled_logits
 
 __all__ = [
     "logit_dtype",
@@ -172,15 +172,7 @@ def tile_logits(xp, q, kt, spec, q0, k0):
     work = logit_dtype(xp, q.dtype)
     if work != q.dtype:
         q, kt = xp.astype(q, work), xp.astype(kt, work)
-    # The scale multiplies the product, not q: scale * q may overflow where scale * (q k)
-    # does not, and an infinite q gives inf - inf = NaN inside the product.
-    s = q @ kt
-    # A logit past the dtype's range (a huge scale) becomes +-finfo.max instead of
-    # +-inf, so that s - rowmax is never inf - inf (finfo.max stays the library's
-    # scalar: float() of np.longdouble's is inf).
-    big = xp.finfo(s.dtype).max
-    if spec.scale != 1.0:
-        s = xp.clip(s * spec.scale, min=-big, max=big)
+    s = scaled_logits(xp, q @ kt, spec.scale)
     if spec.softcap is not None:
         s = spec.softcap * xp.tanh(s / spec.softcap)
     if spec.bias is not None:
@@ -189,7 +181,7 @@ def tile_logits(xp, q, kt, spec, q0, k0):
         s = s + _alibi_tile(xp, spec, q0, q1, k0, k1, s.dtype, device)
     if spec.softcap is not None or spec.bias is not None or spec.alibi is not None:
         # Only the top is clamped again: a -inf bias is a deliberate mask.
-        s = xp.clip(s, max=big)
+        s = xp.clip(s, max=xp.finfo(s.dtype).max)
     allowed = _tile_visible(xp, spec, q0, q1, k0, k1, device)
     if allowed is not None:
         s = xp.where(allowed, s, -xp.inf)

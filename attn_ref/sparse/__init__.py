@@ -29,11 +29,10 @@ Conventions
   caller keeps it static (a tuple of tuples is hashable). The last block may be
   ragged: positions past ``Nq``/``Nk`` are padding that never receives weight.
 * Rows with no key to attend to return zeros, as in :mod:`attn_ref.softmax`.
-* The efficient forms fold ``scale`` into ``q`` before the products, so finite input
-  gives finite output while ``|scale| max|q| max|k| d`` is below the dtype's largest
-  value; past it (``scale=1e308`` with unit-size ``q`` and ``k``) they can give NaN
-  (``inf - inf`` in the row maximum), where the defining
-  form :func:`attn_ref.softmax_attention` with the same mask stays finite.
+* The efficient forms, like the defining form :func:`attn_ref.softmax_attention`, apply
+  ``scale`` to the products ``q . k``, never to ``q``, and clamp a logit past the
+  dtype's range to ``+-finfo.max`` (:func:`attn_ref._common.scaled_logits`): finite input
+  gives finite output for every finite ``scale`` (``scale=1e308`` gives the rows' hardmax).
 * A block layout, like ``cu_seqlens``, is read on the host: it may come from any
   library (or be nested sequences), unlike the array arguments, which must share
   ``q``'s library.

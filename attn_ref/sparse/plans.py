@@ -24,6 +24,7 @@ from .._common import (
     ceil_div,
     finish_partial,
     merge_partials,
+    scaled_logits,
     softmax_partial,
 )
 from .masks import (
@@ -49,7 +50,6 @@ __all__ = [
     "Blocks",
     "Classes",
     "Columns",
-    "scaled_queries",
     "plan_partial",
     "block_sparse_plan",
     "local_plan",
@@ -93,8 +93,8 @@ class _BlockGroup(NamedTuple):
     ``flat`` lists their key blocks row by row (``nbk``, one past the last block, for
     an empty slot); ``index`` is ``ids`` as an index array. ``qg (..., g, B, d)``,
     ``kg (..., g, cnt B, d)`` and ``vg (..., g, cnt B, dv)`` are the gathered (scaled)
-    queries, keys and values and ``s (..., g, B, cnt B)`` the logits, ``-inf`` where
-    not allowed; all four are None when ``cnt == 0``.
+    queries, keys and values and ``s (..., g, B, cnt B)`` the scaled logits, ``-inf``
+    where not allowed; all four are None when ``cnt == 0``.
     """
 
     cnt: int
@@ -107,12 +107,12 @@ class _BlockGroup(NamedTuple):
     s: Any
 
 
-def block_groups(xp, q, k, v, part, nk):
+def block_groups(xp, q, k, v, part, nk, scale):
     """The gathers of a :class:`Blocks` part: one :class:`_BlockGroup` per row length.
 
     Query blocks are grouped by their number of active key blocks and each group is
     one gather and one batched matmul. The forward and the VJP both iterate over
-    this, so they see the same logits. ``q`` is already scaled; padded key positions
+    this, so they see the same logits, ``scale q k^T`` (:func:`scaled_logits`); padded key positions
     are always excluded; a row entry of ``-1`` is an empty slot that gathers an
     all-padding block.
     """
@@ -139,7 +139,7 @@ def block_groups(xp, q, k, v, part, nk):
         qg = qb if g == nbq else xp.take(qb, ida, axis=-3)
         kg = xp.reshape(xp.take(kb, fi, axis=-3), tuple(kb.shape[:-3]) + (g, cnt * B, d))
         vg = xp.reshape(xp.take(vb, fi, axis=-3), tuple(vb.shape[:-3]) + (g, cnt * B, dv))
-        s = qg @ xp.matrix_transpose(kg)  # (..., g, B, cnt*B)
+        s = scaled_logits(xp, qg @ xp.matrix_transpose(kg), scale)  # (..., g, B, cnt*B)
         qpos = (ida[:, None] * B + offs[None, :])[:, :, None]
         kpos = xp.reshape(xp.reshape(fi, (g, cnt))[:, :, None] * B + offs, (g, 1, cnt * B))
         allowed = (kpos < nk) if (nk % B or empty_slots) else None
@@ -162,12 +162,12 @@ def ungroup_blocks(xp, pieces, order, n):
     return xp.reshape(x, tuple(x.shape[:-3]) + (nb * x.shape[-2], x.shape[-1]))[..., :n, :]
 
 
-def _block_partials(xp, q, k, v, part, nk, batch):
+def _block_partials(xp, q, k, v, part, nk, batch, scale):
     """Partials of every query position over the key blocks of its block (a :class:`Blocks`)."""
     B, dv = part.block_size, v.shape[-1]
     device = array_api_compat.device(q)
     parts, order = [], []
-    for grp in block_groups(xp, q, k, v, part, nk):
+    for grp in block_groups(xp, q, k, v, part, nk, scale):
         order.extend(grp.ids)
         g = len(grp.ids)
         if grp.s is None:
@@ -195,13 +195,14 @@ def from_classes(xp, x, n):
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))[..., :n, :]
 
 
-def class_logits(xp, q, k, v, part, n):
-    """A :class:`Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``."""
+def class_logits(xp, q, k, v, part, n, scale):
+    """A :class:`Classes` part: ``(qc, kc, vc, s)`` in class layout, ``s (..., l, C, C)``
+    the scaled logits."""
     stride = part.stride
     C = ceil_div(n, stride)
     device = array_api_compat.device(q)
     qc, kc, vc = (to_classes(xp, x, stride, C) for x in (q, k, v))
-    s = qc @ xp.matrix_transpose(kc)  # (..., l, C, C)
+    s = scaled_logits(xp, qc @ xp.matrix_transpose(kc), scale)  # (..., l, C, C)
     t = xp.arange(C, dtype=xp.int64, device=device)
     r = xp.arange(stride, dtype=xp.int64, device=device)
     gap = t[:, None] - t[None, :]
@@ -210,12 +211,13 @@ def class_logits(xp, q, k, v, part, n):
     return qc, kc, vc, xp.where(ok, s, -xp.inf)
 
 
-def column_logits(xp, q, k, v, part, n):
-    """A :class:`Columns` part: ``(kc, vc, s)`` for the summary keys, ``s (..., N, |cols|)``."""
+def column_logits(xp, q, k, v, part, n, scale):
+    """A :class:`Columns` part: ``(kc, vc, s)`` for the summary keys, ``s (..., N, |cols|)``
+    the scaled logits."""
     device = array_api_compat.device(q)
     jc = xp.asarray(part.cols, dtype=xp.int64, device=device)
     kc, vc = xp.take(k, jc, axis=-2), xp.take(v, jc, axis=-2)
-    s = q @ xp.matrix_transpose(kc)  # (..., N, |cols|)
+    s = scaled_logits(xp, q @ xp.matrix_transpose(kc), scale)  # (..., N, |cols|)
     i, _ = position_grid(xp, n, 0, device)
     j = jc[None, :]
     # Summary keys of the query's own block are in the block part already.
@@ -294,23 +296,18 @@ class _Plan(NamedTuple):
     parts: tuple
 
 
-def scaled_queries(plan, q):
-    """``q * scale`` (``q`` itself when the scale is 1)."""
-    return q * plan.scale if plan.scale != 1.0 else q
-
-
-def plan_partial(plan, qs, k, v):
-    """The merged partial ``(m, l, acc)`` of all parts, for the scaled queries ``qs``."""
+def plan_partial(plan, q, k, v):
+    """The merged partial ``(m, l, acc)`` of all parts (the logits ``plan.scale q k^T``)."""
     xp, n = plan.xp, plan.nq
     out = None
     for part in plan.parts:
         if isinstance(part, Blocks):
-            p = _block_partials(xp, qs, k, v, part, plan.nk, plan.batch)
+            p = _block_partials(xp, q, k, v, part, plan.nk, plan.batch, plan.scale)
         elif isinstance(part, Classes):
-            _, _, vc, s = class_logits(xp, qs, k, v, part, n)
+            _, _, vc, s = class_logits(xp, q, k, v, part, n, plan.scale)
             p = tuple(from_classes(xp, x, n) for x in _partial(xp, s, vc, plan.batch, 3))
         else:
-            _, vc, s = column_logits(xp, qs, k, v, part, n)
+            _, vc, s = column_logits(xp, q, k, v, part, n, plan.scale)
             p = _partial(xp, s, vc, plan.batch, 2)
         out = p if out is None else merge_partials(xp, out, p)
     return out
@@ -320,7 +317,7 @@ def attend_plan(plan, q, k, v):
     """The output of a plan of the efficient forms: its parts merged, normalised."""
     if plan.nq == 0 or plan.nk == 0:
         return _empty(plan.xp, q, v, plan.batch)
-    _, l, acc = plan_partial(plan, scaled_queries(plan, q), k, v)
+    _, l, acc = plan_partial(plan, q, k, v)
     return finish_partial(plan.xp, l, acc)
 
 
