@@ -63,7 +63,10 @@ def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal
     Notes
     -----
     Same cost as the forward: ``O(N m (d + dv))`` (non-causal). The stabiliser is
-    held constant (module docstring), as FAVOR+ implementations do.
+    held constant (module docstring), as FAVOR+ implementations do. Range: the causal
+    gradient is finite while ``scale max|q|^2`` and ``scale max|k|^2`` are below the
+    dtype's largest value; past it (``scale=1e308``) the forward stays finite (its
+    exponents are clamped) but this gradient can overflow.
 
     Examples
     --------

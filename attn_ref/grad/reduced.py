@@ -324,7 +324,10 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     members' outputs, and through the centroid's weights on the other keys (to the
     centroid, hence ``q``, and to ``k`` and ``v``). Sending the members' key and value
     gradients back to the selected keys takes an ``(..., C, topk, Nk)`` one-hot: cost
-    ``O(Nq topk (d + dv) + C topk Nk (d + dv))`` on top of the forward's.
+    ``O(Nq topk (d + dv) + C topk Nk (d + dv))`` on top of the forward's. Range: with
+    ``topk``, the gradient is finite while ``|scale| max|q| max|k| d`` is below the
+    dtype's largest value; past it (``scale=1e308``) the forward's logits are clamped and
+    stay finite, but the clamped ties give this gradient an overflowing ``scale dS K``.
 
     Examples
     --------
