@@ -218,6 +218,34 @@ def test_saved_out_and_lse_are_used(backend):
     assert not np.allclose(host(c["q"]), host(b["q"]))
 
 
+def test_float16_lse_is_float32_and_finite(backend):
+    # Logits near float16's 65504 plus log(Nk) are past it: the lse stays in the logits'
+    # float32 (as FlashAttention's softmax_lse), and the VJP takes it back.
+    xp = backend.xp
+    if not hasattr(xp, "float16") or backend.name == "array_api_strict":
+        pytest.skip(f"{backend.name} has no float16")
+    rng = np.random.default_rng(7)
+    qh = np.full((1, 4, 2), 180.0)
+    kh = np.full((1, 5, 2), 180.0)  # every logit 2 * 180^2 / sqrt(2) = 45820, near the top
+    vh = rng.standard_normal((1, 5, 3))
+    q, k, v = (xp.asarray(x, dtype=xp.float16, device=backend.device) for x in (qh, kh, vh))
+    out, lse = call(backend, grad.online_softmax_forward, q, k, v, block_q=2, block_k=2)
+    assert lse.dtype == xp.float32
+    want = 2 * 180.0**2 / np.sqrt(2) + np.log(5)  # five equal logits
+    np.testing.assert_allclose(host(lse), np.full((1, 4), want), rtol=1e-6)
+    q2 = xp.asarray(np.full((1, 4, 2), 255.0), dtype=xp.float16, device=backend.device)
+    k2 = xp.asarray(np.full((1, 5, 2), 255.0), dtype=xp.float16, device=backend.device)
+    out2, lse2 = call(backend, grad.online_softmax_forward, q2, k2, v, block_q=2, block_k=2)
+    # logits 2 * 255^2 / sqrt(2) = 91956 are past float16: computed in float32, finite.
+    assert np.all(np.isfinite(host(lse2))) and np.all(np.isfinite(host(out2)))
+    g = call(backend, grad.online_softmax_attention, q, k, v, xp.ones_like(out), out=out, lse=lse,
+             block_q=2, block_k=2)
+    assert all(g[n].dtype == xp.float16 for n in "qkv")
+    with pytest.raises(TypeError, match="lse"):
+        call(backend, grad.online_softmax_attention, q, k, v, xp.ones_like(out), out=out,
+             lse=xp.astype(lse, xp.float16), block_q=2, block_k=2)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_empty_sequences(backend, form):
     xp = backend.xp

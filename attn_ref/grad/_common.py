@@ -73,10 +73,11 @@ def softmax_vjp(xp, p, dp):
     return p * (dp - xp.sum(p * dp, axis=-1, keepdims=True))
 
 
-def check_cotangent(xp, do, shape, like, name="do"):
+def check_cotangent(xp, do, shape, like, name="do", dtype=None):
     """``do`` must be an array of the output's ``shape`` (broadcasting not allowed) with the
-    library, device and dtype of ``like`` (``q``), as the forward requires of ``k`` and ``v``."""
-    check_array(name, do, like=like, dtype=like.dtype)
+    library, device and dtype of ``like`` (``q``), as the forward requires of ``k`` and ``v``
+    (``dtype``, when given, instead of ``like``'s)."""
+    check_array(name, do, like=like, dtype=like.dtype if dtype is None else dtype)
     if tuple(do.shape) != tuple(shape):
         raise ValueError(
             f"{name} must have the output's shape (..., Nq, dv) = {tuple(shape)}, got shape "

@@ -33,7 +33,15 @@ from .._checks import check_positive_int
 from .._common import scaled_logits
 from ..softmax.online import online_forward
 from ..softmax.options import group_heads, prepare_problem
-from ..softmax.tiles import dropout_scale, keep_tile, row_max, tile_coverage, tile_logits, transposed_copy
+from ..softmax.tiles import (
+    dropout_scale,
+    keep_tile,
+    logit_dtype,
+    row_max,
+    tile_coverage,
+    tile_logits,
+    transposed_copy,
+)
 from ..softmax.varlen import packed_layout, unpack_index
 from ._common import check_cotangent, through_clamp, transpose, unbroadcast
 
@@ -44,11 +52,12 @@ def _problem(q, k, v, opts, xp):
     return prepare_problem(q, k, v, xp=xp, **opts)
 
 
-def _grouped_cotangent(pb, x, name, last):
-    """Check ``x`` (shape ``batch + (Nq, last)``) and view it like the grouped queries."""
+def _grouped_cotangent(pb, x, name, last, dtype=None):
+    """Check ``x`` (shape ``batch + (Nq, last)``, ``q``'s dtype unless ``dtype`` is given)
+    and view it like the grouped queries."""
     xp = pb.xp
     x = check_cotangent(xp, x, pb.batch + (pb.spec.nq,) + ((last,) if last is not None else ()),
-                        pb.q, name=name)
+                        pb.q, name=name, dtype=dtype)
     if not pb.grouped:
         return x
     hkv, g = pb.q.shape[-4], pb.q.shape[-3]
@@ -177,7 +186,9 @@ def online_softmax_forward(
     lse : array, shape (..., Nq)
         ``log(sum_j exp(S_ij))`` of the masked logits ``S`` (scaled, soft-capped, plus
         bias and ALiBi; before dropout); ``+inf`` for a row with no key to attend to
-        (FlashAttention's convention), so that ``exp(S - lse)`` is 0 on that row.
+        (FlashAttention's convention), so that ``exp(S - lse)`` is 0 on that row. In
+        ``q``'s dtype, except float32 for float16 and bfloat16 ``q`` (the dtype the logits
+        are computed in, as FlashAttention's ``softmax_lse``): finite wherever the logits are.
 
     Notes
     -----
@@ -199,8 +210,9 @@ def online_softmax_forward(
                                 gqa=gqa), xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
+    # lse stays in the logits' dtype: float32 for float16 and bfloat16 input (as
+    # FlashAttention's softmax_lse), where a logit near 65504 plus log(Nk) is past float16.
     out, lse = online_forward(pb, block_q, block_k)
-    lse = lse if lse.dtype == q.dtype else pb.xp.astype(lse, q.dtype)
     lse = pb.ungroup(lse[..., None])[..., 0] if pb.grouped else lse
     return pb.ungroup(out), lse
 
@@ -279,7 +291,7 @@ def online_softmax_attention(
         out, lse = online_forward(pb, block_q, block_k)
     else:
         out = _grouped_cotangent(pb, out, "out", v.shape[-1])
-        lse = _grouped_cotangent(pb, lse, "lse", None)
+        lse = _grouped_cotangent(pb, lse, "lse", None, dtype=logit_dtype(xp, pb.q.dtype))
     nq, nk = spec.nq, spec.nk
     if nq == 0 or nk == 0:
         return _zeros(pb, q, k, v, bias, bias_dtype)
