@@ -52,7 +52,10 @@ __all__ = [
 ]
 
 SUITES = ("quick", "standard", "exhaustive")
-DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys")
+# offset_values: query size (logits ~ N(0, 0.01): weights within a few % of uniform), the
+# values' common offset and spread
+_OFFSET_Q, _OFFSET_V, _OFFSET_SPREAD = 0.1, 4.0, 0.5
+DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values")
 MASKS = (None, "padding", "random", "fully_masked_rows")
 ALIGNMENTS = (None, "top-left", "bottom-right")
 
@@ -70,7 +73,9 @@ class Case:
     dist : str
         Input distribution: ``"normal"``, ``"large_logits"`` (logits of magnitude
         ~1e4, ~1e3 in float16: overflow without max-subtraction), ``"near_ties"``,
-        ``"one_hot"`` (peaked rows), ``"constant_keys"`` (uniform rows).
+        ``"one_hot"`` (peaked rows), ``"constant_keys"`` (uniform rows),
+        ``"offset_values"`` (near-uniform rows over values with a common offset: where a
+        low-precision accumulator of ``P V`` or of the row sum shows).
     mask : None, "padding", "random" or "fully_masked_rows"
     causal : None, "top-left" or "bottom-right"
     bias : bool
@@ -202,6 +207,12 @@ class Case:
             q = kk / norm * 30.0 * math.sqrt(d) + 0.01 * rng.standard_normal(kk.shape)
         elif self.dist == "constant_keys":
             k = np.broadcast_to(k[..., :1, :], k.shape).copy()
+        elif self.dist == "offset_values":
+            # Near-uniform rows over values with a common offset: the running sum P V
+            # grows to ~Nk times each output, so an accumulator kept in a low-precision
+            # dtype rounds at the sum's ulp, not the output's, once per key block.
+            q = q * _OFFSET_Q
+            v = _OFFSET_V + v * _OFFSET_SPREAD
         arrays = {"q": q, "k": k, "v": v}
         kwargs: dict[str, Any] = {}
         if self.mask is not None:
@@ -313,6 +324,7 @@ def _standard():
     out += [
         C("long", (1, 1), 1000, 1000, 64, 64),
         C("long", (1, 1), 1000, 1000, 64, 64, causal="top-left"),
+        C("long", (1, 1), 1000, 1000, 64, 64, dist="offset_values"),
     ]
     return out + _ranges()
 

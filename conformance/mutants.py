@@ -346,10 +346,16 @@ def fp32_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None, bl
 
 
 def low_precision_accumulating_kernel(q, k, v, *, mask=None, causal=False, scale=None,
-                                      block=16):
-    """The mistake: as :func:`fp32_accumulating_kernel` but ``P V`` and the row sum are
-    accumulated in the kernel's own dtype, ``block`` keys at a time."""
-    return _blockwise(q, k, v, mask, causal, scale, block, q.dtype)
+                                      block=16, sums=("pv", "row_sum")):
+    """The mistake: as :func:`fp32_accumulating_kernel` but the running sums named in
+    ``sums`` (``"pv"``: ``P V``; ``"row_sum"``: the softmax denominator) are accumulated
+    in the kernel's own dtype, ``block`` keys at a time; the others in float32."""
+    unknown = set(sums) - {"pv", "row_sum"}
+    if unknown:
+        raise ValueError(f"sums must name 'pv' and/or 'row_sum', got {sorted(unknown)}")
+    return _blockwise(q, k, v, mask, causal, scale, block,
+                      q.dtype if "pv" in sums else np.float32,
+                      row_sum_in_dtype=q.dtype if "row_sum" in sums else np.float32)
 
 
 # ------------------------------------------------ variant mutants: every registered variant

@@ -14,7 +14,9 @@ For each case and kernel dtype:
 4. The kernel passes when, over the compared elements,
 
    ``max_err <= fudge * baseline_max + floor_ulps * ulp(M)`` and
-   ``rms_err <= fudge_rms * baseline_rms + floor_rms_ulps * U``,
+   ``rms_err <= fudge_rms * baseline_rms + floor_rms_ulps * U`` (in float16 and bfloat16
+   ``rms_err <= max(fudge_rms * baseline_rms, floor_rms_ulps * U * (1 + 1/sqrt(n)))`` over
+   ``n`` compared elements),
 
    where ``M = max |golden|``, ``ulp(M)`` is the spacing of the dtype at ``M`` and ``U``
    the RMS over elements of each golden element's own ulp.
@@ -68,17 +70,31 @@ class Tolerance:
     # 2, not 1: with one key (O = V) the baseline is exact and a correct kernel's
     # normalisation still rounds every element by up to an ulp (performer, torch float64)
     floor_rms_ulps: float = 2.0
+    #: True: the RMS bound is ``max(fudge_rms * base_rms, floor_rms_ulps * U)``, the floor a
+    #: minimum instead of an addend (float16/bfloat16, see :data:`DEFAULTS`)
+    rms_floor_is_minimum: bool = False
 
     def bounds(self, base_max: float, base_rms: float, magnitude: float, dtype: str,
-               ulp_rms: float | None = None):
+               ulp_rms: float | None = None, count: int | None = None):
         """``(tol_max, tol_rms)``. The RMS floor is in units of ``ulp_rms`` (the RMS of
         each golden element's own ulp, :func:`elementwise_ulp_rms`) when given, else of
         ``ulp(magnitude)``: on long rows the outputs are far below their maximum, and a
-        floor at the maximum's ulp would hide an error many times the baseline's."""
+        floor at the maximum's ulp would hide an error many times the baseline's.
+
+        With :attr:`rms_floor_is_minimum`, the floor grows by ``1/sqrt(count)`` over
+        ``count`` compared elements: a correct kernel's RMS error is its final rounding
+        (at most half an ulp per element) plus rounding noise of its intermediate values
+        (``P`` rounded to the dtype), which averages out over many elements and not over
+        a handful (the torch reference in float16 measured 0.56 ulp on 16 elements).
+        """
         u = ulp(magnitude, dtype)
         ur = u if ulp_rms is None else ulp_rms
-        return (self.fudge * base_max + self.floor_ulps * u,
-                self.fudge_rms * base_rms + self.floor_rms_ulps * ur)
+        if self.rms_floor_is_minimum:
+            small_sample = 1.0 + 1.0 / math.sqrt(count) if count else 2.0
+            rms = max(self.fudge_rms * base_rms, self.floor_rms_ulps * ur * small_sample)
+        else:
+            rms = self.fudge_rms * base_rms + self.floor_rms_ulps * ur
+        return self.fudge * base_max + self.floor_ulps * u, rms
 
     def to_dict(self):
         return asdict(self)
@@ -89,11 +105,18 @@ DEFAULTS: dict[str, Tolerance] = {dt: Tolerance() for dt in DTYPES}
 # dtype (:class:`LowPrecisionArray`); SDPA, FlashAttention-style blockwise kernels and
 # jax.nn.dot_product_attention make at most about its error. FlashAttention's own rule
 # ("at most twice a plain low-precision implementation's error") for the maximum, and
-# 1.5x on the RMS with a floor of half an ulp per element (a correctly rounded exact
-# result), so that a kernel accumulating P V or the row sum in its own dtype a few keys
-# at a time - several times the plain error at N = 4096 - fails.
+# 1.5x on the RMS, at least half an ulp per element (a correctly rounded result has an
+# RMS error of about 0.29 ulp, never more than 0.5). The floor is a minimum, not an
+# addend: added, it let a kernel that accumulates P V or the row sum in its own dtype 64
+# keys at a time pass at N = 1000 (its RMS error 0.74 ulp on the offset-values case, the
+# bound 1.5 x 0.29 + 0.5 = 0.93 ulp); as a minimum the bound is 0.5 ulp (times
+# 1 + 1/sqrt(n) on n elements, see Tolerance.bounds) and it fails, while SDPA (math and
+# fused), a FlashAttention-style blockwise kernel and the reference on torch stay below it
+# (3 seeds of the standard suite).
 for _dt in ("float16", "bfloat16"):
-    DEFAULTS[_dt] = Tolerance(fudge=2.0, floor_ulps=2.0, fudge_rms=1.5, floor_rms_ulps=0.5)
+    DEFAULTS[_dt] = Tolerance(fudge=2.0, floor_ulps=2.0, fudge_rms=1.5, floor_rms_ulps=0.5,
+                              rms_floor_is_minimum=True)
+
 
 
 def ulp(magnitude: float, dtype: str) -> float:

@@ -223,6 +223,37 @@ def test_fp32_accumulating_float16_kernel_passes_long_rows():
     assert all(r.precision < 1.0 for r in rep.results), rep.table()
 
 
+@pytest.mark.parametrize("sums", [("pv",), ("row_sum",)])
+def test_float16_accumulation_of_either_sum_fails_the_standard_suite_at_n_1000(sums):
+    # 64 keys at a time, only one of the two sums in float16: the mildest form of the
+    # bug. The standard suite's N = 1000 rows catch it, by default, with its diagnosis.
+    rows = [c for c in cases("softmax", "standard") if c.nq >= 1000 and c.nk >= 1000]
+    assert max(c.nk for c in rows) <= 1300
+    kernel = functools.partial(low_precision_accumulating_kernel, block=64, sums=sums)
+    rep = verify(kernel, "softmax", backend="numpy", dtypes=("float16",), cases=rows,
+                 causal="top-left", progress=False, diagnose=False)
+    assert not rep.passed, rep.table()
+    failed = [r for r in rep.results if r.verdict == "fail"]
+    rep = verify(kernel, "softmax", backend="numpy", dtypes=("float16",),
+                 cases=[c for c in rows if c.id == failed[0].case], causal="top-left", progress=False)
+    assert "accumulates in low precision" in rep.results[0].diagnosis, rep.results[0].diagnosis
+    # the same kernel with both sums in float32 passes the same rows
+    rep = verify(functools.partial(low_precision_accumulating_kernel, block=64, sums=()), "softmax",
+                 backend="numpy",
+                 dtypes=("float16",), cases=rows, causal="top-left", progress=False, diagnose=False)
+    assert rep.passed, rep.table()
+
+
+def test_low_precision_rms_floor_is_a_minimum_not_an_addend():
+    t = DEFAULTS["float16"]
+    # an exact baseline: the floor alone; a large baseline: the fudge alone
+    assert t.bounds(0.0, 0.0, 1.0, "float16", ulp_rms=1.0, count=10**6)[1] == pytest.approx(0.5005)
+    assert t.bounds(0.0, 1.0, 1.0, "float16", ulp_rms=1.0, count=10**6)[1] == pytest.approx(1.5)
+    # a handful of elements: the floor grows by 1/sqrt(n)
+    assert t.bounds(0.0, 0.0, 1.0, "float16", ulp_rms=1.0, count=16)[1] == pytest.approx(0.625)
+    assert DEFAULTS["float32"].bounds(0.0, 1.0, 1.0, "float32", ulp_rms=1.0)[1] == pytest.approx(5.0)
+
+
 def test_low_precision_tolerance_is_tighter_than_the_old_floor():
     """The float16 RMS floor is half an ulp per element, not 2 ulps of the maximum."""
     assert DEFAULTS["float16"].floor_rms_ulps <= 0.5 and DEFAULTS["float16"].fudge <= 2.0
