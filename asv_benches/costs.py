@@ -7,6 +7,7 @@ suite (:mod:`asv_benches._common`) caps ``N`` by it and the scaling report
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import astuple, dataclass
 
@@ -277,6 +278,18 @@ def _work_fixed(n, d, c):
     return _attend(n * (s / 2 + c["summary"] * n / (2 * s)), d) + _io(n, d)
 
 
+def _work_routing(n, d, c):
+    # unit rows of q and k and their scores against C centroids (a GEMM), two argsorts
+    # per centroid and side (counted as log2 N passes over C N entries), then C dense
+    # w x w blocks (w = N / C) and the gather/average passes
+    k = c["num_clusters"]
+    w = -(-n // k)
+    log_n = max(1.0, math.log2(n))
+    route = Work(2 * 2 * n * k * d, 0.0, 2 * 3 * n * d + 2 * 2 * k * n * log_n, 0.0)
+    gather = Work(0.0, 0.0, 3 * k * w * d + 2 * k * n * d, 0.0)
+    return route + _attend(k * w * w, d) + gather + _io(n, d)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -297,6 +310,7 @@ WORK = {
     "bigbird": _work_bigbird,
     "strided": _work_strided,
     "fixed": _work_fixed,
+    "routing": _work_routing,
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
-           "VARIANT_CHANGES", "variant_kernel", "variant_mutants", "first_failure",
+           "VARIANT_CHANGES", "VARIANT_KERNELS", "variant_kernel", "variant_mutants", "first_failure",
            "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
@@ -481,11 +481,76 @@ VARIANT_CHANGES: dict[str, tuple] = {
                 ("scale argument ignored", _drop("scale"))),
     "fixed": (("summary one key longer", _set(summary=_plus(1))),
               ("scale argument ignored", _drop("scale"))),
+    # routing: four centroids in the registry's parameters; dropping one makes every
+    # cluster ceil(N / 3) tokens wide and moves the tokens of the dropped one
+    "routing": (("one centroid dropped", _set(centroids=lambda x, q, k, v: x[..., :-1, :])),
+                ("causal argument ignored (no mask inside a cluster)", _drop("causal"))),
+}
+
+
+# ---------------------------------------------------- routing: mistakes inside the routing
+
+
+def _routing_mutant(mistake):
+    """Routing attention on NumPy, by its defining form (the masked softmax each cluster
+    implies), with one ``mistake`` in the routing:
+
+    * ``"second nearest"`` (plain routing): each query goes to its second-nearest centroid;
+    * ``"unnormalised"``: tokens ranked by ``mu . x`` instead of ``mu . x / |x|``;
+    * ``"skips nearest"`` (balanced): each centroid's top-w starts one token late.
+    """
+
+    def kernel(q, k, v, *, centroids, cluster_size=None, balanced=True, causal=False, scale=None):
+        import array_api_compat.numpy as xp
+
+        from attn_ref.routing import prepare_routing, unit_rows
+        from attn_ref.softmax import attention_weights
+
+        _, batch, align, scale, wq, wk = prepare_routing(q, k, v, centroids, cluster_size, balanced,
+                                                         causal, scale, xp)
+        unit = (lambda x: x) if mistake == "unnormalised" else (lambda x: unit_rows(xp, x))
+        sq, sk = (np.broadcast_to(centroids @ np.swapaxes(unit(x), -1, -2),
+                                  batch + (centroids.shape[-2], x.shape[-2])) for x in (q, k))
+        causal = align or False
+        if not balanced:
+            # nearest = largest mu . x_hat for the unit centroids of the registry
+            place = 1 if mistake == "second nearest" and sq.shape[-2] > 1 else 0
+            cq = np.argsort(-sq, axis=-2, kind="stable")[..., place, :]
+            ck = np.argmax(sk, axis=-2)
+            mask = cq[..., :, None] == ck[..., None, :]
+            return np.asarray(attention_weights(q, k, mask=mask, causal=causal, scale=scale,
+                                                xp=xp) @ v, dtype=q.dtype)
+        skip = 1 if mistake == "skips nearest" else 0
+
+        def chosen(s, w):
+            rank = np.argsort(np.argsort(-s, axis=-1, kind="stable"), axis=-1, kind="stable")
+            return (rank >= skip) & (rank < w + skip)
+
+        inq, ink = chosen(sq, wq), chosen(sk, wk)
+        mask = inq[..., :, None] & ink[..., None, :]
+        qc = np.broadcast_to(q[..., None, :, :], batch + (centroids.shape[-2],) + q.shape[-2:])
+        p = attention_weights(qc, k[..., None, :, :], mask=mask, causal=causal, scale=scale, xp=xp)
+        count = np.maximum(inq.sum(-2), 1)[..., None].astype(q.dtype)
+        return np.asarray((np.sum(p, axis=-3) / count) @ v, dtype=q.dtype)
+
+    kernel.__name__ = f"routing_{mistake.replace(' ', '_')}"
+    return kernel
+
+
+#: variant -> ((words, kernel, reference options), ...): mutants beyond the three of
+#: :data:`VARIANT_CHANGES`, for mistakes no change of the reference's arguments makes;
+#: the options select the function they claim (``{"balanced": False}``: plain routing)
+VARIANT_KERNELS: dict[str, tuple] = {
+    "routing": (("each query routed to its second-nearest centroid (plain routing)",
+                 _routing_mutant("second nearest"), {"balanced": False}),
+                ("routing by mu . x, not mu . x / |x|", _routing_mutant("unnormalised"), {}),
+                ("each centroid skips its nearest token", _routing_mutant("skips nearest"), {})),
 }
 
 
 def variant_mutants(variant: str) -> list[Mutant]:
-    """The three mutants of a registered variant; KeyError if it has none declared."""
+    """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`;
+    KeyError if it has none declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
@@ -493,7 +558,9 @@ def variant_mutants(variant: str) -> list[Mutant]:
     return [Mutant(f"{variant}: output x 1.01", variant_kernel(variant, factor=1.01), "",
                    variant=variant),
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
-            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)]
+            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
+        Mutant(f"{variant}: {words}", kernel, "", {"options": opts} if opts else {}, variant=variant)
+        for words, kernel, opts in VARIANT_KERNELS.get(variant, ())]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):

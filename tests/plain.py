@@ -27,6 +27,7 @@ __all__ = [
     "naive_linformer",
     "naive_means",
     "naive_nystrom",
+    "naive_routing",
     "np_favor",
     "np_linear",
     "np_performer",
@@ -265,6 +266,58 @@ def naive_clustered(qh, kh, vh, c, iterations, seed, topk):
     return out, weights
 
 
+# ---------------------------------------------------------------- routing
+
+
+def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balanced=True):
+    """Routing Transformer attention with loops: per batch entry, per cluster, per query.
+
+    Balanced: centroid c takes the w tokens of largest mu_c . x / |x| (ties: lower
+    index); each query averages its clusters' softmax outputs. Plain: each token to
+    the centroid nearest (Euclidean) to x / |x|. Returns (out, weights).
+    """
+    out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
+    weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
+    nq, nk = qh.shape[-2], kh.shape[-2]
+    off = 0 if causal in (None, "top-left") else nk - nq
+    for idx in np.ndindex(qh.shape[:-2]):
+        q, k, v = qh[idx], kh[idx], vh[idx]
+        mu = centroids[idx[-centroids.ndim + 2:]] if centroids.ndim > 2 else centroids
+        c = mu.shape[0]
+
+        def unit(x):
+            n = np.linalg.norm(x, axis=-1, keepdims=True)
+            return x / np.where(n > 0, n, 1.0)
+
+        def allowed(i, j):
+            return causal is None or j <= i + off
+
+        if not balanced:
+            near = [np.argmin(((unit(x)[:, None, :] - mu[None]) ** 2).sum(-1), axis=-1) for x in (q, k)]
+            for i in range(nq):
+                keys = [j for j in range(nk) if near[1][j] == near[0][i] and allowed(i, j)]
+                if keys:
+                    _, p = naive_attention(q[i:i + 1], k[keys], v[keys])
+                    weights[idx + (i,)][keys] = p[0]
+            out[idx] = weights[idx] @ v
+            continue
+        wq = min(cluster_size or -(-nq // c), nq)
+        wk = min(cluster_size or -(-nk // c), nk)
+        count = np.zeros(nq)
+        for cl in range(c):
+            qs = np.argsort(-(unit(q) @ mu[cl]), kind="stable")[:wq]
+            ks = np.argsort(-(unit(k) @ mu[cl]), kind="stable")[:wk]
+            for i in qs:
+                count[i] += 1
+                keys = [j for j in ks if allowed(i, j)]
+                if keys:
+                    _, p = naive_attention(q[i:i + 1], k[keys], v[keys])
+                    weights[idx + (i,)][keys] += p[0]
+        weights[idx] /= np.maximum(count, 1)[:, None]
+        out[idx] = weights[idx] @ v
+    return out, weights
+
+
 # ---------------------------------------------------------------- sparse patterns
 # Written from the set definitions with Python loops.
 
@@ -369,6 +422,7 @@ PLAIN = {
         q, k, v, num_clusters, 10, seed, None),
     "clustered_topk": lambda q, k, v, causal, num_clusters, seed, topk: naive_clustered(
         q, k, v, num_clusters, 10, seed, topk),
+    "routing": lambda q, k, v, causal, centroids: naive_routing(q, k, v, centroids, _tl(causal)),
     "block_sparse": lambda q, k, v, causal, block_size, layout: naive_attention(
         q, k, v, mask=ref_layout(layout, block_size, q.shape[-2], k.shape[-2]), causal=_tl(causal)),
     "local": lambda q, k, v, causal, window: naive_attention(

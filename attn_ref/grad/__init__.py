@@ -31,6 +31,7 @@ from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
+from .routing import routing_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
 from .sparse import (
     bigbird_attention,
@@ -60,6 +61,7 @@ __all__ = [
     "performer_attention",
     "pooled_attention",
     "query_reduced_attention",
+    "routing_attention",
     "softmax_attention",
     "strided_attention",
     "varlen_attention",
