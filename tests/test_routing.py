@@ -153,3 +153,43 @@ def test_bad_input(backend):
         routing_attention(q, k, v, centroids=mu, causal="yes")
     with pytest.raises(ValueError, match="leading .batch, head. dimensions do not broadcast"):
         routing_attention(q, k, v, centroids=from_numpy(np.ones((4, 3, D)), backend))
+
+
+# ------------------------------------------------------- calibration: routing-transformer
+
+
+def test_calibration_against_routing_transformer():
+    """``routing_transformer.KmeansAttention`` (1.6.1, non-causal, separate q and k) fed
+    the same unit centroids: the same clusters and outputs, up to one convention.
+
+    Its ``scatter_mean`` divides by ``count + 1e-5``, so every chosen query's output is
+    ``count / (count + 1e-5)`` of ours (relative 1e-5 for a query in one cluster);
+    with that factor the two agree to float64 rounding. Its causal form adds a learned
+    memory key and value to every cluster (``num_mem_kv >= 1``), which this reference
+    does not have, so only the non-causal form is compared (``docs/routing.md``).
+    """
+    torch = pytest.importorskip("torch")
+    rt = pytest.importorskip("routing_transformer.routing_transformer")
+    from attn_ref.routing import balanced_routes
+
+    rng = np.random.default_rng(0)
+    b, h, n, d, c = 2, 2, 12, 8, 3
+    w = n // c  # the library needs N = C w
+    q, k, v = (rng.standard_normal((b, h, n, d)) for _ in range(3))
+    mu = rng.standard_normal((h, c, d))
+    mu /= np.linalg.norm(mu, axis=-1, keepdims=True)
+    att = rt.KmeansAttention(c, w, h, d, causal=False).double().eval()
+    att.kmeans.means.data.copy_(torch.tensor(mu))
+    att.kmeans.initted.data.copy_(torch.tensor(True))  # skip its own k-means initialisation
+    with torch.no_grad():
+        theirs, _ = att(*(torch.tensor(x) for x in (q, k, v)))
+    theirs = theirs.numpy()
+    ours = routing_attention(q, k, v, centroids=mu[None], cluster_size=w)
+    _, rank = balanced_routes(npx, q, mu[None], w, (b, h))
+    count = np.sum(rank < w, axis=-2)[..., None]
+    assert 0 in count and np.max(count) > 1  # zeros and averages are both compared
+    chosen = np.broadcast_to(count > 0, ours.shape)
+    rel = np.abs(theirs - ours)[chosen] / np.abs(ours)[chosen]
+    assert 0.9e-5 / np.max(count) < np.min(rel) and np.max(rel) < 1.01e-5
+    np.testing.assert_allclose(theirs * (count + 1e-5) / np.maximum(count, 1), ours, rtol=1e-13,
+                               atol=1e-14)
