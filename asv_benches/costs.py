@@ -290,6 +290,22 @@ def _work_routing(n, d, c):
     return route + _attend(k * w * w, d) + gather + _io(n, d)
 
 
+def _work_synthesizer_dense(n, d, c):
+    # relu(X W1 + b1) W2 + b2 (d x d, then d x N), then softmax(B) V: no Q K^T
+    mlp = Work(2 * n * d * d + 2 * n * d * n, 0.0, 2 * n * d + n * n, 0.0)
+    return mlp + Work(2 * n * n * d, n * n, 3 * n * n, 0.0) + _io(n, d)
+
+
+def _work_synthesizer_random(n, d, c):
+    # softmax(R) V; R (N x N, float32) read once
+    return Work(2 * n * n * d, n * n, 3 * n * n, n * n * _F32) + _io(n, d)
+
+
+def _work_synthesizer_random_mix(n, d, c):
+    # the dot-product logits too, and the mix
+    return _work_synthesizer_random(n, d, c) + Work(2 * n * n * d, 0.0, 2 * n * n, 0.0)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -311,6 +327,9 @@ WORK = {
     "strided": _work_strided,
     "fixed": _work_fixed,
     "routing": _work_routing,
+    "synthesizer_dense": _work_synthesizer_dense,
+    "synthesizer_random": _work_synthesizer_random,
+    "synthesizer_random_mix": _work_synthesizer_random_mix,
 }
 
 

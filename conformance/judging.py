@@ -646,6 +646,10 @@ for _name in ("local", "longformer"):
 # routing: q enters the routing only through q / |q|, which the fold's positive factor
 # leaves alone, so the fold is the same function
 register_forms("routing", AS_REGISTERED, FOLD)
+# Synthesizer: q enters the dense logits through an MLP (no fold); the mixture's
+# logits are the same whatever order the two terms are added in
+for _name in ("synthesizer_dense", "synthesizer_random", "synthesizer_random_mix"):
+    register_forms(_name, AS_REGISTERED, PERTURBED)
 
 
 def forms(prep, dtype) -> list[Form]:

@@ -485,6 +485,14 @@ VARIANT_CHANGES: dict[str, tuple] = {
     # cluster ceil(N / 3) tokens wide and moves the tokens of the dropped one
     "routing": (("one centroid dropped", _set(centroids=lambda x, q, k, v: x[..., :-1, :])),
                 ("causal argument ignored (no mask inside a cluster)", _drop("causal"))),
+    "synthesizer_dense": (("first layer W1 x 1.01", _set(w1=_times(1.01))),
+                          ("causal argument ignored", _drop("causal"))),
+    "synthesizer_random": (("random logits R x 1.01", _set(r=_times(1.01))),
+                           ("causal argument ignored", _drop("causal"))),
+    # registered with alpha = 1/4: the swap gives 3/4 to R (at 1/2 it would change nothing)
+    "synthesizer_random_mix": (("dot-product scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
+                               ("mixing weight swapped (1 - alpha on R)",
+                                _set(alpha=lambda a, q, k, v: 1.0 - a))),
 }
 
 
@@ -537,6 +545,38 @@ def _routing_mutant(mistake):
     return kernel
 
 
+def _synthesizer_mutant(mistake, dense):
+    """A Synthesizer on NumPy, entry by entry, with one ``mistake``: ``"no relu"`` (the
+    dense MLP is linear) or ``"query axis"`` (the softmax normalises each key's column)."""
+
+    def logits_of(q, w1, b1, w2, b2):
+        hidden = q @ w1 + b1
+        return (hidden if mistake == "no relu" else np.maximum(hidden, 0)) @ w2 + b2
+
+    def finish(q, k, v, b, alpha, causal, scale):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        s = alpha * b + (1 - alpha) * scale * (q @ np.swapaxes(k, -1, -2))
+        al = _allowed(q.shape[-2], k.shape[-2], causal, None)
+        if al is not None:
+            s = np.where(al, s, -np.inf)
+        axis = -2 if mistake == "query axis" else -1
+        m = np.max(s, axis=axis, keepdims=True)
+        e = np.exp(s - np.where(np.isfinite(m), m, 0))
+        den = np.sum(e, axis=axis, keepdims=True)
+        return ((e / np.where(den > 0, den, 1)) @ v).astype(q.dtype)
+
+    if dense:
+        def kernel(q, k, v, *, w1, b1, w2, b2, alpha=1.0, causal=False, scale=None):
+            return finish(q, k, v, logits_of(q, w1, b1, w2, b2), alpha, causal, scale)
+    else:
+        def kernel(q, k, v, *, r, r2=None, alpha=1.0, causal=False, scale=None):
+            return finish(q, k, v, r if r2 is None else r @ np.swapaxes(r2, -1, -2), alpha, causal,
+                          scale)
+
+    kernel.__name__ = f"synthesizer_{mistake.replace(' ', '_')}"
+    return kernel
+
+
 #: variant -> ((words, kernel, reference options), ...): mutants beyond the three of
 #: :data:`VARIANT_CHANGES`, for mistakes no change of the reference's arguments makes;
 #: the options select the function they claim (``{"balanced": False}``: plain routing)
@@ -545,6 +585,10 @@ VARIANT_KERNELS: dict[str, tuple] = {
                  _routing_mutant("second nearest"), {"balanced": False}),
                 ("routing by mu . x, not mu . x / |x|", _routing_mutant("unnormalised"), {}),
                 ("each centroid skips its nearest token", _routing_mutant("skips nearest"), {})),
+    "synthesizer_dense": (("relu missing in the dense MLP", _synthesizer_mutant("no relu", True), {}),
+                          ("softmax over the query axis", _synthesizer_mutant("query axis", True), {})),
+    "synthesizer_random": (("softmax over the query axis", _synthesizer_mutant("query axis", False),
+                            {}),),
 }
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "naive_means",
     "naive_nystrom",
     "naive_routing",
+    "naive_dense_logits",
+    "naive_synthesizer",
     "np_favor",
     "np_linear",
     "np_performer",
@@ -318,6 +320,39 @@ def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balance
     return out, weights
 
 
+# ---------------------------------------------------------------- Synthesizer
+
+
+def naive_dense_logits(x, w1, b1, w2, b2):
+    """B_i = W2^T relu(W1^T x_i + b1) + b2, one token row at a time."""
+    out = np.zeros(x.shape[:-1] + (w2.shape[1],))
+    for idx in np.ndindex(x.shape[:-1]):
+        hidden = np.maximum(w1.T @ x[idx] + b1, 0.0)
+        out[idx] = w2.T @ hidden + b2
+    return out
+
+
+def naive_synthesizer(q, k, v, logits, alpha=1.0, causal=None, scale=None):
+    """softmax over keys of alpha B_ij + (1 - alpha) scale q_i . k_j, entry by entry;
+    returns (out, weights)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], logits.shape[:-2])
+    off = 0 if causal in (None, "top-left") else nk - nq
+    w = np.zeros(batch + (nq, nk))
+    for idx in np.ndindex(batch):
+        qb, kb = np.broadcast_to(q, batch + q.shape[-2:])[idx], np.broadcast_to(k, batch + k.shape[-2:])[idx]
+        lb = np.broadcast_to(logits, batch + (nq, nk))[idx]
+        for i in range(nq):
+            keys = [j for j in range(nk) if causal is None or j <= i + off]
+            if not keys:
+                continue
+            s = np.array([alpha * lb[i, j] + (1 - alpha) * scale * (qb[i] @ kb[j]) for j in keys])
+            e = np.exp(s - s.max())
+            w[idx + (i,)][keys] = e / e.sum()
+    return w @ v, w
+
+
 # ---------------------------------------------------------------- sparse patterns
 # Written from the set definitions with Python loops.
 
@@ -423,6 +458,11 @@ PLAIN = {
     "clustered_topk": lambda q, k, v, causal, num_clusters, seed, topk: naive_clustered(
         q, k, v, num_clusters, 10, seed, topk),
     "routing": lambda q, k, v, causal, centroids: naive_routing(q, k, v, centroids, _tl(causal)),
+    "synthesizer_dense": lambda q, k, v, causal, w1, b1, w2, b2: naive_synthesizer(
+        q, k, v, naive_dense_logits(q, w1, b1, w2, b2), causal=_tl(causal)),
+    "synthesizer_random": lambda q, k, v, causal, r: naive_synthesizer(q, k, v, r, causal=_tl(causal)),
+    "synthesizer_random_mix": lambda q, k, v, causal, r, alpha: naive_synthesizer(
+        q, k, v, r, alpha, causal=_tl(causal)),
     "block_sparse": lambda q, k, v, causal, block_size, layout: naive_attention(
         q, k, v, mask=ref_layout(layout, block_size, q.shape[-2], k.shape[-2]), causal=_tl(causal)),
     "local": lambda q, k, v, causal, window: naive_attention(

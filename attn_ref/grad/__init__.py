@@ -41,6 +41,11 @@ from .sparse import (
     longformer_attention,
     strided_attention,
 )
+from .synthesizer import (
+    dense_synthesizer_attention,
+    random_synthesizer_attention,
+    synthesizer_attention,
+)
 
 __all__ = [
     "VJPS",
@@ -48,6 +53,7 @@ __all__ = [
     "block_sparse_attention",
     "clustered_attention",
     "compressed_attention",
+    "dense_synthesizer_attention",
     "feature_map_backward",
     "fixed_attention",
     "linear_attention",
@@ -61,9 +67,11 @@ __all__ = [
     "performer_attention",
     "pooled_attention",
     "query_reduced_attention",
+    "random_synthesizer_attention",
     "routing_attention",
     "softmax_attention",
     "strided_attention",
+    "synthesizer_attention",
     "varlen_attention",
 ]
 
