@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
-           "VARIANT_CHANGES", "VARIANT_KERNELS", "variant_kernel", "variant_mutants", "first_failure",
-           "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
+           "VARIANT_CHANGES", "VARIANT_KERNELS", "routing_kernel", "synthesizer_kernel",
+           "variant_kernel", "variant_mutants", "first_failure", "fp32_accumulating_kernel",
+           "low_precision_accumulating_kernel"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -499,9 +500,9 @@ VARIANT_CHANGES: dict[str, tuple] = {
 # ---------------------------------------------------- routing: mistakes inside the routing
 
 
-def _routing_mutant(mistake):
+def routing_kernel(mistake=None):
     """Routing attention on NumPy, by its defining form (the masked softmax each cluster
-    implies), with one ``mistake`` in the routing:
+    implies), correct with ``mistake=None`` and otherwise with one mistake in the routing:
 
     * ``"second nearest"`` (plain routing): each query goes to its second-nearest centroid;
     * ``"unnormalised"``: tokens ranked by ``mu . x`` instead of ``mu . x / |x|``;
@@ -541,13 +542,14 @@ def _routing_mutant(mistake):
         count = np.maximum(inq.sum(-2), 1)[..., None].astype(q.dtype)
         return np.asarray((np.sum(p, axis=-3) / count) @ v, dtype=q.dtype)
 
-    kernel.__name__ = f"routing_{mistake.replace(' ', '_')}"
+    kernel.__name__ = f"routing_{(mistake or 'correct').replace(' ', '_')}"
     return kernel
 
 
-def _synthesizer_mutant(mistake, dense):
-    """A Synthesizer on NumPy, entry by entry, with one ``mistake``: ``"no relu"`` (the
-    dense MLP is linear) or ``"query axis"`` (the softmax normalises each key's column)."""
+def synthesizer_kernel(mistake, dense):
+    """A Synthesizer on NumPy (dense or random), correct with ``mistake=None``, otherwise
+    with one mistake: ``"no relu"`` (the dense MLP is linear) or ``"query axis"`` (the
+    softmax normalises each key's column)."""
 
     def logits_of(q, w1, b1, w2, b2):
         hidden = q @ w1 + b1
@@ -573,7 +575,7 @@ def _synthesizer_mutant(mistake, dense):
             return finish(q, k, v, r if r2 is None else r @ np.swapaxes(r2, -1, -2), alpha, causal,
                           scale)
 
-    kernel.__name__ = f"synthesizer_{mistake.replace(' ', '_')}"
+    kernel.__name__ = f"synthesizer_{(mistake or 'correct').replace(' ', '_')}"
     return kernel
 
 
@@ -582,12 +584,12 @@ def _synthesizer_mutant(mistake, dense):
 #: the options select the function they claim (``{"balanced": False}``: plain routing)
 VARIANT_KERNELS: dict[str, tuple] = {
     "routing": (("each query routed to its second-nearest centroid (plain routing)",
-                 _routing_mutant("second nearest"), {"balanced": False}),
-                ("routing by mu . x, not mu . x / |x|", _routing_mutant("unnormalised"), {}),
-                ("each centroid skips its nearest token", _routing_mutant("skips nearest"), {})),
-    "synthesizer_dense": (("relu missing in the dense MLP", _synthesizer_mutant("no relu", True), {}),
-                          ("softmax over the query axis", _synthesizer_mutant("query axis", True), {})),
-    "synthesizer_random": (("softmax over the query axis", _synthesizer_mutant("query axis", False),
+                 routing_kernel("second nearest"), {"balanced": False}),
+                ("routing by mu . x, not mu . x / |x|", routing_kernel("unnormalised"), {}),
+                ("each centroid skips its nearest token", routing_kernel("skips nearest"), {})),
+    "synthesizer_dense": (("relu missing in the dense MLP", synthesizer_kernel("no relu", True), {}),
+                          ("softmax over the query axis", synthesizer_kernel("query axis", True), {})),
+    "synthesizer_random": (("softmax over the query axis", synthesizer_kernel("query axis", False),
                             {}),),
 }
 

@@ -193,3 +193,14 @@ def test_calibration_against_routing_transformer():
     assert 0.9e-5 / np.max(count) < np.min(rel) and np.max(rel) < 1.01e-5
     np.testing.assert_allclose(theirs * (count + 1e-5) / np.maximum(count, 1), ours, rtol=1e-13,
                                atol=1e-14)
+
+
+def test_the_routing_mutants_fail_because_of_their_mistake():
+    # conformance.mutants' routing kernels without their mistake pass where, with it,
+    # they fail (tests/test_conformance_tolerance.py runs them with it).
+    from conformance.mutants import Mutant, first_failure, routing_kernel
+
+    for opts in ({}, {"options": {"balanced": False}}):
+        m = Mutant("no mistake", routing_kernel(), "", opts, variant="routing")
+        res, ran = first_failure(m, "float32", suite="quick")
+        assert res is None and ran >= 5, (opts, res, ran)

@@ -162,3 +162,14 @@ def test_bad_input(backend):
         random_synthesizer_attention(q, k, v, r=[[0.0]])
     with pytest.raises(ValueError, match="kind must be 'dense' or 'random'"):
         synthesizer_params(N, N, D, kind="factorised", seed=0, xp=npx)
+
+
+def test_the_synthesizer_mutants_fail_because_of_their_mistake():
+    # conformance.mutants' Synthesizer kernels without their mistake pass where, with
+    # it, they fail (tests/test_conformance_tolerance.py runs them with it).
+    from conformance.mutants import Mutant, first_failure, synthesizer_kernel
+
+    for name, dense in (("synthesizer_dense", True), ("synthesizer_random_mix", False)):
+        res, ran = first_failure(Mutant("no mistake", synthesizer_kernel(None, dense), "", variant=name),
+                                 "float32", suite="quick")
+        assert res is None and ran >= 5, (name, res, ran)
