@@ -138,8 +138,8 @@ def prepare_synthesizer(q, k, v, logits_shape, alpha, causal, scale, xp):
     xp, batch = check_qkv(q, k, v, xp=xp)
     nq, nk = q.shape[-2], k.shape[-2]
     if len(logits_shape) < 2 or tuple(logits_shape[-2:]) != (nq, nk):
-        raise ValueError(f"the synthetic logits must have shape (..., Nq, Nk) = (..., {nq}, {nk}), "
-                         f"got shape {tuple(logits_shape)}")
+        raise ValueError(f"logits (the synthetic logits B) must have shape (..., Nq, Nk) = "
+                         f"(..., {nq}, {nk}), got shape {tuple(logits_shape)}")
     alpha = check_real("alpha", alpha)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1] (the weight of the synthetic logits), got {alpha!r}")
@@ -183,18 +183,16 @@ def synthesizer_attention(q, k, v, /, *, logits, alpha=1.0, causal=False, scale=
     Array([[1. ],
            [1.5]], dtype=array_api_strict.float64)
     """
-    xp, _, alpha, scale = prepare_synthesizer(q, k, v, getattr(logits, "shape", ()), alpha, causal,
-                                              scale, xp)
     check_array("logits", logits, like=q, dtype=q.dtype)
+    xp, _, alpha, scale = prepare_synthesizer(q, k, v, logits.shape, alpha, causal, scale, xp)
     return softmax_attention(q, k, v, bias=alpha * logits, scale=(1.0 - alpha) * scale, causal=causal,
                              xp=xp)
 
 
 def synthesizer_weights(q, k, /, *, logits, alpha=1.0, causal=False, scale=None, xp=None):
     """The ``(..., Nq, Nk)`` weights ``softmax(alpha B + (1 - alpha) scale Q K^T)`` (masked)."""
-    xp, _, alpha, scale = prepare_synthesizer(q, k, k, getattr(logits, "shape", ()), alpha, causal,
-                                              scale, xp)
     check_array("logits", logits, like=q, dtype=q.dtype)
+    xp, _, alpha, scale = prepare_synthesizer(q, k, k, logits.shape, alpha, causal, scale, xp)
     return attention_weights(q, k, bias=alpha * logits, scale=(1.0 - alpha) * scale, causal=causal,
                              xp=xp)
 

@@ -160,6 +160,10 @@ def test_bad_input(backend):
         random_synthesizer_attention(q, k, v, r=r, causal="yes")
     with pytest.raises(TypeError, match="r must be an array"):
         random_synthesizer_attention(q, k, v, r=[[0.0]])
+    with pytest.raises(ValueError, match=r"logits \(the synthetic logits B\) must have shape"):
+        synthesizer_attention(q, k, v, logits=r[:, :7])
+    with pytest.raises(TypeError, match="logits must be an array"):
+        synthesizer_attention(q, k, v, logits=[[0.0]])
     with pytest.raises(ValueError, match="kind must be 'dense' or 'random'"):
         synthesizer_params(N, N, D, kind="factorised", seed=0, xp=npx)
 

@@ -15,7 +15,7 @@ is the softmax attention VJP of :mod:`attn_ref.grad.softmax`, whose bias cotange
 
 from __future__ import annotations
 
-from .._checks import check_qkv
+from .._checks import check_array, check_qkv
 from ..synthesizer import (
     check_dense_weights,
     dense_synthesizer_logits,
@@ -55,8 +55,8 @@ def dense_synthesizer_logits_vjp(x, w1, b1, w2, b2, db, /, *, xp=None):
 
 def synthesizer_attention(q, k, v, do, /, *, logits, alpha=1.0, causal=False, scale=None, xp=None):
     """VJP of :func:`attn_ref.synthesizer.synthesizer_attention`: ``{"q", "k", "v", "logits"}``."""
-    xp, batch, alpha, scale = prepare_synthesizer(q, k, v, getattr(logits, "shape", ()), alpha, causal,
-                                                  scale, xp)
+    check_array("logits", logits, like=q, dtype=q.dtype)
+    xp, batch, alpha, scale = prepare_synthesizer(q, k, v, logits.shape, alpha, causal, scale, xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     g = softmax_attention(q, k, v, do, bias=alpha * logits, scale=(1.0 - alpha) * scale, causal=causal,
                           xp=xp)
