@@ -394,6 +394,20 @@ def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
     return {"layout": layout(nb, nb, density=density, seed=seed)}
 
 
+def _routing_arrays(n, d, values, *, seed, dtype, device, xp):
+    centroids = _builder("routing", "routing_centroids")
+    return {"centroids": centroids(values["num_clusters"], d, seed=seed, dtype=dtype,
+                                   device=device, xp=xp)}
+
+
+def _synthesizer_arrays(kind):
+    def arrays(n, d, values, *, seed, dtype, device, xp):
+        params = _builder("synthesizer", "synthesizer_params")
+        return params(n, n, d, kind=kind, seed=seed, dtype=dtype, device=device, xp=xp)
+
+    return arrays
+
+
 BENCH_CONFIGS: dict[str, BenchConfig] = {
     "softmax": BenchConfig(
         "Vaswani et al. 2017: no parameters"),
@@ -454,6 +468,20 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
     "fixed": BenchConfig(
         "Child et al. 2019 (enwik8): stride l = 128, c = 32 summary positions, causal; l <= N",
         options={"stride": _at_most_n(128), "summary": 32}),
+    "routing": BenchConfig(
+        "Roy et al. 2021: C ~ sqrt(N) balanced clusters of w = N / C queries and keys "
+        "(`sqrt_stride`: 16 at N = 256; the paper's 8192-token PG-19 model: 16 clusters of 512)",
+        sizes={"num_clusters": lambda n: min(n, sqrt_stride(n))}, arrays=_routing_arrays,
+        time="O(N sqrt(N) d)", memory="O(N sqrt(N))"),
+    "synthesizer_dense": BenchConfig(
+        "Tay et al. 2021: dense Synthesizer, W1 d x d, W2 d x N (the paper's two layers)",
+        arrays=_synthesizer_arrays("dense")),
+    "synthesizer_random": BenchConfig(
+        "Tay et al. 2021: random Synthesizer, one N x N matrix R per head",
+        arrays=_synthesizer_arrays("random")),
+    "synthesizer_random_mix": BenchConfig(
+        "Tay et al. 2021 (Random + Vanilla): R mixed with the dot-product logits, alpha = 1/4",
+        options={"alpha": 0.25}, arrays=_synthesizer_arrays("random")),
 }
 
 

@@ -7,6 +7,7 @@ suite (:mod:`asv_benches._common`) caps ``N`` by it and the scaling report
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import astuple, dataclass
 
@@ -277,6 +278,34 @@ def _work_fixed(n, d, c):
     return _attend(n * (s / 2 + c["summary"] * n / (2 * s)), d) + _io(n, d)
 
 
+def _work_routing(n, d, c):
+    # unit rows of q and k and their scores against C centroids (a GEMM), two argsorts
+    # per centroid and side (counted as log2 N passes over C N entries), then C dense
+    # w x w blocks (w = N / C) and the gather/average passes
+    k = c["num_clusters"]
+    w = -(-n // k)
+    log_n = max(1.0, math.log2(n))
+    route = Work(2 * 2 * n * k * d, 0.0, 2 * 3 * n * d + 2 * 2 * k * n * log_n, 0.0)
+    gather = Work(0.0, 0.0, 3 * k * w * d + 2 * k * n * d, 0.0)
+    return route + _attend(k * w * w, d) + gather + _io(n, d)
+
+
+def _work_synthesizer_dense(n, d, c):
+    # relu(X W1 + b1) W2 + b2 (d x d, then d x N), then softmax(B) V: no Q K^T
+    mlp = Work(2 * n * d * d + 2 * n * d * n, 0.0, 2 * n * d + n * n, 0.0)
+    return mlp + Work(2 * n * n * d, n * n, 3 * n * n, 0.0) + _io(n, d)
+
+
+def _work_synthesizer_random(n, d, c):
+    # softmax(R) V; R (N x N, float32) read once
+    return Work(2 * n * n * d, n * n, 3 * n * n, n * n * _F32) + _io(n, d)
+
+
+def _work_synthesizer_random_mix(n, d, c):
+    # the dot-product logits too, and the mix
+    return _work_synthesizer_random(n, d, c) + Work(2 * n * n * d, 0.0, 2 * n * n, 0.0)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -297,6 +326,10 @@ WORK = {
     "bigbird": _work_bigbird,
     "strided": _work_strided,
     "fixed": _work_fixed,
+    "routing": _work_routing,
+    "synthesizer_dense": _work_synthesizer_dense,
+    "synthesizer_random": _work_synthesizer_random,
+    "synthesizer_random_mix": _work_synthesizer_random_mix,
 }
 
 

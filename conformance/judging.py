@@ -645,6 +645,13 @@ for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
 for _name in ("local", "longformer"):
     register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
+# routing: q enters the routing only through q / |q|, which the fold's positive factor
+# leaves alone, so the fold is the same function
+register_forms("routing", AS_REGISTERED, FOLD)
+# Synthesizer: q enters the dense logits through an MLP (no fold); the mixture's
+# logits are the same whatever order the two terms are added in
+for _name in ("synthesizer_dense", "synthesizer_random", "synthesizer_random_mix"):
+    register_forms(_name, AS_REGISTERED, PERTURBED)
 
 
 def forms(prep, dtype) -> list[Form]:

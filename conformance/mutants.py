@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
-           "VARIANT_CHANGES", "variant_kernel", "variant_mutants", "first_failure",
-           "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
+           "VARIANT_CHANGES", "VARIANT_KERNELS", "routing_kernel", "synthesizer_kernel",
+           "variant_kernel", "variant_mutants", "first_failure", "fp32_accumulating_kernel",
+           "low_precision_accumulating_kernel"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -487,11 +488,121 @@ VARIANT_CHANGES: dict[str, tuple] = {
                 ("scale argument ignored", _drop("scale"))),
     "fixed": (("summary one key longer", _set(summary=_plus(1))),
               ("scale argument ignored", _drop("scale"))),
+    # routing: four centroids in the registry's parameters; dropping one makes every
+    # cluster ceil(N / 3) tokens wide and moves the tokens of the dropped one
+    "routing": (("one centroid dropped", _set(centroids=lambda x, q, k, v: x[..., :-1, :])),
+                ("causal argument ignored (no mask inside a cluster)", _drop("causal"))),
+    "synthesizer_dense": (("first layer W1 x 1.01", _set(w1=_times(1.01))),
+                          ("causal argument ignored", _drop("causal"))),
+    "synthesizer_random": (("random logits R x 1.01", _set(r=_times(1.01))),
+                           ("causal argument ignored", _drop("causal"))),
+    # registered with alpha = 1/4: the swap gives 3/4 to R (at 1/2 it would change nothing)
+    "synthesizer_random_mix": (("dot-product scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
+                               ("mixing weight swapped (1 - alpha on R)",
+                                _set(alpha=lambda a, q, k, v: 1.0 - a))),
+}
+
+
+# ---------------------------------------------------- routing: mistakes inside the routing
+
+
+def routing_kernel(mistake=None):
+    """Routing attention on NumPy, by its defining form (the masked softmax each cluster
+    implies), correct with ``mistake=None`` and otherwise with one mistake in the routing:
+
+    * ``"second nearest"`` (plain routing): each query goes to its second-nearest centroid;
+    * ``"unnormalised"``: tokens ranked by ``mu . x`` instead of ``mu . x / |x|``;
+    * ``"skips nearest"`` (balanced): each centroid's top-w starts one token late.
+    """
+
+    def kernel(q, k, v, *, centroids, cluster_size=None, balanced=True, causal=False, scale=None):
+        import array_api_compat.numpy as xp
+
+        from attn_ref.routing import prepare_routing, unit_rows
+        from attn_ref.softmax import attention_weights
+
+        _, batch, align, scale, wq, wk = prepare_routing(q, k, v, centroids, cluster_size, balanced,
+                                                         causal, scale, xp)
+        unit = (lambda x: x) if mistake == "unnormalised" else (lambda x: unit_rows(xp, x))
+        sq, sk = (np.broadcast_to(centroids @ np.swapaxes(unit(x), -1, -2),
+                                  batch + (centroids.shape[-2], x.shape[-2])) for x in (q, k))
+        causal = align or False
+        if not balanced:
+            # nearest = largest mu . x_hat for the unit centroids of the registry
+            place = 1 if mistake == "second nearest" and sq.shape[-2] > 1 else 0
+            cq = np.argsort(-sq, axis=-2, kind="stable")[..., place, :]
+            ck = np.argmax(sk, axis=-2)
+            mask = cq[..., :, None] == ck[..., None, :]
+            return np.asarray(attention_weights(q, k, mask=mask, causal=causal, scale=scale,
+                                                xp=xp) @ v, dtype=q.dtype)
+        skip = 1 if mistake == "skips nearest" else 0
+
+        def chosen(s, w):
+            rank = np.argsort(np.argsort(-s, axis=-1, kind="stable"), axis=-1, kind="stable")
+            return (rank >= skip) & (rank < w + skip)
+
+        inq, ink = chosen(sq, wq), chosen(sk, wk)
+        mask = inq[..., :, None] & ink[..., None, :]
+        qc = np.broadcast_to(q[..., None, :, :], batch + (centroids.shape[-2],) + q.shape[-2:])
+        p = attention_weights(qc, k[..., None, :, :], mask=mask, causal=causal, scale=scale, xp=xp)
+        count = np.maximum(inq.sum(-2), 1)[..., None].astype(q.dtype)
+        return np.asarray((np.sum(p, axis=-3) / count) @ v, dtype=q.dtype)
+
+    kernel.__name__ = f"routing_{(mistake or 'correct').replace(' ', '_')}"
+    return kernel
+
+
+def synthesizer_kernel(mistake, dense):
+    """A Synthesizer on NumPy (dense or random), correct with ``mistake=None``, otherwise
+    with one mistake: ``"no relu"`` (the dense MLP is linear) or ``"query axis"`` (the
+    softmax normalises each key's column)."""
+
+    def logits_of(q, w1, b1, w2, b2):
+        hidden = q @ w1 + b1
+        return (hidden if mistake == "no relu" else np.maximum(hidden, 0)) @ w2 + b2
+
+    def finish(q, k, v, b, alpha, causal, scale):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        s = alpha * b + (1 - alpha) * scale * (q @ np.swapaxes(k, -1, -2))
+        al = _allowed(q.shape[-2], k.shape[-2], causal, None)
+        if al is not None:
+            s = np.where(al, s, -np.inf)
+        axis = -2 if mistake == "query axis" else -1
+        m = np.max(s, axis=axis, keepdims=True)
+        e = np.exp(s - np.where(np.isfinite(m), m, 0))
+        den = np.sum(e, axis=axis, keepdims=True)
+        return ((e / np.where(den > 0, den, 1)) @ v).astype(q.dtype)
+
+    if dense:
+        def kernel(q, k, v, *, w1, b1, w2, b2, alpha=1.0, causal=False, scale=None):
+            return finish(q, k, v, logits_of(q, w1, b1, w2, b2), alpha, causal, scale)
+    else:
+        def kernel(q, k, v, *, r, r2=None, alpha=1.0, causal=False, scale=None):
+            return finish(q, k, v, r if r2 is None else r @ np.swapaxes(r2, -1, -2), alpha, causal,
+                          scale)
+
+    kernel.__name__ = f"synthesizer_{(mistake or 'correct').replace(' ', '_')}"
+    return kernel
+
+
+#: variant -> ((words, kernel, reference options), ...): mutants beyond the three of
+#: :data:`VARIANT_CHANGES`, for mistakes no change of the reference's arguments makes;
+#: the options select the function they claim (``{"balanced": False}``: plain routing)
+VARIANT_KERNELS: dict[str, tuple] = {
+    "routing": (("each query routed to its second-nearest centroid (plain routing)",
+                 routing_kernel("second nearest"), {"balanced": False}),
+                ("routing by mu . x, not mu . x / |x|", routing_kernel("unnormalised"), {}),
+                ("each centroid skips its nearest token", routing_kernel("skips nearest"), {})),
+    "synthesizer_dense": (("relu missing in the dense MLP", synthesizer_kernel("no relu", True), {}),
+                          ("softmax over the query axis", synthesizer_kernel("query axis", True), {})),
+    "synthesizer_random": (("softmax over the query axis", synthesizer_kernel("query axis", False),
+                            {}),),
 }
 
 
 def variant_mutants(variant: str) -> list[Mutant]:
-    """The three mutants of a registered variant; KeyError if it has none declared."""
+    """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`;
+    KeyError if it has none declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
@@ -499,7 +610,9 @@ def variant_mutants(variant: str) -> list[Mutant]:
     return [Mutant(f"{variant}: output x 1.01", variant_kernel(variant, factor=1.01), "",
                    variant=variant),
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
-            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)]
+            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
+        Mutant(f"{variant}: {words}", kernel, "", {"options": opts} if opts else {}, variant=variant)
+        for words, kernel, opts in VARIANT_KERNELS.get(variant, ())]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):

@@ -27,6 +27,9 @@ __all__ = [
     "naive_linformer",
     "naive_means",
     "naive_nystrom",
+    "naive_routing",
+    "naive_dense_logits",
+    "naive_synthesizer",
     "np_favor",
     "np_linear",
     "np_performer",
@@ -265,6 +268,91 @@ def naive_clustered(qh, kh, vh, c, iterations, seed, topk):
     return out, weights
 
 
+# ---------------------------------------------------------------- routing
+
+
+def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balanced=True):
+    """Routing Transformer attention with loops: per batch entry, per cluster, per query.
+
+    Balanced: centroid c takes the w tokens of largest mu_c . x / |x| (ties: lower
+    index); each query averages its clusters' softmax outputs. Plain: each token to
+    the centroid nearest (Euclidean) to x / |x|. Returns (out, weights).
+    """
+    out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
+    weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
+    nq, nk = qh.shape[-2], kh.shape[-2]
+    off = 0 if causal in (None, "top-left") else nk - nq
+    for idx in np.ndindex(qh.shape[:-2]):
+        q, k, v = qh[idx], kh[idx], vh[idx]
+        mu = centroids[idx[-centroids.ndim + 2:]] if centroids.ndim > 2 else centroids
+        c = mu.shape[0]
+
+        def unit(x):
+            n = np.linalg.norm(x, axis=-1, keepdims=True)
+            return x / np.where(n > 0, n, 1.0)
+
+        def allowed(i, j):
+            return causal is None or j <= i + off
+
+        if not balanced:
+            near = [np.argmin(((unit(x)[:, None, :] - mu[None]) ** 2).sum(-1), axis=-1) for x in (q, k)]
+            for i in range(nq):
+                keys = [j for j in range(nk) if near[1][j] == near[0][i] and allowed(i, j)]
+                if keys:
+                    _, p = naive_attention(q[i:i + 1], k[keys], v[keys])
+                    weights[idx + (i,)][keys] = p[0]
+            out[idx] = weights[idx] @ v
+            continue
+        wq = min(cluster_size or -(-nq // c), nq)
+        wk = min(cluster_size or -(-nk // c), nk)
+        count = np.zeros(nq)
+        for cl in range(c):
+            qs = np.argsort(-(unit(q) @ mu[cl]), kind="stable")[:wq]
+            ks = np.argsort(-(unit(k) @ mu[cl]), kind="stable")[:wk]
+            for i in qs:
+                count[i] += 1
+                keys = [j for j in ks if allowed(i, j)]
+                if keys:
+                    _, p = naive_attention(q[i:i + 1], k[keys], v[keys])
+                    weights[idx + (i,)][keys] += p[0]
+        weights[idx] /= np.maximum(count, 1)[:, None]
+        out[idx] = weights[idx] @ v
+    return out, weights
+
+
+# ---------------------------------------------------------------- Synthesizer
+
+
+def naive_dense_logits(x, w1, b1, w2, b2):
+    """B_i = W2^T relu(W1^T x_i + b1) + b2, one token row at a time."""
+    out = np.zeros(x.shape[:-1] + (w2.shape[1],))
+    for idx in np.ndindex(x.shape[:-1]):
+        hidden = np.maximum(w1.T @ x[idx] + b1, 0.0)
+        out[idx] = w2.T @ hidden + b2
+    return out
+
+
+def naive_synthesizer(q, k, v, logits, alpha=1.0, causal=None, scale=None):
+    """softmax over keys of alpha B_ij + (1 - alpha) scale q_i . k_j, entry by entry;
+    returns (out, weights)."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], logits.shape[:-2])
+    off = 0 if causal in (None, "top-left") else nk - nq
+    w = np.zeros(batch + (nq, nk))
+    for idx in np.ndindex(batch):
+        qb, kb = np.broadcast_to(q, batch + q.shape[-2:])[idx], np.broadcast_to(k, batch + k.shape[-2:])[idx]
+        lb = np.broadcast_to(logits, batch + (nq, nk))[idx]
+        for i in range(nq):
+            keys = [j for j in range(nk) if causal is None or j <= i + off]
+            if not keys:
+                continue
+            s = np.array([alpha * lb[i, j] + (1 - alpha) * scale * (qb[i] @ kb[j]) for j in keys])
+            e = np.exp(s - s.max())
+            w[idx + (i,)][keys] = e / e.sum()
+    return w @ v, w
+
+
 # ---------------------------------------------------------------- sparse patterns
 # Written from the set definitions with Python loops.
 
@@ -369,6 +457,12 @@ PLAIN = {
         q, k, v, num_clusters, 10, seed, None),
     "clustered_topk": lambda q, k, v, causal, num_clusters, seed, topk: naive_clustered(
         q, k, v, num_clusters, 10, seed, topk),
+    "routing": lambda q, k, v, causal, centroids: naive_routing(q, k, v, centroids, _tl(causal)),
+    "synthesizer_dense": lambda q, k, v, causal, w1, b1, w2, b2: naive_synthesizer(
+        q, k, v, naive_dense_logits(q, w1, b1, w2, b2), causal=_tl(causal)),
+    "synthesizer_random": lambda q, k, v, causal, r: naive_synthesizer(q, k, v, r, causal=_tl(causal)),
+    "synthesizer_random_mix": lambda q, k, v, causal, r, alpha: naive_synthesizer(
+        q, k, v, r, alpha, causal=_tl(causal)),
     "block_sparse": lambda q, k, v, causal, block_size, layout: naive_attention(
         q, k, v, mask=ref_layout(layout, block_size, q.shape[-2], k.shape[-2]), causal=_tl(causal)),
     "local": lambda q, k, v, causal, window: naive_attention(

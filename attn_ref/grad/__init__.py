@@ -31,6 +31,7 @@ from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
+from .routing import routing_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
 from .sparse import (
     bigbird_attention,
@@ -40,6 +41,11 @@ from .sparse import (
     longformer_attention,
     strided_attention,
 )
+from .synthesizer import (
+    dense_synthesizer_attention,
+    random_synthesizer_attention,
+    synthesizer_attention,
+)
 
 __all__ = [
     "VJPS",
@@ -47,6 +53,7 @@ __all__ = [
     "block_sparse_attention",
     "clustered_attention",
     "compressed_attention",
+    "dense_synthesizer_attention",
     "feature_map_backward",
     "fixed_attention",
     "linear_attention",
@@ -60,8 +67,11 @@ __all__ = [
     "performer_attention",
     "pooled_attention",
     "query_reduced_attention",
+    "random_synthesizer_attention",
+    "routing_attention",
     "softmax_attention",
     "strided_attention",
+    "synthesizer_attention",
     "varlen_attention",
 ]
 
