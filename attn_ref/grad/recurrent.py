@@ -1,0 +1,604 @@
+"""Gradients of the recurrent linear attentions: retention, GLA, SSD, DeltaNet, Gated DeltaNet.
+
+Every variant of :mod:`attn_ref.recurrent` is one recurrence over a state
+``S_t (dk, dv)`` (fla's K x V layout) read out by the queries::
+
+    P_t = D_t S_{t-1}                        decay  (D_t = gamma, exp(g_t), diag(exp(g_t)) or 1)
+    u_t = beta_t (v_t - k_t P_t)             delta rule; u_t = v_t without it
+    S_t = P_t + k_t^T u_t                    write
+    o_t = scale q_t S_t                      read (the current token included)
+
+The VJP runs the same recurrence backwards in time. With ``dS_t`` the cotangent of
+``S_t`` collected from every later step (``dS_T`` = ``dfinal_state`` or zero)::
+
+    dS_t  += scale q_t^T do_t                dq_t = scale do_t S_t^T
+    dk_t   = u_t dS_t^T                      du_t = k_t dS_t          dP_t = dS_t
+    delta rule:  r_t = v_t - k_t P_t:
+        dv_t = beta_t du_t                   dbeta_t = <du_t, r_t>
+        dk_t -= beta_t du_t P_t^T            dP_t -= beta_t k_t^T du_t
+    otherwise:   dv_t = du_t
+    decay:  dS_{t-1} = D_t dP_t,  dg_t = exp(g_t) * sum_v(dP_t * S_{t-1})  (summed over
+            dk too for a scalar decay)
+
+so ``dS_{t-1} = D_t (I - beta_t k_t^T k_t) dS_t + scale q_{t-1}^T do_{t-1}``: the adjoint of
+the delta rule's Householder-like factor is its transpose, which is itself (it is
+symmetric), applied on the left in the K x V layout. The gradient of the initial state
+is ``dS_0`` after the last (earliest) step. Gates are differentiated in log space: the
+forward takes ``g = log(alpha)``, and ``d/dg = alpha d/dalpha`` needs no division by an
+``alpha`` that may underflow to zero. The derivation is in ``docs/recurrent_backward.md``.
+
+With ``cu_seqlens`` the packed sequences are differentiated one after another, each
+from its own initial state: no cotangent crosses a boundary, and the initial state's
+gradient is per sequence.
+
+Cost: the token loop, ``O(T dk dv)`` time per leading index (about four times the
+forward's multiply-adds) and ``O(T dk dv)`` extra memory for the saved states; ``T``
+Python steps of array operations, each vectorised over the leading dimensions. Inputs
+in float16/bfloat16 are differentiated with float32 states (as fla's kernels keep
+them) and the gradients cast back to each input's dtype.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import array_api_compat
+
+from .._checks import (
+    broadcast_batch,
+    check_array,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_real,
+    default_scale,
+    is_integer,
+)
+from ._common import check_cotangent, unbroadcast
+
+__all__ = ["retention", "gated_linear_attention", "ssd", "delta_rule", "gated_delta_rule"]
+
+#: The forms of the forward; the VJP is the same function whichever form computed it.
+FORMS = ("recurrent", "parallel", "chunk")
+
+#: fla's ``l2norm`` epsilon: ``x / sqrt(sum(x^2) + eps)`` (``use_qk_l2norm_in_kernel``).
+L2NORM_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _check_leading(name, x, batch, tail, want):
+    """``x`` has shape ``lead + tail`` with ``lead`` broadcastable into ``batch``."""
+    tail = tuple(tail)
+    shape = tuple(x.shape)
+    full = tuple(batch) + tail
+    if len(shape) < len(tail) or shape[len(shape) - len(tail):] != tail:
+        raise ValueError(f"{name} must have shape {want} = {full}, got shape {shape}")
+    lead = shape[:len(shape) - len(tail)]
+    ok = len(lead) <= len(batch)
+    if ok:
+        try:
+            ok = broadcast_batch([("batch", tuple(batch)), (name, lead)]) == tuple(batch)
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} must have shape {want} = {full} (leading dimensions may be 1 or "
+            f"left out, but not added), got shape {shape}"
+        )
+
+
+def _sequence_bounds(cu_seqlens, total):
+    """``cu_seqlens`` as Python ints ``[0, t1, ..., T]`` (one sequence ``[0, T]`` if None)."""
+    if cu_seqlens is None:
+        return [0, total]
+    if array_api_compat.is_array_api_obj(cu_seqlens):
+        cxp = array_api_compat.array_namespace(cu_seqlens)
+        if cu_seqlens.ndim != 1 or not cxp.isdtype(cu_seqlens.dtype, "integral"):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D integer array, got shape {tuple(cu_seqlens.shape)} "
+                f"and dtype {cu_seqlens.dtype}"
+            )
+        # The offsets decide where the state resets, so they are read on the host;
+        # under jax.jit pass a tuple of ints.
+        vals = [int(cu_seqlens[i]) for i in range(cu_seqlens.shape[0])]
+    elif isinstance(cu_seqlens, (list, tuple)) and all(is_integer(c) for c in cu_seqlens):
+        vals = [operator.index(c) for c in cu_seqlens]
+    else:
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer array or a sequence of ints [0, t1, ..., T], "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    if len(vals) < 2 or vals[0] != 0 or vals[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must be cumulative offsets [0, t1, ..., T] from 0 to the sequence "
+            f"length T = q.shape[-2] = {total}, got {vals}"
+        )
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, but cu_seqlens[{i - 1}]={vals[i - 1]} > "
+                f"cu_seqlens[{i}]={vals[i]}"
+            )
+    return vals
+
+
+def _state_batch(batch, n_seq, varlen):
+    """Leading shape of ``initial_state``: ``batch``, or ``(n_seq,) + batch[1:]`` with
+    ``cu_seqlens`` (fla's ``(N, H, K, V)`` for ``q (1, H, T, K)``)."""
+    if not varlen:
+        return tuple(batch)
+    if not batch or batch[0] != 1:
+        raise ValueError(
+            f"with cu_seqlens the sequences are packed along T of a batch of one: q must have "
+            f"shape (1, ..., T, dk), got leading dimensions {tuple(batch)}"
+        )
+    return (n_seq,) + tuple(batch[1:])
+
+
+class _Problem:
+    """The checked inputs of one VJP call, in the working dtype, broadcast to ``batch``."""
+
+    def __init__(self, q, k, v, do, *, scale, initial_state, cu_seqlens, dfinal_state, form,
+                 chunk_size, output_final_state, qk_l2norm, xp):
+        xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        check_positive_int("chunk_size", chunk_size)
+        check_flag("output_final_state", output_final_state)
+        self.qk_l2norm = check_flag("qk_l2norm", qk_l2norm)
+        self.xp, self.batch = xp, tuple(batch)
+        self.like = q
+        self.device = array_api_compat.device(q)
+        self.T, self.dk, self.dv = q.shape[-2], q.shape[-1], v.shape[-1]
+        self.scale = default_scale(self.dk, scale)
+        check_cotangent(xp, do, self.batch + (self.T, self.dv), q)
+        self.bounds = _sequence_bounds(cu_seqlens, self.T)
+        self.varlen = cu_seqlens is not None
+        self.n_seq = len(self.bounds) - 1
+        # Half-precision inputs are differentiated with float32 states, as fla keeps them.
+        self.work = q.dtype if xp.finfo(q.dtype).bits >= 32 else xp.float32
+        sb = _state_batch(self.batch, self.n_seq, self.varlen)
+        want = "(n_seq, ..., dk, dv)" if self.varlen else "(..., dk, dv)"
+        for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
+            if s is not None:
+                check_array(name, s, like=q)
+                if self.varlen:
+                    if tuple(s.shape) != sb + (self.dk, self.dv):
+                        raise ValueError(f"{name} must have shape {want} = {sb + (self.dk, self.dv)}"
+                                         f" (one state per sequence of cu_seqlens), got shape "
+                                         f"{tuple(s.shape)}")
+                else:
+                    _check_leading(name, s, sb, (self.dk, self.dv), want)
+        self.initial_state, self.dfinal_state = initial_state, dfinal_state
+        self.q, self.k, self.v, self.do = (self.full(x) for x in (q, k, v, do))
+
+    def full(self, x, tail=None):
+        """``x`` in the working dtype, broadcast to ``batch + tail`` (``tail``: x's own)."""
+        xp = self.xp
+        tail = tuple(x.shape[-2:]) if tail is None else tuple(tail)
+        x = x if x.dtype == self.work else xp.astype(x, self.work)
+        return xp.broadcast_to(x, self.batch + tail)
+
+    def gate(self, name, x, tail, want):
+        """A per-token array option (``g``, ``beta``) checked against ``batch + tail``."""
+        check_array(name, x, like=self.like)
+        _check_leading(name, x, self.batch, tail, want)
+        return self.full(x, tail)
+
+    def state(self, s, n):
+        """Sequence ``n``'s slice of ``initial_state`` / ``dfinal_state``, shaped ``batch + (dk, dv)``."""
+        xp = self.xp
+        shape = self.batch + (self.dk, self.dv)
+        if s is None:
+            return xp.zeros(shape, dtype=self.work, device=self.device)
+        s = s if s.dtype == self.work else xp.astype(s, self.work)
+        if self.varlen:
+            s = s[n:n + 1, ...]
+        return xp.broadcast_to(s, shape)
+
+    def grad(self, dx, x):
+        """A gradient in ``x``'s shape (summed over broadcast dimensions) and dtype."""
+        dx = unbroadcast(self.xp, dx, tuple(x.shape))
+        return dx if dx.dtype == x.dtype else self.xp.astype(dx, x.dtype)
+
+
+# ---------------------------------------------------------------- the reverse recurrence
+
+
+def _vec_mat(xp, x, m):
+    """``x (..., a) @ m (..., a, b) -> (..., b)``: a batch of row vectors times matrices."""
+    return (x[..., None, :] @ m)[..., 0, :]
+
+
+def _outer(x, y):
+    return x[..., :, None] * y[..., None, :]
+
+
+def _sequence_vjp(xp, pb, sl, s0, ds, decay, beta):
+    """Gradients of one sequence ``sl`` (a slice of T) from state ``s0``, given the
+    cotangent ``ds`` of its final state.
+
+    ``decay`` is None or ``(a, per_key)``: the decay factors ``a`` in linear space,
+    ``batch + (T, dk)`` when ``per_key`` (GLA) else ``batch + (T,)``. Returns lists of
+    per-token ``dq, dk, dv, da, dbeta`` (``da``: cotangent of ``a``; entries None where
+    not used) and the cotangent of ``s0``.
+    """
+    q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
+    a = None if decay is None else decay[0][..., sl, :] if decay[1] else decay[0][..., sl]
+    b = None if beta is None else beta[..., sl]
+    n = q.shape[-2]
+
+    def decay_of(t):
+        # Broadcastable against S (..., dk, dv): per key row, or one scalar per state.
+        return a[..., t, :, None] if decay[1] else a[..., t, None, None]
+
+    # Forward, saving S_{t-1} for every step: S_t of step t is S_{t-1} of step t + 1.
+    states = [s0]
+    for t in range(n):
+        p = states[-1] if decay is None else decay_of(t) * states[-1]
+        u = v[..., t, :]
+        if b is not None:
+            u = b[..., t, None] * (u - _vec_mat(xp, k[..., t, :], p))
+        states.append(p + _outer(k[..., t, :], u))
+
+    dq, dk, dv, da, db = [None] * n, [None] * n, [None] * n, [None] * n, [None] * n
+    for t in range(n - 1, -1, -1):
+        s_prev, s_t = states[t], states[t + 1]
+        q_t, k_t, v_t, do_t = q[..., t, :], k[..., t, :], v[..., t, :], do[..., t, :]
+        ds = ds + pb.scale * _outer(q_t, do_t)
+        dq[t] = pb.scale * _vec_mat(xp, do_t, xp.matrix_transpose(s_t))
+        p = s_prev if decay is None else decay_of(t) * s_prev
+        if b is None:
+            u = v_t
+        else:
+            r = v_t - _vec_mat(xp, k_t, p)
+            u = b[..., t, None] * r
+        dk_t = _vec_mat(xp, u, xp.matrix_transpose(ds))
+        du = _vec_mat(xp, k_t, ds)
+        dp = ds
+        if b is None:
+            dv[t] = du
+        else:
+            dr = b[..., t, None] * du
+            dv[t] = dr
+            db[t] = xp.sum(du * r, axis=-1)
+            dk_t = dk_t - _vec_mat(xp, dr, xp.matrix_transpose(p))
+            dp = dp - _outer(k_t, dr)
+        dk[t] = dk_t
+        if decay is None:
+            ds = dp
+        else:
+            w = dp * s_prev
+            da[t] = xp.sum(w, axis=-1) if decay[1] else xp.sum(w, axis=(-2, -1))
+            ds = decay_of(t) * dp
+    return dq, dk, dv, da, db, ds
+
+
+def _l2norm(xp, x):
+    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` and the reciprocal norm."""
+    eps = xp.asarray(L2NORM_EPS, dtype=x.dtype, device=array_api_compat.device(x))
+    rstd = 1.0 / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * rstd, rstd
+
+
+def _l2norm_vjp(xp, y, rstd, dy):
+    """``dx = rstd (dy - y <y, dy>)`` for ``y = x rstd``, ``rstd = (|x|^2 + eps)^(-1/2)``."""
+    return rstd * (dy - y * xp.sum(y * dy, axis=-1, keepdims=True))
+
+
+def _run(pb, *, decay=None, beta=None):
+    """The VJP of the recurrence over every sequence of ``pb``.
+
+    Returns ``dq, dk, dv, da, dbeta`` (each ``batch + (T, ...)`` or None) and the
+    initial state's cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with
+    ``cu_seqlens``).
+    """
+    xp = pb.xp
+    if pb.qk_l2norm:
+        (qn, rq), (kn, rk) = _l2norm(xp, pb.q), _l2norm(xp, pb.k)
+        pb.q, pb.k = qn, kn
+    parts = {n: [] for n in ("dq", "dk", "dv", "da", "db")}
+    ds0 = []
+    for i in range(pb.n_seq):
+        start, stop = pb.bounds[i], pb.bounds[i + 1]
+        s0 = pb.state(pb.initial_state, i)
+        dst = pb.state(pb.dfinal_state, i)
+        dq, dk, dv, da, db, ds = _sequence_vjp(xp, pb, slice(start, stop), s0, dst, decay, beta)
+        for name, lst in zip(("dq", "dk", "dv", "da", "db"), (dq, dk, dv, da, db)):
+            parts[name].extend(lst)
+        ds0.append(ds)
+    T = pb.T
+
+    def stacked(name, axis):
+        if T == 0 or parts[name][0] is None:
+            return None
+        return xp.stack(parts[name], axis=axis)
+
+    dq, dk, dv = (stacked(n, -2) for n in ("dq", "dk", "dv"))
+    if T == 0:
+        dq = xp.zeros(pb.q.shape, dtype=pb.work, device=pb.device)
+        dk = xp.zeros(pb.k.shape, dtype=pb.work, device=pb.device)
+        dv = xp.zeros(pb.v.shape, dtype=pb.work, device=pb.device)
+    per_key = decay is not None and decay[1]
+    da = stacked("da", -2 if per_key else -1)
+    if decay is not None and da is None:
+        da = xp.zeros(decay[0].shape, dtype=pb.work, device=pb.device)
+    db = stacked("db", -1)
+    if beta is not None and db is None:
+        db = xp.zeros(beta.shape, dtype=pb.work, device=pb.device)
+    if pb.qk_l2norm:
+        dq, dk = _l2norm_vjp(xp, qn, rq, dq), _l2norm_vjp(xp, kn, rk, dk)
+    # With cu_seqlens each sequence's state lives at batch index 0 (a batch of one).
+    d0 = xp.concat(ds0, axis=0) if pb.varlen else ds0[0]
+    return dq, dk, dv, da, db, d0
+
+
+def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
+    out = {"q": pb.grad(dq, q), "k": pb.grad(dk, k), "v": pb.grad(dv, v)}
+    if initial_state is not None:
+        out["initial_state"] = pb.grad(d0, initial_state)
+    return out
+
+
+def _gamma(pb, gamma):
+    """Retention's decay as per-token factors ``batch + (T,)``: ``gamma`` in (0, 1), a
+    Python float or an array of shape ``q.shape[:-2]`` (per head)."""
+    xp = pb.xp
+    if array_api_compat.is_array_api_obj(gamma):
+        check_array("gamma", gamma, like=pb.like)
+        _check_leading("gamma", gamma, pb.batch, (), "q.shape[:-2]")
+        g = gamma if gamma.dtype == pb.work else xp.astype(gamma, pb.work)
+        return xp.broadcast_to(g[..., None], pb.batch + (pb.T,))
+    gamma = check_real("gamma", gamma, "a decay in (0, 1) (a float or an array of shape q.shape[:-2])")
+    if not 0.0 < gamma < 1.0:
+        raise ValueError(f"gamma must be a decay in (0, 1), got {gamma!r}")
+    return xp.full(pb.batch + (pb.T,), gamma, dtype=pb.work, device=pb.device)
+
+
+# ---------------------------------------------------------------- public VJPs
+
+_COMMON_DOC = """
+    q, k, v : arrays, shapes (..., T, dk), (..., T, dk), (..., T, dv)
+    do : array, shape (..., T, dv)
+        Cotangent of the output ``o``; the dtype, library and device of ``q``.
+    scale : float, optional
+        Read-out scale, ``dk ** -0.5`` by default.
+    initial_state : array, optional
+        ``S_0``, shape (..., dk, dv); with ``cu_seqlens``, (n_seq, ..., dk, dv), one per
+        sequence (fla's ``(N, H, K, V)`` for ``q (1, H, T, K)``). Its gradient is returned
+        when it is given.
+    output_final_state : bool
+        Accepted so that the forward's options can be passed unchanged; the final state's
+        cotangent is ``dfinal_state``.
+    cu_seqlens : 1-D integer array or sequence of ints, optional
+        ``[0, t1, ..., T]``: packed sequences along ``T`` of a batch of one; the state
+        resets to each sequence's initial state at its start, so no gradient crosses a
+        boundary. Read on the host (under ``jax.jit`` pass a tuple).
+    form, chunk_size
+        The forward's form; checked and otherwise ignored (every form computes the same
+        function, so it has the same VJP).
+    dfinal_state : array, optional
+        Cotangent of the final state ``S_T`` (shape of ``initial_state``); zero if None.
+    xp : namespace, optional"""
+
+_COST_DOC = """
+    Notes
+    -----
+    The token loop: ``O(T dk dv)`` time per leading index and ``O(T dk dv)`` extra memory
+    (the saved states), ``T`` Python steps each vectorised over the leading dimensions.
+    Derivation: ``docs/recurrent_backward.md``."""
+
+
+def _doc(fn):
+    fn.__doc__ = fn.__doc__.replace("    {common}", _COMMON_DOC.strip("\n")).replace(
+        "    {cost}", _COST_DOC.strip("\n"))
+    return fn
+
+
+@_doc
+def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+    """VJP of retention (RetNet, Sun et al. 2023): ``S_t = gamma S_{t-1} + k_t^T v_t``,
+    ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    gamma : float or array, shape q.shape[:-2]
+        The fixed decay in (0, 1), per head if an array; not differentiated.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v"}`` and ``"initial_state"`` if given, each shaped like its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import retention
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = retention(x, x, x, x, gamma=0.9)
+    >>> sorted(grads), grads["k"].shape
+    (['k', 'q', 'v'], (4, 3))
+    """
+    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    dq, dk, dv, _, _, d0 = _run(pb, decay=(_gamma(pb, gamma), False))
+    return _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+
+
+@_doc
+def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+    """VJP of gated linear attention (GLA, Yang et al. 2024):
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T, dk)
+        Log gates (<= 0), one per key dimension and token; differentiated in log space.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g"}`` and ``"initial_state"`` if given, each shaped like its
+        input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import gated_linear_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = gated_linear_attention(x, x, x, x, g=-x * x)
+    >>> grads["g"].shape
+    (4, 3)
+    """
+    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    lg = pb.gate("g", g, (pb.T, pb.dk), "(..., T, dk)")
+    a = pb.xp.exp(lg)
+    dq, dk, dv, da, _, d0 = _run(pb, decay=(a, True))
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(a * da, g)
+    return out
+
+
+@_doc
+def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+    """VJP of Mamba-2's state-space duality (SSD, Dao & Gu 2024), a scalar decay per
+    head and token: ``S_t = exp(g_t) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
+
+    In Mamba-2's names ``q = C``, ``k = B``, ``v = X dt`` and ``g = A dt``; the gradient
+    of ``dt`` follows by the chain rule from ``v`` and ``g``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T)
+        Log decay (<= 0); differentiated in log space.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g"}`` and ``"initial_state"`` if given, each shaped like its
+        input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import ssd
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> ssd(x, x, x, x, g=-xp.ones(4))["g"].shape
+    (4,)
+    """
+    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    lg = pb.gate("g", g, (pb.T,), "(..., T)")
+    a = pb.xp.exp(lg)
+    dq, dk, dv, da, _, d0 = _run(pb, decay=(a, False))
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(a * da, g)
+    return out
+
+
+@_doc
+def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None, xp=None):
+    """VJP of the delta rule (DeltaNet, Schlag et al. 2021; Yang et al. 2024):
+    ``S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1})``, ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    beta : array, shape (..., T)
+        Writing strengths, in (0, 1) in fla's tests (any real value is differentiated).
+    qk_l2norm : bool
+        Normalise ``q`` and ``k`` as fla's ``use_qk_l2norm_in_kernel`` does,
+        ``x / sqrt(sum(x^2) + 1e-6)``, and differentiate through it.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "beta"}`` and ``"initial_state"`` if given, each shaped like
+        its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import delta_rule
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> delta_rule(x, x, x, x, beta=xp.full(4, 0.5), qk_l2norm=True)["beta"].shape
+    (4,)
+    """
+    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, xp=xp)
+    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    dq, dk, dv, _, db, d0 = _run(pb, beta=b)
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["beta"] = pb.grad(db, beta)
+    return out
+
+
+@_doc
+def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
+                     xp=None):
+    """VJP of the gated delta rule (Gated DeltaNet, Yang et al. 2025):
+    ``S_t = exp(g_t) S_{t-1} + beta_t k_t^T (v_t - k_t exp(g_t) S_{t-1})``,
+    ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T)
+        Log decay (<= 0), one per head and token; differentiated in log space.
+    beta : array, shape (..., T)
+        Writing strengths.
+    qk_l2norm : bool
+        As in :func:`delta_rule`.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g", "beta"}`` and ``"initial_state"`` if given, each shaped
+        like its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import gated_delta_rule
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = gated_delta_rule(x, x, x, x, g=-xp.ones(4), beta=xp.full(4, 0.5))
+    >>> sorted(grads)
+    ['beta', 'g', 'k', 'q', 'v']
+    """
+    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, xp=xp)
+    lg = pb.gate("g", g, (pb.T,), "(..., T)")
+    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    a = pb.xp.exp(lg)
+    dq, dk, dv, da, db, d0 = _run(pb, decay=(a, False), beta=b)
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(a * da, g)
+    out["beta"] = pb.grad(db, beta)
+    return out
+
