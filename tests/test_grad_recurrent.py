@@ -13,6 +13,7 @@ with all three.
 import numpy as np
 import pytest
 
+from attn_ref import grad
 from attn_ref.grad import recurrent as rec
 from conformance.backends import from_numpy, load
 from tests.helpers import call, host
@@ -362,20 +363,22 @@ def test_bad_gates_states_and_offsets_are_named(backend):
     with pytest.raises(ValueError, match=r"g must have shape \(\.\.\., T\) = \(2, 4\), got shape \(2, 3\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, g=kw["g"][:, :3]))
     with pytest.raises(ValueError, match=r"beta must have shape .* got shape \(3, 4\)"):
-        rec.gated_delta_rule(*pos, do, **dict(kw, beta=xp.concat([kw["beta"], kw["beta"][:1]], axis=0)))
+        rec.gated_delta_rule(*pos, do, **dict(kw, beta=xp.concat([kw["beta"], kw["beta"][:1, :]], axis=0)))
     with pytest.raises(ValueError, match=r"initial_state must have shape \(\.\.\., dk, dv\) = \(2, 4, 3\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, initial_state=kw["initial_state"][..., :2]))
     with pytest.raises(ValueError, match=r"cu_seqlens must be cumulative offsets .* T = q.shape\[-2\] = 4"):
         rec.gated_delta_rule(*pos, do, **dict(kw, cu_seqlens=[0, 2, 3]))
     with pytest.raises(ValueError, match=r"with cu_seqlens .* q must have shape \(1, \.\.\., T, dk\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, cu_seqlens=[0, 2, 4]))
+    with pytest.raises(ValueError, match=r"gated_delta_rule is causal by construction .* got causal=False"):
+        rec.gated_delta_rule(*pos, do, **dict(kw, causal=False))
     with pytest.raises(ValueError, match="form must be one of"):
         rec.gated_delta_rule(*pos, do, **dict(kw, form="chunked"))
     p, d, k = _bad_args(backend, "gla")
     with pytest.raises(ValueError, match=r"g must have shape \(\.\.\., T, dk\) = \(2, 4, 4\)"):
         rec.gated_linear_attention(*p, d, **dict(k, g=k["g"][..., 0]))
     p, d, k = _bad_args(backend, "retention")
-    with pytest.raises(ValueError, match=r"gamma must be a decay in \(0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"gamma must be a decay in \(0, 1\], got 1.5"):
         rec.retention(*p, d, **dict(k, gamma=1.5))
     with pytest.raises(TypeError, match="gamma must be a decay"):
         rec.retention(*p, d, **dict(k, gamma="0.9"))
@@ -390,3 +393,25 @@ def test_inputs_are_not_modified(backend):
     after = [host(x) for x in (*pos, do, *(a for a in kw.values() if not isinstance(a, (float, bool))))]
     for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+def test_retention_with_gamma_one_is_causal_linear_attention(backend):
+    # gamma = 1: no decay, so retention is causal linear attention with identity features
+    # and no normaliser, whose VJP (attn_ref.grad.linear) was derived independently.
+    inputs, static, do, _ = _case("retention", T=9, batch=(2, 3), h0=False, seed=7)
+    got = _run(backend, "retention", inputs, dict(static, gamma=1.0, scale=0.6), do, None)
+    conv = [from_numpy(inputs[n], backend) for n in "qkv"]
+    want = call(backend, grad.linear_attention, *conv, from_numpy(do, backend), feature_map="identity",
+                normalize=False, causal=True, scale=0.6)
+    assert_grads_close(got, {n: host(x) for n, x in want.items()}, backend, rtol=1e-12, atol=1e-12)
+
+
+def test_the_forwards_options_are_accepted_and_change_nothing(backend):
+    # The registry and the oracle call a VJP with the forward's options; the form, the
+    # chunk size and output_final_state do not change the function, so not its VJP.
+    inputs, static, do, dfinal = _case("gla", T=5, batch=(2,))
+    base = _run(backend, "gla", inputs, static, do, dfinal)
+    for opts in ({"form": "recurrent"}, {"form": "parallel", "chunk_size": 2},
+                 {"output_final_state": True, "causal": "bottom-right"}):
+        got = _run(backend, "gla", inputs, dict(static, **opts), do, dfinal)
+        assert_grads_close(got, {n: host(x) for n, x in base.items()}, backend, rtol=0, atol=0)

@@ -140,8 +140,13 @@ def _state_batch(batch, n_seq, varlen):
 class _Problem:
     """The checked inputs of one VJP call, in the working dtype, broadcast to ``batch``."""
 
-    def __init__(self, q, k, v, do, *, scale, initial_state, cu_seqlens, dfinal_state, form,
-                 chunk_size, output_final_state, qk_l2norm, xp):
+    def __init__(self, fn, q, k, v, do, *, scale, initial_state, cu_seqlens, dfinal_state, form,
+                 chunk_size, output_final_state, qk_l2norm, causal, xp):
+        # Causal by construction, as the forward: True or either alignment (the same for
+        # T x T); False is refused rather than ignored.
+        if not (causal is True or causal in ("top-left", "bottom-right")):
+            raise ValueError(f"{fn} is causal by construction (a recurrence over time); causal "
+                             f"must be True, 'top-left' or 'bottom-right', got causal={causal!r}")
         xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
@@ -343,7 +348,7 @@ def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
 
 
 def _gamma(pb, gamma):
-    """Retention's decay as per-token factors ``batch + (T,)``: ``gamma`` in (0, 1), a
+    """Retention's decay as per-token factors ``batch + (T,)``: ``gamma`` in (0, 1], a
     Python float or an array of shape ``q.shape[:-2]`` (per head)."""
     xp = pb.xp
     if array_api_compat.is_array_api_obj(gamma):
@@ -351,9 +356,9 @@ def _gamma(pb, gamma):
         _check_leading("gamma", gamma, pb.batch, (), "q.shape[:-2]")
         g = gamma if gamma.dtype == pb.work else xp.astype(gamma, pb.work)
         return xp.broadcast_to(g[..., None], pb.batch + (pb.T,))
-    gamma = check_real("gamma", gamma, "a decay in (0, 1) (a float or an array of shape q.shape[:-2])")
-    if not 0.0 < gamma < 1.0:
-        raise ValueError(f"gamma must be a decay in (0, 1), got {gamma!r}")
+    gamma = check_real("gamma", gamma, "a decay in (0, 1] (a float or an array of shape q.shape[:-2])")
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be a decay in (0, 1], got {gamma!r}")
     return xp.full(pb.batch + (pb.T,), gamma, dtype=pb.work, device=pb.device)
 
 
@@ -381,6 +386,8 @@ _COMMON_DOC = """
         function, so it has the same VJP).
     dfinal_state : array, optional
         Cotangent of the final state ``S_T`` (shape of ``initial_state``); zero if None.
+    causal : True
+        Causal by construction; ``True`` or either alignment (the same for ``T x T``).
     xp : namespace, optional"""
 
 _COST_DOC = """
@@ -399,14 +406,15 @@ def _doc(fn):
 
 @_doc
 def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+              cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
     """VJP of retention (RetNet, Sun et al. 2023): ``S_t = gamma S_{t-1} + k_t^T v_t``,
     ``o_t = scale q_t S_t``.
 
     Parameters
     ----------
     gamma : float or array, shape q.shape[:-2]
-        The fixed decay in (0, 1), per head if an array; not differentiated.
+        The fixed decay in (0, 1] (1: causal linear attention), per head if an array;
+        not differentiated.
     {common}
 
     Returns
@@ -425,16 +433,17 @@ def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_f
     >>> sorted(grads), grads["k"].shape
     (['k', 'q', 'v'], (4, 3))
     """
-    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
-                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    pb = _Problem("retention", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
     dq, dk, dv, _, _, d0 = _run(pb, decay=(_gamma(pb, gamma), False))
     return _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
 
 
 @_doc
 def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+                           cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True,
+                           xp=None):
     """VJP of gated linear attention (GLA, Yang et al. 2024):
     ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
 
@@ -461,9 +470,9 @@ def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None,
     >>> grads["g"].shape
     (4, 3)
     """
-    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
-                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    pb = _Problem("gated_linear_attention", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T, pb.dk), "(..., T, dk)")
     a = pb.xp.exp(lg)
     dq, dk, dv, da, _, d0 = _run(pb, decay=(a, True))
@@ -474,7 +483,7 @@ def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None,
 
 @_doc
 def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-        form="chunk", chunk_size=64, dfinal_state=None, xp=None):
+        form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
     """VJP of Mamba-2's state-space duality (SSD, Dao & Gu 2024), a scalar decay per
     head and token: ``S_t = exp(g_t) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
 
@@ -503,9 +512,9 @@ def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state
     >>> ssd(x, x, x, x, g=-xp.ones(4))["g"].shape
     (4,)
     """
-    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
-                  output_final_state=output_final_state, qk_l2norm=False, xp=xp)
+    pb = _Problem("ssd", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T,), "(..., T)")
     a = pb.xp.exp(lg)
     dq, dk, dv, da, _, d0 = _run(pb, decay=(a, False))
@@ -516,7 +525,8 @@ def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state
 
 @_doc
 def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_final_state=False,
-               cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None, xp=None):
+               cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
+               causal=True, xp=None):
     """VJP of the delta rule (DeltaNet, Schlag et al. 2021; Yang et al. 2024):
     ``S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1})``, ``o_t = scale q_t S_t``.
 
@@ -545,9 +555,9 @@ def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_f
     >>> delta_rule(x, x, x, x, beta=xp.full(4, 0.5), qk_l2norm=True)["beta"].shape
     (4,)
     """
-    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
-                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, xp=xp)
+    pb = _Problem("delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
     b = pb.gate("beta", beta, (pb.T,), "(..., T)")
     dq, dk, dv, _, db, d0 = _run(pb, beta=b)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
@@ -558,7 +568,7 @@ def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_f
 @_doc
 def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
-                     xp=None):
+                     causal=True, xp=None):
     """VJP of the gated delta rule (Gated DeltaNet, Yang et al. 2025):
     ``S_t = exp(g_t) S_{t-1} + beta_t k_t^T (v_t - k_t exp(g_t) S_{t-1})``,
     ``o_t = scale q_t S_t``.
@@ -590,9 +600,9 @@ def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None,
     >>> sorted(grads)
     ['beta', 'g', 'k', 'q', 'v']
     """
-    pb = _Problem(q, k, v, do, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                  dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
-                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, xp=xp)
+    pb = _Problem("gated_delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T,), "(..., T)")
     b = pb.gate("beta", beta, (pb.T,), "(..., T)")
     a = pb.xp.exp(lg)
