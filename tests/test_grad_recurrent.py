@@ -415,3 +415,23 @@ def test_the_forwards_options_are_accepted_and_change_nothing(backend):
                  {"output_final_state": True, "causal": "bottom-right"}):
         got = _run(backend, "gla", inputs, dict(static, **opts), do, dfinal)
         assert_grads_close(got, {n: host(x) for n, x in base.items()}, backend, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["gla", "ssd"])
+def test_log_gate_gradient_is_a_reverse_cumsum_of_q_dq_minus_k_dk(backend, variant):
+    # The output depends on the cumulative log gate b_t = g_1 + ... + g_t only through
+    # q_t exp(b_t) and k_t exp(-b_t) (and S_T = exp(b_T) (...)), so
+    # dL/db_t = q_t dq_t - k_t dk_t (+ rowsum(dS_T * S_T) at t = T) and dg_t is its sum
+    # over s >= t: an identity between the VJP's outputs that the reverse recurrence
+    # never uses (fla's chunked backward computes dg this way).
+    inputs, static, do, dfinal = _case(variant, T=9, batch=(2, 3), dfinal=True, seed=11)
+    got = {n: host(x) for n, x in _run(backend, variant, inputs, static, do, dfinal).items()}
+    _, final = plain_forward(np, variant, **inputs, **static)
+    db = inputs["q"] * got["q"] - inputs["k"] * got["k"]
+    db[..., -1, :] += np.sum(dfinal * final, axis=-1)
+    if variant == "ssd":
+        db = db.sum(-1)
+        want = np.flip(np.cumsum(np.flip(db, -1), -1), -1)
+    else:
+        want = np.flip(np.cumsum(np.flip(db, -2), -2), -2)
+    np.testing.assert_allclose(got["g"], want, rtol=1e-11, atol=1e-11)
