@@ -31,7 +31,7 @@ With ``cu_seqlens`` the packed sequences are differentiated one after another, e
 from its own initial state: no cotangent crosses a boundary, and the initial state's
 gradient is per sequence.
 
-Cost: the token loop, ``O(T dk dv)`` time per leading index (about four times the
+Cost: the token loop, ``O(T dk dv)`` time per leading index (a few times the
 forward's multiply-adds) and ``O(T dk dv)`` extra memory for the saved states; ``T``
 Python steps of array operations, each vectorised over the leading dimensions. Inputs
 in float16/bfloat16 are differentiated with float32 states (as fla's kernels keep
