@@ -75,8 +75,13 @@ def plain_forward(m, variant, q, k, v, *, gamma=None, g=None, beta=None, scale=N
     return o, final
 
 
+def _definition(static):
+    """The options of the definition: without the backward's form and chunking."""
+    return {n: a for n, a in static.items() if n not in ("form", "chunk_size")}
+
+
 def _loss(m, variant, inputs, static, do, dfinal):
-    o, final = plain_forward(m, variant, **inputs, **static)
+    o, final = plain_forward(m, variant, **inputs, **_definition(static))
     out = (o * do).sum()
     return out if dfinal is None else out + (final * dfinal).sum()
 
@@ -85,7 +90,8 @@ def _loss(m, variant, inputs, static, do, dfinal):
 
 
 def _case(variant, *, T=7, batch=(3, 5), dk=4, dv=3, h0=True, cu_seqlens=None, dfinal=False,
-          scale=None, gamma_per_head=False, g_value=None, beta_value=None, qk_l2norm=False, seed=0):
+          scale=None, gamma_per_head=False, g_value=None, beta_value=None, qk_l2norm=False, seed=0,
+          chunk_size=None, form=None):
     """Host inputs ``{name: array}`` (differentiated), static options, ``do`` and ``dS_T``."""
     rng = np.random.default_rng(seed)
     inputs = {"q": rng.standard_normal(batch + (T, dk)), "k": rng.standard_normal(batch + (T, dk)),
@@ -113,6 +119,11 @@ def _case(variant, *, T=7, batch=(3, 5), dk=4, dv=3, h0=True, cu_seqlens=None, d
         static["cu_seqlens"] = tuple(cu_seqlens)
     if scale is not None:
         static["scale"] = scale
+    # The backward's chunking (the decay variants; the delta rules take the token loop).
+    if chunk_size is not None:
+        static["chunk_size"] = chunk_size
+    if form is not None:
+        static["form"] = form
     do = rng.standard_normal(batch + (T, dv))
     dfin = rng.standard_normal(state_shape) if dfinal else None
     return inputs, static, do, dfin
@@ -128,10 +139,10 @@ def _beta_edges(beta):
 
 CASES = {
     "T=1": dict(T=1, batch=(2,), h0=False),
-    "T=7,batch=(3,5),h0,dS_T,scale": dict(dfinal=True, scale=0.7, gamma_per_head=True),
-    "T=9,no-h0": dict(T=9, batch=(3, 5), h0=False, dk=3, dv=4),
-    "cu_seqlens=(0,4,5,11)": dict(T=11, batch=(1, 2), cu_seqlens=(0, 4, 5, 11), dfinal=True),
-    "cu_seqlens,no-h0": dict(T=11, batch=(1, 2), cu_seqlens=(0, 6, 7, 11), h0=False),
+    "T=7,batch=(3,5),h0,dS_T,scale": dict(dfinal=True, scale=0.7, gamma_per_head=True, chunk_size=3),
+    "T=9,no-h0": dict(T=9, batch=(3, 5), h0=False, dk=3, dv=4, chunk_size=4),
+    "cu_seqlens=(0,4,5,11)": dict(T=11, batch=(1, 2), cu_seqlens=(0, 4, 5, 11), dfinal=True, chunk_size=3),
+    "cu_seqlens,no-h0": dict(T=11, batch=(1, 2), cu_seqlens=(0, 6, 7, 11), h0=False, form="recurrent"),
 }
 DELTA_CASES = {
     "beta-edges": dict(T=8, batch=(2, 3), beta_value=_beta_edges),
@@ -161,7 +172,7 @@ def _torch_grads(variant, inputs, static, do, dfinal):
     import torch
 
     ts = {n: torch.tensor(a, dtype=torch.float64, requires_grad=True) for n, a in inputs.items()}
-    st = {n: (torch.tensor(a) if isinstance(a, np.ndarray) else a) for n, a in static.items()}
+    st = {n: (torch.tensor(a) if isinstance(a, np.ndarray) else a) for n, a in _definition(static).items()}
     loss = _loss(torch, variant, ts, st, torch.tensor(do), None if dfinal is None else torch.tensor(dfinal))
     got = torch.autograd.grad(loss, list(ts.values()))
     return {n: x.detach().numpy() for n, x in zip(ts, got)}
@@ -173,7 +184,7 @@ def _jax_grads(variant, inputs, static, do, dfinal):
 
     load("jax")  # float64 enabled
     names = list(inputs)
-    st = {n: (jnp.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in static.items()}
+    st = {n: (jnp.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in _definition(static).items()}
 
     def f(*xs):
         o, final = plain_forward(jnp, variant, **dict(zip(names, xs)), **st)
@@ -407,14 +418,34 @@ def test_retention_with_gamma_one_is_causal_linear_attention(backend):
 
 
 def test_the_forwards_options_are_accepted_and_change_nothing(backend):
-    # The registry and the oracle call a VJP with the forward's options; the form, the
-    # chunk size and output_final_state do not change the function, so not its VJP.
+    # The registry and the oracle call a VJP with the forward's options:
+    # output_final_state and the causal alignment do not change the function, and
+    # "parallel" takes the chunked backward as "chunk" does (same chunk_size).
     inputs, static, do, dfinal = _case("gla", T=5, batch=(2,))
-    base = _run(backend, "gla", inputs, static, do, dfinal)
-    for opts in ({"form": "recurrent"}, {"form": "parallel", "chunk_size": 2},
-                 {"output_final_state": True, "causal": "bottom-right"}):
-        got = _run(backend, "gla", inputs, dict(static, **opts), do, dfinal)
+    base = _run(backend, "gla", inputs, dict(static, chunk_size=2), do, dfinal)
+    for opts in ({"form": "parallel"}, {"output_final_state": True, "causal": "bottom-right"}):
+        got = _run(backend, "gla", inputs, dict(static, chunk_size=2, **opts), do, dfinal)
         assert_grads_close(got, {n: host(x) for n, x in base.items()}, backend, rtol=0, atol=0)
+
+
+#: The decay variants' backward is chunked unless form="recurrent" (the token loop).
+CHUNKINGS = [{"chunk_size": 1}, {"chunk_size": 3}, {"chunk_size": 4}, {"chunk_size": 64},
+             {"form": "parallel", "chunk_size": 5}]
+
+
+@pytest.mark.parametrize("variant", ["retention", "gla", "ssd"])
+@pytest.mark.parametrize("name", ["T=7,batch=(3,5),h0,dS_T,scale", "cu_seqlens=(0,4,5,11)"])
+def test_chunked_backward_is_the_token_loop(backend, variant, name):
+    inputs, static, do, dfinal = _make(variant, name)
+    static = {n: a for n, a in static.items() if n != "chunk_size"}
+    loop = {n: host(x) for n, x in _run(backend, variant, inputs, dict(static, form="recurrent"),
+                                        do, dfinal).items()}
+    for opts in CHUNKINGS:
+        got = _run(backend, variant, inputs, dict(static, **opts), do, dfinal)
+        try:
+            assert_grads_close(got, loop, backend, rtol=1e-12, atol=1e-12)
+        except AssertionError as exc:
+            raise AssertionError(f"{opts}: {exc}") from None
 
 
 @pytest.mark.parametrize("variant", ["gla", "ssd"])
@@ -426,7 +457,7 @@ def test_log_gate_gradient_is_a_reverse_cumsum_of_q_dq_minus_k_dk(backend, varia
     # never uses (fla's chunked backward computes dg this way).
     inputs, static, do, dfinal = _case(variant, T=9, batch=(2, 3), dfinal=True, seed=11)
     got = {n: host(x) for n, x in _run(backend, variant, inputs, static, do, dfinal).items()}
-    _, final = plain_forward(np, variant, **inputs, **static)
+    _, final = plain_forward(np, variant, **inputs, **_definition(static))
     db = inputs["q"] * got["q"] - inputs["k"] * got["k"]
     db[..., -1, :] += np.sum(dfinal * final, axis=-1)
     if variant == "ssd":

@@ -31,15 +31,23 @@ With ``cu_seqlens`` the packed sequences are differentiated one after another, e
 from its own initial state: no cotangent crosses a boundary, and the initial state's
 gradient is per sequence.
 
-Cost: the token loop, ``O(T dk dv)`` time per leading index (a few times the
-forward's multiply-adds) and ``O(T dk dv)`` extra memory for the saved states; ``T``
-Python steps of array operations, each vectorised over the leading dimensions. Inputs
+Two implementations. The token loop above (``form="recurrent"``, and always for the
+delta rules): ``O(T dk dv)`` time per leading index (a few times the forward's
+multiply-adds) and ``O(T dk dv)`` extra memory for the saved states, in ``T`` Python steps
+of array operations vectorised over the leading dimensions. For the decay variants
+(retention, GLA, SSD) the other forms take a chunked backward, ``chunk_size`` steps at
+a time: the backward of a decayed linear attention is a decayed linear attention run
+from the end, so it chunks as the forward does (intra-chunk decay matrices from
+differences of cumulative log gates, masked before ``exp``; only the states at chunk
+boundaries and their cotangents carried), and the log gates' gradient is the reverse
+cumulative sum of ``q dq - k dk``. Inputs
 in float16/bfloat16 are differentiated with float32 states (as fla's kernels keep
 them) and the gradients cast back to each input's dtype.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 
 import array_api_compat
@@ -150,7 +158,7 @@ class _Problem:
         xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
         if form not in FORMS:
             raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        check_positive_int("chunk_size", chunk_size)
+        self.form, self.chunk_size = form, check_positive_int("chunk_size", chunk_size)
         check_flag("output_final_state", output_final_state)
         self.qk_l2norm = check_flag("qk_l2norm", qk_l2norm)
         self.xp, self.batch = xp, tuple(batch)
@@ -221,40 +229,40 @@ def _outer(x, y):
     return x[..., :, None] * y[..., None, :]
 
 
-def _sequence_vjp(xp, pb, sl, s0, ds, decay, beta):
-    """Gradients of one sequence ``sl`` (a slice of T) from state ``s0``, given the
-    cotangent ``ds`` of its final state.
+def _token_vjp(xp, pb, sl, s0, ds, lg, per_key, beta):
+    """The reverse recurrence of one sequence ``sl`` (a slice of T), token by token.
 
-    ``decay`` is None or ``(a, per_key)``: the decay factors ``a`` in linear space,
-    ``batch + (T, dk)`` when ``per_key`` (GLA) else ``batch + (T,)``. Returns lists of
-    per-token ``dq, dk, dv, da, dbeta`` (``da``: cotangent of ``a``; entries None where
-    not used) and the cotangent of ``s0``.
+    ``s0`` is the sequence's initial state, ``ds`` the cotangent of its final state.
+    ``lg`` is None (no decay) or the log gates ``batch + (T, e)``, ``e = dk`` when
+    ``per_key`` (GLA) else 1; ``beta`` None or ``batch + (T,)``. Returns ``dq, dk, dv``
+    ``(..., L, d)``, ``dlg (..., L, e)`` and ``dbeta (..., L)`` (None when not used) and
+    the cotangent of ``s0``. ``O(L dk dv)`` time and memory (the saved states).
     """
     q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
-    a = None if decay is None else decay[0][..., sl, :] if decay[1] else decay[0][..., sl]
+    a = None if lg is None else xp.exp(lg[..., sl, :])
     b = None if beta is None else beta[..., sl]
     n = q.shape[-2]
 
     def decay_of(t):
-        # Broadcastable against S (..., dk, dv): per key row, or one scalar per state.
-        return a[..., t, :, None] if decay[1] else a[..., t, None, None]
+        # (..., e, 1): per key row, or one scalar, broadcast against S (..., dk, dv).
+        return a[..., t, :, None]
 
     # Forward, saving S_{t-1} for every step: S_t of step t is S_{t-1} of step t + 1.
     states = [s0]
     for t in range(n):
-        p = states[-1] if decay is None else decay_of(t) * states[-1]
+        p = states[-1] if a is None else decay_of(t) * states[-1]
         u = v[..., t, :]
         if b is not None:
             u = b[..., t, None] * (u - _vec_mat(xp, k[..., t, :], p))
         states.append(p + _outer(k[..., t, :], u))
 
-    dq, dk, dv, da, db = [None] * n, [None] * n, [None] * n, [None] * n, [None] * n
+    dq, dk, dv, dlg, db = [None] * n, [None] * n, [None] * n, [None] * n, [None] * n
     for t in range(n - 1, -1, -1):
         s_prev, s_t = states[t], states[t + 1]
         q_t, k_t, v_t, do_t = q[..., t, :], k[..., t, :], v[..., t, :], do[..., t, :]
         ds = ds + pb.scale * _outer(q_t, do_t)
         dq[t] = pb.scale * _vec_mat(xp, do_t, xp.matrix_transpose(s_t))
-        p = s_prev if decay is None else decay_of(t) * s_prev
+        p = s_prev if a is None else decay_of(t) * s_prev
         if b is None:
             u = v_t
         else:
@@ -272,13 +280,103 @@ def _sequence_vjp(xp, pb, sl, s0, ds, decay, beta):
             dk_t = dk_t - _vec_mat(xp, dr, xp.matrix_transpose(p))
             dp = dp - _outer(k_t, dr)
         dk[t] = dk_t
-        if decay is None:
+        if a is None:
             ds = dp
         else:
-            w = dp * s_prev
-            da[t] = xp.sum(w, axis=-1) if decay[1] else xp.sum(w, axis=(-2, -1))
+            # d/dg = alpha d/dalpha = rowsum(dP * alpha S_{t-1}) = rowsum(dP * P): no 1/alpha.
+            w = dp * p
+            dlg[t] = xp.sum(w, axis=-1) if per_key else xp.sum(w, axis=(-2, -1))[..., None]
             ds = decay_of(t) * dp
-    return dq, dk, dv, da, db, ds
+
+    def stacked(parts, like_shape, axis):
+        if n == 0:
+            return xp.zeros(like_shape, dtype=pb.work, device=pb.device)
+        return xp.stack(parts, axis=axis)
+
+    out = [stacked(dq, q.shape, -2), stacked(dk, k.shape, -2), stacked(dv, v.shape, -2)]
+    out.append(None if a is None else stacked(dlg, a.shape, -2))
+    out.append(None if b is None else stacked(db, b.shape, -1))
+    return (*out, ds)
+
+
+def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
+    """The VJP of a decay variant (no delta rule) on one sequence, ``chunk`` steps at a time.
+
+    The same inputs and outputs as :func:`_token_vjp`. Within a chunk, with
+    ``b_t = sum of lg`` from the chunk's start, the decay from key ``s`` to query ``t``
+    is ``E[t, s] = exp(b_t - b_s)`` (``s <= t``; masked before the ``exp``, where the
+    exponent would be positive); across chunks only the states at chunk boundaries
+    (forward) and their cotangents (backward) are carried:
+
+    * ``dv = scale (QK^T * E)^T dO + (K exp(B - b)) Lambda``,
+    * ``dq = scale ((dO V^T) * E) K + scale exp(b) (dO S_prev^T)``,
+    * ``dk = scale ((dO V^T) * E)^T Q + exp(B - b) (V Lambda^T)``,
+    * ``Lambda_prev = exp(B) Lambda + scale (Q exp(b))^T dO``,
+
+    (``B`` the chunk's total log decay, products with ``E`` elementwise per key for GLA)
+    and the log gates' gradient is the reverse cumulative sum of ``q dq - k dk`` (plus
+    ``rowsum(dS_T * S_T)``), see ``docs/recurrent_backward.md``. ``O(L C (dk + dv) + L dk dv)``
+    time, ``O(C^2 dk + (L / C) dk dv)`` extra memory (``O(C^2 + ...)`` for a scalar decay,
+    whose products with ``E`` are matrix products).
+    """
+    q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
+    lg = lg[..., sl, :]
+    n = q.shape[-2]
+    mt = xp.matrix_transpose
+    starts = list(range(0, n, chunk))
+    neg_inf = xp.asarray(-math.inf, dtype=pb.work, device=pb.device)
+    zero = xp.zeros((), dtype=pb.work, device=pb.device)
+
+    def cut(x, r0):
+        return x[..., r0:min(r0 + chunk, n), :]
+
+    # Forward over chunks: the state entering each chunk, and S_T.
+    s_in, s = [], s0
+    for r0 in starts:
+        b = xp.cumulative_sum(cut(lg, r0), axis=-2)
+        s_in.append(s)
+        s = xp.exp(b[..., -1, :])[..., :, None] * s + mt(cut(k, r0) * xp.exp(b[..., -1:, :] - b)) @ cut(v, r0)
+    s_final, d_final = s, ds
+
+    dq, dk, dv = [None] * len(starts), [None] * len(starts), [None] * len(starts)
+    lam = ds
+    for j in range(len(starts) - 1, -1, -1):
+        r0 = starts[j]
+        qc, kc, vc, doc = cut(q, r0), cut(k, r0), cut(v, r0), cut(do, r0)
+        b = xp.cumulative_sum(cut(lg, r0), axis=-2)
+        m = qc.shape[-2]
+        causal = xp.arange(m, device=pb.device)[:, None] >= xp.arange(m, device=pb.device)[None, :]
+        # E[t, s, e] = exp(b_t - b_s) for s <= t, else exactly 0.
+        e = xp.exp(xp.where(causal[:, :, None], b[..., :, None, :] - b[..., None, :, :], neg_inf))
+        e_q, e_k = xp.exp(b), xp.exp(b[..., -1:, :] - b)
+        g_ts = xp.where(causal, pb.scale * (doc @ mt(vc)), zero)  # (dO V^T) masked, scaled
+        if per_key:
+            # The decay differs per key dimension: (C, C, dk) products, no GEMM.
+            a_ts = xp.sum(qc[..., :, None, :] * kc[..., None, :, :] * e, axis=-1)  # QK^T * E
+            dq_in = xp.sum(g_ts[..., None] * kc[..., None, :, :] * e, axis=-2)
+            dk_in = xp.sum(g_ts[..., None] * qc[..., :, None, :] * e, axis=-3)
+        else:
+            e = e[..., 0]
+            a_ts = (qc @ mt(kc)) * e
+            dq_in = (g_ts * e) @ kc
+            dk_in = mt(g_ts * e) @ qc
+        dq[j] = dq_in + pb.scale * e_q * (doc @ mt(s_in[j]))
+        dk[j] = dk_in + e_k * (vc @ mt(lam))
+        dv[j] = pb.scale * mt(a_ts) @ doc + (kc * e_k) @ lam
+        lam = xp.exp(b[..., -1, :])[..., :, None] * lam + pb.scale * mt(qc * e_q) @ doc
+    if starts:
+        dq, dk, dv = (xp.concat(x, axis=-2) for x in (dq, dk, dv))
+    else:
+        dq, dk, dv = (xp.zeros(x.shape, dtype=pb.work, device=pb.device) for x in (q, k, v))
+    # The output depends on b_t = g_1 + ... + g_t only through q_t exp(b_t), k_t exp(-b_t)
+    # and S_T = exp(b_T) (...): dL/db_t = q_t dq_t - k_t dk_t (+ rowsum(dS_T S_T) at T),
+    # and dg_t = sum_{s >= t} dL/db_s.
+    dlb = q * dq - k * dk
+    dlg = xp.flip(xp.cumulative_sum(xp.flip(dlb, axis=-2), axis=-2), axis=-2)
+    dlg = dlg + xp.sum(d_final * s_final, axis=-1)[..., None, :]
+    if not per_key:
+        dlg = xp.sum(dlg, axis=-1, keepdims=True)
+    return dq, dk, dv, dlg, None, lam
 
 
 def _l2norm(xp, x):
@@ -293,51 +391,39 @@ def _l2norm_vjp(xp, y, rstd, dy):
     return rstd * (dy - y * xp.sum(y * dy, axis=-1, keepdims=True))
 
 
-def _run(pb, *, decay=None, beta=None):
+def _run(pb, *, lg=None, per_key=False, beta=None):
     """The VJP of the recurrence over every sequence of ``pb``.
 
-    Returns ``dq, dk, dv, da, dbeta`` (each ``batch + (T, ...)`` or None) and the
-    initial state's cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with
-    ``cu_seqlens``).
+    ``lg``: None or the log gates ``batch + (T, e)`` (``e = dk`` when ``per_key``, else
+    1). The decay variants take the chunked backward unless ``form="recurrent"``; the
+    delta rules take the token loop. Returns ``dq, dk, dv`` (``batch + (T, d)``), ``dlg``
+    (like ``lg``) and ``dbeta`` (``batch + (T,)``) or None, and the initial state's
+    cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with ``cu_seqlens``).
     """
     xp = pb.xp
     if pb.qk_l2norm:
         (qn, rq), (kn, rk) = _l2norm(xp, pb.q), _l2norm(xp, pb.k)
         pb.q, pb.k = qn, kn
-    parts = {n: [] for n in ("dq", "dk", "dv", "da", "db")}
+    chunked = lg is not None and beta is None and pb.form != "recurrent"
+    parts = [[] for _ in range(5)]
     ds0 = []
     for i in range(pb.n_seq):
-        start, stop = pb.bounds[i], pb.bounds[i + 1]
-        s0 = pb.state(pb.initial_state, i)
-        dst = pb.state(pb.dfinal_state, i)
-        dq, dk, dv, da, db, ds = _sequence_vjp(xp, pb, slice(start, stop), s0, dst, decay, beta)
-        for name, lst in zip(("dq", "dk", "dv", "da", "db"), (dq, dk, dv, da, db)):
-            parts[name].extend(lst)
+        sl = slice(pb.bounds[i], pb.bounds[i + 1])
+        s0, dst = pb.state(pb.initial_state, i), pb.state(pb.dfinal_state, i)
+        if chunked:
+            *grads, ds = _chunked_decay_vjp(xp, pb, sl, s0, dst, lg, per_key, pb.chunk_size)
+        else:
+            *grads, ds = _token_vjp(xp, pb, sl, s0, dst, lg, per_key, beta)
+        for lst, x in zip(parts, grads):
+            lst.append(x)
         ds0.append(ds)
-    T = pb.T
-
-    def stacked(name, axis):
-        if T == 0 or parts[name][0] is None:
-            return None
-        return xp.stack(parts[name], axis=axis)
-
-    dq, dk, dv = (stacked(n, -2) for n in ("dq", "dk", "dv"))
-    if T == 0:
-        dq = xp.zeros(pb.q.shape, dtype=pb.work, device=pb.device)
-        dk = xp.zeros(pb.k.shape, dtype=pb.work, device=pb.device)
-        dv = xp.zeros(pb.v.shape, dtype=pb.work, device=pb.device)
-    per_key = decay is not None and decay[1]
-    da = stacked("da", -2 if per_key else -1)
-    if decay is not None and da is None:
-        da = xp.zeros(decay[0].shape, dtype=pb.work, device=pb.device)
-    db = stacked("db", -1)
-    if beta is not None and db is None:
-        db = xp.zeros(beta.shape, dtype=pb.work, device=pb.device)
+    dq, dk, dv, dlg = (None if p[0] is None else xp.concat(p, axis=-2) for p in parts[:4])
+    db = None if parts[4][0] is None else xp.concat(parts[4], axis=-1)
     if pb.qk_l2norm:
         dq, dk = _l2norm_vjp(xp, qn, rq, dq), _l2norm_vjp(xp, kn, rk, dk)
     # With cu_seqlens each sequence's state lives at batch index 0 (a batch of one).
     d0 = xp.concat(ds0, axis=0) if pb.varlen else ds0[0]
-    return dq, dk, dv, da, db, d0
+    return dq, dk, dv, dlg, db, d0
 
 
 def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
@@ -347,19 +433,19 @@ def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
     return out
 
 
-def _gamma(pb, gamma):
-    """Retention's decay as per-token factors ``batch + (T,)``: ``gamma`` in (0, 1], a
-    Python float or an array of shape ``q.shape[:-2]`` (per head)."""
+def _log_gamma(pb, gamma):
+    """Retention's decay as log gates ``batch + (T, 1)``: ``gamma`` in (0, 1], a Python
+    float or an array of shape ``q.shape[:-2]`` (per head)."""
     xp = pb.xp
     if array_api_compat.is_array_api_obj(gamma):
         check_array("gamma", gamma, like=pb.like)
         _check_leading("gamma", gamma, pb.batch, (), "q.shape[:-2]")
         g = gamma if gamma.dtype == pb.work else xp.astype(gamma, pb.work)
-        return xp.broadcast_to(g[..., None], pb.batch + (pb.T,))
+        return xp.broadcast_to(xp.log(g)[..., None, None], pb.batch + (pb.T, 1))
     gamma = check_real("gamma", gamma, "a decay in (0, 1] (a float or an array of shape q.shape[:-2])")
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma must be a decay in (0, 1], got {gamma!r}")
-    return xp.full(pb.batch + (pb.T,), gamma, dtype=pb.work, device=pb.device)
+    return xp.full(pb.batch + (pb.T, 1), math.log(gamma), dtype=pb.work, device=pb.device)
 
 
 # ---------------------------------------------------------------- public VJPs
@@ -382,29 +468,43 @@ _COMMON_DOC = """
         resets to each sequence's initial state at its start, so no gradient crosses a
         boundary. Read on the host (under ``jax.jit`` pass a tuple).
     form, chunk_size
-        The forward's form; checked and otherwise ignored (every form computes the same
-        function, so it has the same VJP).
+        The forward's form and chunk size. Every form computes the same function, so they
+        choose only how the backward runs: ``"recurrent"``, the token loop; ``"chunk"``
+        and ``"parallel"``, the chunked backward in chunks of ``chunk_size`` for the decay
+        variants (the delta rules always run the token loop).
     dfinal_state : array, optional
         Cotangent of the final state ``S_T`` (shape of ``initial_state``); zero if None.
     causal : True
         Causal by construction; ``True`` or either alignment (the same for ``T x T``).
     xp : namespace, optional"""
 
-_COST_DOC = """
+_COST_DECAY = """
     Notes
     -----
-    The token loop: ``O(T dk dv)`` time per leading index and ``O(T dk dv)`` extra memory
-    (the saved states), ``T`` Python steps each vectorised over the leading dimensions.
+    Chunked (``form="chunk"`` or ``"parallel"``): ``O(T C (dk + dv) + T dk dv)`` time per
+    leading index with ``C = chunk_size``, ``O(C^2 dk + (T / C) dk dv)`` extra memory
+    (``C^2`` for a scalar decay), ``T / C`` Python steps. Token
+    loop (``form="recurrent"``): ``O(T dk dv)`` time and memory, ``T`` Python steps.
     Derivation: ``docs/recurrent_backward.md``."""
 
+_COST_DELTA = """
+    Notes
+    -----
+    The token loop, whatever the form: ``O(T dk dv)`` time per leading index and
+    ``O(T dk dv)`` extra memory (the saved states), ``T`` Python steps each vectorised
+    over the leading dimensions. Derivation: ``docs/recurrent_backward.md``."""
 
-def _doc(fn):
-    fn.__doc__ = fn.__doc__.replace("    {common}", _COMMON_DOC.strip("\n")).replace(
-        "    {cost}", _COST_DOC.strip("\n"))
-    return fn
+
+def _doc(cost):
+    """Fill the shared parameter descriptions and the cost notes into a docstring."""
+    def fill(fn):
+        fn.__doc__ = fn.__doc__.replace("    {common}", _COMMON_DOC.strip("\n")).replace(
+            "    {cost}", cost.strip("\n"))
+        return fn
+    return fill
 
 
-@_doc
+@_doc(_COST_DECAY)
 def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
     """VJP of retention (RetNet, Sun et al. 2023): ``S_t = gamma S_{t-1} + k_t^T v_t``,
@@ -436,11 +536,11 @@ def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_f
     pb = _Problem("retention", q, k, v, do, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
-    dq, dk, dv, _, _, d0 = _run(pb, decay=(_gamma(pb, gamma), False))
+    dq, dk, dv, _, _, d0 = _run(pb, lg=_log_gamma(pb, gamma))
     return _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
 
 
-@_doc
+@_doc(_COST_DECAY)
 def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True,
                            xp=None):
@@ -474,14 +574,13 @@ def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T, pb.dk), "(..., T, dk)")
-    a = pb.xp.exp(lg)
-    dq, dk, dv, da, _, d0 = _run(pb, decay=(a, True))
+    dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg, per_key=True)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
-    out["g"] = pb.grad(a * da, g)
+    out["g"] = pb.grad(dlg, g)
     return out
 
 
-@_doc
+@_doc(_COST_DECAY)
 def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
         form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
     """VJP of Mamba-2's state-space duality (SSD, Dao & Gu 2024), a scalar decay per
@@ -516,14 +615,13 @@ def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T,), "(..., T)")
-    a = pb.xp.exp(lg)
-    dq, dk, dv, da, _, d0 = _run(pb, decay=(a, False))
+    dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg[..., None])
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
-    out["g"] = pb.grad(a * da, g)
+    out["g"] = pb.grad(dlg[..., 0], g)
     return out
 
 
-@_doc
+@_doc(_COST_DELTA)
 def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_final_state=False,
                cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
                causal=True, xp=None):
@@ -565,7 +663,7 @@ def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_f
     return out
 
 
-@_doc
+@_doc(_COST_DELTA)
 def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None, output_final_state=False,
                      cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
                      causal=True, xp=None):
@@ -605,10 +703,9 @@ def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None,
                   output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
     lg = pb.gate("g", g, (pb.T,), "(..., T)")
     b = pb.gate("beta", beta, (pb.T,), "(..., T)")
-    a = pb.xp.exp(lg)
-    dq, dk, dv, da, db, d0 = _run(pb, decay=(a, False), beta=b)
+    dq, dk, dv, dlg, db, d0 = _run(pb, lg=lg[..., None], beta=b)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
-    out["g"] = pb.grad(a * da, g)
+    out["g"] = pb.grad(dlg[..., 0], g)
     out["beta"] = pb.grad(db, beta)
     return out
 
