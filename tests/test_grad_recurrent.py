@@ -16,7 +16,7 @@ import pytest
 from attn_ref import grad
 from attn_ref.grad import recurrent as rec
 from conformance.backends import from_numpy, load
-from tests.helpers import call, host
+from tests.helpers import EPS, call, host
 from tests.test_grad_common import assert_grads_close
 
 L2NORM_EPS = 1e-6
@@ -471,3 +471,21 @@ def test_log_gate_gradient_is_a_reverse_cumsum_of_q_dq_minus_k_dk(backend, varia
     else:
         want = np.flip(np.cumsum(np.flip(db, -2), -2), -2)
     np.testing.assert_allclose(got["g"], want, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_float32_in_float32_out(backend, variant):
+    # float32 inputs are differentiated in float32 (no float64 detour, no half-precision
+    # shortcut): within 2^10 float32 epsilons of the gradient's scale, autograd in float64
+    # of the same (rounded) inputs.
+    inputs, static, do, dfinal = _case(variant, T=9, batch=(2, 3), dfinal=True, chunk_size=4, seed=13)
+    rounded = {n: a.astype(np.float32).astype(np.float64) for n, a in inputs.items()}
+    static = {n: (a.astype(np.float32).astype(np.float64) if isinstance(a, np.ndarray) else a)
+              for n, a in static.items()}
+    do, dfinal = (x.astype(np.float32).astype(np.float64) for x in (do, dfinal))
+    got = _run(backend, variant, rounded, static, do, dfinal, dtype="float32")
+    want = _torch_grads(variant, rounded, static, do, dfinal)
+    for n in want:
+        assert str(got[n].dtype).endswith("float32"), (n, got[n].dtype)
+        np.testing.assert_allclose(host(got[n]), want[n], rtol=0,
+                                   atol=2**10 * EPS["float32"] * np.abs(want[n]).max(), err_msg=n)
