@@ -40,9 +40,9 @@ a time: the backward of a decayed linear attention is a decayed linear attention
 from the end, so it chunks as the forward does (intra-chunk decay matrices from
 differences of cumulative log gates, masked before ``exp``; only the states at chunk
 boundaries and their cotangents carried), and the log gates' gradient is the reverse
-cumulative sum of ``q dq - k dk``. Inputs
-in float16/bfloat16 are differentiated with float32 states (as fla's kernels keep
-them) and the gradients cast back to each input's dtype.
+cumulative sum of ``q dq - k dk``. Inputs in float16/bfloat16 are differentiated with
+float32 states (as fla's kernels keep them) and the gradients cast back to each input's
+dtype.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ from ._common import check_cotangent, unbroadcast
 
 __all__ = ["retention", "gated_linear_attention", "ssd", "delta_rule", "gated_delta_rule"]
 
-#: The forms of the forward; the VJP is the same function whichever form computed it.
+#: The forms of the forward. They compute one function, so they have one VJP; the form
+#: only chooses how the backward runs (the token loop for "recurrent").
 FORMS = ("recurrent", "parallel", "chunk")
 
 #: fla's ``l2norm`` epsilon: ``x / sqrt(sum(x^2) + eps)`` (``use_qk_l2norm_in_kernel``).
@@ -186,6 +187,10 @@ class _Problem:
                     _check_leading(name, s, sb, (self.dk, self.dv), want)
         self.initial_state, self.dfinal_state = initial_state, dfinal_state
         self.q, self.k, self.v, self.do = (self.full(x) for x in (q, k, v, do))
+        if self.qk_l2norm:
+            # The recurrence sees the normalised q, k; their reciprocal norms are kept for
+            # the normalisation's VJP.
+            (self.q, self.rq), (self.k, self.rk) = _l2norm(xp, self.q), _l2norm(xp, self.k)
 
     def full(self, x, tail=None):
         """``x`` in the working dtype, broadcast to ``batch + tail`` (``tail``: x's own)."""
@@ -401,9 +406,6 @@ def _run(pb, *, lg=None, per_key=False, beta=None):
     cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with ``cu_seqlens``).
     """
     xp = pb.xp
-    if pb.qk_l2norm:
-        (qn, rq), (kn, rk) = _l2norm(xp, pb.q), _l2norm(xp, pb.k)
-        pb.q, pb.k = qn, kn
     chunked = lg is not None and beta is None and pb.form != "recurrent"
     parts = [[] for _ in range(5)]
     ds0 = []
@@ -420,7 +422,7 @@ def _run(pb, *, lg=None, per_key=False, beta=None):
     dq, dk, dv, dlg = (None if p[0] is None else xp.concat(p, axis=-2) for p in parts[:4])
     db = None if parts[4][0] is None else xp.concat(parts[4], axis=-1)
     if pb.qk_l2norm:
-        dq, dk = _l2norm_vjp(xp, qn, rq, dq), _l2norm_vjp(xp, kn, rk, dk)
+        dq, dk = _l2norm_vjp(xp, pb.q, pb.rq, dq), _l2norm_vjp(xp, pb.k, pb.rk, dk)
     # With cu_seqlens each sequence's state lives at batch index 0 (a batch of one).
     d0 = xp.concat(ds0, axis=0) if pb.varlen else ds0[0]
     return dq, dk, dv, dlg, db, d0
