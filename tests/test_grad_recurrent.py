@@ -293,6 +293,17 @@ def test_strong_decay_over_512_tokens_gives_finite_exact_gradients(backend, vari
     if "g" in inputs:
         # The last token's gate scales only the read of S_{T-1}: a non-zero gradient.
         assert np.any(host(got["g"])[..., -1] != 0.0)
+    # In float32 a chunk of 64 steps spans exponents down to -315 (exp underflows to 0)
+    # and, above the diagonal, up to +315 (exp overflows to inf): masking after the exp
+    # would give inf * 0 = NaN there.
+    conv = {n: from_numpy(a, backend, "float32") for n, a in inputs.items()}
+    pos = [conv.pop(n) for n in ("q", "k", "v")]
+    got = vjp(*pos, from_numpy(do, backend, "float32"), **conv, **static)
+    for n in inputs:
+        g32 = host(got[n])
+        assert np.all(np.isfinite(g32)), n
+        np.testing.assert_allclose(g32, want[n], rtol=0, atol=2**10 * EPS["float32"] * np.abs(want[n]).max(),
+                                   err_msg=n)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
