@@ -130,7 +130,8 @@ def _case(variant, *, T=7, batch=(3, 5), dk=4, dv=3, h0=True, cu_seqlens=None, d
 
 
 def _beta_edges(beta):
-    # Exactly 0 (nothing written) and exactly 1 (the old association fully replaced).
+    # Exactly 0 (nothing written) and exactly 1 (with the unit keys of qk_l2norm, the
+    # old association of k_t replaced: k_t S_t = v_t up to the normaliser's eps).
     out = beta.copy()
     out[..., 0::3] = 0.0
     out[..., 1::3] = 1.0
@@ -145,7 +146,7 @@ CASES = {
     "cu_seqlens,no-h0": dict(T=11, batch=(1, 2), cu_seqlens=(0, 6, 7, 11), h0=False, form="recurrent"),
 }
 DELTA_CASES = {
-    "beta-edges": dict(T=8, batch=(2, 3), beta_value=_beta_edges),
+    "beta-edges": dict(T=8, batch=(2, 3), beta_value=_beta_edges, qk_l2norm=True),
     "qk_l2norm": dict(T=6, batch=(2, 3), qk_l2norm=True),
 }
 
