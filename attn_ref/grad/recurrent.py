@@ -1,0 +1,713 @@
+"""Gradients of the recurrent linear attentions: retention, GLA, SSD, DeltaNet, Gated DeltaNet.
+
+Every variant of :mod:`attn_ref.recurrent` is one recurrence over a state
+``S_t (dk, dv)`` (fla's K x V layout) read out by the queries::
+
+    P_t = D_t S_{t-1}                        decay  (D_t = gamma, exp(g_t), diag(exp(g_t)) or 1)
+    u_t = beta_t (v_t - k_t P_t)             delta rule; u_t = v_t without it
+    S_t = P_t + k_t^T u_t                    write
+    o_t = scale q_t S_t                      read (the current token included)
+
+The VJP runs the same recurrence backwards in time. With ``dS_t`` the cotangent of
+``S_t`` collected from every later step (``dS_T`` = ``dfinal_state`` or zero)::
+
+    dS_t  += scale q_t^T do_t                dq_t = scale do_t S_t^T
+    dk_t   = u_t dS_t^T                      du_t = k_t dS_t          dP_t = dS_t
+    delta rule:  r_t = v_t - k_t P_t:
+        dv_t = beta_t du_t                   dbeta_t = <du_t, r_t>
+        dk_t -= beta_t du_t P_t^T            dP_t -= beta_t k_t^T du_t
+    otherwise:   dv_t = du_t
+    decay:  dS_{t-1} = D_t dP_t,  dg_t = exp(g_t) * sum_v(dP_t * S_{t-1})  (summed over
+            dk too for a scalar decay)
+
+so ``dS_{t-1} = D_t (I - beta_t k_t^T k_t) dS_t + scale q_{t-1}^T do_{t-1}``: the adjoint of
+the delta rule's Householder-like factor is its transpose, which is itself (it is
+symmetric), applied on the left in the K x V layout. The gradient of the initial state
+is ``dS_0`` after the last (earliest) step. Gates are differentiated in log space: the
+forward takes ``g = log(alpha)``, and ``d/dg = alpha d/dalpha`` needs no division by an
+``alpha`` that may underflow to zero. The derivation is in ``docs/recurrent_backward.md``.
+
+With ``cu_seqlens`` the packed sequences are differentiated one after another, each
+from its own initial state: no cotangent crosses a boundary, and the initial state's
+gradient is per sequence.
+
+Two implementations. The token loop above (``form="recurrent"``, and always for the
+delta rules): ``O(T dk dv)`` time per leading index (a few times the forward's
+multiply-adds) and ``O(T dk dv)`` extra memory for the saved states, in ``T`` Python steps
+of array operations vectorised over the leading dimensions. For the decay variants
+(retention, GLA, SSD) the other forms take a chunked backward, ``chunk_size`` steps at
+a time: the backward of a decayed linear attention is a decayed linear attention run
+from the end, so it chunks as the forward does (intra-chunk decay matrices from
+differences of cumulative log gates, masked before ``exp``; only the states at chunk
+boundaries and their cotangents carried), and the log gates' gradient is the reverse
+cumulative sum of ``q dq - k dk``. Inputs in float16/bfloat16 are differentiated with
+float32 states (as fla's kernels keep them) and the gradients cast back to each input's
+dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import array_api_compat
+
+from .._checks import (
+    broadcast_batch,
+    check_array,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    check_real,
+    default_scale,
+    is_integer,
+)
+from ._common import check_cotangent, unbroadcast
+
+__all__ = ["retention", "gated_linear_attention", "ssd", "delta_rule", "gated_delta_rule"]
+
+#: The forms of the forward. They compute one function, so they have one VJP; the form
+#: only chooses how the backward runs (the token loop for "recurrent").
+FORMS = ("recurrent", "parallel", "chunk")
+
+#: fla's ``l2norm`` epsilon: ``x / sqrt(sum(x^2) + eps)`` (``use_qk_l2norm_in_kernel``).
+L2NORM_EPS = 1e-6
+
+
+# ---------------------------------------------------------------- input checks
+
+
+def _check_leading(name, x, batch, tail, want):
+    """``x`` has shape ``lead + tail`` with ``lead`` broadcastable into ``batch``."""
+    tail = tuple(tail)
+    shape = tuple(x.shape)
+    full = tuple(batch) + tail
+    if len(shape) < len(tail) or shape[len(shape) - len(tail):] != tail:
+        raise ValueError(f"{name} must have shape {want} = {full}, got shape {shape}")
+    lead = shape[:len(shape) - len(tail)]
+    ok = len(lead) <= len(batch)
+    if ok:
+        try:
+            ok = broadcast_batch([("batch", tuple(batch)), (name, lead)]) == tuple(batch)
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(
+            f"{name} must have shape {want} = {full} (leading dimensions may be 1 or "
+            f"left out, but not added), got shape {shape}"
+        )
+
+
+def _sequence_bounds(cu_seqlens, total):
+    """``cu_seqlens`` as Python ints ``[0, t1, ..., T]`` (one sequence ``[0, T]`` if None)."""
+    if cu_seqlens is None:
+        return [0, total]
+    if array_api_compat.is_array_api_obj(cu_seqlens):
+        cxp = array_api_compat.array_namespace(cu_seqlens)
+        if cu_seqlens.ndim != 1 or not cxp.isdtype(cu_seqlens.dtype, "integral"):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D integer array, got shape {tuple(cu_seqlens.shape)} "
+                f"and dtype {cu_seqlens.dtype}"
+            )
+        # The offsets decide where the state resets, so they are read on the host;
+        # under jax.jit pass a tuple of ints.
+        vals = [int(cu_seqlens[i]) for i in range(cu_seqlens.shape[0])]
+    elif isinstance(cu_seqlens, (list, tuple)) and all(is_integer(c) for c in cu_seqlens):
+        vals = [operator.index(c) for c in cu_seqlens]
+    else:
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer array or a sequence of ints [0, t1, ..., T], "
+            f"got {type(cu_seqlens).__name__}"
+        )
+    if len(vals) < 2 or vals[0] != 0 or vals[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must be cumulative offsets [0, t1, ..., T] from 0 to the sequence "
+            f"length T = q.shape[-2] = {total}, got {vals}"
+        )
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            raise ValueError(
+                f"cu_seqlens must be non-decreasing, but cu_seqlens[{i - 1}]={vals[i - 1]} > "
+                f"cu_seqlens[{i}]={vals[i]}"
+            )
+    return vals
+
+
+def _state_batch(batch, n_seq, varlen):
+    """Leading shape of ``initial_state``: ``batch``, or ``(n_seq,) + batch[1:]`` with
+    ``cu_seqlens`` (fla's ``(N, H, K, V)`` for ``q (1, H, T, K)``)."""
+    if not varlen:
+        return tuple(batch)
+    if not batch or batch[0] != 1:
+        raise ValueError(
+            f"with cu_seqlens the sequences are packed along T of a batch of one: q must have "
+            f"shape (1, ..., T, dk), got leading dimensions {tuple(batch)}"
+        )
+    return (n_seq,) + tuple(batch[1:])
+
+
+class _Problem:
+    """The checked inputs of one VJP call, in the working dtype, broadcast to ``batch``."""
+
+    def __init__(self, fn, q, k, v, do, *, scale, initial_state, cu_seqlens, dfinal_state, form,
+                 chunk_size, output_final_state, qk_l2norm, causal, xp):
+        # Causal by construction, as the forward: True or either alignment (the same for
+        # T x T); False is refused rather than ignored.
+        if not (causal is True or causal in ("top-left", "bottom-right")):
+            raise ValueError(f"{fn} is causal by construction (a recurrence over time); causal "
+                             f"must be True, 'top-left' or 'bottom-right', got causal={causal!r}")
+        xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.form, self.chunk_size = form, check_positive_int("chunk_size", chunk_size)
+        check_flag("output_final_state", output_final_state)
+        self.qk_l2norm = check_flag("qk_l2norm", qk_l2norm)
+        self.xp, self.batch = xp, tuple(batch)
+        self.like = q
+        self.device = array_api_compat.device(q)
+        self.T, self.dk, self.dv = q.shape[-2], q.shape[-1], v.shape[-1]
+        self.scale = default_scale(self.dk, scale)
+        check_cotangent(xp, do, self.batch + (self.T, self.dv), q)
+        self.bounds = _sequence_bounds(cu_seqlens, self.T)
+        self.varlen = cu_seqlens is not None
+        self.n_seq = len(self.bounds) - 1
+        # Half-precision inputs are differentiated with float32 states, as fla keeps them.
+        self.work = q.dtype if xp.finfo(q.dtype).bits >= 32 else xp.float32
+        sb = _state_batch(self.batch, self.n_seq, self.varlen)
+        want = "(n_seq, ..., dk, dv)" if self.varlen else "(..., dk, dv)"
+        for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
+            if s is not None:
+                check_array(name, s, like=q)
+                if self.varlen:
+                    if tuple(s.shape) != sb + (self.dk, self.dv):
+                        raise ValueError(f"{name} must have shape {want} = {sb + (self.dk, self.dv)}"
+                                         f" (one state per sequence of cu_seqlens), got shape "
+                                         f"{tuple(s.shape)}")
+                else:
+                    _check_leading(name, s, sb, (self.dk, self.dv), want)
+        self.initial_state, self.dfinal_state = initial_state, dfinal_state
+        self.q, self.k, self.v, self.do = (self.full(x) for x in (q, k, v, do))
+        if self.qk_l2norm:
+            # The recurrence sees the normalised q, k; their reciprocal norms are kept for
+            # the normalisation's VJP.
+            (self.q, self.rq), (self.k, self.rk) = _l2norm(xp, self.q), _l2norm(xp, self.k)
+
+    def full(self, x, tail=None):
+        """``x`` in the working dtype, broadcast to ``batch + tail`` (``tail``: x's own)."""
+        xp = self.xp
+        tail = tuple(x.shape[-2:]) if tail is None else tuple(tail)
+        x = x if x.dtype == self.work else xp.astype(x, self.work)
+        return xp.broadcast_to(x, self.batch + tail)
+
+    def gate(self, name, x, tail, want):
+        """A per-token array option (``g``, ``beta``) checked against ``batch + tail``."""
+        check_array(name, x, like=self.like)
+        _check_leading(name, x, self.batch, tail, want)
+        return self.full(x, tail)
+
+    def state(self, s, n):
+        """Sequence ``n``'s slice of ``initial_state`` / ``dfinal_state``, shaped ``batch + (dk, dv)``."""
+        xp = self.xp
+        shape = self.batch + (self.dk, self.dv)
+        if s is None:
+            return xp.zeros(shape, dtype=self.work, device=self.device)
+        s = s if s.dtype == self.work else xp.astype(s, self.work)
+        if self.varlen:
+            s = s[n:n + 1, ...]
+        return xp.broadcast_to(s, shape)
+
+    def grad(self, dx, x):
+        """A gradient in ``x``'s shape (summed over broadcast dimensions) and dtype."""
+        dx = unbroadcast(self.xp, dx, tuple(x.shape))
+        return dx if dx.dtype == x.dtype else self.xp.astype(dx, x.dtype)
+
+
+# ---------------------------------------------------------------- the reverse recurrence
+
+
+def _vec_mat(xp, x, m):
+    """``x (..., a) @ m (..., a, b) -> (..., b)``: a batch of row vectors times matrices."""
+    return (x[..., None, :] @ m)[..., 0, :]
+
+
+def _outer(x, y):
+    return x[..., :, None] * y[..., None, :]
+
+
+def _token_vjp(xp, pb, sl, s0, ds, lg, per_key, beta):
+    """The reverse recurrence of one sequence ``sl`` (a slice of T), token by token.
+
+    ``s0`` is the sequence's initial state, ``ds`` the cotangent of its final state.
+    ``lg`` is None (no decay) or the log gates ``batch + (T, e)``, ``e = dk`` when
+    ``per_key`` (GLA) else 1; ``beta`` None or ``batch + (T,)``. Returns ``dq, dk, dv``
+    ``(..., L, d)``, ``dlg (..., L, e)`` and ``dbeta (..., L)`` (None when not used) and
+    the cotangent of ``s0``. ``O(L dk dv)`` time and memory (the saved states).
+    """
+    q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
+    a = None if lg is None else xp.exp(lg[..., sl, :])
+    b = None if beta is None else beta[..., sl]
+    n = q.shape[-2]
+
+    def decay_of(t):
+        # (..., e, 1): per key row, or one scalar, broadcast against S (..., dk, dv).
+        return a[..., t, :, None]
+
+    # Forward, saving S_{t-1} for every step: S_t of step t is S_{t-1} of step t + 1.
+    states = [s0]
+    for t in range(n):
+        p = states[-1] if a is None else decay_of(t) * states[-1]
+        u = v[..., t, :]
+        if b is not None:
+            u = b[..., t, None] * (u - _vec_mat(xp, k[..., t, :], p))
+        states.append(p + _outer(k[..., t, :], u))
+
+    dq, dk, dv, dlg, db = [None] * n, [None] * n, [None] * n, [None] * n, [None] * n
+    for t in range(n - 1, -1, -1):
+        s_prev, s_t = states[t], states[t + 1]
+        q_t, k_t, v_t, do_t = q[..., t, :], k[..., t, :], v[..., t, :], do[..., t, :]
+        ds = ds + pb.scale * _outer(q_t, do_t)
+        dq[t] = pb.scale * _vec_mat(xp, do_t, xp.matrix_transpose(s_t))
+        p = s_prev if a is None else decay_of(t) * s_prev
+        if b is None:
+            u = v_t
+        else:
+            r = v_t - _vec_mat(xp, k_t, p)
+            u = b[..., t, None] * r
+        dk_t = _vec_mat(xp, u, xp.matrix_transpose(ds))
+        du = _vec_mat(xp, k_t, ds)
+        dp = ds
+        if b is None:
+            dv[t] = du
+        else:
+            dr = b[..., t, None] * du
+            dv[t] = dr
+            db[t] = xp.sum(du * r, axis=-1)
+            dk_t = dk_t - _vec_mat(xp, dr, xp.matrix_transpose(p))
+            dp = dp - _outer(k_t, dr)
+        dk[t] = dk_t
+        if a is None:
+            ds = dp
+        else:
+            # d/dg = alpha d/dalpha = rowsum(dP * alpha S_{t-1}) = rowsum(dP * P): no 1/alpha.
+            w = dp * p
+            dlg[t] = xp.sum(w, axis=-1) if per_key else xp.sum(w, axis=(-2, -1))[..., None]
+            ds = decay_of(t) * dp
+
+    def stacked(parts, like_shape, axis):
+        if n == 0:
+            return xp.zeros(like_shape, dtype=pb.work, device=pb.device)
+        return xp.stack(parts, axis=axis)
+
+    out = [stacked(dq, q.shape, -2), stacked(dk, k.shape, -2), stacked(dv, v.shape, -2)]
+    out.append(None if a is None else stacked(dlg, a.shape, -2))
+    out.append(None if b is None else stacked(db, b.shape, -1))
+    return (*out, ds)
+
+
+def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
+    """The VJP of a decay variant (no delta rule) on one sequence, ``chunk`` steps at a time.
+
+    The same inputs and outputs as :func:`_token_vjp`. Within a chunk, with
+    ``b_t = sum of lg`` from the chunk's start, the decay from key ``s`` to query ``t``
+    is ``E[t, s] = exp(b_t - b_s)`` (``s <= t``; masked before the ``exp``, where the
+    exponent would be positive); across chunks only the states at chunk boundaries
+    (forward) and their cotangents (backward) are carried:
+
+    * ``dv = scale (QK^T * E)^T dO + (K exp(B - b)) Lambda``,
+    * ``dq = scale ((dO V^T) * E) K + scale exp(b) (dO S_prev^T)``,
+    * ``dk = scale ((dO V^T) * E)^T Q + exp(B - b) (V Lambda^T)``,
+    * ``Lambda_prev = exp(B) Lambda + scale (Q exp(b))^T dO``,
+
+    (``B`` the chunk's total log decay, products with ``E`` elementwise per key for GLA)
+    and the log gates' gradient is the reverse cumulative sum of ``q dq - k dk`` (plus
+    ``rowsum(dS_T * S_T)``), see ``docs/recurrent_backward.md``. ``O(L C (dk + dv) + L dk dv)``
+    time, ``O(C^2 dk + (L / C) dk dv)`` extra memory (``O(C^2 + ...)`` for a scalar decay,
+    whose products with ``E`` are matrix products).
+    """
+    q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
+    lg = lg[..., sl, :]
+    n = q.shape[-2]
+    mt = xp.matrix_transpose
+    starts = list(range(0, n, chunk))
+    neg_inf = xp.asarray(-math.inf, dtype=pb.work, device=pb.device)
+    zero = xp.zeros((), dtype=pb.work, device=pb.device)
+
+    def cut(x, r0):
+        return x[..., r0:min(r0 + chunk, n), :]
+
+    # Forward over chunks: the state entering each chunk, and S_T.
+    s_in, s = [], s0
+    for r0 in starts:
+        b = xp.cumulative_sum(cut(lg, r0), axis=-2)
+        s_in.append(s)
+        s = xp.exp(b[..., -1, :])[..., :, None] * s + mt(cut(k, r0) * xp.exp(b[..., -1:, :] - b)) @ cut(v, r0)
+    s_final, d_final = s, ds
+
+    dq, dk, dv = [None] * len(starts), [None] * len(starts), [None] * len(starts)
+    lam = ds
+    for j in range(len(starts) - 1, -1, -1):
+        r0 = starts[j]
+        qc, kc, vc, doc = cut(q, r0), cut(k, r0), cut(v, r0), cut(do, r0)
+        b = xp.cumulative_sum(cut(lg, r0), axis=-2)
+        m = qc.shape[-2]
+        causal = xp.arange(m, device=pb.device)[:, None] >= xp.arange(m, device=pb.device)[None, :]
+        # E[t, s, e] = exp(b_t - b_s) for s <= t, else exactly 0.
+        e = xp.exp(xp.where(causal[:, :, None], b[..., :, None, :] - b[..., None, :, :], neg_inf))
+        e_q, e_k = xp.exp(b), xp.exp(b[..., -1:, :] - b)
+        g_ts = xp.where(causal, pb.scale * (doc @ mt(vc)), zero)  # (dO V^T) masked, scaled
+        if per_key:
+            # The decay differs per key dimension: (C, C, dk) products, no GEMM.
+            a_ts = xp.sum(qc[..., :, None, :] * kc[..., None, :, :] * e, axis=-1)  # QK^T * E
+            dq_in = xp.sum(g_ts[..., None] * kc[..., None, :, :] * e, axis=-2)
+            dk_in = xp.sum(g_ts[..., None] * qc[..., :, None, :] * e, axis=-3)
+        else:
+            e = e[..., 0]
+            a_ts = (qc @ mt(kc)) * e
+            dq_in = (g_ts * e) @ kc
+            dk_in = mt(g_ts * e) @ qc
+        dq[j] = dq_in + pb.scale * e_q * (doc @ mt(s_in[j]))
+        dk[j] = dk_in + e_k * (vc @ mt(lam))
+        dv[j] = pb.scale * mt(a_ts) @ doc + (kc * e_k) @ lam
+        lam = xp.exp(b[..., -1, :])[..., :, None] * lam + pb.scale * mt(qc * e_q) @ doc
+    if starts:
+        dq, dk, dv = (xp.concat(x, axis=-2) for x in (dq, dk, dv))
+    else:
+        dq, dk, dv = (xp.zeros(x.shape, dtype=pb.work, device=pb.device) for x in (q, k, v))
+    # The output depends on b_t = g_1 + ... + g_t only through q_t exp(b_t), k_t exp(-b_t)
+    # and S_T = exp(b_T) (...): dL/db_t = q_t dq_t - k_t dk_t (+ rowsum(dS_T S_T) at T),
+    # and dg_t = sum_{s >= t} dL/db_s.
+    dlb = q * dq - k * dk
+    dlg = xp.flip(xp.cumulative_sum(xp.flip(dlb, axis=-2), axis=-2), axis=-2)
+    dlg = dlg + xp.sum(d_final * s_final, axis=-1)[..., None, :]
+    if not per_key:
+        dlg = xp.sum(dlg, axis=-1, keepdims=True)
+    return dq, dk, dv, dlg, None, lam
+
+
+def _l2norm(xp, x):
+    """fla's ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` and the reciprocal norm."""
+    eps = xp.asarray(L2NORM_EPS, dtype=x.dtype, device=array_api_compat.device(x))
+    rstd = 1.0 / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x * rstd, rstd
+
+
+def _l2norm_vjp(xp, y, rstd, dy):
+    """``dx = rstd (dy - y <y, dy>)`` for ``y = x rstd``, ``rstd = (|x|^2 + eps)^(-1/2)``."""
+    return rstd * (dy - y * xp.sum(y * dy, axis=-1, keepdims=True))
+
+
+def _run(pb, *, lg=None, per_key=False, beta=None):
+    """The VJP of the recurrence over every sequence of ``pb``.
+
+    ``lg``: None or the log gates ``batch + (T, e)`` (``e = dk`` when ``per_key``, else
+    1). The decay variants take the chunked backward unless ``form="recurrent"``; the
+    delta rules take the token loop. Returns ``dq, dk, dv`` (``batch + (T, d)``), ``dlg``
+    (like ``lg``) and ``dbeta`` (``batch + (T,)``) or None, and the initial state's
+    cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with ``cu_seqlens``).
+    """
+    xp = pb.xp
+    chunked = lg is not None and beta is None and pb.form != "recurrent"
+    parts = [[] for _ in range(5)]
+    ds0 = []
+    for i in range(pb.n_seq):
+        sl = slice(pb.bounds[i], pb.bounds[i + 1])
+        s0, dst = pb.state(pb.initial_state, i), pb.state(pb.dfinal_state, i)
+        if chunked:
+            *grads, ds = _chunked_decay_vjp(xp, pb, sl, s0, dst, lg, per_key, pb.chunk_size)
+        else:
+            *grads, ds = _token_vjp(xp, pb, sl, s0, dst, lg, per_key, beta)
+        for lst, x in zip(parts, grads):
+            lst.append(x)
+        ds0.append(ds)
+    dq, dk, dv, dlg = (None if p[0] is None else xp.concat(p, axis=-2) for p in parts[:4])
+    db = None if parts[4][0] is None else xp.concat(parts[4], axis=-1)
+    if pb.qk_l2norm:
+        dq, dk = _l2norm_vjp(xp, pb.q, pb.rq, dq), _l2norm_vjp(xp, pb.k, pb.rk, dk)
+    # With cu_seqlens each sequence's state lives at batch index 0 (a batch of one).
+    d0 = xp.concat(ds0, axis=0) if pb.varlen else ds0[0]
+    return dq, dk, dv, dlg, db, d0
+
+
+def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
+    out = {"q": pb.grad(dq, q), "k": pb.grad(dk, k), "v": pb.grad(dv, v)}
+    if initial_state is not None:
+        out["initial_state"] = pb.grad(d0, initial_state)
+    return out
+
+
+def _log_gamma(pb, gamma):
+    """Retention's decay as log gates ``batch + (T, 1)``: ``gamma`` in (0, 1], a Python
+    float or an array of shape ``q.shape[:-2]`` (per head)."""
+    xp = pb.xp
+    if array_api_compat.is_array_api_obj(gamma):
+        check_array("gamma", gamma, like=pb.like)
+        _check_leading("gamma", gamma, pb.batch, (), "q.shape[:-2]")
+        g = gamma if gamma.dtype == pb.work else xp.astype(gamma, pb.work)
+        return xp.broadcast_to(xp.log(g)[..., None, None], pb.batch + (pb.T, 1))
+    gamma = check_real("gamma", gamma, "a decay in (0, 1] (a float or an array of shape q.shape[:-2])")
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma must be a decay in (0, 1], got {gamma!r}")
+    return xp.full(pb.batch + (pb.T, 1), math.log(gamma), dtype=pb.work, device=pb.device)
+
+
+# ---------------------------------------------------------------- public VJPs
+
+_COMMON_DOC = """
+    q, k, v : arrays, shapes (..., T, dk), (..., T, dk), (..., T, dv)
+    do : array, shape (..., T, dv)
+        Cotangent of the output ``o``; the dtype, library and device of ``q``.
+    scale : float, optional
+        Read-out scale, ``dk ** -0.5`` by default.
+    initial_state : array, optional
+        ``S_0``, shape (..., dk, dv); with ``cu_seqlens``, (n_seq, ..., dk, dv), one per
+        sequence (fla's ``(N, H, K, V)`` for ``q (1, H, T, K)``). Its gradient is returned
+        when it is given.
+    output_final_state : bool
+        Accepted so that the forward's options can be passed unchanged; the final state's
+        cotangent is ``dfinal_state``.
+    cu_seqlens : 1-D integer array or sequence of ints, optional
+        ``[0, t1, ..., T]``: packed sequences along ``T`` of a batch of one; the state
+        resets to each sequence's initial state at its start, so no gradient crosses a
+        boundary. Read on the host (under ``jax.jit`` pass a tuple).
+    form, chunk_size
+        The forward's form and chunk size. Every form computes the same function, so they
+        choose only how the backward runs: ``"recurrent"``, the token loop; ``"chunk"``
+        and ``"parallel"``, the chunked backward in chunks of ``chunk_size`` for the decay
+        variants (the delta rules always run the token loop).
+    dfinal_state : array, optional
+        Cotangent of the final state ``S_T`` (shape of ``initial_state``); zero if None.
+    causal : True
+        Causal by construction; ``True`` or either alignment (the same for ``T x T``).
+    xp : namespace, optional"""
+
+_COST_DECAY = """
+    Notes
+    -----
+    Chunked (``form="chunk"`` or ``"parallel"``): ``O(T C (dk + dv) + T dk dv)`` time per
+    leading index with ``C = chunk_size``, ``O(C^2 dk + (T / C) dk dv)`` extra memory
+    (``C^2`` for a scalar decay), ``T / C`` Python steps. Token
+    loop (``form="recurrent"``): ``O(T dk dv)`` time and memory, ``T`` Python steps.
+    Derivation: ``docs/recurrent_backward.md``."""
+
+_COST_DELTA = """
+    Notes
+    -----
+    The token loop, whatever the form: ``O(T dk dv)`` time per leading index and
+    ``O(T dk dv)`` extra memory (the saved states), ``T`` Python steps each vectorised
+    over the leading dimensions. Derivation: ``docs/recurrent_backward.md``."""
+
+
+def _doc(cost):
+    """Fill the shared parameter descriptions and the cost notes into a docstring."""
+    def fill(fn):
+        fn.__doc__ = fn.__doc__.replace("    {common}", _COMMON_DOC.strip("\n")).replace(
+            "    {cost}", cost.strip("\n"))
+        return fn
+    return fill
+
+
+@_doc(_COST_DECAY)
+def retention(q, k, v, do, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
+    """VJP of retention (RetNet, Sun et al. 2023): ``S_t = gamma S_{t-1} + k_t^T v_t``,
+    ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    gamma : float or array, shape q.shape[:-2]
+        The fixed decay in (0, 1] (1: causal linear attention), per head if an array;
+        not differentiated.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v"}`` and ``"initial_state"`` if given, each shaped like its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import retention
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = retention(x, x, x, x, gamma=0.9)
+    >>> sorted(grads), grads["k"].shape
+    (['k', 'q', 'v'], (4, 3))
+    """
+    pb = _Problem("retention", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
+    dq, dk, dv, _, _, d0 = _run(pb, lg=_log_gamma(pb, gamma))
+    return _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+
+
+@_doc(_COST_DECAY)
+def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, form="chunk", chunk_size=64, dfinal_state=None, causal=True,
+                           xp=None):
+    """VJP of gated linear attention (GLA, Yang et al. 2024):
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T, dk)
+        Log gates (<= 0), one per key dimension and token; differentiated in log space.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g"}`` and ``"initial_state"`` if given, each shaped like its
+        input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import gated_linear_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = gated_linear_attention(x, x, x, x, g=-x * x)
+    >>> grads["g"].shape
+    (4, 3)
+    """
+    pb = _Problem("gated_linear_attention", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
+    lg = pb.gate("g", g, (pb.T, pb.dk), "(..., T, dk)")
+    dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg, per_key=True)
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(dlg, g)
+    return out
+
+
+@_doc(_COST_DECAY)
+def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+        form="chunk", chunk_size=64, dfinal_state=None, causal=True, xp=None):
+    """VJP of Mamba-2's state-space duality (SSD, Dao & Gu 2024), a scalar decay per
+    head and token: ``S_t = exp(g_t) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
+
+    In Mamba-2's names ``q = C``, ``k = B``, ``v = X dt`` and ``g = A dt``; the gradient
+    of ``dt`` follows by the chain rule from ``v`` and ``g``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T)
+        Log decay (<= 0); differentiated in log space.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g"}`` and ``"initial_state"`` if given, each shaped like its
+        input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import ssd
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> ssd(x, x, x, x, g=-xp.ones(4))["g"].shape
+    (4,)
+    """
+    pb = _Problem("ssd", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
+    lg = pb.gate("g", g, (pb.T,), "(..., T)")
+    dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg[..., None])
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(dlg[..., 0], g)
+    return out
+
+
+@_doc(_COST_DELTA)
+def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
+               causal=True, xp=None):
+    """VJP of the delta rule (DeltaNet, Schlag et al. 2021; Yang et al. 2024):
+    ``S_t = S_{t-1} + beta_t k_t^T (v_t - k_t S_{t-1})``, ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    beta : array, shape (..., T)
+        Writing strengths, in (0, 1) in fla's tests (any real value is differentiated).
+    qk_l2norm : bool
+        Normalise ``q`` and ``k`` as fla's ``use_qk_l2norm_in_kernel`` does,
+        ``x / sqrt(sum(x^2) + 1e-6)``, and differentiate through it.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "beta"}`` and ``"initial_state"`` if given, each shaped like
+        its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import delta_rule
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> delta_rule(x, x, x, x, beta=xp.full(4, 0.5), qk_l2norm=True)["beta"].shape
+    (4,)
+    """
+    pb = _Problem("delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
+    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    dq, dk, dv, _, db, d0 = _run(pb, beta=b)
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["beta"] = pb.grad(db, beta)
+    return out
+
+
+@_doc(_COST_DELTA)
+def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, dfinal_state=None,
+                     causal=True, xp=None):
+    """VJP of the gated delta rule (Gated DeltaNet, Yang et al. 2025):
+    ``S_t = exp(g_t) S_{t-1} + beta_t k_t^T (v_t - k_t exp(g_t) S_{t-1})``,
+    ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T)
+        Log decay (<= 0), one per head and token; differentiated in log space.
+    beta : array, shape (..., T)
+        Writing strengths.
+    qk_l2norm : bool
+        As in :func:`delta_rule`.
+    {common}
+
+    Returns
+    -------
+    dict
+        ``{"q", "k", "v", "g", "beta"}`` and ``"initial_state"`` if given, each shaped
+        like its input.
+
+    {cost}
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.grad.recurrent import gated_delta_rule
+    >>> x = xp.reshape(xp.sin(xp.arange(12.0)), (4, 3))
+    >>> grads = gated_delta_rule(x, x, x, x, g=-xp.ones(4), beta=xp.full(4, 0.5))
+    >>> sorted(grads)
+    ['beta', 'g', 'k', 'q', 'v']
+    """
+    pb = _Problem("gated_delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
+    lg = pb.gate("g", g, (pb.T,), "(..., T)")
+    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    dq, dk, dv, dlg, db, d0 = _run(pb, lg=lg[..., None], beta=b)
+    out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
+    out["g"] = pb.grad(dlg[..., 0], g)
+    out["beta"] = pb.grad(db, beta)
+    return out
+
