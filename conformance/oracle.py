@@ -18,8 +18,9 @@ holding only what the case needs and the signature declares: ``mask``/``attn_mas
 ``bias``/``attn_bias``, ``causal``/``is_causal``, ``scale``/``softmax_scale`` (see
 :data:`conformance.features.FEATURES`), plus the variant's parameters (always passed by
 the reference's names) and options (passed when the signature has them). A kernel may
-return a tuple; its first element is the output. ``verify(supports={...})`` overrides
-detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
+return a tuple ``(out, lse, ...)`` or a dict ``{"out": ..., "lse": ...}``: the output
+and its extra outputs, each judged on its own row (:mod:`conformance.extras`).
+``verify(supports={...})`` overrides detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
 
 Extension points
 ----------------
@@ -44,7 +45,6 @@ from .calling import (
     changed_input,
     check_container,
     check_time_limit,
-    first_output,
     kernel_kwargs,
     same,
     snapshot,
@@ -52,6 +52,7 @@ from .calling import (
 from .catalogue import Case
 from .catalogue import cases as _cases
 from .diagnose import diagnose
+from .extras import extra_results, split_outputs
 from .features import NotApplicable
 from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
@@ -130,15 +131,28 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
 
     def forward():
         # the read-back is part of the call: it makes an asynchronous library finish
-        out = first_output(ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw))
-        problem = check_container(ctx, out, inputs["q"], want)
-        return problem, None if problem else np.asarray(ctx.to_host(out))
+        ret = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
+        out, extras, problems = split_outputs(ret, ctx.variant, ctx.kernel.outputs, prep, ctx.layout)
+        problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
+        if problem:
+            return problem, None
+        side = {}
+        for name, x in extras.items():
+            # the output's checks of library and device; any real floating dtype will do
+            why = check_container(ctx, x, x if isinstance(ctx.backend, tuple) else inputs["q"],
+                                  tuple(x.shape), name=name) if hasattr(x, "shape") else \
+                f"{name} is a {type(x).__name__}, not an array"
+            if why.startswith(f"{name} dtype"):
+                why = ""
+            side[name] = why or np.asarray(ctx.to_host(x))
+        return "", np.asarray(ctx.to_host(out)), (extras, problems, side)
 
     call = call_kernel(forward, time_limit=ctx.time_limit)
     if not call.ok:
         return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
                                  time_s=call.elapsed, shapes=shapes, **base)]
-    problem, host = call.value
+    problem, host, *more = call.value
+    extras, problems, side = more[0] if more else ({}, {}, {})
     if not problem:
         name = changed_input(ctx, {**inputs, **kw}, snaps)
         problem = name and f"the kernel modified its input {name!r} in place"
@@ -173,9 +187,12 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
             words = f"(the diagnosis itself failed: {type(exc).__name__}: {exc})"
         if words:
             res.diagnosis = (res.diagnosis + "; " if res.diagnosis else "") + words
+    rows = [res] + extra_results(ctx, prep, extras, problems, side, {**base, "shapes": shapes})
+    for r in rows[1:]:
+        r.time_s = call.elapsed
     if ctx.extra.get("grads"):
-        return [res] + grad_results(ctx, prep, inputs, kw, shapes, dtype)
-    return [res]
+        return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype)
+    return rows
 
 
 def _rerun(ctx, case, dtype):
