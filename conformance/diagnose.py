@@ -57,7 +57,7 @@ from .calling import reference_features
 from .features import allowed_matrix, sequence_lengths
 from .tolerance import LOW_PRECISION, host_dtype, measure
 
-__all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host", "diagnose_lse"]
+__all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
 
 
 @dataclass(frozen=True)
@@ -801,71 +801,3 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
     return (f"no known mistake explains it: error {res.ratio:.3g}x the tolerance, worst at "
             f"(batch, head, query) = {tuple(res.worst)}")
 
-
-# ---------------------------------------------------------------- the log-sum-exp output
-# The extra output "lse" (conformance/extras.py) has its own bug classes: the base of
-# the logarithm, the scale, the value on rows that see no key. Each is named only when it
-# reproduces the kernel's lse within the per-row tolerance, as for the output.
-
-
-def diagnose_lse(prep, got, golden, tol, keep) -> str:
-    """Words naming the bug class of a failing ``lse`` (host ``(B, H, Nq)``, canonical)."""
-    from .extras import lse_golden
-
-    words = []
-    empty = keep & np.isneginf(golden)
-    full = keep & np.isfinite(golden)
-    e = got[empty]
-    for bad, what in (
-        (np.isposinf(e), "+inf on {n} row(s) that see no key: FlashAttention 2's final-lse "
-         "convention; the reference is log 0 = -inf, which a split-KV merge needs (a +inf "
-         "partial takes over every row it is merged into)"),
-        (np.isnan(e), "NaN on {n} row(s) that see no key: log(0/0) or exp(-inf + inf) "
-         "(the -inf row maximum not replaced before exp(S - m))"),
-        (np.isfinite(e), "a finite lse on {n} row(s) that see no key, expected -inf = log 0 "
-         "(a guarded log, or the -inf maximum replaced by 0 and kept)"),
-    ):
-        if np.any(bad):
-            words.append(what.format(n=int(np.count_nonzero(bad))))
-    nonfinite = full & ~np.isfinite(got)
-    if np.any(nonfinite):
-        words.append(f"{int(np.count_nonzero(nonfinite))} NaN/Inf lse value(s) on rows that see keys")
-    sel = full & np.isfinite(got)
-    g, w, t = got[sel], golden[sel], tol[sel]
-
-    def fits(c):
-        return g.size > 0 and bool(np.all(np.abs(g - c) <= t)) and not bool(np.all(np.abs(w - c) <= t))
-
-    if g.size and not np.all(np.abs(g - w) <= t):
-        scale = prep.scale
-        candidates = [
-            (lambda: w * math.log2(math.e), "lse in base 2 (log2 sum 2^(S log2 e) = lse / ln 2): the "
-             "exp2 domain of the kernel not converted back (multiply by ln 2)"),
-            (lambda: lse_golden(prep, scale=scale * scale)[sel],
-             f"the scale applied twice: logits scale^2 q.k (scale = {scale:.4g})"),
-            (lambda: lse_golden(prep, scale=1.0)[sel], "no scale applied to the logits (scale = 1)"),
-            (lambda: w * math.log(2), "lse multiplied by ln 2 (a base-2 lse converted twice)"),
-        ]
-        named = None
-        for make, message in candidates:
-            try:
-                if fits(make()):
-                    named = message
-                    break
-            except Exception:  # a candidate that cannot be built here says nothing
-                continue
-        if named is None and np.all(np.abs(w) > 0):
-            r = float(np.median(g / w))
-            if r != 1 and fits(w * r):
-                named = (f"a systematic relative bias of {r - 1:+.3g} (lse x {r:.6g}: a constant such "
-                         "as ln 2 or log2 e rounded to low precision, or a scale off by that factor)")
-        if named is None:
-            c = float(np.median(g - w))
-            if c != 0 and fits(w + c):
-                named = f"a constant offset of {c:+.4g} on every row (log Nk, or a shift not undone)"
-        if named is None:
-            i = np.argmax(np.abs(g - w) / np.maximum(t, np.finfo(float).tiny))
-            named = (f"lse off by up to {float(np.max(np.abs(g - w))):.3g} (tolerance there "
-                     f"{float(t[i]):.3g}); no known lse mistake explains it")
-        words.append(named)
-    return "; ".join(words) or "lse fails (no finite row to compare)"
