@@ -21,6 +21,7 @@ A lost worker stops the run with :class:`WorkerLost`: no partial result.
 from __future__ import annotations
 
 import math
+import sys
 
 import array_api_compat
 
@@ -318,7 +319,7 @@ def compute(*arrays, client=None, progress=False):
         if progress:
             from dask.diagnostics import ProgressBar
 
-            with ProgressBar():
+            with ProgressBar(out=sys.stderr):
                 return dask.compute(*arrays)
         return dask.compute(*arrays)
     from distributed import progress as show

@@ -179,6 +179,8 @@ def _forward_lse(q, k, v, /, **kw):
 def lse_golden(prep, **kwargs):
     """The reference lse ``(B, H, Nq)``: float64 (longdouble for float64 kernels) values
     held as float64, ``-inf`` on rows that see no key."""
+    if not kwargs and "lse" in prep.golden_extras:
+        return prep.golden_extras["lse"]  # computed with the output (a long case, on Dask)
     kw = {**prep.kwargs, **kwargs}
     lse = prep.reference(prep.golden_dtype, kwargs=kw, fn=_forward_lse)
     # online_softmax_forward keeps FlashAttention's backward convention (+inf) on empty rows

@@ -102,6 +102,94 @@ def test_chunking_errors_are_named():
         dask_softmax_attention(q, k, v, split_every=1)
 
 
+# ---------------------------------------------------------------- verify(suite="long")
+
+
+def flash_kernel(q, k, v, *, causal=False, scale=None):
+    """A split-KV kernel returning ``(out, lse)``, causal bottom-right (FlashAttention's
+    alignment): module level, so the CLI can load it."""
+    from attn_ref import merge_attention, partial_attention
+
+    off = k.shape[-2] - q.shape[-2]
+    n = k.shape[-2]
+    return merge_attention([partial_attention(q, k[..., a:a + 64, :], v[..., a:a + 64, :],
+                                              causal=bool(causal), query_offset=off,
+                                              key_offset=a, scale=scale)
+                            for a in range(0, n, 64)])
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    """Cases past 4000 = Nq Nk take the long path, with chunks of 64 rows (small N, fast).
+
+    The cases (and the CLI's seed) are used nowhere else, so no short golden of them
+    sits in the golden cache."""
+    import conformance.long as long
+
+    calls = []
+    real = long.long_reference
+
+    def spy(prep, dtype="float64"):
+        calls.append((prep.case.id, dtype))
+        return real(prep, dtype)
+
+    monkeypatch.setattr(long, "LONG_THRESHOLD", 4000)
+    monkeypatch.setattr(long, "CHUNK", 64)
+    monkeypatch.setattr(long, "long_reference", spy)
+    import conformance.judging as judging
+
+    monkeypatch.setattr(judging, "long_reference", spy)
+    return calls
+
+
+def test_long_suite_goldens_run_on_dask_and_judge_out_and_lse(client, small_threshold):
+    from conformance import Case, verify
+    from conformance.long import dask_settings
+
+    todo = [Case("long", (1, 2), 200, 200, 16, 16), Case("long", (1, 1), 150, 230, 16, 16,
+                                                         causal="bottom-right")]
+    with dask_settings(client=client):
+        report = verify(flash_kernel, backend="numpy", dtypes=("float32", "float64"), cases=todo,
+                        causal="bottom-right", progress=False)
+    assert report.passed, report.table()
+    assert {r.output for r in report.results} == {"out", "lse"}
+    # one golden (float64) and one baseline (the kernel dtype) per case and dtype, on Dask
+    assert sorted(small_threshold) == sorted([(c.id, d) for c in todo for d in ("float64", "float32")]
+                                             + [(c.id, "float64") for c in todo] * 2)
+
+    def wrong(q, k, v, **kw):
+        out, lse = flash_kernel(q, k, v, **kw)
+        return out * 1.001, lse
+
+    bad = verify(wrong, backend="numpy", cases=todo[:1], progress=False)
+    assert not bad.passed
+    assert "not diagnosed on a long case" in bad.results[0].diagnosis
+
+
+def test_long_cases_outside_the_dask_path_are_not_applicable(small_threshold):
+    from conformance import Case, prepare
+    from conformance.features import NotApplicable
+
+    with pytest.raises(NotApplicable, match=r"takes causal and scale only, not \['mask'\]"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8, mask="random"), "softmax")
+    with pytest.raises(NotApplicable, match="covers exact softmax"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8), "linear")
+    with pytest.raises(NotApplicable, match="no bfloat16"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8), "softmax", "bfloat16")
+
+
+def test_cli_verify_long_on_a_scheduler_address(client, small_threshold, capsys):
+    from conformance.cli import main
+
+    code = main(["verify", "tests.test_dask:flash_kernel", "--suite", "long", "--causal",
+                 "bottom-right", "--case", "length:b1h1-q257k257-d16", "--seed", "19",
+                 "--dask-scheduler", client.scheduler.address])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"long goldens on {client.scheduler.address}" in out and " lse " in out
+    assert small_threshold
+
+
 def _slow(x):
     time.sleep(3.0)
     return x
