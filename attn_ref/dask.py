@@ -25,8 +25,9 @@ import sys
 
 import array_api_compat
 
-from ._common import TOP_LEFT, causal_alignment, causal_offset
-from .linear import check_eps, check_scale, feature_map_features, quadratic_order, readout
+from ._checks import check_positive_int
+from ._common import causal_alignment, causal_offset
+from .linear import check_eps, check_scale, chunked_values, feature_map_features, readout
 from .softmax.partial import merge_attention, partial_attention
 
 __all__ = [
@@ -206,7 +207,7 @@ def _assemble(pieces, lead_chunks):
 
 
 def dask_linear_attention(q, k, v, /, *, causal=False, feature_map="elu+1", scale=None,
-                          eps=1e-6):
+                          eps=1e-6, inner_chunk=64):
     """Linear attention of Dask arrays, through array-api-compat's Dask namespace (lazy).
 
     ``out_i = phi(q_i) S / phi(q_i) z`` with ``S = sum_j phi(k_j)^T v_j`` and
@@ -227,6 +228,9 @@ def dask_linear_attention(q, k, v, /, *, causal=False, feature_map="elu+1", scal
         Multiplies the similarity ``phi(q) . phi(k)``; default 1.
     eps : float
         Denominators with ``|den| < eps`` become ``+-eps``.
+    inner_chunk : int
+        Causal: the chunk length ``C`` of :func:`attn_ref.linear.chunked_values` inside
+        each Dask chunk (the masked ``C x C`` products against the running state).
 
     Returns
     -------
@@ -235,9 +239,9 @@ def dask_linear_attention(q, k, v, /, *, causal=False, feature_map="elu+1", scal
     Notes
     -----
     Non-causal: ``O(N d' dv)`` work, the summary ``(S, z)`` a tree reduction over key
-    chunks. Causal: per chunk of ``b`` rows ``O(b^2 (d' + dv) + b d' dv)``; the chunk
-    summaries' exclusive prefix sum is a scan (``cumulative_sum``) over ``c`` chunks of
-    ``d' (dv + 1)`` numbers.
+    chunks. Causal: ``O(N (C + d') dv)``; the Dask chunks' summaries' exclusive prefix
+    sum is a scan (``cumulative_sum``) over ``c`` chunks of ``d' (dv + 1)`` numbers, and
+    each chunk starts its chunked causal form from its prefix.
 
     Examples
     --------
@@ -260,6 +264,7 @@ def dask_linear_attention(q, k, v, /, *, causal=False, feature_map="elu+1", scal
         raise ValueError(f"causal linear attention on Dask is self-attention (Nq == Nk), got q "
                          f"{q.shape}, k {k.shape}")
     scale, eps = check_scale(scale), check_eps(eps)
+    inner_chunk = check_positive_int("inner_chunk", inner_chunk)
     xp = array_api_compat.array_namespace(q, k, v)
     fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
     fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
@@ -279,9 +284,10 @@ def dask_linear_attention(q, k, v, /, *, causal=False, feature_map="elu+1", scal
     prefix = xp.cumulative_sum(states, axis=-3, include_initial=True)
     outs = []
     for c, (a, b) in enumerate(blocks):
-        num, den = quadratic_order(xp, fq[..., a:b, :], fk[..., a:b, :], v[..., a:b, :], TOP_LEFT)
-        past = fq[..., a:b, :] @ prefix[..., c, :, :]
-        outs.append(readout(xp, num + past[..., :-1], den + past[..., -1:], True, eps))
+        # inside the chunk, the reference's chunked causal form from the incoming state
+        nd, _ = chunked_values(xp, fq[..., a:b, :], fk[..., a:b, :], v1[..., a:b, :],
+                               inner_chunk, state=prefix[..., c, :, :])
+        outs.append(readout(xp, nd[..., :-1], nd[..., -1:], True, eps))
     return xp.concat(outs, axis=-2)
 
 
