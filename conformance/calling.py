@@ -376,8 +376,11 @@ def check_container(ctx, out, like, want_shape, *, name="output"):
 
 
 def first_output(out):
-    """A kernel may return a tuple (output, log-sum-exp, ...): its first element."""
-    return out[0] if isinstance(out, tuple) else out
+    """The output of what a kernel returned: the first element of a tuple (or list)
+    ``(output, log-sum-exp, ...)``, ``out["out"]`` of a dict (:mod:`conformance.extras`)."""
+    if isinstance(out, dict):
+        return out.get("out")
+    return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
 # ------------------------------------------------------------------ the kernel-call guard
