@@ -178,6 +178,24 @@ def test_long_cases_outside_the_dask_path_are_not_applicable(small_threshold):
         prepare(Case("long", (1, 1), 100, 100, 8, 8), "softmax", "bfloat16")
 
 
+def test_exported_long_vectors_carry_the_golden_lse(small_threshold, tmp_path):
+    from conformance import Case, export_vectors, load_vectors
+
+    case = Case("long", (1, 1), 90, 70, 8, 8, causal="bottom-right")
+    manifest = export_vectors(tmp_path, dtypes=("float32",), cases=[case], causal="bottom-right")
+    (entry,) = manifest["cases"]
+    assert entry["outputs"] == ["golden", "golden_lse"]
+    ((_, arrays),) = list(load_vectors(tmp_path))
+    lse = arrays["golden_lse"]
+    assert lse.shape == (1, 1, 90) and lse.dtype == np.float64
+    # bottom-right, 90 queries on 70 keys: the first 20 see none
+    assert np.all(np.isneginf(lse[..., :20])) and np.all(np.isfinite(lse[..., 20:]))
+    q, k, v = (arrays[n].astype(np.float64) for n in ("q", "k", "v"))
+    out, want = flash_kernel(q, k, v, causal=True)
+    np.testing.assert_allclose(arrays["golden"], out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse[..., 20:], want[..., 20:], rtol=0, atol=1e-12)
+
+
 def test_cli_verify_long_on_a_scheduler_address(client, small_threshold, capsys):
     from conformance.cli import main
 
