@@ -195,8 +195,10 @@ def merge_attention(partials, /, *, xp=None):
     Notes
     -----
     ``O(c Nq dv)`` time for ``c`` partials, ``O(Nq dv)`` extra memory. The weights and
-    the sum are computed in ``lse``'s dtype (float32 for float16 outputs). See
-    ``docs/long_context.md`` for the identity and its monoid structure.
+    the sum are computed in the wider of the two dtypes (float32 for float16 outputs).
+    An ``lse`` of ``+inf`` is not an empty partial (FlashAttention 2 marks empty rows of
+    its *final* lse so): it takes over the merge and gives NaN; map it to ``-inf``
+    first. See ``docs/long_context.md`` for the identity and its monoid structure.
 
     Examples
     --------
@@ -211,7 +213,7 @@ def merge_attention(partials, /, *, xp=None):
     xp, partials = _check_partials(partials, xp)
     out_dtype = partials[0][0].dtype
     if len(partials) == 1:
-        return partials[0]
+        return tuple(partials[0])
     # float16 outputs are summed in lse's float32; float64 outputs never lose digits.
     dtype = xp.result_type(out_dtype, partials[0][1].dtype)
     lses = [lse[..., None] for _, lse in partials]
