@@ -212,8 +212,8 @@ class KernelSpec:
                 continue
             if feat_name not in FEATURES:
                 raise ValueError(f"supports= names unknown feature {feat_name!r}; known: "
-                                 f"{sorted(FEATURES)}, the declarations "
-                                 f"{sorted(DECLARATIONS)} and the extra outputs {sorted(EXTRAS)}")
+                                 f"{sorted(FEATURES)} and the declarations "
+                                 f"{sorted(DECLARATIONS)}; extra outputs {sorted(EXTRAS)}")
             if val == ALWAYS:
                 if feat_name not in _MAY_BE_ALWAYS:
                     raise ValueError(f"supports[{feat_name!r}]={ALWAYS!r} is only meaningful for "
