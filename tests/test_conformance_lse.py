@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from attn_ref import merge_attention, partial_attention
-from conformance import verify
+from conformance import cases, verify
 from conformance.extras import lse_golden, lse_tolerance
 from conformance.judging import prepare
 
@@ -100,8 +100,8 @@ def test_each_lse_bug_class_fails_and_is_named(name):
 
 def test_the_tolerance_separates_a_one_ulp_scale_bias_from_rounding():
     # lse is a few units here; a 1e-3 relative bias is ~100x the per-row bound.
-    prep = prepare(next(c for c in __import__("conformance").cases("softmax", "quick")
-                        if c.id.startswith("basic")), "softmax", "float32")
+    prep = prepare(next(c for c in cases("softmax", "quick") if c.id.startswith("basic")),
+                   "softmax", "float32")
     golden = lse_golden(prep)
     tol = lse_tolerance(prep, golden, "float32")
     assert np.all(tol < 1e-3 * np.abs(golden) / 10)
