@@ -800,4 +800,3 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
             return words
     return (f"no known mistake explains it: error {res.ratio:.3g}x the tolerance, worst at "
             f"(batch, head, query) = {tuple(res.worst)}")
-
