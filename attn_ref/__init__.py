@@ -40,7 +40,9 @@ from .softmax import (
     BOTTOM_RIGHT,
     TOP_LEFT,
     attention_weights,
+    merge_attention,
     online_softmax_attention,
+    partial_attention,
     softmax_attention,
     varlen_attention,
 )
@@ -63,6 +65,8 @@ __all__ = [
     "online_softmax_attention",
     "softmax_attention",
     "varlen_attention",
+    "partial_attention",
+    "merge_attention",
     "linformer_attention",
     "linformer_weights",
     "linformer_projection",

@@ -137,10 +137,13 @@ def finish_partial(xp, l, acc):
     return acc / xp.where(l == 0, xp.ones_like(l), l)
 
 
-def partial_lse(xp, m, l):
-    """Row log-sum-exp ``m + log l`` of a partial; ``+inf`` on a row with no allowed key
-    (``l = 0``), so that a backward's ``exp(S - lse)`` is 0 there."""
+def partial_lse(xp, m, l, empty=float("inf")):
+    """Row log-sum-exp ``m + log l`` of a partial, ``empty`` on a row with no allowed key
+    (``l = 0``): ``+inf`` by default, so that a backward's ``exp(S - lse)`` is 0 there;
+    ``-inf`` (``log 0``) for a partial that is merged later
+    (:mod:`attn_ref.softmax.partial`), where it weighs nothing."""
+    value = empty
     empty = l == 0
     one = xp.ones_like(l)
-    return xp.where(empty, xp.full_like(l, xp.inf),
+    return xp.where(empty, xp.full_like(l, value),
                     xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))

@@ -11,6 +11,9 @@ Module map (each module's docstring lists its extension points):
 * :mod:`conformance.tolerance` - golden/baseline/floor tolerance model;
 * :mod:`conformance.oracle` - ``verify``, kernel capability detection, semantics;
 * :mod:`conformance.diagnose` - known mistake signatures tested on a failure;
+* :mod:`conformance.extras` - extra outputs of a kernel (the log-sum-exp), judged and
+  diagnosed on their own rows;
+* :mod:`conformance.long` - goldens of the ``long`` suite on Dask;
 * :mod:`conformance.report` - ``CaseResult``, ``Report`` (table, JSON);
 * :mod:`conformance.vectors` - exported test vectors for other languages;
 * :mod:`conformance.mutants` - deliberately broken kernels (the oracle's own test);

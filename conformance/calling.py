@@ -175,6 +175,8 @@ class KernelSpec:
     signature_known: bool
     always: frozenset = frozenset()
     limits: dict = field(default_factory=dict)
+    #: extra outputs declared returned (True) or never to check (False): ``{"lse": True}``
+    outputs: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, fn, supports: dict | None = None) -> KernelSpec:
@@ -195,15 +197,23 @@ class KernelSpec:
         for feat in FEATURES.values():
             if feat.assumed and feat.name not in names:
                 names[feat.name] = feat.params[0] if feat.params else None
-        always, limits = set(), {}
+        always, limits, outputs = set(), {}, {}
+        from .extras import EXTRAS  # extras imports the report; calling stays import-light
+
         for feat_name, val in (supports or {}).items():
+            if feat_name in EXTRAS:
+                if not isinstance(val, bool):
+                    raise TypeError(f"supports[{feat_name!r}] (an extra output) must be True or "
+                                    f"False, got {val!r}")
+                outputs[feat_name] = val
+                continue
             if feat_name in DECLARATIONS:
                 limits[feat_name] = DECLARATIONS[feat_name].parse(feat_name, val)
                 continue
             if feat_name not in FEATURES:
                 raise ValueError(f"supports= names unknown feature {feat_name!r}; known: "
                                  f"{sorted(FEATURES)} and the declarations "
-                                 f"{sorted(DECLARATIONS)}")
+                                 f"{sorted(DECLARATIONS)}; extra outputs {sorted(EXTRAS)}")
             if val == ALWAYS:
                 if feat_name not in _MAY_BE_ALWAYS:
                     raise ValueError(f"supports[{feat_name!r}]={ALWAYS!r} is only meaningful for "
@@ -223,7 +233,7 @@ class KernelSpec:
                 raise TypeError(f"supports[{feat_name!r}] must be True, False or a parameter "
                                 f"name, got {val!r}")
         return cls(fn, names, frozenset(accepts), var_kw, sig is not None, frozenset(always),
-                   limits)
+                   limits, outputs)
 
     @property
     def features(self) -> frozenset:
@@ -366,8 +376,11 @@ def check_container(ctx, out, like, want_shape, *, name="output"):
 
 
 def first_output(out):
-    """A kernel may return a tuple (output, log-sum-exp, ...): its first element."""
-    return out[0] if isinstance(out, tuple) else out
+    """The output of what a kernel returned: the first element of a tuple (or list)
+    ``(output, log-sum-exp, ...)``, ``out["out"]`` of a dict (:mod:`conformance.extras`)."""
+    if isinstance(out, dict):
+        return out.get("out")
+    return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
 # ------------------------------------------------------------------ the kernel-call guard

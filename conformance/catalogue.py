@@ -449,8 +449,21 @@ CATALOGUE["standard"] += _modern_standard()
 CATALOGUE["exhaustive"] += _modern_standard() + _modern_long()
 
 
+def _long():
+    # Nq * Nk past conformance.long.LONG_THRESHOLD: goldens on Dask (conformance.long)
+    C = Case
+    return [
+        C("long", (1, 2), 8192, 8192, 64, 64),
+        C("long", (1, 2), 8192, 8192, 64, 64, causal="top-left"),
+        C("long", (1, 1), 4096, 16384, 64, 64, causal="bottom-right"),
+    ]
+
+
+CATALOGUE["long"] = _long()
+
+
 def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
-    """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``).
+    """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``, ``"long"``).
 
     ``variant`` (a registered name) drops cases the reference of that variant cannot
     take because its signature lacks the feature or it is self-attention only; cases

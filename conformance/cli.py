@@ -154,8 +154,12 @@ def verify_arguments(p):
                    help="float16, bfloat16, float32, float64 (repeatable; default float32, "
                         "built-in job float32 and float64)")
     p.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd", "nd"))
-    p.add_argument("--suite", default=None, choices=("quick", "standard", "exhaustive"),
-                   help="default standard (quick for the built-in job)")
+    p.add_argument("--suite", default=None, choices=("quick", "standard", "exhaustive", "long"),
+                   help="default standard (quick for the built-in job); long: N up to 16384, "
+                        "goldens on Dask with a progress bar (the dask extra)")
+    p.add_argument("--dask-scheduler", metavar="ADDRESS", default=None,
+                   help="compute long goldens on this distributed scheduler "
+                        "(tcp://host:8786; default: threads in this process)")
     p.add_argument("--case", action="append", default=None, metavar="ID",
                    help="run only this case, its id as the table prints it (repeatable)")
     p.add_argument("--seed", type=int, default=0)
@@ -297,18 +301,24 @@ def verify_command(args) -> int:
         backward = _Traced(backward) if backward is not None else None
     reports = []
     try:
-        for variant in variants:
-            for backend in backends:
-                rep = verify(kernel, variant, backend=backend, dtypes=dtypes,
-                             layout=args.layout, suite=args.suite or "standard", seed=args.seed,
-                             supports=supports, deterministic=args.deterministic,
-                             time_limit=args.time_limit, grads=args.grads, backward=backward,
-                             options=options, cases=todo, **_semantics(args))
-                print(rep.table(show_na=args.show_na))
-                hint = _type_mismatch_hint(rep, kernel)
-                if hint:
-                    print(hint)
-                reports.append(rep)
+        long_goldens = _dask_scheduler(args.dask_scheduler)
+    except (ImportError, OSError, TimeoutError) as exc:
+        return _usage(UsageError(f"--dask-scheduler {args.dask_scheduler}: {type(exc).__name__}: {exc}"))
+    try:
+        with long_goldens:
+            for variant in variants:
+                for backend in backends:
+                    rep = verify(kernel, variant, backend=backend, dtypes=dtypes,
+                                 layout=args.layout, suite=args.suite or "standard",
+                                 seed=args.seed, supports=supports,
+                                 deterministic=args.deterministic, time_limit=args.time_limit,
+                                 grads=args.grads, backward=backward, options=options,
+                                 cases=todo, **_semantics(args))
+                    print(rep.table(show_na=args.show_na))
+                    hint = _type_mismatch_hint(rep, kernel)
+                    if hint:
+                        print(hint)
+                    reports.append(rep)
     except Interrupted as exc:  # Ctrl-C: what ran so far, and the status of an interrupt
         print(exc.report.table(show_na=args.show_na))
         reports.append(exc.report)
@@ -320,6 +330,24 @@ def verify_command(args) -> int:
             _print_tracebacks(backward, "backward")
     _write_json(args.json, reports)
     return EXIT_PASS if reports and all(r.passed for r in reports) else EXIT_FAIL
+
+
+def _dask_scheduler(address):
+    """A context in which long goldens run on the scheduler at ``address`` (None: threads)."""
+    import contextlib
+
+    if address is None:
+        return contextlib.nullcontext()
+    from distributed import Client
+
+    from .long import dask_settings
+
+    client = Client(address, timeout=30)
+    print(f"long goldens on {address}; dashboard {client.dashboard_link}")
+    stack = contextlib.ExitStack()
+    stack.callback(client.close)
+    stack.enter_context(dask_settings(client=client))
+    return stack
 
 
 def _print_tracebacks(traced, what):
@@ -511,7 +539,8 @@ def export_vectors_arguments(p):
     p.add_argument("--variant", default="softmax")
     p.add_argument("--dtype", action="append", default=None, help="repeatable; default float32")
     p.add_argument("--layout", default="bhnd", choices=("bhnd", "bnhd", "nd"))
-    p.add_argument("--suite", default="standard", choices=("quick", "standard", "exhaustive"))
+    p.add_argument("--suite", default="standard", choices=("quick", "standard", "exhaustive", "long"),
+                   help="long: N up to 16384, goldens on Dask, each file with golden_lse too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grads", action="store_true",
                    help="also write do and the golden gradients golden_dq, golden_dk, golden_dv")

@@ -29,7 +29,7 @@ import zlib
 
 import numpy as np
 
-from .calling import call_kernel, changed_input, check_container, snapshot
+from .calling import call_kernel, changed_input, check_container, first_output, snapshot
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, to_layout
@@ -210,7 +210,7 @@ def _autodiff(ctx, inputs, kw, bias_name, do_k):
             leaves["bias"] = kw[bias_name].detach().clone().requires_grad_(True)
             kw[bias_name] = leaves["bias"]
         out = ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw)
-        out = out[0] if isinstance(out, (tuple, list)) else out
+        out = first_output(out)
         grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=do_k,
                                     allow_unused=True)
         return dict(zip(names, grads))
@@ -222,7 +222,7 @@ def _autodiff(ctx, inputs, kw, bias_name, do_k):
             if bias_name:
                 kw2[bias_name] = xs[3]
             out = ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2)
-            return out[0] if isinstance(out, (tuple, list)) else out
+            return first_output(out)
 
         vals = [inputs["q"], inputs["k"], inputs["v"]] + ([kw[bias_name]] if bias_name else [])
 

@@ -18,8 +18,9 @@ holding only what the case needs and the signature declares: ``mask``/``attn_mas
 ``bias``/``attn_bias``, ``causal``/``is_causal``, ``scale``/``softmax_scale`` (see
 :data:`conformance.features.FEATURES`), plus the variant's parameters (always passed by
 the reference's names) and options (passed when the signature has them). A kernel may
-return a tuple; its first element is the output. ``verify(supports={...})`` overrides
-detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
+return a tuple ``(out, lse, ...)`` or a dict ``{"out": ..., "lse": ...}``: the output
+and its extra outputs, each judged on its own row (:mod:`conformance.extras`).
+``verify(supports={...})`` overrides detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
 
 Extension points
 ----------------
@@ -44,7 +45,6 @@ from .calling import (
     changed_input,
     check_container,
     check_time_limit,
-    first_output,
     kernel_kwargs,
     same,
     snapshot,
@@ -52,10 +52,12 @@ from .calling import (
 from .catalogue import Case
 from .catalogue import cases as _cases
 from .diagnose import diagnose
+from .extras import extra_results, split_outputs
 from .features import NotApplicable
 from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
 from .layouts import LAYOUTS, from_layout, to_layout
+from .long import dask_settings, is_long
 from .report import CaseResult, Progress, Report
 from .tolerance import MANTISSA_BITS
 
@@ -130,15 +132,28 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
 
     def forward():
         # the read-back is part of the call: it makes an asynchronous library finish
-        out = first_output(ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw))
-        problem = check_container(ctx, out, inputs["q"], want)
-        return problem, None if problem else np.asarray(ctx.to_host(out))
+        ret = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
+        out, extras, problems = split_outputs(ret, ctx.variant, ctx.kernel.outputs, prep, ctx.layout)
+        problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
+        if problem:
+            return problem, None
+        side = {}
+        for name, x in extras.items():
+            # the output's checks of library and device; any real floating dtype will do
+            why = check_container(ctx, x, x if isinstance(ctx.backend, tuple) else inputs["q"],
+                                  tuple(x.shape), name=name) if hasattr(x, "shape") else \
+                f"{name} is a {type(x).__name__}, not an array"
+            if why.startswith(f"{name} dtype"):
+                why = ""
+            side[name] = why or np.asarray(ctx.to_host(x))
+        return "", np.asarray(ctx.to_host(out)), (extras, problems, side)
 
     call = call_kernel(forward, time_limit=ctx.time_limit)
     if not call.ok:
         return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
                                  time_s=call.elapsed, shapes=shapes, **base)]
-    problem, host = call.value
+    problem, host, *more = call.value
+    extras, problems, side = more[0] if more else ({}, {}, {})
     if not problem:
         name = changed_input(ctx, {**inputs, **kw}, snaps)
         problem = name and f"the kernel modified its input {name!r} in place"
@@ -165,7 +180,11 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         res.verdict = "fail"
         res.diagnosis = (f"over the time limit of {ctx.time_limit:g} s (the call returned late); "
                          + res.diagnosis).rstrip("; ")
-    if res.verdict == "fail" and ctx.diagnose and not res.diagnosis.startswith("over the time"):
+    if res.verdict == "fail" and is_long(case):
+        # the signatures rerun the reference one-shot: O(N^2) memory at long N
+        res.diagnosis = (res.diagnosis + "; " if res.diagnosis else "") + (
+            "not diagnosed on a long case: rerun the kernel on the standard suite")
+    elif res.verdict == "fail" and ctx.diagnose and not res.diagnosis.startswith("over the time"):
         try:
             with np.errstate(all="ignore"):
                 words = diagnose(prep, got, res, rerun=lambda c: _rerun(ctx, c, dtype))
@@ -173,9 +192,12 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
             words = f"(the diagnosis itself failed: {type(exc).__name__}: {exc})"
         if words:
             res.diagnosis = (res.diagnosis + "; " if res.diagnosis else "") + words
+    rows = [res] + extra_results(ctx, prep, extras, problems, side, {**base, "shapes": shapes})
+    for r in rows[1:]:
+        r.time_s = call.elapsed
     if ctx.extra.get("grads"):
-        return [res] + grad_results(ctx, prep, inputs, kw, shapes, dtype)
-    return [res]
+        return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype)
+    return rows
 
 
 def _rerun(ctx, case, dtype):
@@ -250,7 +272,9 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     layout : {"bhnd", "bnhd", "nd"}
         ``bhnd``: PyTorch SDPA; ``bnhd``: FlashAttention, JAX; ``nd``: one head.
         Masks and biases are always ``(B, H, Nq, Nk)`` (``(Nq, Nk)`` for ``nd``).
-    suite : {"quick", "standard", "exhaustive"}
+    suite : {"quick", "standard", "exhaustive", "long"}
+        ``"long"``: ``N`` up to 16384, goldens on Dask (:mod:`conformance.long`; the
+        ``dask`` extra), a progress bar while each computes.
     seed : int
         Every input is drawn deterministically from ``seed`` and the case id.
     supports : dict, optional
@@ -339,6 +363,9 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
                     features=sorted(spec.features), signature_known=spec.signature_known,
                     options=dict(ctx.options))
     prog = Progress(progress)
+    # a long case's golden shows Dask's progress bar where the case counter shows
+    settings = dask_settings(progress=prog.enabled)
+    settings.__enter__()
     n = len(todo) * len(dtypes)
     i = 0
     where = ""
@@ -361,6 +388,7 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         raise Interrupted(report) from exc
     finally:
         prog.done()
+        settings.__exit__(None, None, None)
     return report
 
 

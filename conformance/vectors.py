@@ -76,7 +76,10 @@ Each entry of ``cases``:
     ``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
 ``outputs`` (list of str)
     The expected outputs in the file: ``"golden"``, plus ``"golden_dq"``,
-    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``.
+    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``, plus
+    ``"golden_lse"`` (float64 ``(B, H, Nq)``, ``(Nq,)`` for ``nd``; ``-inf`` on rows
+    that see no key) for the cases of ``suite="long"``, whose golden is computed once
+    on Dask with its log-sum-exp (:mod:`conformance.long`).
 ``tol_max_abs``, ``tol_rms`` (float)
     The bounds a kernel's max-abs and RMS errors over compared elements of the
     output must stay under; ``baseline_max_abs`` / ``baseline_rms`` (float or
@@ -170,6 +173,11 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             outputs, grad_tols = ["golden"], {}
             if grads:
                 outputs, grad_tols = _add_grads(prep, arrays, layout, dt)
+            if "lse" in prep.golden_extras:
+                # a long case's row log-sum-exp came with its golden (one Dask run): kept
+                lse = prep.golden_extras["lse"]
+                arrays["golden_lse"] = np.ascontiguousarray(lse[0, 0] if layout == "nd" else lse)
+                outputs = outputs + ["golden_lse"]
             np.savez(os.path.join(directory, fname), **arrays)
             entries.append({
                 "file": fname,

@@ -79,6 +79,8 @@ Where each part lives
 * :mod:`attn_ref.softmax.online`: the online (FlashAttention) form,
   :func:`online_softmax_attention`, and its forward loop ``online_forward``.
 * :mod:`attn_ref.softmax.varlen`: packed variable-length batches.
+* :mod:`attn_ref.softmax.partial`: split-KV attention, :func:`partial_attention` of
+  one key chunk returning ``(out, lse)`` and :func:`merge_attention` of partials.
 * :mod:`attn_ref.softmax.options`: the options above, checked once (``prepare_problem``).
 * :mod:`attn_ref.softmax.tiles`: one tile of the pipeline, shared by every form and by
   the blockwise backward of :mod:`attn_ref.grad.softmax`.
@@ -87,10 +89,11 @@ Where each part lives
 from __future__ import annotations
 
 from .._common import BOTTOM_RIGHT, TOP_LEFT, causal_alignment
-from . import online, options, reference, tiles, varlen
+from . import online, options, partial, reference, tiles, varlen
 from .online import *  # noqa: F403 - the online (FlashAttention) form
 from .online import online_softmax_attention
 from .options import *  # noqa: F403 - the option checks and prepare_problem
+from .partial import *  # noqa: F403 - split-KV partials and their merge
 from .reference import *  # noqa: F403 - the defining form
 from .reference import attention_weights, softmax_attention
 from .tiles import *  # noqa: F403 - the tile machinery
@@ -102,6 +105,7 @@ __all__ = [
     "causal_alignment",
     *reference.__all__,
     *online.__all__,
+    *partial.__all__,
     *varlen.__all__,
     *options.__all__,
     *tiles.__all__,

@@ -1,0 +1,91 @@
+"""The ``long`` suite: goldens past one tile's memory, computed on Dask.
+
+Its cases (:data:`conformance.catalogue.CATALOGUE` ``["long"]``): self-attention at
+``N = 8192`` with and without causal, and ``4096`` queries on ``16384`` keys
+bottom-right (KV-cache prefill).
+
+A case whose ``Nq * Nk`` exceeds :data:`LONG_THRESHOLD` gets its golden (and the
+plain implementation behind its tolerance) from :func:`attn_ref.dask.dask_softmax_attention`:
+the sequence chunked into :data:`CHUNK` rows, one task per visible (query chunk, key
+chunk) pair, the key chunks merged by a tree. The golden is float64 (not
+``np.longdouble``: extended precision has no BLAS, and the tree's ``O(log c)`` merges
+keep float64 a few ulps from exact); the baseline is the same algorithm in the
+kernel's dtype. The golden's row log-sum-exp comes with it, for kernels that return
+one (:mod:`conformance.extras`).
+
+The scheduler is Dask's threaded one unless :func:`dask_settings` names a
+``distributed.Client`` (the CLI's ``--dask-scheduler ADDRESS``); ``progress`` shows
+Dask's progress bar on stderr while a golden computes. Exact softmax attention (the
+``softmax`` and ``online_softmax`` variants) only; another variant's long case is n/a.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+
+from .features import NotApplicable
+
+__all__ = ["LONG_THRESHOLD", "CHUNK", "is_long", "long_reference", "dask_settings"]
+
+#: ``Nq * Nk`` above which a case's golden is computed on Dask (a 4096 x 4096 tile).
+LONG_THRESHOLD = 4096 * 4096
+#: Rows per chunk of the sequence axis (a 2048 x 2048 float64 tile is 32 MiB).
+CHUNK = 2048
+_VARIANTS = ("softmax", "online_softmax")
+_SETTINGS = {"client": None, "progress": False}
+
+
+def is_long(case) -> bool:
+    return case.nq * case.nk > LONG_THRESHOLD
+
+
+@contextlib.contextmanager
+def dask_settings(*, client=None, progress=None):
+    """Within the block, long goldens run on ``client`` (None: threads) with a progress bar
+    when ``progress``."""
+    old = dict(_SETTINGS)
+    if client is not None:
+        _SETTINGS["client"] = client
+    if progress is not None:
+        _SETTINGS["progress"] = bool(progress)
+    try:
+        yield
+    finally:
+        _SETTINGS.update(old)
+
+
+def long_reference(prep, dtype="float64"):
+    """``(out, lse)`` of ``prep``'s case on Dask in ``dtype``, as float64 host arrays
+    ``(B, H, Nq, dv)`` and ``(B, H, Nq)``; ``-inf`` lse on rows that see no key."""
+    try:
+        import dask.array as da
+
+        from attn_ref.dask import compute, dask_softmax_attention
+    except ImportError as exc:
+        raise NotApplicable(f"long cases need the dask extra ({exc})") from None
+    if prep.variant.name not in _VARIANTS:
+        raise NotApplicable(f"long cases: the Dask golden covers exact softmax ({', '.join(_VARIANTS)}), "
+                            f"not {prep.variant.name}")
+    extra = sorted(set(prep.arrays) - {"q", "k", "v"}) + sorted(set(prep.kwargs) - {"causal", "scale"})
+    if extra or prep.params:
+        raise NotApplicable(f"long cases: the Dask golden takes causal and scale only, not {extra}")
+    if "bfloat16" in (dtype, prep.dtype):
+        # no plain bfloat16 implementation to derive the tolerance from
+        raise NotApplicable("long cases: no bfloat16 plain implementation on the Dask path")
+    host = np.float16 if dtype == "float16" else np.dtype(dtype)
+    q, k, v = (np.asarray(prep.arrays[n], dtype=host) for n in ("q", "k", "v"))
+    b, h = q.shape[:2]
+    k, v = np.broadcast_to(k, (b, h) + k.shape[2:]), np.broadcast_to(v, (b, h) + v.shape[2:])
+    qd = da.from_array(q, chunks=(1, 1, CHUNK, q.shape[-1]))
+    kd = da.from_array(k, chunks=(1, 1, CHUNK, k.shape[-1]))
+    vd = da.from_array(v, chunks=(1, 1, CHUNK, v.shape[-1]))
+    out, lse = dask_softmax_attention(qd, kd, vd, causal=prep.kwargs.get("causal") or False,
+                                      scale=prep.kwargs.get("scale"))
+    progress = _SETTINGS["progress"]
+    if progress:
+        sys.stderr.write(f"\r\x1b[Kgolden of {prep.case.id} in {dtype} on Dask\n")
+    out, lse = compute(out, lse, client=_SETTINGS["client"], progress=progress)
+    return np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)

@@ -1,0 +1,244 @@
+"""attn_ref.dask: long-N goldens on a Dask LocalCluster equal NumPy to rounding.
+
+One LocalCluster of 2 worker processes serves the module (small N, under a few seconds
+of work). Checked: exact softmax attention (causal in both alignments, leading axes
+chunked too) and linear attention (causal and not) against the NumPy references on
+sub-sampled rows; chunking errors named; a worker killed mid-run raises WorkerLost and
+returns nothing.
+"""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+pytest.importorskip("distributed")
+
+from attn_ref import linear_attention, softmax_attention  # noqa: E402
+from attn_ref.dask import (  # noqa: E402
+    WorkerLost,
+    compute,
+    dask_linear_attention,
+    dask_softmax_attention,
+    local_cluster,
+)
+
+N = 1024
+ROWS = np.array([0, 1, 255, 256, 511, 700, 1023])
+
+
+@pytest.fixture(scope="module")
+def client():
+    cluster, client = local_cluster(2, memory_limit="1GiB")
+    yield client
+    client.close()
+    cluster.close()
+
+
+def _qkv(seed=0, n=N, heads=2, d=16):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, heads, n, d)) for _ in range(3)]
+
+
+@pytest.mark.parametrize("causal", [False, "top-left", "bottom-right"])
+def test_softmax_on_the_cluster_equals_numpy_on_sampled_rows(client, causal):
+    q, k, v = _qkv()
+    q = q[..., : N - 100, :]  # Nq != Nk: the alignments differ
+    qd = da.from_array(q, chunks=(1, 1, 200, 16))
+    kd, vd = (da.from_array(x, chunks=(1, 1, 256, 16)) for x in (k, v))
+    out, lse = compute(*dask_softmax_attention(qd, kd, vd, causal=causal), client=client)
+    rows = ROWS[ROWS < q.shape[-2]]
+    off = {False: None, "top-left": 0, "bottom-right": k.shape[-2] - q.shape[-2]}[causal]
+    mask = None if off is None else np.arange(N)[None, :] <= rows[:, None] + off
+    want = softmax_attention(q[..., rows, :], k, v, mask=mask)
+    np.testing.assert_allclose(out[..., rows, :], want, rtol=0, atol=1e-14)
+    s = (q[..., rows, :] @ np.swapaxes(k, -1, -2)) / 4.0
+    s = s if mask is None else np.where(mask, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    want_lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    np.testing.assert_allclose(lse[..., rows], want_lse, rtol=0, atol=1e-13)
+
+
+def test_leading_axes_chunked_and_rows_with_no_key(client):
+    q, k, v = _qkv(1, n=300, heads=4, d=8)
+    kd, vd = (da.from_array(x[..., :30, :], chunks=(1, 2, 10, 8)) for x in (k, v))
+    qd = da.from_array(q[..., :40, :], chunks=(1, 2, 16, 8))
+    # bottom-right, Nq = 40 > Nk = 30: queries 0..9 see no key (lse -inf, out 0)
+    out, lse = compute(*dask_softmax_attention(qd, kd, vd, causal="bottom-right"), client=client)
+    assert out.shape == (1, 4, 40, 8) and lse.shape == (1, 4, 40)
+    assert np.all(np.isneginf(lse[..., :10])) and np.all(np.isfinite(lse[..., 10:]))
+    assert np.all(out[..., :10, :] == 0)
+    np.testing.assert_allclose(out, softmax_attention(q[..., :40, :], k[..., :30, :], v[..., :30, :],
+                                                      causal="bottom-right"), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_on_the_cluster_equals_numpy_on_sampled_rows(client, causal):
+    q, k, v = _qkv(2)
+    xd = [da.from_array(x, chunks=(1, 2, 128, 16)) for x in (q, k, v)]
+    (out,) = compute(dask_linear_attention(*xd, causal=causal), client=client)
+    if causal:
+        want = linear_attention(q, k, v, causal=True)[..., ROWS, :]
+    else:
+        want = linear_attention(q[..., ROWS, :], k, v)
+    np.testing.assert_allclose(out[..., ROWS, :], want, rtol=1e-13, atol=1e-13)
+
+
+def test_chunking_errors_are_named():
+    q, k, v = (da.from_array(x, chunks=(1, 1, 128, 16)) for x in _qkv(3, n=256))
+    with pytest.raises(ValueError, match=r"q is chunked along its last \(head\) dimension"):
+        dask_softmax_attention(q.rechunk({3: 8}), k, v)
+    with pytest.raises(ValueError, match="mismatched chunks of k and v along the sequence axis"):
+        dask_softmax_attention(q, k, v.rechunk({2: 64}))
+    with pytest.raises(ValueError, match="mismatched chunks of q and k along the batch/head axes"):
+        dask_softmax_attention(q.rechunk({1: 2}), k, v)
+    with pytest.raises(ValueError, match="mismatched chunks of q and k along the sequence axis"):
+        dask_linear_attention(q.rechunk({2: 64}), k, v, causal=True)
+    with pytest.raises(TypeError, match="q must be a dask.array.Array"):
+        dask_softmax_attention(np.zeros((4, 2)), k, v)
+    with pytest.raises(ValueError, match="split_every must be an integer >= 2"):
+        dask_softmax_attention(q, k, v, split_every=1)
+
+
+# ---------------------------------------------------------------- verify(suite="long")
+
+
+def flash_kernel(q, k, v, *, causal=False, scale=None):
+    """A split-KV kernel returning ``(out, lse)``, causal bottom-right (FlashAttention's
+    alignment): module level, so the CLI can load it."""
+    from attn_ref import merge_attention, partial_attention
+
+    off = k.shape[-2] - q.shape[-2]
+    n = k.shape[-2]
+    return merge_attention([partial_attention(q, k[..., a:a + 64, :], v[..., a:a + 64, :],
+                                              causal=bool(causal), query_offset=off,
+                                              key_offset=a, scale=scale)
+                            for a in range(0, n, 64)])
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    """Cases past 4000 = Nq Nk take the long path, with chunks of 64 rows (small N, fast).
+
+    The cases (and the CLI's seed) are used nowhere else, so no short golden of them
+    sits in the golden cache."""
+    import conformance.long as long
+
+    calls = []
+    real = long.long_reference
+
+    def spy(prep, dtype="float64"):
+        calls.append((prep.case.id, dtype))
+        return real(prep, dtype)
+
+    monkeypatch.setattr(long, "LONG_THRESHOLD", 4000)
+    monkeypatch.setattr(long, "CHUNK", 64)
+    monkeypatch.setattr(long, "long_reference", spy)
+    import conformance.judging as judging
+
+    monkeypatch.setattr(judging, "long_reference", spy)
+    return calls
+
+
+def test_long_suite_goldens_run_on_dask_and_judge_out_and_lse(client, small_threshold):
+    from conformance import Case, verify
+    from conformance.long import dask_settings
+
+    todo = [Case("long", (1, 2), 200, 200, 16, 16), Case("long", (1, 1), 150, 230, 16, 16,
+                                                         causal="bottom-right")]
+    with dask_settings(client=client):
+        report = verify(flash_kernel, backend="numpy", dtypes=("float32", "float64"), cases=todo,
+                        causal="bottom-right", progress=False)
+    assert report.passed, report.table()
+    assert {r.output for r in report.results} == {"out", "lse"}
+    # one golden (float64) and one baseline (the kernel dtype) per case and dtype, on Dask
+    assert sorted(small_threshold) == sorted([(c.id, d) for c in todo for d in ("float64", "float32")]
+                                             + [(c.id, "float64") for c in todo] * 2)
+
+    def wrong(q, k, v, **kw):
+        out, lse = flash_kernel(q, k, v, **kw)
+        return out * 1.001, lse
+
+    bad = verify(wrong, backend="numpy", cases=todo[:1], progress=False)
+    assert not bad.passed
+    assert "not diagnosed on a long case" in bad.results[0].diagnosis
+
+
+def test_long_cases_outside_the_dask_path_are_not_applicable(small_threshold):
+    from conformance import Case, prepare
+    from conformance.features import NotApplicable
+
+    with pytest.raises(NotApplicable, match=r"takes causal and scale only, not \['mask'\]"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8, mask="random"), "softmax")
+    with pytest.raises(NotApplicable, match="covers exact softmax"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8), "linear")
+    with pytest.raises(NotApplicable, match="no bfloat16"):
+        prepare(Case("long", (1, 1), 100, 100, 8, 8), "softmax", "bfloat16")
+
+
+def test_exported_long_vectors_carry_the_golden_lse(small_threshold, tmp_path):
+    from conformance import Case, export_vectors, load_vectors
+
+    case = Case("long", (1, 1), 90, 70, 8, 8, causal="bottom-right")
+    manifest = export_vectors(tmp_path, dtypes=("float32",), cases=[case], causal="bottom-right")
+    (entry,) = manifest["cases"]
+    assert entry["outputs"] == ["golden", "golden_lse"]
+    ((_, arrays),) = list(load_vectors(tmp_path))
+    lse = arrays["golden_lse"]
+    assert lse.shape == (1, 1, 90) and lse.dtype == np.float64
+    # bottom-right, 90 queries on 70 keys: the first 20 see none
+    assert np.all(np.isneginf(lse[..., :20])) and np.all(np.isfinite(lse[..., 20:]))
+    q, k, v = (arrays[n].astype(np.float64) for n in ("q", "k", "v"))
+    out, want = flash_kernel(q, k, v, causal=True)
+    np.testing.assert_allclose(arrays["golden"], out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse[..., 20:], want[..., 20:], rtol=0, atol=1e-12)
+
+
+def test_cli_verify_long_on_a_scheduler_address(client, small_threshold, capsys):
+    from conformance.cli import main
+
+    code = main(["verify", "tests.test_dask:flash_kernel", "--suite", "long", "--causal",
+                 "bottom-right", "--case", "length:b1h1-q257k257-d16", "--seed", "19",
+                 "--dask-scheduler", client.scheduler.address])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"long goldens on {client.scheduler.address}" in out and " lse " in out
+    assert small_threshold
+
+
+def _slow(x):
+    time.sleep(3.0)
+    return x
+
+
+def test_a_worker_killed_mid_run_is_an_error_with_no_result(client):
+    q, k, v = (da.from_array(x, chunks=(1, 1, 512, 16)) for x in _qkv(4))
+    slow_q = q.map_blocks(_slow, dtype=q.dtype)
+    out, lse = dask_softmax_attention(slow_q, k, v)
+    result = {}
+    import threading
+
+    def run():
+        try:
+            result["value"] = compute(out, lse, client=client)
+        except Exception as exc:  # recorded, asserted below
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    busy = []
+    while time.time() < deadline and not busy:
+        busy = [w for w, tasks in client.processing().items() if any("_slow" in str(x) for x in tasks)]
+        time.sleep(0.05)
+    assert busy, "no worker ever ran the slow task"
+    try:
+        client.run(os._exit, 1, workers=busy[:1])
+    except Exception:  # the worker dies under the call: expected
+        pass
+    t.join(60)
+    assert "value" not in result
+    assert isinstance(result.get("error"), WorkerLost), result
+    assert "no result is returned" in str(result["error"])
