@@ -175,7 +175,8 @@ class KernelSpec:
     signature_known: bool
     always: frozenset = frozenset()
     limits: dict = field(default_factory=dict)
-    #: extra outputs declared returned (True) or never to check (False): ``{"lse": True}``
+    #: extra outputs declared returned (True, or a convention of the extra such as
+    #: ``{"lse": "+inf"}``) or never to check (False): ``{"lse": True}``
     outputs: dict = field(default_factory=dict)
 
     @classmethod
@@ -202,9 +203,11 @@ class KernelSpec:
 
         for feat_name, val in (supports or {}).items():
             if feat_name in EXTRAS:
-                if not isinstance(val, bool):
-                    raise TypeError(f"supports[{feat_name!r}] (an extra output) must be True or "
-                                    f"False, got {val!r}")
+                conventions = EXTRAS[feat_name].conventions
+                if not isinstance(val, bool) and val not in conventions:
+                    also = "".join(f", {c!r} ({why})" for c, why in conventions.items())
+                    raise TypeError(f"supports[{feat_name!r}] (an extra output) must be True, "
+                                    f"False{also}; got {val!r}")
                 outputs[feat_name] = val
                 continue
             if feat_name in DECLARATIONS:

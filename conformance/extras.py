@@ -47,7 +47,7 @@ Absolute, per row. A base-2 lse is off by ``0.44 |lse|``, a scale applied twice 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -77,6 +77,9 @@ class Extra:
     canonical: Any
     judge: Any
     doc: str = ""
+    #: conventions a kernel may declare instead of ``True`` (``supports={"lse": "+inf"}``),
+    #: each with what it means; the judge gets the declared one as ``convention=``
+    conventions: dict = field(default_factory=dict)
 
 
 EXTRAS: dict = {}
@@ -118,9 +121,11 @@ def split_outputs(ret, variant, declared: dict, prep, layout):
         x = found.get(e.name)
         shape = tuple(e.shape(prep, layout))
         has_shape = hasattr(x, "shape") and tuple(x.shape) == shape
-        if want is True and x is None:
-            problems[e.name] = f"declared supports={{{e.name!r}: True}} but the kernel returned no {e.name}"
-        elif want is True and not has_shape:
+        declared_present = want is not None and want is not False
+        if declared_present and x is None:
+            problems[e.name] = (f"declared supports={{{e.name!r}: {want!r}}} but the kernel returned "
+                                f"no {e.name}")
+        elif declared_present and not has_shape:
             problems[e.name] = (f"{e.name} shape {tuple(getattr(x, 'shape', ()))}, expected {shape} "
                                 f"({layout}; {e.doc})")
         elif x is not None and (has_shape or by_name):
@@ -151,7 +156,9 @@ def extra_results(ctx, prep, extras: dict, problems: dict, host: dict, base: dic
             rows.append(CaseResult.error(f"{name} is not numeric: {exc}", verdict="fail",
                                          output=name, **base))
             continue
-        res = e.judge(prep, got, dtype=str(x.dtype))
+        convention = ctx.kernel.outputs.get(name)
+        res = e.judge(prep, got, dtype=str(x.dtype),
+                      convention=convention if isinstance(convention, str) else None)
         res.shapes = base.get("shapes", {})
         rows.append(res)
     return rows
@@ -210,7 +217,7 @@ def lse_tolerance(prep, golden, lse_dtype="float64"):
     return LSE_FUDGE * bound + ulps
 
 
-def _lse_judge(prep, got, *, dtype="float64"):
+def _lse_judge(prep, got, *, dtype="float64", convention=None):
     golden = lse_golden(prep)
     keep = None if prep.keep is None else np.broadcast_to(prep.keep, prep.golden.shape)[..., 0]
     keep = np.ones(golden.shape, bool) if keep is None else keep
@@ -221,7 +228,10 @@ def _lse_judge(prep, got, *, dtype="float64"):
     err = np.where(full & np.isfinite(got), np.abs(got - np.where(full, golden, 0.0)), 0.0)
     ratio_rows = np.where(full, err / np.maximum(tol, np.finfo(float).tiny), 0.0)
     nonfinite = int(np.count_nonzero(full & ~np.isfinite(got)))
-    empty_wrong = int(np.count_nonzero(empty & ~np.isneginf(got)))
+    # -inf = log 0 on rows that see no key, or +inf where the kernel declares FlashAttention
+    # 2's final-lse convention (supports={"lse": "+inf"})
+    empty_ok = np.isposinf(got) if convention == "+inf" else np.isneginf(got)
+    empty_wrong = int(np.count_nonzero(empty & ~empty_ok))
     ratio = float(np.max(ratio_rows, initial=0.0))
     worst = tuple(int(i) for i in np.unravel_index(np.argmax(ratio_rows), ratio_rows.shape)) \
         if ratio_rows.size else ()
@@ -237,7 +247,7 @@ def _lse_judge(prep, got, *, dtype="float64"):
         res.verdict = "fail"
         if nonfinite or empty_wrong:
             res.ratio = math.inf
-        res.diagnosis = diagnose_lse(prep, got, golden, tol, keep)
+        res.diagnosis = diagnose_lse(prep, got, golden, tol, keep, convention)
     return res
 
 
@@ -247,20 +257,28 @@ def _lse_judge(prep, got, *, dtype="float64"):
 # per-row tolerance, as conformance.diagnose names a mistake of the output.
 
 
-def diagnose_lse(prep, got, golden, tol, keep) -> str:
-    """Words naming the bug class of a failing ``lse`` (host ``(B, H, Nq)``, canonical)."""
+def diagnose_lse(prep, got, golden, tol, keep, convention=None) -> str:
+    """Words naming the bug class of a failing ``lse`` (host ``(B, H, Nq)``, canonical);
+    ``convention`` the kernel's declared one for rows with no key (``"+inf"``)."""
     words = []
     empty = keep & np.isneginf(golden)
     full = keep & np.isfinite(golden)
     e = got[empty]
-    for bad, what in (
+    wrong_inf = (
+        (np.isneginf(e), "-inf on {n} row(s) that see no key, where the kernel declares "
+         "supports={{'lse': '+inf'}} (FlashAttention 2's convention)")
+        if convention == "+inf" else
         (np.isposinf(e), "+inf on {n} row(s) that see no key: FlashAttention 2's final-lse "
-         "convention; the reference is log 0 = -inf, which a split-KV merge needs (a +inf "
-         "partial takes over every row it is merged into)"),
+         "convention (declare supports={{'lse': '+inf'}} if intended); the reference is "
+         "log 0 = -inf, which a split-KV merge needs (a +inf partial takes over every row it "
+         "is merged into)"))
+    expected = "+inf" if convention == "+inf" else "-inf = log 0"
+    for bad, what in (
+        wrong_inf,
         (np.isnan(e), "NaN on {n} row(s) that see no key: log(0/0) or exp(-inf + inf) "
          "(the -inf row maximum not replaced before exp(S - m))"),
-        (np.isfinite(e), "a finite lse on {n} row(s) that see no key, expected -inf = log 0 "
-         "(a guarded log, or the -inf maximum replaced by 0 and kept)"),
+        (np.isfinite(e), "a finite lse on {n} row(s) that see no key, expected " + expected +
+         " (a guarded log, or the -inf maximum replaced by 0 and kept)"),
     ):
         if np.any(bad):
             words.append(what.format(n=int(np.count_nonzero(bad))))
@@ -312,4 +330,6 @@ register_extra(Extra(
     name="lse", variants=("softmax", "online_softmax"), shape=_lse_shape,
     canonical=_lse_canonical, judge=_lse_judge,
     doc="the row log-sum-exp is (B, H, Nq), head-major, or (Nq,) for nd",
+    conventions={"+inf": "+inf, not -inf = log 0, on rows that see no key (FlashAttention 2's "
+                         "final lse)"},
 ))

@@ -60,6 +60,7 @@ MUTANTS = {
     "scale twice": (_mutant(_twice), "the scale applied twice"),
     "relative bias": (_mutant(lambda lse, **_: lse * lse.dtype.type(1 + 1e-3)),
                       "systematic relative bias of +0.001"),
+    # FlashAttention 2's final lse, undeclared (declared, it passes: below)
     "+inf rows": (_mutant(lambda lse, **_: np.where(np.isneginf(lse), np.inf, lse)),
                   "+inf on 8 row(s) that see no key"),
     "NaN rows": (_mutant(lambda lse, **_: np.where(np.isneginf(lse), np.nan, lse)),
@@ -96,6 +97,23 @@ def test_each_lse_bug_class_fails_and_is_named(name):
         assert {r.case for r in bad} == {r.case for r in _lse_rows(report) if "fully" in r.case}
     else:
         assert all(words in r.diagnosis for r in bad if "length1:b1h1-q1k1" not in r.case)
+
+
+def test_flash_attention_2s_plus_inf_rows_pass_when_declared_and_only_then():
+    fa2 = MUTANTS["+inf rows"][0]
+    report = verify(fa2, backend="numpy", dtypes=("float32",), suite="quick", progress=False,
+                    supports={"lse": "+inf"})
+    assert report.passed, report.table()
+    assert any("fully" in r.case for r in _lse_rows(report))
+    # declared, the -inf = log 0 kernel contradicts it; NaN still fails
+    for kernel, words in ((flash, "-inf on 8 row(s)"), (MUTANTS["NaN rows"][0], "NaN on 8 row(s)")):
+        report = verify(kernel, backend="numpy", dtypes=("float32",), suite="quick",
+                        progress=False, supports={"lse": "+inf"})
+        bad = [r for r in _lse_rows(report) if r.verdict != "pass"]
+        assert bad and all(words in r.diagnosis for r in bad), [r.diagnosis for r in bad]
+    with pytest.raises(TypeError, match="'\\+inf'"):
+        verify(flash, backend="numpy", dtypes=("float32",), suite="quick", progress=False,
+               supports={"lse": "inf"})
 
 
 def test_the_tolerance_separates_a_one_ulp_scale_bias_from_rounding():
@@ -168,7 +186,7 @@ def test_a_tuple_with_something_else_second_is_left_alone_and_a_dict_is_read_by_
     report = verify(as_dict, backend="numpy", suite="quick", progress=False)
     assert not report.passed and all(r.verdict == "fail" for r in _lse_rows(report)
                                      if r.verdict != "n/a" and "q1k1" not in r.case)
-    with pytest.raises(TypeError, match=r"supports\['lse'\] \(an extra output\) must be True or False"):
+    with pytest.raises(TypeError, match=r"supports\['lse'\] \(an extra output\) must be True, False"):
         verify(flash, backend="numpy", supports={"lse": "yes"}, suite="quick", progress=False)
 
 
