@@ -105,16 +105,19 @@ DEFAULTS: dict[str, Tolerance] = {dt: Tolerance() for dt in DTYPES}
 # dtype (:class:`LowPrecisionArray`); SDPA, FlashAttention-style blockwise kernels and
 # jax.nn.dot_product_attention make at most about its error. FlashAttention's own rule
 # ("at most twice a plain low-precision implementation's error") for the maximum, and
-# 1.5x on the RMS, at least half an ulp per element (a correctly rounded result has an
-# RMS error of about 0.29 ulp, never more than 0.5). The floor is a minimum, not an
-# addend: added, it let a kernel that accumulates P V or the row sum in its own dtype 64
-# keys at a time pass at N = 1000 (its RMS error 0.74 ulp on the offset-values case, the
-# bound 1.5 x 0.29 + 0.5 = 0.93 ulp); as a minimum the bound is 0.5 ulp (times
-# 1 + 1/sqrt(n) on n elements, see Tolerance.bounds) and it fails, while SDPA (math and
-# fused), a FlashAttention-style blockwise kernel and the reference on torch stay below it
-# (3 seeds of the standard suite).
+# 1.5x on the RMS, at least 0.6 ulp per element: a correctly rounded result has an RMS
+# error of about 0.29 ulp (never more than 0.5), and a kernel that also rounds P to the
+# dtype before P V adds about as much again on short rows (sqrt(2) x 0.29 = 0.41; the
+# torch reference and jax.nn.dot_product_attention measured 0.57 ulp on 192 bfloat16
+# elements). The floor is a minimum, not an addend: added (0.5 ulp), it let a kernel
+# that accumulates P V or the row sum in its own dtype 64 keys at a time pass at N = 1000
+# (its RMS error 0.74 ulp on the long offset-values case, the bound 1.5 x 0.29 + 0.5 =
+# 0.93 ulp); as a minimum the bound is 0.6 ulp (times 1 + 1/sqrt(n) on n elements, see
+# Tolerance.bounds) and it fails, while SDPA (math and fused), a FlashAttention-style
+# blockwise kernel, the reference on torch and jax.nn.dot_product_attention pass (3
+# seeds of the standard suite).
 for _dt in ("float16", "bfloat16"):
-    DEFAULTS[_dt] = Tolerance(fudge=2.0, floor_ulps=2.0, fudge_rms=1.5, floor_rms_ulps=0.5,
+    DEFAULTS[_dt] = Tolerance(fudge=2.0, floor_ulps=2.0, fudge_rms=1.5, floor_rms_ulps=0.6,
                               rms_floor_is_minimum=True)
 
 
