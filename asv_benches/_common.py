@@ -386,6 +386,12 @@ def _compressed_arrays(n, d, values, *, seed, dtype, device, xp):
             "v_weight": xp.asarray(vw, dtype=dtype, device=device)}
 
 
+def _reformer_arrays(n, d, values, *, seed, dtype, device, xp):
+    rotations = _builder("hashing", "lsh_rotations")
+    return {"rotations": rotations(d, values["n_hashes"], values["n_buckets"], seed=seed, dtype=dtype,
+                                   device=device, xp=xp)}
+
+
 def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
     layout = _builder("sparse", "random_block_layout")
     nb = ceil_div(n, values["block_size"])
@@ -454,6 +460,11 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
     "fixed": BenchConfig(
         "Child et al. 2019 (enwik8): stride l = 128, c = 32 summary positions, causal; l <= N",
         options={"stride": _at_most_n(128), "summary": 32}),
+    "reformer": BenchConfig(
+        "Kitaev et al. 2020: chunks of 64 sorted positions, 4 hashing rounds, a fixed "
+        "128 buckets (N / 64 buckets would make the hashing N^2 d / 64)",
+        options={"chunk_size": _at_most_n(64)}, sizes={"n_buckets": 128, "n_hashes": 4},
+        arrays=_reformer_arrays),
 }
 
 

@@ -277,6 +277,18 @@ def _work_fixed(n, d, c):
     return _attend(n * (s / 2 + c["summary"] * n / (2 * s)), d) + _io(n, d)
 
 
+def _work_reformer(n, d, c):
+    h, ch = c["n_hashes"], c["chunk_size"]
+    b = c["n_buckets"] // 2  # rotations per round
+    # hash (x R, the argmax), sort (log N compare-and-moves per position), then each
+    # round's queries attend to 2 chunks; the duplicate count compares H chunk indices
+    # per pair; the rounds are combined with one exp per round and position.
+    hashing = Work(2 * n * d * h * b, 0.0, 2 * h * n * b + h * n * max(1, n.bit_length()), 0.0)
+    count = Work(0.0, 0.0, 2 * h * (h * n * 2 * ch), 0.0)
+    combine = Work(0.0, h * n, 2 * h * n * d, 0.0)
+    return hashing + _attend(h * n * 2 * ch, d) + count + combine + _io(n, d)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -297,6 +309,7 @@ WORK = {
     "bigbird": _work_bigbird,
     "strided": _work_strided,
     "fixed": _work_fixed,
+    "reformer": _work_reformer,
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["Variant", "register", "unregister", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
-FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer")
+FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer", "hashing")
 
 _REGISTRY: dict[str, Variant] = {}
 

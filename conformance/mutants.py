@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
-           "VARIANT_CHANGES", "variant_kernel", "variant_mutants", "first_failure",
+           "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "variant_kernel",
+           "variant_mutants", "first_failure",
            "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
@@ -443,6 +444,57 @@ def _nq(name):
     return _set(**{name: lambda x, q, k, v: q.shape[-2]})
 
 
+def reformer_mutant_kernel(*, look_back=True, dedup=True, average=False):
+    """Reformer LSH attention by dense per-round masks, with one of its classic mistakes:
+    no look-back chunk, pairs found twice counted twice, or the rounds averaged instead
+    of weighted by their log-sum-exp. Buckets and chunks are attn_ref's (the mistake is
+    in what is done with them)."""
+
+    def kernel(q, k, v, *, rotations, chunk_size, causal=False, self_logit=-5e4, scale=None, xp=None):
+        from attn_ref.hashing import lsh_buckets, lsh_chunks
+
+        dt = q.dtype
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]).astype(np.float64) for x in (q, k, v))
+        n = q.shape[-2]
+        scale = (1 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
+        _, chunk = lsh_chunks(lsh_buckets(k, np.asarray(rotations, dtype=np.float64)), chunk_size)
+        n_chunks = -(-n // chunk_size)
+        ci, cj = chunk[..., :, :, None], chunk[..., :, None, :]  # (..., H, N, N)
+        mult = (cj == ci).astype(np.float64)  # slots of key j in query i's round window
+        if look_back:
+            mult = mult + (cj == (ci - 1) % n_chunks)
+        found = mult.sum(axis=-3, keepdims=True)
+        s = np.einsum("...id,...jd->...ij", q, k)[..., None, :, :] * scale
+        if self_logit is not None:
+            s = np.where(np.eye(n, dtype=bool), self_logit, s)
+        if causal:
+            mult = mult * np.tril(np.ones((n, n)))
+        with np.errstate(divide="ignore"):
+            s = s + np.log(mult) - (np.log(np.where(found > 0, found, 1.0)) if dedup else 0.0)
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)
+        den = e.sum(-1, keepdims=True)
+        out = (e @ v[..., None, :, :]) / np.where(den > 0, den, 1.0)  # (..., H, N, dv)
+        with np.errstate(divide="ignore"):
+            lse = m + np.log(den)
+        w = np.exp(lse - np.max(lse, axis=-3, keepdims=True))  # as exact as the reference's
+        w = np.full(lse.shape, 1.0 / lse.shape[-3]) if average else w / w.sum(axis=-3, keepdims=True)
+        return np.sum(out * w, axis=-3).astype(dt)
+
+    return kernel
+
+
+#: variant -> further (words, kernel) mutants: the classic mistakes of the variant's
+#: algorithm that no argument change can make; :func:`variant_mutants` adds them
+VARIANT_KERNELS: dict[str, tuple] = {
+    "reformer": (("look-back chunk missing", reformer_mutant_kernel(look_back=False)),
+                 ("pairs found in several rounds not de-duplicated", reformer_mutant_kernel(dedup=False)),
+                 ("rounds averaged, not weighted by their log-sum-exp",
+                  reformer_mutant_kernel(average=True))),
+}
+
 #: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
 #: ignored parameter); the output-times-1.01 mutant is built for every variant
 VARIANT_CHANGES: dict[str, tuple] = {
@@ -481,11 +533,14 @@ VARIANT_CHANGES: dict[str, tuple] = {
                 ("scale argument ignored", _drop("scale"))),
     "fixed": (("summary one key longer", _set(summary=_plus(1))),
               ("scale argument ignored", _drop("scale"))),
+    "reformer": (("chunks one position longer", _set(chunk_size=_plus(1))),
+                 ("self_logit ignored (a token attends to itself)", _set(self_logit=lambda *a: None))),
 }
 
 
 def variant_mutants(variant: str) -> list[Mutant]:
-    """The three mutants of a registered variant; KeyError if it has none declared."""
+    """The three mutants of a registered variant, and its :data:`VARIANT_KERNELS`; KeyError
+    if it has none declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
@@ -493,7 +548,9 @@ def variant_mutants(variant: str) -> list[Mutant]:
     return [Mutant(f"{variant}: output x 1.01", variant_kernel(variant, factor=1.01), "",
                    variant=variant),
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
-            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)]
+            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
+        Mutant(f"{variant}: {words}", kernel, "", variant=variant)
+        for words, kernel in VARIANT_KERNELS.get(variant, ())]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):

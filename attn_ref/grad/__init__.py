@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 
 from .. import registry
 from .compressed import compressed_attention
+from .hashing import reformer_attention
 from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
@@ -60,6 +61,7 @@ __all__ = [
     "performer_attention",
     "pooled_attention",
     "query_reduced_attention",
+    "reformer_attention",
     "softmax_attention",
     "strided_attention",
     "varlen_attention",
