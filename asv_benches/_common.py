@@ -392,6 +392,13 @@ def _reformer_arrays(n, d, values, *, seed, dtype, device, xp):
                                    device=device, xp=xp)}
 
 
+def _sinkhorn_arrays(n, d, values, *, seed, dtype, device, xp):
+    # the sorting network's output, drawn: its values do not change the cost
+    nb = n // values["block_size"]
+    rng = np.random.default_rng(seed)
+    return {"sort_logits": xp.asarray(rng.standard_normal((nb, nb)), dtype=dtype, device=device)}
+
+
 def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
     layout = _builder("sparse", "random_block_layout")
     nb = ceil_div(n, values["block_size"])
@@ -465,6 +472,11 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
         "128 buckets (N / 64 buckets would make the hashing N^2 d / 64)",
         options={"chunk_size": _at_most_n(64)}, sizes={"n_buckets": 128, "n_hashes": 4},
         arrays=_reformer_arrays),
+    "sinkhorn": BenchConfig(
+        "Tay et al. 2020: 8 Sinkhorn iterations at temperature 0.75, block b = sqrt(N) "
+        "(`sqrt_stride`), which balances the N b local logits against the (N / b)^2 sort matrix",
+        options={"block_size": sqrt_stride, "n_iters": 8, "temperature": 0.75},
+        arrays=_sinkhorn_arrays, time="O(N sqrt(N) d)", memory="O(N sqrt(N))"),
 }
 
 

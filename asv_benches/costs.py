@@ -289,6 +289,16 @@ def _work_reformer(n, d, c):
     return hashing + _attend(h * n * 2 * ch, d) + count + combine + _io(n, d)
 
 
+def _work_sinkhorn(n, d, c):
+    b, it = c["block_size"], c["n_iters"]
+    nb = n // b
+    # Sinkhorn: each iteration normalises rows and columns (an exp and a log-sum-exp
+    # pass each); the sorted blocks P K and P V; each query attends to 2 b keys.
+    sinkhorn = Work(0.0, 2 * it * nb * nb + nb * nb, 6 * it * nb * nb, 0.0)
+    sort = Work(2 * 2 * nb * nb * b * d, 0.0, 0.0, 0.0)
+    return sinkhorn + sort + _attend(n * 2 * b, d) + _io(n, d)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -310,6 +320,7 @@ WORK = {
     "strided": _work_strided,
     "fixed": _work_fixed,
     "reformer": _work_reformer,
+    "sinkhorn": _work_sinkhorn,
 }
 
 

@@ -20,7 +20,8 @@ from typing import Any
 __all__ = ["Variant", "register", "unregister", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
-FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer", "hashing")
+FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer", "hashing",
+            "sorting")
 
 _REGISTRY: dict[str, Variant] = {}
 

@@ -599,6 +599,13 @@ def _reformer_dense(q, k, v, /, **kw):
     return reformer_weights(q, k, **kw) @ v
 
 
+def _sinkhorn_dense(q, k, v, /, **kw):
+    """Sparse Sinkhorn as its defining form: the dense weights matrix times ``v``."""
+    from attn_ref.sorting import sinkhorn_weights
+
+    return sinkhorn_weights(q, k, **kw) @ v
+
+
 def _causal_square(prep):
     return bool(prep.kwargs.get("causal")) and prep.case.nq == prep.case.nk and prep.case.nq > 0
 
@@ -650,6 +657,7 @@ for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
 # Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
 register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_reformer_dense))
+register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_sinkhorn_dense))
 for _name in ("local", "longformer"):
     register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
 

@@ -486,13 +486,28 @@ def reformer_mutant_kernel(*, look_back=True, dedup=True, average=False):
     return kernel
 
 
-#: variant -> further (words, kernel) mutants: the classic mistakes of the variant's
-#: algorithm that no argument change can make; :func:`variant_mutants` adds them
+def _sinkhorn_unmasked_sort(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
+                            scale=None, xp=None):
+    """Causal Sinkhorn attention whose sort matrix is not masked to earlier blocks (the
+    local block still is): a future block leaks into the past through the sort."""
+    from attn_ref.sorting import block_sorted_attention, sinkhorn_sort_matrix
+
+    p = sinkhorn_sort_matrix(sort_logits, n_iters=n_iters, temperature=temperature)
+    return block_sorted_attention(q, k, v, p, block_size=block_size, causal=bool(causal), scale=scale)
+
+
+#: variant -> further (words, kernel factory) mutants: the classic mistakes of the
+#: variant's algorithm that no single argument change makes, or that the variant's papers
+#: name; :func:`variant_mutants` adds them
 VARIANT_KERNELS: dict[str, tuple] = {
-    "reformer": (("look-back chunk missing", reformer_mutant_kernel(look_back=False)),
-                 ("pairs found in several rounds not de-duplicated", reformer_mutant_kernel(dedup=False)),
+    "reformer": (("look-back chunk missing", lambda: reformer_mutant_kernel(look_back=False)),
+                 ("pairs found in several rounds not de-duplicated",
+                  lambda: reformer_mutant_kernel(dedup=False)),
                  ("rounds averaged, not weighted by their log-sum-exp",
-                  reformer_mutant_kernel(average=True))),
+                  lambda: reformer_mutant_kernel(average=True))),
+    "sinkhorn": (("Sinkhorn rows not normalised (0 iterations)",
+                  lambda: variant_kernel("sinkhorn", _set(n_iters=lambda *a: 0))),
+                 ("causal mask on the sort matrix missing", lambda: _sinkhorn_unmasked_sort)),
 }
 
 #: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
@@ -535,6 +550,8 @@ VARIANT_CHANGES: dict[str, tuple] = {
               ("scale argument ignored", _drop("scale"))),
     "reformer": (("chunks one position longer", _set(chunk_size=_plus(1))),
                  ("self_logit ignored (a token attends to itself)", _set(self_logit=lambda *a: None))),
+    "sinkhorn": (("sort logits x 1.01", _set(sort_logits=_times(1.01))),
+                 ("temperature ignored (1)", _set(temperature=lambda *a: 1.0))),
 }
 
 
@@ -549,7 +566,7 @@ def variant_mutants(variant: str) -> list[Mutant]:
                    variant=variant),
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
             Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
-        Mutant(f"{variant}: {words}", kernel, "", variant=variant)
+        Mutant(f"{variant}: {words}", kernel(), "", variant=variant)
         for words, kernel in VARIANT_KERNELS.get(variant, ())]
 
 

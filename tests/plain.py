@@ -29,6 +29,8 @@ __all__ = [
     "naive_nystrom",
     "naive_lsh_buckets",
     "naive_reformer",
+    "naive_sinkhorn",
+    "naive_sinkhorn_attention",
     "np_favor",
     "np_linear",
     "np_performer",
@@ -388,6 +390,67 @@ def naive_reformer(q, k, v, rotations, chunk_size, causal=False, self_logit=-5e4
     return out, w
 
 
+# ---------------------------------------------------------------- sorting: Sparse Sinkhorn
+
+
+def naive_sinkhorn(r, n_iters, temperature, causal=False):
+    """P = exp(X) after n_iters row-then-column normalisations of X = R / temperature in
+    log space, entry by entry; entries off the causal support (j >= i) stay at zero."""
+    nb = r.shape[-1]
+    ok = np.array([[(j < i) if causal else True for j in range(nb)] for i in range(nb)])
+    x = np.where(ok, r / temperature, -np.inf)
+
+    def normalise(x, axis):
+        out = x.copy()
+        for line in range(nb):
+            sl = (line, slice(None)) if axis == 1 else (slice(None), line)
+            vals = x[sl]
+            if np.any(np.isfinite(vals)):
+                top = np.max(vals)
+                out[sl] = vals - (top + np.log(np.sum(np.exp(vals - top))))
+        return out
+
+    for _ in range(n_iters):
+        x = normalise(normalise(x, 1), 0)
+    return np.exp(x)
+
+
+def naive_sinkhorn_attention(q, k, v, r, block_size, n_iters=8, temperature=0.75, causal=False):
+    """Block by block: keys = own block and sum_j P_ij block_j; one softmax. (out, weights)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], r.shape[:-2])
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    r = np.broadcast_to(r, batch + r.shape[-2:])
+    n, d, b = q.shape[-2], q.shape[-1], block_size
+    scale = 1 / np.sqrt(d) if d else 1.0
+    out = np.zeros(batch + (n, v.shape[-1]))
+    w = np.zeros(batch + (n, n))
+    for idx in np.ndindex(*batch):
+        p = naive_sinkhorn(r[idx], n_iters, temperature, causal)
+        for blk in range(n // b):
+            own = list(range(blk * b, blk * b + b))
+            ks = sum(p[blk, j] * k[idx][j * b:j * b + b] for j in range(n // b))
+            vs = sum(p[blk, j] * v[idx][j * b:j * b + b] for j in range(n // b))
+            for i in own:
+                logits, vals, where = [], [], []
+                for j in own:
+                    if not causal or j <= i:
+                        logits.append(scale * q[idx][i] @ k[idx][j])
+                        vals.append(v[idx][j])
+                        where.append([(j, 1.0)])
+                if not causal or blk > 0:
+                    for t2 in range(b):
+                        logits.append(scale * q[idx][i] @ ks[t2])
+                        vals.append(vs[t2])
+                        where.append([(jb * b + t2, p[blk, jb]) for jb in range(n // b)])
+                e = np.exp(np.array(logits) - max(logits))
+                a = e / e.sum()
+                out[idx][i] = a @ np.array(vals)
+                for aj, spots in zip(a, where):
+                    for j, f in spots:
+                        w[idx][i, j] += aj * f
+    return out, w
+
+
 # ---------------------------------------------------------------- every registered variant
 # PLAIN[name](q, k, v, causal, **extra) -> (output, weights) for the registry's variant
 # ``name`` called as ``fn(q, k, v, causal=causal, **extra)``: q, k, v and the array
@@ -451,4 +514,7 @@ PLAIN = {
         q, k, v, mask=ref_fixed(q.shape[-2], stride, summary, causal)),
     "reformer": lambda q, k, v, causal, rotations, chunk_size: naive_reformer(
         q, k, v, rotations, chunk_size, causal=bool(causal)),
+    "sinkhorn": lambda q, k, v, causal, sort_logits, block_size, n_iters, temperature: (
+        naive_sinkhorn_attention(q, k, v, sort_logits, block_size, n_iters, temperature,
+                                 causal=bool(causal))),
 }

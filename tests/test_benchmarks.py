@@ -276,6 +276,7 @@ _VALID = {
     "chunk_size": lambda v, n, c: 1 <= v <= n,
     "n_buckets": lambda v, n, c: v >= 2 and v % 2 == 0,
     "n_hashes": lambda v, n, c: v >= 1,
+    "n_iters": lambda v, n, c: v >= 0,
 }
 
 

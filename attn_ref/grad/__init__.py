@@ -33,6 +33,7 @@ from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
+from .sorting import sinkhorn_attention
 from .sparse import (
     bigbird_attention,
     block_sparse_attention,
@@ -62,6 +63,7 @@ __all__ = [
     "pooled_attention",
     "query_reduced_attention",
     "reformer_attention",
+    "sinkhorn_attention",
     "softmax_attention",
     "strided_attention",
     "varlen_attention",
