@@ -183,3 +183,50 @@ def test_the_oracles_reformer_mutants_fail_by_their_mistake_alone():
     res, ran = first_failure(Mutant("correct", reformer_mutant_kernel(), "", variant="reformer"), "float32",
                              suite="quick")
     assert res is None and ran >= 5, (res, ran)
+
+
+def _reformer_pytorch(monkeypatch, qk, v, rotations, bucket_size, causal):
+    """reformer-pytorch 1.4.4's LSHAttention (shared QK, duplicates corrected) fed ``rotations``."""
+    rp = pytest.importorskip("reformer_pytorch.reformer_pytorch")
+    import torch
+
+    fixed = torch.tensor(rotations)
+    # LSHAttention draws its rotations with torch.randn(shape) inside hash_vectors
+    monkeypatch.setattr(rp.torch, "randn",
+                        lambda shape, dtype=None, device=None: fixed.to(dtype).reshape(shape))
+    lsh = rp.LSHAttention(bucket_size=bucket_size, n_hashes=rotations.shape[1], causal=causal,
+                          allow_duplicate_attention=False).eval()
+    with torch.no_grad():
+        out = lsh(torch.tensor(qk), torch.tensor(v))[0].numpy()
+    monkeypatch.undo()
+    return out
+
+
+@pytest.mark.parametrize("n,c,causal", [(32, 4, False), (64, 8, True), (128, 16, False)])
+def test_calibration_one_round_is_reformer_pytorch(monkeypatch, n, c, causal):
+    # one hashing round: reformer-pytorch and this reference are the same function
+    rng = np.random.default_rng(n)
+    qk, v = rng.standard_normal((2, 1, n, 8))
+    r = lsh_rotations(8, 1, n // c, seed=n, xp=np)
+    theirs = _reformer_pytorch(monkeypatch, qk, v, r, c, causal)
+    ours = reformer_attention(qk, shared_keys(qk), v, rotations=r, chunk_size=c, causal=causal)
+    np.testing.assert_allclose(theirs, ours, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_hashes", [2, 4])
+def test_calibration_rounds_differ_only_on_first_chunks(monkeypatch, n_hashes):
+    # Several rounds: reformer-pytorch sorts all rounds as one sequence, so the first
+    # chunk of round r looks back at the last chunk of round r - 1 (this reference: of
+    # round r), and its duplicate counts miss those pairs. Only queries in the first
+    # chunk of some round see that; every other row agrees to the 1e-9 that
+    # reformer-pytorch adds to the counts (log(count + 1e-9): ~3e-9 measured here).
+    n, c = 64, 8
+    rng = np.random.default_rng(n_hashes)
+    qk, v = rng.standard_normal((2, 1, n, 8))
+    r = lsh_rotations(8, n_hashes, n // c, seed=n_hashes, xp=np)
+    theirs = _reformer_pytorch(monkeypatch, qk, v, r, c, False)
+    ours = reformer_attention(qk, shared_keys(qk), v, rotations=r, chunk_size=c)
+    _, chunk = lsh_chunks(lsh_buckets(qk, r), c)
+    first = np.any(chunk == 0, axis=-2)
+    np.testing.assert_allclose(theirs[~first], ours[~first], rtol=0, atol=1e-8)
+    assert np.abs(theirs[first] - ours[first]).max() > 1e-2  # a real convention difference
