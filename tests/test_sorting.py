@@ -131,3 +131,56 @@ def test_bad_inputs_name_the_argument():
         sinkhorn_attention(q, q, q, sort_logits=r, block_size=2, n_iters=-1)
     with pytest.raises(ValueError, match="self-attention only"):
         sinkhorn_attention(q, np.zeros((4, 4)), np.zeros((4, 4)), sort_logits=r, block_size=2)
+
+
+def test_calibration_sinkhorn_operator_is_sinkhorn_transformers():
+    st = pytest.importorskip("sinkhorn_transformer.sinkhorn_transformer")
+    import torch
+
+    r = np.random.default_rng(0).standard_normal((2, 5, 5))
+    for n_iters in (0, 1, 7, 30):
+        theirs = st.sinkhorn_sorting_operator(torch.tensor(r), n_iters).numpy()
+        np.testing.assert_allclose(sinkhorn_sort_matrix(r, n_iters=n_iters, temperature=1.0), theirs,
+                                   rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("n,b", [(16, 4), (64, 8)])
+def test_calibration_against_sinkhorn_transformer(monkeypatch, n, b):
+    # sinkhorn-transformer 0.11.4's SinkhornAttention with the Sinkhorn sort
+    # (non_permutative=False) and its Gumbel noise set to zero: its sort net scores blocks
+    # by R = relu(mean(q block) . mean(k block) / sqrt d) and takes log(R + 1e-6) as the
+    # logits; fed those logits this reference is the same function - except that the
+    # package attends the sorted *keys* as the sorted block's values
+    # (``b_v_r = b_k_r.reshape(...)``), so it agrees for v = k and for v != k equals
+    # this reference with the sorted keys put in the values' place.
+    st = pytest.importorskip("sinkhorn_transformer.sinkhorn_transformer")
+    import torch
+
+    from attn_ref.sorting import block_keys_and_mask, blocked
+
+    d, it, temp = 16, 7, 0.75
+    rng = np.random.default_rng(n)
+    q, k, v = rng.standard_normal((3, 1, 1, n, d))
+    monkeypatch.setattr(st, "sample_gumbel",
+                        lambda shape, device, dtype, eps=1e-6: torch.zeros(shape, dtype=dtype))
+    att = st.SinkhornAttention(b, d, d, 1, n, temperature=temp, non_permutative=False,
+                               sinkhorn_iter=it).eval()
+    nb = n // b
+    sq, sk = q[0, 0].reshape(nb, b, d).mean(1), k[0, 0].reshape(nb, b, d).mean(1)
+    logits = np.log(np.maximum(sq @ sk.T / np.sqrt(d), 0) + 1e-6)
+    opts = {"sort_logits": logits, "block_size": b, "n_iters": it, "temperature": temp}
+    with torch.no_grad():
+        same = att(*(torch.tensor(x) for x in (q, k, k))).numpy()[0, 0]
+        theirs = att(*(torch.tensor(x) for x in (q, k, v))).numpy()[0, 0]
+    np.testing.assert_allclose(same, sinkhorn_attention(q[0, 0], k[0, 0], k[0, 0], **opts), rtol=1e-12,
+                               atol=1e-12)
+    ours = sinkhorn_attention(q[0, 0], k[0, 0], v[0, 0], **opts)
+    assert np.abs(theirs - ours).max() > 0.1
+    # the package's values: own block, then the sorted keys
+    p = sinkhorn_sort_matrix(logits, n_iters=it, temperature=temp)
+    kk, _, _ = block_keys_and_mask(np, k[0, 0], v[0, 0], p, b, False)
+    vv = np.concatenate([blocked(np, v[0, 0], b), kk[..., b:, :]], axis=-2)
+    s = blocked(np, q[0, 0], b) @ np.swapaxes(kk, -1, -2) / np.sqrt(d)
+    a = np.exp(s - s.max(-1, keepdims=True))
+    emulated = ((a / a.sum(-1, keepdims=True)) @ vv).reshape(n, d)
+    np.testing.assert_allclose(theirs, emulated, rtol=1e-12, atol=1e-12)
