@@ -49,16 +49,18 @@ def test_sort_matrix_is_the_plain_iteration(backend):
     np.testing.assert_allclose(p0, np.exp(rh / 0.5), rtol=1e-14)
 
 
-def test_many_iterations_make_it_doubly_stochastic(backend):
-    r, _ = randn(backend, (6, 6), seed=2)
-    p = host(call(backend, sinkhorn_sort_matrix, r, n_iters=300, temperature=0.75))
+def test_many_iterations_make_it_doubly_stochastic():
+    # The limit is a property of the iteration, which test_sort_matrix_is_the_plain_iteration
+    # checks on every backend; here on NumPy (under jax.jit thousands of iterations unroll).
+    r = np.random.default_rng(2).standard_normal((6, 6))
+    p = sinkhorn_sort_matrix(r, n_iters=300, temperature=0.75)
     np.testing.assert_allclose(p.sum(axis=-1), 1.0, atol=1e-10)
     np.testing.assert_allclose(p.sum(axis=-2), 1.0, atol=1e-12)
-    few = host(call(backend, sinkhorn_sort_matrix, r, n_iters=1, temperature=0.75))
+    few = sinkhorn_sort_matrix(r, n_iters=1, temperature=0.75)
     assert np.abs(few.sum(axis=-1) - 1).max() > 1e-3  # one iteration: columns only
     # causal: strictly earlier blocks only; on that support the iteration converges to
     # the one doubly stochastic matrix it holds, "each block sorts its predecessor"
-    pc = host(call(backend, sinkhorn_sort_matrix, r, n_iters=3000, temperature=0.75, causal=True))
+    pc = sinkhorn_sort_matrix(r, n_iters=3000, temperature=0.75, causal=True)
     assert np.all(np.triu(pc) == 0.0)
     np.testing.assert_allclose(pc, np.eye(6, k=-1), atol=1e-2)
 
