@@ -496,19 +496,29 @@ def _sinkhorn_unmasked_sort(q, k, v, *, sort_logits, block_size, n_iters=8, temp
     return block_sorted_attention(q, k, v, p, block_size=block_size, causal=bool(causal), scale=scale)
 
 
-#: variant -> further (words, kernel factory) mutants: the classic mistakes of the
-#: variant's algorithm that no single argument change makes, or that the variant's papers
+def _sinkhorn_unbalanced(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
+                         scale=None, xp=None):
+    """Sinkhorn attention with no balancing step: ``P = exp(R / temperature)``, rows not
+    normalised."""
+    from attn_ref.sorting import sinkhorn_attention
+
+    return sinkhorn_attention(q, k, v, sort_logits=sort_logits, block_size=block_size, n_iters=0,
+                              temperature=temperature, causal=causal, scale=scale)
+
+
+#: variant -> further (words, kernel, verify options) mutants: the classic mistakes of
+#: the variant's algorithm that no single argument change makes, or that its papers
 #: name; :func:`variant_mutants` adds them
 VARIANT_KERNELS: dict[str, tuple] = {
-    "reformer": (("look-back chunk missing", lambda: reformer_mutant_kernel(look_back=False)),
-                 ("pairs found in several rounds not de-duplicated",
-                  lambda: reformer_mutant_kernel(dedup=False)),
+    "reformer": (("look-back chunk missing", reformer_mutant_kernel(look_back=False), {}),
+                 ("pairs found in several rounds not de-duplicated", reformer_mutant_kernel(dedup=False),
+                  {}),
                  ("rounds averaged, not weighted by their log-sum-exp",
-                  lambda: reformer_mutant_kernel(average=True))),
-    "sinkhorn": (("Sinkhorn rows not normalised (0 iterations)",
-                  lambda: variant_kernel("sinkhorn", _set(n_iters=lambda *a: 0))),
-                 ("causal mask on the sort matrix missing", lambda: _sinkhorn_unmasked_sort)),
+                  reformer_mutant_kernel(average=True), {})),
+    "sinkhorn": (("Sinkhorn rows not normalised (0 iterations)", _sinkhorn_unbalanced, {}),
+                 ("causal mask on the sort matrix missing", _sinkhorn_unmasked_sort, {})),
 }
+
 
 #: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
 #: ignored parameter); the output-times-1.01 mutant is built for every variant
@@ -556,8 +566,8 @@ VARIANT_CHANGES: dict[str, tuple] = {
 
 
 def variant_mutants(variant: str) -> list[Mutant]:
-    """The three mutants of a registered variant, and its :data:`VARIANT_KERNELS`; KeyError
-    if it has none declared."""
+    """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`;
+    KeyError if it has none declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
@@ -566,8 +576,8 @@ def variant_mutants(variant: str) -> list[Mutant]:
                    variant=variant),
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
             Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
-        Mutant(f"{variant}: {words}", kernel(), "", variant=variant)
-        for words, kernel in VARIANT_KERNELS.get(variant, ())]
+        Mutant(f"{variant}: {words}", kernel, "", {"options": opts} if opts else {}, variant=variant)
+        for words, kernel, opts in VARIANT_KERNELS.get(variant, ())]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
