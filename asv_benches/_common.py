@@ -386,6 +386,19 @@ def _compressed_arrays(n, d, values, *, seed, dtype, device, xp):
             "v_weight": xp.asarray(vw, dtype=dtype, device=device)}
 
 
+def _reformer_arrays(n, d, values, *, seed, dtype, device, xp):
+    rotations = _builder("hashing", "lsh_rotations")
+    return {"rotations": rotations(d, values["n_hashes"], values["n_buckets"], seed=seed, dtype=dtype,
+                                   device=device, xp=xp)}
+
+
+def _sinkhorn_arrays(n, d, values, *, seed, dtype, device, xp):
+    # the sorting network's output, drawn: its values do not change the cost
+    nb = n // values["block_size"]
+    rng = np.random.default_rng(seed)
+    return {"sort_logits": xp.asarray(rng.standard_normal((nb, nb)), dtype=dtype, device=device)}
+
+
 def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
     layout = _builder("sparse", "random_block_layout")
     nb = ceil_div(n, values["block_size"])
@@ -482,6 +495,16 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
     "synthesizer_random_mix": BenchConfig(
         "Tay et al. 2021 (Random + Vanilla): R mixed with the dot-product logits, alpha = 1/4",
         options={"alpha": 0.25}, arrays=_synthesizer_arrays("random")),
+    "reformer": BenchConfig(
+        "Kitaev et al. 2020: chunks of 64 sorted positions, 4 hashing rounds, a fixed "
+        "128 buckets (N / 64 buckets would make the hashing N^2 d / 64)",
+        options={"chunk_size": _at_most_n(64)}, sizes={"n_buckets": 128, "n_hashes": 4},
+        arrays=_reformer_arrays),
+    "sinkhorn": BenchConfig(
+        "Tay et al. 2020: 8 Sinkhorn iterations at temperature 0.75, block b = sqrt(N) "
+        "(`sqrt_stride`), which balances the N b local logits against the (N / b)^2 sort matrix",
+        options={"block_size": sqrt_stride, "n_iters": 8, "temperature": 0.75},
+        arrays=_sinkhorn_arrays, time="O(N sqrt(N) d)", memory="O(N sqrt(N))"),
 }
 
 

@@ -306,6 +306,28 @@ def _work_synthesizer_random_mix(n, d, c):
     return _work_synthesizer_random(n, d, c) + Work(2 * n * n * d, 0.0, 2 * n * n, 0.0)
 
 
+def _work_reformer(n, d, c):
+    h, ch = c["n_hashes"], c["chunk_size"]
+    b = c["n_buckets"] // 2  # rotations per round
+    # hash (x R, the argmax), sort (log N compare-and-moves per position), then each
+    # round's queries attend to 2 chunks; the duplicate count compares H chunk indices
+    # per pair; the rounds are combined with one exp per round and position.
+    hashing = Work(2 * n * d * h * b, 0.0, 2 * h * n * b + h * n * max(1, n.bit_length()), 0.0)
+    count = Work(0.0, 0.0, 2 * h * (h * n * 2 * ch), 0.0)
+    combine = Work(0.0, h * n, 2 * h * n * d, 0.0)
+    return hashing + _attend(h * n * 2 * ch, d) + count + combine + _io(n, d)
+
+
+def _work_sinkhorn(n, d, c):
+    b, it = c["block_size"], c["n_iters"]
+    nb = n // b
+    # Sinkhorn: each iteration normalises rows and columns (an exp and a log-sum-exp
+    # pass each); the sorted blocks P K and P V; each query attends to 2 b keys.
+    sinkhorn = Work(0.0, 2 * it * nb * nb + nb * nb, 6 * it * nb * nb, 0.0)
+    sort = Work(2 * 2 * nb * nb * b * d, 0.0, 0.0, 0.0)
+    return sinkhorn + sort + _attend(n * 2 * b, d) + _io(n, d)
+
+
 #: ``{variant: work(n, d, config values) -> Work}`` per head; a registered variant
 #: without one fails ``tests/test_benchmarks.py``.
 WORK = {
@@ -330,6 +352,8 @@ WORK = {
     "synthesizer_dense": _work_synthesizer_dense,
     "synthesizer_random": _work_synthesizer_random,
     "synthesizer_random_mix": _work_synthesizer_random_mix,
+    "reformer": _work_reformer,
+    "sinkhorn": _work_sinkhorn,
 }
 
 

@@ -21,7 +21,7 @@ __all__ = ["Variant", "register", "unregister", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
 FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer",
-            "routing", "synthesizer")
+            "routing", "synthesizer", "hashing", "sorting")
 
 _REGISTRY: dict[str, Variant] = {}
 

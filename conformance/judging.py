@@ -602,6 +602,20 @@ def _recurrent_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=No
     return xp.stack(outs, axis=-2)
 
 
+def _reformer_dense(q, k, v, /, **kw):
+    """Reformer as its defining form: the union-mask softmax matrix times ``v``."""
+    from attn_ref.hashing import reformer_weights
+
+    return reformer_weights(q, k, **kw) @ v
+
+
+def _sinkhorn_dense(q, k, v, /, **kw):
+    """Sparse Sinkhorn as its defining form: the dense weights matrix times ``v``."""
+    from attn_ref.sorting import sinkhorn_weights
+
+    return sinkhorn_weights(q, k, **kw) @ v
+
+
 def _causal_square(prep):
     return bool(prep.kwargs.get("causal")) and prep.case.nq == prep.case.nk and prep.case.nq > 0
 
@@ -651,6 +665,9 @@ for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "
               "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
     register_forms(_name, AS_REGISTERED, FOLD)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
+# Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
+register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_reformer_dense))
+register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_sinkhorn_dense))
 for _name in ("local", "longformer"):
     register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
 # routing: q enters the routing only through q / |q|, which the fold's positive factor

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
-           "VARIANT_CHANGES", "VARIANT_KERNELS", "routing_kernel", "synthesizer_kernel",
-           "variant_kernel", "variant_mutants", "first_failure", "fp32_accumulating_kernel",
-           "low_precision_accumulating_kernel"]
+           "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "routing_kernel",
+           "synthesizer_kernel", "variant_kernel", "variant_mutants", "first_failure",
+           "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
 def _allowed(nq, nk, causal, mask, shift=0):
@@ -450,6 +450,70 @@ def _nq(name):
     return _set(**{name: lambda x, q, k, v: q.shape[-2]})
 
 
+def reformer_mutant_kernel(*, look_back=True, dedup=True, average=False):
+    """Reformer LSH attention by dense per-round masks, with one of its classic mistakes:
+    no look-back chunk, pairs found twice counted twice, or the rounds averaged instead
+    of weighted by their log-sum-exp. Buckets and chunks are attn_ref's (the mistake is
+    in what is done with them)."""
+
+    def kernel(q, k, v, *, rotations, chunk_size, causal=False, self_logit=-5e4, scale=None, xp=None):
+        from attn_ref.hashing import lsh_buckets, lsh_chunks
+
+        dt = q.dtype
+        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]).astype(np.float64) for x in (q, k, v))
+        n = q.shape[-2]
+        scale = (1 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0) if scale is None else scale
+        _, chunk = lsh_chunks(lsh_buckets(k, np.asarray(rotations, dtype=np.float64)), chunk_size)
+        n_chunks = -(-n // chunk_size)
+        ci, cj = chunk[..., :, :, None], chunk[..., :, None, :]  # (..., H, N, N)
+        mult = (cj == ci).astype(np.float64)  # slots of key j in query i's round window
+        if look_back:
+            mult = mult + (cj == (ci - 1) % n_chunks)
+        found = mult.sum(axis=-3, keepdims=True)
+        s = np.einsum("...id,...jd->...ij", q, k)[..., None, :, :] * scale
+        if self_logit is not None:
+            s = np.where(np.eye(n, dtype=bool), self_logit, s)
+        if causal:
+            mult = mult * np.tril(np.ones((n, n)))
+        with np.errstate(divide="ignore"):
+            s = s + np.log(mult) - (np.log(np.where(found > 0, found, 1.0)) if dedup else 0.0)
+        m = np.max(s, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(s - m)
+        den = e.sum(-1, keepdims=True)
+        out = (e @ v[..., None, :, :]) / np.where(den > 0, den, 1.0)  # (..., H, N, dv)
+        with np.errstate(divide="ignore"):
+            lse = m + np.log(den)
+        w = np.exp(lse - np.max(lse, axis=-3, keepdims=True))  # as exact as the reference's
+        w = np.full(lse.shape, 1.0 / lse.shape[-3]) if average else w / w.sum(axis=-3, keepdims=True)
+        return np.sum(out * w, axis=-3).astype(dt)
+
+    return kernel
+
+
+def _sinkhorn_unmasked_sort(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
+                            scale=None, xp=None):
+    """Causal Sinkhorn attention whose sort matrix is not masked to earlier blocks (the
+    local block still is): a future block leaks into the past through the sort."""
+    from attn_ref.sorting import block_sorted_attention, sinkhorn_sort_matrix
+
+    p = sinkhorn_sort_matrix(sort_logits, n_iters=n_iters, temperature=temperature)
+    return block_sorted_attention(q, k, v, p, block_size=block_size, causal=bool(causal), scale=scale)
+
+
+def _sinkhorn_unbalanced(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
+                         scale=None, xp=None):
+    """Sinkhorn attention with no balancing step: ``P = exp(R / temperature)``, rows not
+    normalised."""
+    from attn_ref.sorting import sinkhorn_attention
+
+    return sinkhorn_attention(q, k, v, sort_logits=sort_logits, block_size=block_size, n_iters=0,
+                              temperature=temperature, causal=causal, scale=scale)
+
+
+
+
 #: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
 #: ignored parameter); the output-times-1.01 mutant is built for every variant
 VARIANT_CHANGES: dict[str, tuple] = {
@@ -500,6 +564,10 @@ VARIANT_CHANGES: dict[str, tuple] = {
     "synthesizer_random_mix": (("dot-product scale x 1.01", _scaled_logits(1.01, _softmax_scale)),
                                ("mixing weight swapped (1 - alpha on R)",
                                 _set(alpha=lambda a, q, k, v: 1.0 - a))),
+    "reformer": (("chunks one position longer", _set(chunk_size=_plus(1))),
+                 ("self_logit ignored (a token attends to itself)", _set(self_logit=lambda *a: None))),
+    "sinkhorn": (("sort logits x 1.01", _set(sort_logits=_times(1.01))),
+                 ("temperature ignored (1)", _set(temperature=lambda *a: 1.0))),
 }
 
 
@@ -597,6 +665,13 @@ VARIANT_KERNELS: dict[str, tuple] = {
                           ("softmax over the query axis", synthesizer_kernel("query axis", True), {})),
     "synthesizer_random": (("softmax over the query axis", synthesizer_kernel("query axis", False),
                             {}),),
+    "reformer": (("look-back chunk missing", reformer_mutant_kernel(look_back=False), {}),
+                 ("pairs found in several rounds not de-duplicated", reformer_mutant_kernel(dedup=False),
+                  {}),
+                 ("rounds averaged, not weighted by their log-sum-exp",
+                  reformer_mutant_kernel(average=True), {})),
+    "sinkhorn": (("Sinkhorn rows not normalised (0 iterations)", _sinkhorn_unbalanced, {}),
+                 ("causal mask on the sort matrix missing", _sinkhorn_unmasked_sort, {})),
 }
 
 

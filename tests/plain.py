@@ -30,6 +30,10 @@ __all__ = [
     "naive_routing",
     "naive_dense_logits",
     "naive_synthesizer",
+    "naive_lsh_buckets",
+    "naive_reformer",
+    "naive_sinkhorn",
+    "naive_sinkhorn_attention",
     "np_favor",
     "np_linear",
     "np_performer",
@@ -408,6 +412,133 @@ def ref_layout(layout, b, nq, nk):
     return m
 
 
+# ---------------------------------------------------------------- hashing: Reformer LSH
+
+
+def naive_lsh_buckets(x, rotations):
+    """h_r(x) = argmax([x R_r, -x R_r]) for every round r: (H, N) from x (N, d)."""
+    n_hashes = rotations.shape[1]
+    out = np.zeros((n_hashes, x.shape[0]), dtype=int)
+    for r in range(n_hashes):
+        for j in range(x.shape[0]):
+            u = x[j] @ rotations[:, r, :]
+            out[r, j] = int(np.argmax(np.concatenate([u, -u])))
+    return out
+
+
+def _reformer_one(q, k, v, rotations, chunk_size, causal, self_logit):
+    """The paper's rounds, one head: per round a softmax over the window (chunk and the
+    chunk before it, cyclically; a slot per occurrence), each pair's logit lowered by the
+    log of how often it is found in all rounds, the rounds weighted by their log-sum-exp."""
+    n, d = q.shape
+    scale = 1 / np.sqrt(d) if d else 1.0
+    buckets = naive_lsh_buckets(k, rotations)
+    n_hashes, n_chunks = buckets.shape[0], -(-n // chunk_size)
+    windows = []  # windows[r][i]: the key positions (with repeats) query i sees in round r
+    for r in range(n_hashes):
+        ranked = sorted(range(n), key=lambda j: (buckets[r, j], j))
+        chunks = [ranked[a:a + chunk_size] for a in range(0, n, chunk_size)]
+        where = {j: t // chunk_size for t, j in enumerate(ranked)}
+        windows.append([chunks[where[i]] + chunks[(where[i] - 1) % n_chunks] for i in range(n)])
+    outs, lses, parts = [], [], []
+    for r in range(n_hashes):
+        o_r, l_r, w_r = np.zeros((n, v.shape[1])), np.zeros(n), np.zeros((n, n))
+        for i in range(n):
+            keys = [j for j in windows[r][i] if not (causal and j > i)]
+            logits = []
+            for j in keys:
+                s = self_logit if (i == j and self_logit is not None) else scale * (q[i] @ k[j])
+                found = sum(w.count(j) for w in (windows[t][i] for t in range(n_hashes)))
+                logits.append(s - np.log(found))
+            logits = np.array(logits)
+            top = logits.max()
+            e = np.exp(logits - top)
+            l_r[i] = top + np.log(e.sum())
+            for j, ej in zip(keys, e):
+                w_r[i, j] += ej / e.sum()
+            o_r[i] = w_r[i] @ v
+        outs.append(o_r)
+        lses.append(l_r)
+        parts.append(w_r)
+    lses = np.array(lses)
+    wts = np.exp(lses - lses.max(axis=0))
+    wts = wts / wts.sum(axis=0)
+    out = sum(wts[r][:, None] * outs[r] for r in range(n_hashes))
+    return out, sum(wts[r][:, None] * parts[r] for r in range(n_hashes))
+
+
+def naive_reformer(q, k, v, rotations, chunk_size, causal=False, self_logit=-5e4):
+    """Reformer LSH attention by loops over batch, rounds and queries: (out, weights)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    out = np.zeros(batch + (q.shape[-2], v.shape[-1]))
+    w = np.zeros(batch + (q.shape[-2], k.shape[-2]))
+    for b in np.ndindex(*batch):
+        out[b], w[b] = _reformer_one(q[b], k[b], v[b], rotations, chunk_size, causal, self_logit)
+    return out, w
+
+
+# ---------------------------------------------------------------- sorting: Sparse Sinkhorn
+
+
+def naive_sinkhorn(r, n_iters, temperature, causal=False):
+    """P = exp(X) after n_iters row-then-column normalisations of X = R / temperature in
+    log space, entry by entry; entries off the causal support (j >= i) stay at zero."""
+    nb = r.shape[-1]
+    ok = np.array([[(j < i) if causal else True for j in range(nb)] for i in range(nb)])
+    x = np.where(ok, r / temperature, -np.inf)
+
+    def normalise(x, axis):
+        out = x.copy()
+        for line in range(nb):
+            sl = (line, slice(None)) if axis == 1 else (slice(None), line)
+            vals = x[sl]
+            if np.any(np.isfinite(vals)):
+                top = np.max(vals)
+                out[sl] = vals - (top + np.log(np.sum(np.exp(vals - top))))
+        return out
+
+    for _ in range(n_iters):
+        x = normalise(normalise(x, 1), 0)
+    return np.exp(x)
+
+
+def naive_sinkhorn_attention(q, k, v, r, block_size, n_iters=8, temperature=0.75, causal=False):
+    """Block by block: keys = own block and sum_j P_ij block_j; one softmax. (out, weights)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2], r.shape[:-2])
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-2:]) for x in (q, k, v))
+    r = np.broadcast_to(r, batch + r.shape[-2:])
+    n, d, b = q.shape[-2], q.shape[-1], block_size
+    scale = 1 / np.sqrt(d) if d else 1.0
+    out = np.zeros(batch + (n, v.shape[-1]))
+    w = np.zeros(batch + (n, n))
+    for idx in np.ndindex(*batch):
+        p = naive_sinkhorn(r[idx], n_iters, temperature, causal)
+        for blk in range(n // b):
+            own = list(range(blk * b, blk * b + b))
+            ks = sum(p[blk, j] * k[idx][j * b:j * b + b] for j in range(n // b))
+            vs = sum(p[blk, j] * v[idx][j * b:j * b + b] for j in range(n // b))
+            for i in own:
+                logits, vals, where = [], [], []
+                for j in own:
+                    if not causal or j <= i:
+                        logits.append(scale * q[idx][i] @ k[idx][j])
+                        vals.append(v[idx][j])
+                        where.append([(j, 1.0)])
+                if not causal or blk > 0:
+                    for t2 in range(b):
+                        logits.append(scale * q[idx][i] @ ks[t2])
+                        vals.append(vs[t2])
+                        where.append([(jb * b + t2, p[blk, jb]) for jb in range(n // b)])
+                e = np.exp(np.array(logits) - max(logits))
+                a = e / e.sum()
+                out[idx][i] = a @ np.array(vals)
+                for aj, spots in zip(a, where):
+                    for j, f in spots:
+                        w[idx][i, j] += aj * f
+    return out, w
+
+
 # ---------------------------------------------------------------- every registered variant
 # PLAIN[name](q, k, v, causal, **extra) -> (output, weights) for the registry's variant
 # ``name`` called as ``fn(q, k, v, causal=causal, **extra)``: q, k, v and the array
@@ -475,4 +606,9 @@ PLAIN = {
         q, k, v, mask=ref_strided(q.shape[-2], stride, causal)),
     "fixed": lambda q, k, v, causal, stride, summary: naive_attention(
         q, k, v, mask=ref_fixed(q.shape[-2], stride, summary, causal)),
+    "reformer": lambda q, k, v, causal, rotations, chunk_size: naive_reformer(
+        q, k, v, rotations, chunk_size, causal=bool(causal)),
+    "sinkhorn": lambda q, k, v, causal, sort_logits, block_size, n_iters, temperature: (
+        naive_sinkhorn_attention(q, k, v, sort_logits, block_size, n_iters, temperature,
+                                 causal=bool(causal))),
 }

@@ -273,6 +273,10 @@ _VALID = {
     "blocks_per_row": lambda v, n, c: v >= 1,  # a budget; a short sequence has fewer
     "global_blocks": lambda v, n, c: 0 <= v <= -(-n // c["block_size"]),
     "random_blocks": lambda v, n, c: v >= 0,
+    "chunk_size": lambda v, n, c: 1 <= v <= n,
+    "n_buckets": lambda v, n, c: v >= 2 and v % 2 == 0,
+    "n_hashes": lambda v, n, c: v >= 1,
+    "n_iters": lambda v, n, c: v >= 0,
 }
 
 

@@ -27,12 +27,14 @@ from collections.abc import Iterator, Mapping
 
 from .. import registry
 from .compressed import compressed_attention
+from .hashing import reformer_attention
 from .linear import feature_map_backward, linear_attention, linear_from_features
 from .lowrank import linformer_attention
 from .performer import performer_attention
 from .reduced import clustered_attention, nystrom_attention, pooled_attention, query_reduced_attention
 from .routing import routing_attention
 from .softmax import online_softmax_attention, online_softmax_forward, softmax_attention, varlen_attention
+from .sorting import sinkhorn_attention
 from .sparse import (
     bigbird_attention,
     block_sparse_attention,
@@ -69,6 +71,8 @@ __all__ = [
     "query_reduced_attention",
     "random_synthesizer_attention",
     "routing_attention",
+    "reformer_attention",
+    "sinkhorn_attention",
     "softmax_attention",
     "strided_attention",
     "synthesizer_attention",
