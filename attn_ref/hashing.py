@@ -42,7 +42,7 @@ import math
 import array_api_compat
 
 from ._checks import check_array, check_positive_int, check_qkv, check_real, default_scale, namespace
-from ._common import causal_alignment, ceil_div, finite_max
+from ._common import causal_alignment, ceil_div, finite_max, scaled_logits
 from .random import standard_normal
 
 __all__ = [
@@ -256,7 +256,7 @@ def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_log
     ks, vs = _look_back(xp, ks, -3), _look_back(xp, vs, -3)
     valid_k = _look_back(xp, xp.reshape(valid, (n_chunks, c)), -2)  # (C, 2c)
 
-    s = (qs @ xp.matrix_transpose(ks)) * scale  # (..., H, C, c, 2c)
+    s = scaled_logits(xp, qs @ xp.matrix_transpose(ks), scale)  # (..., H, C, c, 2c)
     is_self = pos_q[..., :, None] == pos_k[..., None, :]
     if self_logit is not None:
         s = xp.where(is_self, _const(xp, self_logit, s), s)
@@ -376,7 +376,7 @@ def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit
                                                    scale, xp)
     _, chunk = lsh_chunks(lsh_buckets(k, rotations, xp=xp), chunk_size, xp=xp)
     allowed = lsh_attention_mask(chunk, chunk_size, causal=alignment or False, xp=xp)
-    s = (q @ xp.matrix_transpose(k)) * scale
+    s = scaled_logits(xp, q @ xp.matrix_transpose(k), scale)
     if self_logit is not None:
         n = q.shape[-2]
         eye = xp.eye(n, dtype=xp.bool, device=array_api_compat.device(q))

@@ -45,7 +45,7 @@ from ._checks import (
     default_scale,
     namespace,
 )
-from ._common import causal_alignment
+from ._common import causal_alignment, scaled_logits
 from .random import standard_normal
 
 __all__ = [
@@ -207,7 +207,7 @@ def block_sorted_attention(q, k, v, sort_matrix, /, *, block_size, causal=False,
     scale = default_scale(q.shape[-1], scale)
     kk, vv, mask = block_keys_and_mask(xp, k, v, sort_matrix, block_size, causal)
     qb = blocked(xp, q, block_size)
-    s = (qb @ xp.matrix_transpose(kk)) * scale
+    s = scaled_logits(xp, qb @ xp.matrix_transpose(kk), scale)
     s = xp.where(mask, s, xp.asarray(-math.inf, dtype=s.dtype, device=array_api_compat.device(s)))
     m = xp.max(s, axis=-1, keepdims=True)  # finite: a query always sees itself
     p = xp.exp(s - m)
@@ -287,7 +287,8 @@ def sinkhorn_weights(q, k, /, *, sort_logits, block_size, n_iters=8, temperature
     same = (pos[:, None] // b) == (pos[None, :] // b)
     own = same & (pos[None, :] <= pos[:, None]) if causal else same
     srt = same & (pos[:, None] >= b) if causal else same
-    s = xp.concat([q @ xp.matrix_transpose(k), q @ xp.matrix_transpose(ks)], axis=-1) * scale
+    s = scaled_logits(xp, xp.concat([q @ xp.matrix_transpose(k), q @ xp.matrix_transpose(ks)], axis=-1),
+                      scale)
     mask = xp.concat([own, srt], axis=-1)
     s = xp.where(mask, s, xp.asarray(-math.inf, dtype=s.dtype, device=dev))
     a = xp.exp(s - xp.max(s, axis=-1, keepdims=True))

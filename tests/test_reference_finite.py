@@ -133,6 +133,7 @@ _HUGE_SCALE_VJP_RANGE = {
     # gradients overflow where the forward saturates (documented in attn_ref.grad).
     "performer": "causal: the key stabiliser's bound exp(|w|^2/2) meets exponents clamped at finfo.max",
     "clustered_topk": "the centroid and member softmaxes are recomputed without their logits",
+    "reformer": "differentiates the dense weights, recomputed without their logits",
 }
 
 

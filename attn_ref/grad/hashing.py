@@ -42,6 +42,10 @@ def reformer_attention(q, k, v, do, /, *, rotations, chunk_size, causal=False, s
     Built on the defining form: ``O(N^2 (d + dv + H))`` time and ``O(N^2)`` memory,
     the price of a backward that is obviously the forward's derivative.
 
+    Range: the gradient is finite while ``|scale| max|q| max|k| d`` is below the dtype's
+    largest value; past it (``scale=1e308``) the forward's logits are clamped and stay
+    finite, but clamped ties give this gradient an overflowing ``scale dS K``.
+
     Examples
     --------
     >>> import array_api_strict as xp

@@ -16,8 +16,9 @@ through it). Backwards, in three steps:
 
 from __future__ import annotations
 
+from .._common import scaled_logits
 from ..sorting import block_keys_and_mask, blocked, prepare_sinkhorn, sinkhorn_iterates
-from ._common import check_cotangent, softmax_vjp, transpose, unbroadcast
+from ._common import check_cotangent, softmax_vjp, through_clamp, transpose, unbroadcast
 
 __all__ = ["sinkhorn_attention"]
 
@@ -69,13 +70,13 @@ def sinkhorn_attention(q, k, v, do, /, *, sort_logits, block_size, n_iters=8, te
     p = xp.exp(iterates[-1])
     kk, vv, mask = block_keys_and_mask(xp, k, v, p, b, causal)
     qb, dob = blocked(xp, q, b), blocked(xp, do, b)
-    s = (qb @ transpose(xp, kk)) * scale
+    s = scaled_logits(xp, qb @ transpose(xp, kk), scale)
     s = xp.where(mask, s, xp.full_like(s, -xp.inf))
     a = xp.exp(s - xp.max(s, axis=-1, keepdims=True))
     a = a / xp.sum(a, axis=-1, keepdims=True)
     # the block attention
     dvv = transpose(xp, a) @ dob
-    ds = softmax_vjp(xp, a, dob @ transpose(xp, vv))
+    ds = through_clamp(xp, softmax_vjp(xp, a, dob @ transpose(xp, vv)), s)
     dqb = scale * (ds @ kk)
     dkk = scale * (transpose(xp, ds) @ qb)
     # the sorted blocks: K_s = P K_blocks, V_s = P V_blocks
