@@ -19,6 +19,13 @@ from .decay import (
     ssd,
     ssd_weights,
 )
+from .delta import (
+    delta_rule,
+    delta_rule_weights,
+    gated_delta_rule,
+    gated_delta_rule_weights,
+    l2_normalize,
+)
 
 __all__ = [
     "retention",
@@ -27,4 +34,9 @@ __all__ = [
     "gated_linear_attention_weights",
     "ssd",
     "ssd_weights",
+    "delta_rule",
+    "delta_rule_weights",
+    "gated_delta_rule",
+    "gated_delta_rule_weights",
+    "l2_normalize",
 ]
