@@ -432,6 +432,8 @@ def resolve_tolerance(tolerance, dtype, output):
 def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if v.self_attention and case.nq != case.nk:
         raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
+    if v.causal_only and case.causal is None:
+        raise NotApplicable(f"variant {v.name} is causal by construction; the case is not causal")
     missing = case.needs - reference_features(v)
     if missing:
         raise NotApplicable(f"the {v.name} reference does not take {sorted(missing)}")
@@ -440,7 +442,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     params = {}
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
-                       device="cpu", xp=_np_compat())
+                       device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
         params = {n: round_to(np.asarray(x), dtype) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)

@@ -273,6 +273,8 @@ _VALID = {
     "blocks_per_row": lambda v, n, c: v >= 1,  # a budget; a short sequence has fewer
     "global_blocks": lambda v, n, c: 0 <= v <= -(-n // c["block_size"]),
     "random_blocks": lambda v, n, c: v >= 0,
+    "chunk_size": lambda v, n, c: 1 <= v <= n,
+    "qk_l2norm": lambda v, n, c: isinstance(v, bool),
 }
 
 

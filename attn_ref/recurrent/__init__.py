@@ -40,3 +40,113 @@ __all__ = [
     "gated_delta_rule_weights",
     "l2_normalize",
 ]
+
+
+# ----------------------------------------------------------------------- registration
+
+#: Offset of the seed the gates are drawn from, so that they are not the stream of a
+#: ``q`` drawn from the same seed and shape.
+GATE_SEED_OFFSET = 1_000_003
+
+
+def _log_sigmoid(xp, x):
+    # log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)): no overflow for large |x|.
+    return xp.minimum(x, xp.zeros_like(x)) - xp.log1p(xp.exp(-xp.abs(x)))
+
+
+def _draw(shape, seed, dtype, device, xp):
+    from ..random import standard_normal
+
+    return standard_normal(shape, seed=seed + GATE_SEED_OFFSET, dtype=dtype, device=device, xp=xp)
+
+
+def retention_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+    """RetNet's decays ``gamma_h = 1 - 2^(-5 - h)`` for the ``H = batch[-1]`` heads
+    (fla's ``naive_retention``); a float ``1 - 2^-5`` without a batch shape."""
+    if not batch:
+        return {"gamma": 1.0 - 2.0 ** -5}
+    heads = batch[-1]
+    gamma = xp.asarray([1.0 - 2.0 ** (-5.0 - h) for h in range(heads)], dtype=dtype,
+                       device=device)
+    return {"gamma": gamma}
+
+
+def gla_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+    """``g = logsigmoid(randn) (*batch, T, dk)``, the gates of fla's GLA tests."""
+    return {"g": _log_sigmoid(xp, _draw(tuple(batch) + (nq, d), seed, dtype, device, xp))}
+
+
+def ssd_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+    """``g = logsigmoid(randn) (*batch, T)``, as fla's simple-GLA tests."""
+    return {"g": _log_sigmoid(xp, _draw(tuple(batch) + (nq,), seed, dtype, device, xp))}
+
+
+def delta_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+    """``beta = sigmoid(randn) (*batch, T)`` in ``(0, 1)``, as fla's delta-rule tests."""
+    x = _draw(tuple(batch) + (nq,), seed + 1, dtype, device, xp)
+    return {"beta": xp.exp(_log_sigmoid(xp, x))}
+
+
+def gated_delta_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+    """``g = logsigmoid(randn)`` and ``beta = sigmoid(randn)``, both ``(*batch, T)``."""
+    out = ssd_params(seed, nq, nk, d, dv, dtype=dtype, device=device, xp=xp, batch=batch)
+    out.update(delta_params(seed, nq, nk, d, dv, dtype=dtype, device=device, xp=xp, batch=batch))
+    return out
+
+
+def _vjp(name):
+    # The VJPs (attn_ref.grad.recurrent) are written alongside these forwards in another
+    # change; until both are in one tree the path is registered only where the module
+    # exists, so that the catalogue still loads (a variant without a VJP is reported by
+    # the gradient tests, an unimportable path would break every caller).
+    import importlib.util
+
+    if importlib.util.find_spec("attn_ref.grad.recurrent") is None:
+        return None
+    return f"attn_ref.grad.recurrent:{name}"
+
+
+def _register():
+    from ..registry import Variant, register
+
+    common = dict(family="recurrent", exact=False, causal=True, causal_only=True,
+                  self_attention=True)
+    # Chunks of 16 so that the generic tests' short sequences cross chunk boundaries.
+    register(Variant(
+        name="retention", fn=retention, params=retention_params, weights=retention_weights,
+        vjp=_vjp("retention"), options={"chunk_size": 16},
+        time="O(N C d + N d^2)", memory="O(N d + C^2 + d^2)",
+        summary="RetNet retention, decay gamma_h = 1 - 2^(-5-h) per head; chunked",
+        **common))
+    register(Variant(
+        name="gla", fn=gated_linear_attention, params=gla_params,
+        weights=gated_linear_attention_weights,
+        vjp=_vjp("gated_linear_attention"), options={"chunk_size": 16},
+        time="O(N C d + N d^2)", memory="O(N d + C^2 d + d^2)",
+        summary="gated linear attention, per-key-dim log-sigmoid gates; chunked",
+        **common))
+    register(Variant(
+        name="ssd", fn=ssd, params=ssd_params, weights=ssd_weights,
+        vjp=_vjp("ssd"), options={"chunk_size": 16},
+        time="O(N C d + N d^2)", memory="O(N d + C^2 + d^2)",
+        summary="Mamba-2 SSD, one log-sigmoid decay per head and step; chunked",
+        **common))
+    # DeltaNet layers normalise q and k; unnormalised keys of norm ~sqrt(d) make
+    # I - beta k^T k expand and the state grow geometrically.
+    register(Variant(
+        name="deltanet", fn=delta_rule, params=delta_params, weights=delta_rule_weights,
+        vjp=_vjp("delta_rule"),
+        options={"chunk_size": 16, "qk_l2norm": True},
+        time="O(N C^2 + N C d + N d^2)", memory="O(N d + C^2 + d^2)",
+        summary="DeltaNet delta rule, beta = sigmoid, l2-normalised q, k; chunked WY form",
+        **common))
+    register(Variant(
+        name="gated_deltanet", fn=gated_delta_rule, params=gated_delta_params,
+        weights=gated_delta_rule_weights, vjp=_vjp("gated_delta_rule"),
+        options={"chunk_size": 16, "qk_l2norm": True},
+        time="O(N C^2 + N C d + N d^2)", memory="O(N d + C^2 + d^2)",
+        summary="Gated DeltaNet: delta rule after a log-sigmoid decay; chunked WY form",
+        **common))
+
+
+_register()
