@@ -645,6 +645,15 @@ for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
 for _name in ("local", "longformer"):
     register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
+# the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
+# kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
+# The state is float32 for half inputs in every form, so none is blockwise.
+for _name in ("retention", "gla", "ssd", "deltanet", "gated_deltanet"):
+    register_forms(_name, AS_REGISTERED,
+                   Form("recurrent, token by token", (("form", "recurrent"),)),
+                   Form("parallel, masked T x T", (("form", "parallel"),)),
+                   Form("chunks of 64", (("chunk_size", 64),)),
+                   PERTURBED)
 
 
 def forms(prep, dtype) -> list[Form]:

@@ -201,7 +201,7 @@ def packed(run, inp, steps, state, cu):
     nb = len(inp.batch)
     for i, (a, b) in enumerate(zip(cu, cu[1:])):
         def cut(x, a=a, b=b):
-            return x[(slice(None),) * nb + (slice(a, b),)]
+            return x[(slice(None),) * nb + (slice(a, b), ...)]
         s0 = None if state is None else state[i:i + 1, ...]
         o, s = run(cut(inp.q), cut(inp.k), cut(inp.v), {n: cut(x) for n, x in steps.items()}, s0)
         outs.append(o)
