@@ -361,3 +361,119 @@ def test_inputs_are_not_modified(backend, name):
     after = [host(a) for a in arrays] + [host(x) for x in steps.values() if hasattr(x, "shape")]
     for b, a in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------- calibration against fla
+# flash-linear-attention's naive PyTorch references (fla-core 0.6.0, installed with
+# --no-deps by .ci/run): loaded from their files, never through `import fla`, whose
+# __init__ needs triton. Every convention of theirs is a keyword here (layout by
+# transposes, scale, per-head gamma, initial state), never a tolerance.
+
+
+def _fla_naive(family):
+    """``fla/ops/<family>/naive.py`` as a module, or a skip naming what is missing."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    pytest.importorskip("einops")
+    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (pip install --no-deps fla-core==0.6.0 einops)")
+    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{family}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _fla_case(name, seed, dtype):
+    """Inputs drawn as fla's tests draw them, host float64 rounded to ``dtype``."""
+    rng = np.random.default_rng(100 + seed)
+    B, H, T, K, V = 2, 3, 45, 16, 8
+    q, k = rng.standard_normal((B, H, T, K)), rng.standard_normal((B, H, T, K))
+    v = rng.standard_normal((B, H, T, V))
+    steps = {}
+    if name == "gla":
+        steps["g"] = _logsigmoid(rng.standard_normal((B, H, T, K)))
+    if name in ("ssd", "gated_deltanet"):
+        steps["g"] = _logsigmoid(rng.standard_normal((B, H, T)))
+    if name in ("deltanet", "gated_deltanet"):
+        steps["beta"] = 1 / (1 + np.exp(-rng.standard_normal((B, H, T))))
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)  # fla's tests: F.normalize(k)
+    s0 = rng.standard_normal((B, H, K, V))
+    cast = {"float32": np.float32, "float64": np.float64}[dtype]
+    rounded = {n: x.astype(cast).astype(np.float64) for n, x in steps.items()}
+    return [x.astype(cast).astype(np.float64) for x in (q, k, v, s0)], rounded
+
+
+def _run_fla(name, q, k, v, s0, steps, dtype):
+    """fla's naive reference on these inputs: ``(o, S_T)`` as float64 NumPy, our layout."""
+    import torch
+
+    tdt = {"float32": torch.float32, "float64": torch.float64}[dtype]
+
+    def t(x, bthk=False):  # (B, H, T, ...) -> fla's [B, T, H, ...] where it wants it
+        x = torch.from_numpy(np.ascontiguousarray(x)).to(tdt)
+        return x.transpose(1, 2) if bthk else x
+
+    def back(o, bthk=False):
+        o = o.transpose(1, 2) if bthk else o
+        return o.detach().double().numpy()
+
+    if name == "retention":  # [B, H, T, K], gamma_h = 1 - 2^(-5 - h), no state
+        o = _fla_naive("retention").naive_retention(t(q), t(k), t(v))
+        return back(o), None
+    if name == "gla":
+        o, s = _fla_naive("gla").naive_recurrent_gla(
+            t(q, 1), t(k, 1), t(v, 1), t(steps["g"], 1), initial_state=t(s0),
+            output_final_state=True)
+        return back(o, 1), back(s)
+    if name == "ssd":
+        o, s = _fla_naive("simple_gla").naive_recurrent_simple_gla(
+            t(q, 1), t(k, 1), t(v, 1), t(steps["g"], 1), initial_state=t(s0),
+            output_final_state=True)
+        return back(o, 1), back(s)
+    if name == "deltanet":  # [B, H, T, K]
+        o, s = _fla_naive("delta_rule").delta_rule_recurrence(
+            t(q), t(k), t(v), t(steps["beta"]), initial_state=t(s0), output_final_state=True)
+        return back(o), back(s)
+    o, s = _fla_naive("gated_delta_rule").naive_recurrent_gated_delta_rule(
+        t(q, 1), t(k, 1), t(v, 1), t(steps["beta"], 1), t(steps["g"], 1), initial_state=t(s0),
+        output_final_state=True)
+    return back(o, 1), back(s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_fla_naive_references_are_the_same_function(name):
+    # fla's naive forms compute in float32 whatever the input dtype (`.float()`), so both
+    # input dtypes are judged by a float32 bound: a sum of n terms computed in any order
+    # is within n * eps32 * sum|terms| of the exact one (Higham's gamma_n), with n the
+    # T * dk products each output adds up, and sum|terms| = (|W| |V|)_i + |q_i| |S_0|
+    # from the implied matrix of the float64 reference. A convention difference
+    # (scale, layout, gamma) would miss it by O(1), not by rounding.
+    from attn_ref.registry import get
+
+    for dtype in ("float32", "float64"):
+        for seed in range(20):
+            (q, k, v, s0), steps = _fla_case(name, seed, dtype)
+            if name == "retention":
+                steps, s0 = {"gamma": 1 - 2.0 ** (-5.0 - np.arange(q.shape[1]))}, None
+            want_o, want_s = _run_fla(name, q, k, v, s0, steps, dtype)
+            got_o, got_s = FNS[name](q, k, v, initial_state=s0, output_final_state=True,
+                                     form="recurrent", **steps)
+            T, dk = q.shape[-2], q.shape[-1]
+            w = get(name).weights(q, k, **steps)
+            mag = np.abs(w) @ np.abs(v)
+            if s0 is not None:
+                mag = mag + np.abs(q) @ np.abs(s0) / math.sqrt(dk)
+            bound = T * dk * EPS["float32"] * mag
+            err = np.abs(got_o - want_o)
+            assert np.all(err <= bound), (
+                f"{name} {dtype} seed {seed}: |ours - fla| {err.max():.3g} exceeds the float32 "
+                f"summation bound at {np.unravel_index(np.argmax(err - bound), err.shape)}")
+            # and not only by the bound's slack: the bulk agrees to float32 rounding
+            assert np.median(err) <= 64 * EPS["float32"] * np.median(mag), (name, dtype, seed)
+            if want_s is not None:
+                np.testing.assert_allclose(got_s, want_s, rtol=0, atol=T * dk * EPS["float32"]
+                                           * np.abs(want_s).max() + 1e-30)
