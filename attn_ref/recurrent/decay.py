@@ -212,6 +212,12 @@ _COMMON_DOC = """
 """
 
 
+def _documented(fn):
+    """Put the parameters every function of this module shares into ``fn``'s docstring."""
+    fn.__doc__ = fn.__doc__.replace("    <common parameters>\n", _COMMON_DOC.lstrip("\n"))
+    return fn
+
+
 def _gate_inputs(fn, q, k, v, scale, form, chunk_size, output_final_state, causal, xp):
     return check_inputs(fn, q, k, v, scale=scale, form=form, chunk_size=chunk_size,
                         output_final_state=output_final_state, causal=causal, xp=xp)
@@ -235,6 +241,7 @@ def _retention_decay(inp, gamma, q):
     return xp.broadcast_to(xp.log(g)[..., None, None], full)
 
 
+@_documented
 def retention(q, k, v, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, form="chunk", chunk_size=64, causal=True, xp=None):
     """Retention (RetNet): linear attention with a fixed decay ``gamma`` per head.
@@ -248,7 +255,8 @@ def retention(q, k, v, /, *, gamma, scale=None, initial_state=None, output_final
         The decay, in ``(0, 1]``: a Python float, or an array broadcastable to the
         leading shape of ``q`` (one per head; RetNet uses ``1 - 2^(-5 - h)``). Array
         values are not checked (so the function traces under ``jax.jit``).
-    """ + _COMMON_DOC + """
+    <common parameters>
+
     Notes
     -----
     Chunk form ``O(T C dk + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory per head.
@@ -278,6 +286,7 @@ def retention_weights(q, k, /, *, gamma, scale=None, form="chunk", chunk_size=64
     return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
 
 
+@_documented
 def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
                            output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64,
                            causal=True, xp=None):
@@ -290,7 +299,8 @@ def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
     g : array, shape (..., T, dk)
         Log gates (``<= 0``; fla's GLA uses ``logsigmoid(x) / 16``), leading dims
         broadcastable to those of ``q``. fla's ``gk``.
-    """ + _COMMON_DOC + """
+    <common parameters>
+
     Notes
     -----
     Chunk form ``O(T C dk (1 + dv / dk) + T dk dv)`` time: the per-dimension decay makes
@@ -325,6 +335,7 @@ def gated_linear_attention_weights(q, k, /, *, g, scale=None, form="chunk", chun
     return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
 
 
+@_documented
 def ssd(q, k, v, /, *, g, scale=None, initial_state=None, output_final_state=False,
         cu_seqlens=None, form="chunk", chunk_size=64, causal=True, xp=None):
     """Mamba-2's state space duality (SSD): a data-dependent scalar decay per step.
@@ -340,7 +351,8 @@ def ssd(q, k, v, /, *, g, scale=None, initial_state=None, output_final_state=Fal
     ----------
     g : array, shape (..., T)
         Log decays (``<= 0``), leading dims broadcastable to those of ``q``.
-    """ + _COMMON_DOC + """
+    <common parameters>
+
     Notes
     -----
     Chunk form ``O(T C (dk + dv) + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory per

@@ -267,6 +267,13 @@ _DOC = """
 """
 
 
+def _documented(fn):
+    """Put the parameters every function of this module shares into ``fn``'s docstring."""
+    fn.__doc__ = fn.__doc__.replace("    <common parameters>\n", _DOC.lstrip("\n"))
+    return fn
+
+
+@_documented
 def delta_rule(q, k, v, /, *, beta, scale=None, initial_state=None, output_final_state=False,
                cu_seqlens=None, form="chunk", chunk_size=64, qk_l2norm=False, causal=True,
                xp=None):
@@ -280,7 +287,8 @@ def delta_rule(q, k, v, /, *, beta, scale=None, initial_state=None, output_final
     beta : array, shape (..., T)
         Step sizes (``(0, 1)``, fla's tests draw ``sigmoid``), leading dims broadcastable
         to those of ``q``.
-    """ + _DOC + """
+    <common parameters>
+
     Notes
     -----
     Chunk form ``O(T C (C + dk + dv) + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory
@@ -304,6 +312,7 @@ def delta_rule(q, k, v, /, *, beta, scale=None, initial_state=None, output_final
                   chunk_size=chunk_size, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
 
 
+@_documented
 def gated_delta_rule(q, k, v, /, *, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64,
                      qk_l2norm=False, causal=True, xp=None):
@@ -318,7 +327,8 @@ def gated_delta_rule(q, k, v, /, *, g, beta, scale=None, initial_state=None,
         Log decays (``<= 0``), leading dims broadcastable to those of ``q``.
     beta : array, shape (..., T)
         Step sizes in ``(0, 1)``.
-    """ + _DOC + """
+    <common parameters>
+
     Notes
     -----
     Chunk form ``O(T C (C + dk + dv) + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory
