@@ -131,6 +131,26 @@ def _system(xp, k, beta, d):
     return low + xp.eye(n, dtype=k.dtype, device=dev)
 
 
+def _unit_lower_solve(xp, m, rhs):
+    """``m^{-1} rhs`` for a unit lower-triangular ``m (..., n, n)``.
+
+    ``xp.linalg.solve`` where the library has it for the dtype; NumPy's LAPACK has no
+    long double (the oracle's golden dtype for float64 kernels), and there the system
+    is solved by forward substitution, row by row, in the array's own precision.
+    """
+    try:
+        return xp.linalg.solve(m, rhs)
+    except TypeError:
+        pass
+    rows = []
+    for i in range(m.shape[-1]):
+        x = rhs[..., i, :]
+        if i:
+            x = x - (m[..., i, None, :i] @ xp.stack(rows, axis=-2))[..., 0, :]
+        rows.append(x)
+    return xp.stack(rows, axis=-2)
+
+
 def _scores(xp, q, k, d):
     """``tril(Q K^T) * D`` (including the diagonal)."""
     n = q.shape[-2]
@@ -150,7 +170,7 @@ def _parallel(xp, q, k, v, g, beta, s0, scale):
     if s0 is not None:
         ks = k @ s0
         rhs = v - (ks if head is None else head * ks)
-    u = xp.linalg.solve(_system(xp, k, beta, d), beta[..., :, None] * rhs)
+    u = _unit_lower_solve(xp, _system(xp, k, beta, d), beta[..., :, None] * rhs)
     o = _scores(xp, q, k, d) @ u
     s = _zeros_state(xp, k, v) if s0 is None else s0
     if s0 is not None:
@@ -176,7 +196,7 @@ def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
         head, tail = _prefix_decay(xp, gc, n)
         kd = kc if head is None else head * kc
         # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
-        wu = xp.linalg.solve(_system(xp, kc, bc, d), bc[..., :, None] * xp.concat([vc, kd], axis=-1))
+        wu = _unit_lower_solve(xp, _system(xp, kc, bc, d), bc[..., :, None] * xp.concat([vc, kd], axis=-1))
         u_c, w_c = wu[..., :dv], wu[..., dv:]
         u = u_c - w_c @ s  # the corrected values, given the state at the chunk's start
         qs = qc @ s
@@ -230,7 +250,7 @@ def _weights(fn, q, k, g, beta, *, scale, qk_l2norm, causal, xp):
         return xp.zeros(inp.batch + (0, 0), dtype=inp.dtype, device=inp.device)
     d = _decay_matrix(xp, a, T)
     eye = xp.eye(T, dtype=inp.wdt, device=inp.device)
-    t = xp.linalg.solve(_system(xp, kk, b, d), b[..., :, None] * eye)
+    t = _unit_lower_solve(xp, _system(xp, kk, b, d), b[..., :, None] * eye)
     w = inp.scale * (_scores(xp, qq, kk, d) @ t)
     return w if w.dtype == inp.dtype else xp.astype(w, inp.dtype)
 
