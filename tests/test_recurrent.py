@@ -279,7 +279,7 @@ def test_float16_inputs_accumulate_in_float32(backend, name):
         steps_h["gamma"] = 1.0 - 2.0 ** -8  # a long memory: many terms add up
     q, k, v = (from_numpy(a, backend, "float16") for a in (qh, kh, vh))
     steps = _to(backend, steps_h, "float16")
-    o, s = call(backend, FNS[name], q, k, v, output_final_state=True, chunk_size=16, **steps)
+    o, s = call(backend, FNS[name], q, k, v, output_final_state=True, chunk_size=64, **steps)
     assert str(o.dtype).endswith("float16") and str(s.dtype).endswith("float32")
     # The plain loop in float64 on the float16 values: only the final rounding of o to
     # float16 and float32 rounding inside may separate them.
