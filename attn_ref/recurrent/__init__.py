@@ -94,18 +94,6 @@ def gated_delta_params(seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
     return out
 
 
-def _vjp(name):
-    # The VJPs (attn_ref.grad.recurrent) are written alongside these forwards in another
-    # change; until both are in one tree the path is registered only where the module
-    # exists, so that the catalogue still loads (a variant without a VJP is reported by
-    # the gradient tests, an unimportable path would break every caller).
-    import importlib.util
-
-    if importlib.util.find_spec("attn_ref.grad.recurrent") is None:
-        return None
-    return f"attn_ref.grad.recurrent:{name}"
-
-
 def _register():
     from ..registry import Variant, register
 
@@ -114,20 +102,20 @@ def _register():
     # Chunks of 16 so that the generic tests' short sequences cross chunk boundaries.
     register(Variant(
         name="retention", fn=retention, params=retention_params, weights=retention_weights,
-        vjp=_vjp("retention"), options={"chunk_size": 16},
+        vjp="attn_ref.grad.recurrent:retention", options={"chunk_size": 16},
         time="O(N C d + N d^2)", memory="O(N d + C^2 + d^2)",
         summary="RetNet retention, decay gamma_h = 1 - 2^(-5-h) per head; chunked",
         **common))
     register(Variant(
         name="gla", fn=gated_linear_attention, params=gla_params,
         weights=gated_linear_attention_weights,
-        vjp=_vjp("gated_linear_attention"), options={"chunk_size": 16},
+        vjp="attn_ref.grad.recurrent:gated_linear_attention", options={"chunk_size": 16},
         time="O(N C d + N d^2)", memory="O(N d + C^2 d + d^2)",
         summary="gated linear attention, per-key-dim log-sigmoid gates; chunked",
         **common))
     register(Variant(
         name="ssd", fn=ssd, params=ssd_params, weights=ssd_weights,
-        vjp=_vjp("ssd"), options={"chunk_size": 16},
+        vjp="attn_ref.grad.recurrent:ssd", options={"chunk_size": 16},
         time="O(N C d + N d^2)", memory="O(N d + C^2 + d^2)",
         summary="Mamba-2 SSD, one log-sigmoid decay per head and step; chunked",
         **common))
@@ -135,14 +123,14 @@ def _register():
     # I - beta k^T k expand and the state grow geometrically.
     register(Variant(
         name="deltanet", fn=delta_rule, params=delta_params, weights=delta_rule_weights,
-        vjp=_vjp("delta_rule"),
+        vjp="attn_ref.grad.recurrent:delta_rule",
         options={"chunk_size": 16, "qk_l2norm": True},
         time="O(N C^2 + N C d + N d^2)", memory="O(N d + C^2 + d^2)",
         summary="DeltaNet delta rule, beta = sigmoid, l2-normalised q, k; chunked WY form",
         **common))
     register(Variant(
         name="gated_deltanet", fn=gated_delta_rule, params=gated_delta_params,
-        weights=gated_delta_rule_weights, vjp=_vjp("gated_delta_rule"),
+        weights=gated_delta_rule_weights, vjp="attn_ref.grad.recurrent:gated_delta_rule",
         options={"chunk_size": 16, "qk_l2norm": True},
         time="O(N C^2 + N C d + N d^2)", memory="O(N d + C^2 + d^2)",
         summary="Gated DeltaNet: delta rule after a log-sigmoid decay; chunked WY form",
