@@ -636,15 +636,6 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
                Form("recurrent, token by token", fn=_recurrent_linear, blockwise=True,
                     applies=_causal_square),
                PERTURBED)
-# FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
-register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
-               Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)
-for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "clustered",
-              "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
-    register_forms(_name, AS_REGISTERED, FOLD)
-register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
-for _name in ("local", "longformer"):
-    register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
 # the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
 # kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
 # The state is float32 for half inputs in every form, so none is blockwise.
@@ -654,6 +645,15 @@ for _name in ("retention", "gla", "ssd", "deltanet", "gated_deltanet"):
                    Form("parallel, masked T x T", (("form", "parallel"),)),
                    Form("chunks of 64", (("chunk_size", 64),)),
                    PERTURBED)
+# FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
+register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
+               Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)
+for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "clustered",
+              "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
+    register_forms(_name, AS_REGISTERED, FOLD)
+register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
+for _name in ("local", "longformer"):
+    register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
 
 
 def forms(prep, dtype) -> list[Form]:

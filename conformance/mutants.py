@@ -433,20 +433,6 @@ def _shared_values(q, k, v, kw):
     return q, k, v, kw
 
 
-def _linformer_shared(q, k, v, kw):
-    kw["f_proj"] = kw.get("e_proj")
-    return q, k, v, kw
-
-
-def _softmax_scale(d):
-    return 1.0 / math.sqrt(d)
-
-
-def _nq(name):
-    """``name`` set to the number of queries (one segment / landmark / cluster each)."""
-    return _set(**{name: lambda x, q, k, v: q.shape[-2]})
-
-
 # The recurrent family (issue 18): the mistakes of chunked linear-attention kernels.
 
 
@@ -519,6 +505,20 @@ def _delta_without_wy(q, k, v, kw):
     return q, k, v, kw, run
 
 
+def _linformer_shared(q, k, v, kw):
+    kw["f_proj"] = kw.get("e_proj")
+    return q, k, v, kw
+
+
+def _softmax_scale(d):
+    return 1.0 / math.sqrt(d)
+
+
+def _nq(name):
+    """``name`` set to the number of queries (one segment / landmark / cluster each)."""
+    return _set(**{name: lambda x, q, k, v: q.shape[-2]})
+
+
 #: variant -> ((words, change) for the 1 % perturbation, (words, change) for the
 #: ignored parameter); the output-times-1.01 mutant is built for every variant
 VARIANT_CHANGES: dict[str, tuple] = {
@@ -530,6 +530,16 @@ VARIANT_CHANGES: dict[str, tuple] = {
                    ("v_weight ignored (k_weight compresses the values too)", _shared_values)),
     "linear": (("feature map elu+1.01 instead of elu+1", _set(feature_map=_elu_plus(1.01))),
                ("causal argument ignored", _drop("causal"))),
+    "retention": (("decay applied after the update", _gate_after_update),
+                  ("state not carried across chunks of 16", _state_not_carried(16))),
+    "gla": (("gate applied after the update", _gate_after_update),
+            ("state not carried across chunks of 16", _state_not_carried(16))),
+    "ssd": (("decay applied after the update", _gate_after_update),
+            ("state not carried across chunks of 16", _state_not_carried(16))),
+    "deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
+                 ("state not carried across chunks of 16", _state_not_carried(16))),
+    "gated_deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
+                       ("state not carried across chunks of 16", _state_not_carried(16))),
     "linformer": (("key projection E x 1.01", _set(e_proj=_times(1.01))),
                   ("f_proj ignored (E projects the values too)", _linformer_shared)),
     "performer": (("random projection x 1.01", _set(projection=_times(1.01))),
@@ -557,16 +567,6 @@ VARIANT_CHANGES: dict[str, tuple] = {
                 ("scale argument ignored", _drop("scale"))),
     "fixed": (("summary one key longer", _set(summary=_plus(1))),
               ("scale argument ignored", _drop("scale"))),
-    "retention": (("decay applied after the update", _gate_after_update),
-                  ("state not carried across chunks of 16", _state_not_carried(16))),
-    "gla": (("gate applied after the update", _gate_after_update),
-            ("state not carried across chunks of 16", _state_not_carried(16))),
-    "ssd": (("decay applied after the update", _gate_after_update),
-            ("state not carried across chunks of 16", _state_not_carried(16))),
-    "deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
-                 ("state not carried across chunks of 16", _state_not_carried(16))),
-    "gated_deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
-                       ("state not carried across chunks of 16", _state_not_carried(16))),
 }
 
 
