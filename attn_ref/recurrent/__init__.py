@@ -9,6 +9,11 @@ including the current token. Every function has three forms (``form=``: the
 recurrence, the masked ``T x T`` matrix, and the chunked form of fast kernels),
 ``initial_state``, ``output_final_state`` and packed sequences (``cu_seqlens``). See
 :doc:`/recurrent`.
+
+Range: the output is ``scale q_t S_t``, linear in ``scale`` (no normaliser divides it
+out), so it is finite while ``|scale| dk max|q| max|S_t| < finfo.max``; past that its
+exact value overflows and the output is ``+-inf`` (never NaN: ``scale`` multiplies the
+finished product, not a copy of ``q`` that meets a zero).
 """
 
 from .decay import (
