@@ -399,6 +399,16 @@ def _sinkhorn_arrays(n, d, values, *, seed, dtype, device, xp):
     return {"sort_logits": xp.asarray(rng.standard_normal((nb, nb)), dtype=dtype, device=device)}
 
 
+def _recurrent_arrays(params: str):
+    """Gates (and ``beta``) per head and step from ``attn_ref.recurrent.<params>``: the
+    draws of fla's tests, ``(HEADS, n, ...)``."""
+    def build(n, d, values, *, seed, dtype, device, xp):
+        make = _builder("recurrent", params)
+        return make(seed, n, n, d, d, dtype=dtype, device=device, xp=xp, batch=(HEADS,))
+    build.__qualname__ = f"_recurrent_arrays({params!r})"
+    return build
+
+
 def _block_sparse_arrays(n, d, values, *, seed, dtype, device, xp):
     layout = _builder("sparse", "random_block_layout")
     nb = ceil_div(n, values["block_size"])
@@ -432,6 +442,27 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
         options={"stride": 3}, sizes={"kernel_size": 3}, arrays=_compressed_arrays),
     "linear": BenchConfig(
         "Katharopoulos et al. 2020: elu+1 features, non-causal (the function's defaults)"),
+    "retention": BenchConfig(
+        "Sun et al. 2023 (RetNet): gamma_h = 1 - 2^(-5-h) over the 8 heads; chunks of 64 "
+        "(flash-linear-attention's chunk kernels); C <= N",
+        options={"chunk_size": _at_most_n(64)}, arrays=_recurrent_arrays("retention_params")),
+    "gla": BenchConfig(
+        "Yang et al. 2024 (GLA): per-key-dimension gates logsigmoid(randn), chunks of 64; C <= N",
+        options={"chunk_size": _at_most_n(64)}, arrays=_recurrent_arrays("gla_params")),
+    "ssd": BenchConfig(
+        "Dao & Gu 2024 (Mamba-2): one decay per head and step, chunks of 256 (Mamba-2's "
+        "chunk_size); C <= N",
+        options={"chunk_size": _at_most_n(256)}, arrays=_recurrent_arrays("ssd_params")),
+    "deltanet": BenchConfig(
+        "Yang et al. 2024 (DeltaNet): beta = sigmoid(randn), l2-normalised q and k, chunks "
+        "of 64; C <= N",
+        options={"chunk_size": _at_most_n(64), "qk_l2norm": True},
+        arrays=_recurrent_arrays("delta_params")),
+    "gated_deltanet": BenchConfig(
+        "Yang et al. 2025 (Gated DeltaNet): logsigmoid decay, beta = sigmoid(randn), "
+        "l2-normalised q and k, chunks of 64; C <= N",
+        options={"chunk_size": _at_most_n(64), "qk_l2norm": True},
+        arrays=_recurrent_arrays("gated_delta_params")),
     "linformer": BenchConfig(
         "Wang et al. 2020: projected length k = 256, separate E and F; k <= N",
         sizes={"rank": _at_most_n(256)}, arrays=_linformer_arrays),

@@ -201,6 +201,30 @@ def _work_linear(n, d, c):
     return (Work(4 * n * d * d, 2 * n * d, 2 * n * d + 3 * n * d, 0.0) + _io(n, d))
 
 
+def _decayed(n, d, c, per_dim):
+    # Chunks of C: the causal half of Q K^T and of A V inside each chunk (n C d each), the
+    # read of the carried state q (S) and its update k^T v (2 n d^2 each); the decay
+    # matrix exp(b_i - b_j) of each chunk (n C / 2 exponentials, n C d / 2 when the decay
+    # is per key dimension, as the overflow-free pairwise form computes it) and the
+    # exp(b) factors of q and k; gates read once.
+    C = min(c["chunk_size"], n)
+    e = d if per_dim else 1
+    gemm = Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0)
+    decay = Work(0.0, n * C * e / 2 + 2 * n * e, n * C * e / 2 + 2 * n * e, n * e * _F32)
+    return gemm + decay + _io(n, d)
+
+
+def _delta(n, d, c, gated):
+    # The decayed form's work plus the UT transform of each chunk: K K^T (n C d), the
+    # unit-triangular solve for U = T V and W = T K (n C (2 d) + n C^2 / 3), the
+    # corrected values U - W S (2 n d^2); beta (and g) read once.
+    C = min(c["chunk_size"], n)
+    ut = Work(n * C * d + 2 * n * C * 2 * d + 2 * n * C * C / 3 + 2 * n * d * d, 0.0, n * d, 0.0)
+    base = _decayed(n, d, c, False) if gated else (
+        Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0) + _io(n, d))
+    return base + ut + Work(0.0, 0.0, 0.0, n * _F32)
+
+
 def _work_linformer(n, d, c):
     r = c["rank"]
     project = Work(2 * 2 * r * n * d, 0.0, 0.0, 2 * r * n * _F32)  # E K, F V; E and F read
@@ -335,6 +359,11 @@ WORK = {
     "online_softmax": _work_softmax,
     "compressed": _work_compressed,
     "linear": _work_linear,
+    "retention": lambda n, d, c: _decayed(n, d, c, False),
+    "gla": lambda n, d, c: _decayed(n, d, c, True),
+    "ssd": lambda n, d, c: _decayed(n, d, c, False),
+    "deltanet": lambda n, d, c: _delta(n, d, c, False),
+    "gated_deltanet": lambda n, d, c: _delta(n, d, c, True),
     "linformer": _work_linformer,
     "performer": _work_performer,
     "pooled": _work_pooled,

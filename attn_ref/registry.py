@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ __all__ = ["Variant", "register", "unregister", "get", "variants", "FAMILIES"]
 
 # Family modules, imported on first use of the catalogue.
 FAMILIES = ("softmax", "lowrank", "compressed", "reduced", "sparse", "linear", "performer",
-            "routing", "synthesizer", "hashing", "sorting")
+            "routing", "synthesizer", "hashing", "sorting", "recurrent")
 
 _REGISTRY: dict[str, Variant] = {}
 
@@ -43,12 +44,20 @@ class Variant:
         True when the variant computes softmax attention exactly.
     causal : bool
         True when ``fn`` accepts ``causal=True``.
+    causal_only : bool
+        True when the variant is causal by construction (a recurrence over time):
+        ``fn`` computes the causal function whatever it is given, refuses
+        ``causal=False``, and conformance only draws causal cases for it.
     time, memory : str
         Cost in ``N`` (sequence length) and ``d`` (head dimension), e.g. ``"O(N^2 d)"``.
     params : callable, optional
         ``params(seed, nq, nk, d, dv, *, dtype, device, xp) -> dict`` building the extra
         arguments (projections, features) deterministically from ``seed``. Arrays in
-        the dict are in namespace ``xp``; other entries are plain Python values.
+        the dict are in namespace ``xp``; other entries are plain Python values. A
+        params function that also takes a keyword ``batch`` receives the leading
+        ``(batch, heads)`` shape of ``q`` there (``()`` when the caller does not say), for
+        inputs drawn per head and step (the gates of :mod:`attn_ref.recurrent`); they
+        must broadcast against ``q`` when ``batch`` is ``()``.
     weights : callable, optional
         ``weights(q, k, **params, **options) -> (..., Nq, Nk)``: the attention matrix
         the variant implies.
@@ -78,16 +87,29 @@ class Variant:
     params: Callable[..., dict] | None = None
     weights: Callable[..., Any] | None = None
     self_attention: bool = False
+    causal_only: bool = False
     options: dict = field(default_factory=dict)
     summary: str = ""
     vjp: Callable[..., dict] | str | None = None
 
-    def extra(self, seed, nq, nk, d, dv, *, dtype, device, xp):
-        """The extra arguments for one call: ``params(...)`` merged with ``options``."""
+    def extra(self, seed, nq, nk, d, dv, *, dtype, device, xp, batch=()):
+        """The extra arguments for one call: ``params(...)`` merged with ``options``.
+
+        ``batch`` (the leading shape of ``q``) is passed to a params function that
+        takes it (see ``params``)."""
         out = dict(self.options)
         if self.params is not None:
-            out.update(self.params(seed, nq, nk, d, dv, dtype=dtype, device=device, xp=xp))
+            out.update(self.params(seed, nq, nk, d, dv, dtype=dtype, device=device, xp=xp,
+                                   **self.batch_keyword(batch)))
         return out
+
+    def batch_keyword(self, batch) -> dict:
+        """``{"batch": batch}`` when ``params`` takes the keyword, else ``{}``."""
+        try:
+            takes = "batch" in inspect.signature(self.params).parameters
+        except (TypeError, ValueError):
+            takes = False
+        return {"batch": tuple(batch)} if takes else {}
 
 
 def register(variant: Variant) -> Variant:

@@ -466,7 +466,8 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
     """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``, ``"long"``).
 
     ``variant`` (a registered name) drops cases the reference of that variant cannot
-    take because its signature lacks the feature or it is self-attention only; cases
+    take because its signature lacks the feature or it is self-attention only, and the
+    non-causal cases of a variant that is causal by construction; cases
     the kernel cannot take are decided later, in :func:`conformance.verify`.
 
     Examples
@@ -485,7 +486,8 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
 
         v = get(variant)
         feats = reference_features(v)
-        out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)]
+        out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)
+               and not (v.causal_only and c.causal is None)]
     return out
 
 

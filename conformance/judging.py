@@ -435,6 +435,8 @@ def resolve_tolerance(tolerance, dtype, output):
 def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if v.self_attention and case.nq != case.nk:
         raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
+    if v.causal_only and case.causal is None:
+        raise NotApplicable(f"variant {v.name} is causal by construction; the case is not causal")
     missing = case.needs - reference_features(v)
     if missing:
         raise NotApplicable(f"the {v.name} reference does not take {sorted(missing)}")
@@ -443,7 +445,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     params = {}
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
-                       device="cpu", xp=_np_compat())
+                       device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
         params = {n: round_to(np.asarray(x), dtype) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
@@ -658,6 +660,15 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
                Form("recurrent, token by token", fn=_recurrent_linear, blockwise=True,
                     applies=_causal_square),
                PERTURBED)
+# the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
+# kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
+# The state is float32 for half inputs in every form, so none is blockwise.
+for _name in ("retention", "gla", "ssd", "deltanet", "gated_deltanet"):
+    register_forms(_name, AS_REGISTERED,
+                   Form("recurrent, token by token", (("form", "recurrent"),)),
+                   Form("parallel, masked T x T", (("form", "parallel"),)),
+                   Form("chunks of 64", (("chunk_size", 64),)),
+                   PERTURBED)
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)

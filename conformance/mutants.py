@@ -370,8 +370,10 @@ def variant_kernel(variant, change=None, *, factor=None):
     """The variant's reference as a NumPy kernel, with one ``change`` to its arguments.
 
     ``change(q, k, v, kw) -> (q, k, v, kw)`` edits the call (``kw`` is a copy of the
-    keywords the oracle passed); ``factor`` multiplies the output. The kernel has the
-    reference's signature, so it receives the variant's parameters and options.
+    keywords the oracle passed); it may return a fifth item, ``run(fn, q, k, v, kw) ->
+    out``, that makes the call instead (to repack the inputs, or to replace one step of
+    the algorithm). ``factor`` multiplies the output. The kernel has the reference's
+    signature, so it receives the variant's parameters and options.
     """
     import inspect
 
@@ -381,9 +383,11 @@ def variant_kernel(variant, change=None, *, factor=None):
 
     def kernel(q, k, v, **kw):
         kw = dict(kw)
+        run = None
         if change is not None:
-            q, k, v, kw = change(q, k, v, kw)
-        out = fn(q, k, v, **kw)
+            q, k, v, kw, *rest = change(q, k, v, kw)
+            run = rest[0] if rest else None
+        out = fn(q, k, v, **kw) if run is None else run(fn, q, k, v, kw)
         return out if factor is None else (out * factor).astype(out.dtype)
 
     kernel.__signature__ = inspect.signature(fn)
@@ -434,6 +438,78 @@ def _plus(n):
 def _shared_values(q, k, v, kw):
     kw["v_weight"] = kw.get("k_weight")
     return q, k, v, kw
+
+
+# The recurrent family (issue 18): the mistakes of chunked linear-attention kernels.
+
+
+def _gate_after_update(q, k, v, kw):
+    """The decay applied after the write, ``S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t)``:
+    the current token decays too, which is the correct recurrence with ``alpha_t k_t``."""
+    if "gamma" in kw:
+        gamma = kw["gamma"]
+        a = np.asarray(gamma, dtype=k.dtype)[..., None, None]
+    else:
+        g = np.asarray(kw["g"])
+        a = np.exp(g) if g.shape == k.shape else np.exp(g)[..., None]
+    return q, (k * a).astype(k.dtype), v, kw
+
+
+_STEP_INPUTS = ("g", "beta")
+
+
+def _state_not_carried(chunk):
+    """The state reset to zero at every chunk of ``chunk`` steps: the chunks computed as
+    packed sequences of their own (``cu_seqlens``), the batch moved behind a packing axis."""
+
+    def change(q, k, v, kw):
+        def run(fn, q, k, v, kw):
+            T = q.shape[-2]
+            kw = dict(kw, cu_seqlens=list(range(0, T, chunk)) + [T])
+            for name in _STEP_INPUTS:
+                if name in kw:
+                    kw[name] = np.asarray(kw[name])[None]
+            return fn(q[None], k[None], v[None], **kw)[0]
+
+        return q, k, v, kw, run
+
+    return change
+
+
+def _delta_without_wy(q, k, v, kw):
+    """The delta rule's chunk form with the WY correction dropped: the values written in a
+    chunk are ``U = T_c V`` instead of ``U - W S``, as if each chunk started from ``S = 0``
+    when it corrects, while the queries still read the carried state."""
+
+    def run(fn, q, k, v, kw):
+        out_dtype = q.dtype
+        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+        beta = np.broadcast_to(np.asarray(kw["beta"], dtype=np.float64), q.shape[:-1])
+        g = kw.get("g")
+        g = np.zeros(q.shape[:-1]) if g is None else np.broadcast_to(
+            np.asarray(g, dtype=np.float64), q.shape[:-1])
+        if kw.get("qk_l2norm"):
+            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+        scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+        C, T = kw.get("chunk_size", 64), q.shape[-2]
+        S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]))
+        out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+        for c0 in range(0, T, C):
+            sl = slice(c0, min(c0 + C, T))
+            qc, kc, vc, bc, b = q[..., sl, :], k[..., sl, :], v[..., sl, :], beta[..., sl], \
+                np.cumsum(g[..., sl], axis=-1)
+            n = qc.shape[-2]
+            low = np.tril(np.ones((n, n), dtype=bool))
+            d = np.exp(np.where(low, b[..., :, None] - b[..., None, :], -np.inf))
+            a = np.tril(bc[..., :, None] * (kc @ np.swapaxes(kc, -1, -2)) * d, -1)
+            u = np.linalg.solve(np.eye(n) + a, bc[..., :, None] * vc)  # no "- W S"
+            out[..., sl, :] = scale * (((qc @ np.swapaxes(kc, -1, -2)) * d) @ u
+                                       + np.exp(b)[..., None] * (qc @ S))
+            S = np.exp(b[..., -1:, None]) * S + np.swapaxes(
+                kc * np.exp(b[..., -1:] - b)[..., None], -1, -2) @ u
+        return out.astype(out_dtype)
+
+    return q, k, v, kw, run
 
 
 def _linformer_shared(q, k, v, kw):
@@ -525,6 +601,16 @@ VARIANT_CHANGES: dict[str, tuple] = {
                    ("v_weight ignored (k_weight compresses the values too)", _shared_values)),
     "linear": (("feature map elu+1.01 instead of elu+1", _set(feature_map=_elu_plus(1.01))),
                ("causal argument ignored", _drop("causal"))),
+    "retention": (("decay applied after the update", _gate_after_update),
+                  ("state not carried across chunks of 16", _state_not_carried(16))),
+    "gla": (("gate applied after the update", _gate_after_update),
+            ("state not carried across chunks of 16", _state_not_carried(16))),
+    "ssd": (("decay applied after the update", _gate_after_update),
+            ("state not carried across chunks of 16", _state_not_carried(16))),
+    "deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
+                 ("state not carried across chunks of 16", _state_not_carried(16))),
+    "gated_deltanet": (("WY correction dropped (U instead of U - W S)", _delta_without_wy),
+                       ("state not carried across chunks of 16", _state_not_carried(16))),
     "linformer": (("key projection E x 1.01", _set(e_proj=_times(1.01))),
                   ("f_proj ignored (E projects the values too)", _linformer_shared)),
     "performer": (("random projection x 1.01", _set(projection=_times(1.01))),

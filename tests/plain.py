@@ -37,6 +37,7 @@ __all__ = [
     "np_favor",
     "np_linear",
     "np_performer",
+    "np_recurrent",
     "pool_mask",
     "ref_fixed",
     "ref_global",
@@ -571,6 +572,63 @@ def _query_reduced(q, k, v, causal, *, num_segments):
     return naive_expand(out, n), naive_expand(p, n)
 
 
+# ---------------------------------------------------------------- recurrent (issue 18)
+
+
+def np_recurrent(q, k, v, *, alpha=None, beta=None, scale=None, s0=None):
+    """The recurrence of every variant of ``attn_ref.recurrent``, token by token.
+
+    ``alpha (..., T, dk|1)`` multiplies the state's rows before step ``t`` (None: 1);
+    ``beta (..., T)`` turns the write into the delta rule (None: add ``k_t^T v_t``)::
+
+        S = alpha_t * S;  u = v_t - k_t S (delta: beta_t (v_t - k_t S));  S += k_t^T u;
+        o_t = scale q_t S
+
+    Returns ``(o, S_T)``, NumPy float64, loops over time and explicit sums.
+    """
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    lead = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    T, dk, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    scale = 1 / np.sqrt(dk) if scale is None else scale
+    S = np.zeros(lead + (dk, dv)) if s0 is None else np.array(s0, dtype=np.float64)
+    o = np.zeros(lead + (T, dv))
+    for t in range(T):
+        if alpha is not None:
+            S = np.asarray(alpha)[..., t, :, None] * S
+        kt, vt = k[..., t, :], v[..., t, :]
+        pred = np.einsum("...c,...ce->...e", kt, S)
+        u = vt if beta is None else np.asarray(beta)[..., t, None] * (vt - pred)
+        S = S + kt[..., :, None] * u[..., None, :]
+        o[..., t, :] = scale * np.einsum("...c,...ce->...e", q[..., t, :], S)
+    return o, S
+
+
+def _recurrent_plain(q, k, v, **kw):
+    """``(out, weights)``: the weights are the loop's output for ``v`` = the identity
+    (the output is linear in ``v`` with a zero initial state)."""
+    T = q.shape[-2]
+    eye = np.broadcast_to(np.eye(T), np.broadcast_shapes(q.shape[:-2], k.shape[:-2]) + (T, T))
+    return np_recurrent(q, k, v, **kw)[0], np_recurrent(q, k, eye, **kw)[0]
+
+
+def _unit(x):
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)  # fla's l2norm
+
+
+def _retention(q, k, v, causal, *, gamma, chunk_size):
+    T = q.shape[-2]
+    g = np.asarray(gamma, dtype=np.float64)[..., None, None]  # per head, constant in time
+    return _recurrent_plain(q, k, v, alpha=np.broadcast_to(g, g.shape[:-2] + (T, 1)))
+
+
+def _deltanet(q, k, v, causal, *, beta, chunk_size, qk_l2norm, g=None):
+    if qk_l2norm:
+        q, k = _unit(q), _unit(k)
+    alpha = None if g is None else np.exp(np.asarray(g))[..., None]
+    return _recurrent_plain(q, k, v, alpha=alpha, beta=beta)
+
+
 PLAIN = {
     "softmax": lambda q, k, v, causal: naive_attention(q, k, v, causal=_tl(causal)),
     "online_softmax": lambda q, k, v, causal, block_q, block_k: naive_attention(q, k, v, causal=_tl(causal)),
@@ -611,4 +669,10 @@ PLAIN = {
     "sinkhorn": lambda q, k, v, causal, sort_logits, block_size, n_iters, temperature: (
         naive_sinkhorn_attention(q, k, v, sort_logits, block_size, n_iters, temperature,
                                  causal=bool(causal))),
+    "retention": _retention,
+    "gla": lambda q, k, v, causal, g, chunk_size: _recurrent_plain(q, k, v, alpha=np.exp(g)),
+    "ssd": lambda q, k, v, causal, g, chunk_size: _recurrent_plain(
+        q, k, v, alpha=np.exp(g)[..., None]),
+    "deltanet": _deltanet,
+    "gated_deltanet": _deltanet,
 }

@@ -277,6 +277,7 @@ _VALID = {
     "n_buckets": lambda v, n, c: v >= 2 and v % 2 == 0,
     "n_hashes": lambda v, n, c: v >= 1,
     "n_iters": lambda v, n, c: v >= 0,
+    "qk_l2norm": lambda v, n, c: isinstance(v, bool),
 }
 
 

@@ -126,6 +126,10 @@ _HUGE_SCALE_RANGE = {
     # The normalised output does not depend on the scale, but the reference forms the
     # sums scale * phi(Q) phi(K)^T V; its module docstring states the range.
     "linear": "attn_ref.linear: |scale| Nk max|phi(q)| max|phi(k)| d' max(1, max|v|) < finfo.max",
+    # unnormalised: the output scale * q S_t is linear in the scale, so past the range it
+    # is +-inf, the true value out of range (attn_ref.recurrent's docstring states it)
+    **dict.fromkeys(("retention", "gla", "ssd", "deltanet", "gated_deltanet"),
+                    "attn_ref.recurrent: the output scale * q S_t is linear in the scale"),
 }
 _HUGE_SCALE_VJP_RANGE = {
     **_HUGE_SCALE_RANGE,

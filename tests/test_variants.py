@@ -44,7 +44,8 @@ def _inputs(backend, variant, dtype="float64"):
     (q, qh), (k, kh), (v, vh) = (randn(backend, BATCH + (N, c), dtype, seed=s)
                                  for s, c in ((1, D), (2, D), (3, DV)))
     xp = backend.xp
-    extra = variant.extra(SEED, N, N, D, DV, dtype=getattr(xp, dtype), device=backend.device, xp=xp)
+    extra = variant.extra(SEED, N, N, D, DV, dtype=getattr(xp, dtype), device=backend.device, xp=xp,
+                          batch=BATCH)
     return (q, k, v), (qh, kh, vh), extra
 
 

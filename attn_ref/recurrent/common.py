@@ -1,0 +1,264 @@
+"""Input checks, working precision, packed sequences and states shared by the recurrent forms.
+
+Every function of :mod:`attn_ref.recurrent` takes ``q (..., T, dk)``, ``k (..., T, dk)``,
+``v (..., T, dv)`` and carries a state ``S (..., dk, dv)`` (flash-linear-attention's
+``K x V`` layout). The helpers here check those inputs and the per-step ones (gates,
+``beta``), choose the precision the state is accumulated in, and run a single-sequence
+form over packed variable-length sequences (``cu_seqlens``).
+
+Packed sequences
+----------------
+``cu_seqlens = [0, t_1, ..., T]`` cuts the ``T`` axis into ``n_seq`` sequences that are
+processed independently: the state restarts from that sequence's initial state at each
+boundary. As in flash-linear-attention, whose kernels take ``q (1, T, H, K)`` with
+``cu_seqlens``, the first leading dimension is the packing axis and must be 1: ``q`` is
+``(1, *rest, T, dk)`` and the initial and final states are ``(n_seq, *rest, dk, dv)``
+(fla's ``(N, H, K, V)``). ``cu_seqlens`` is read on the host (the boundaries decide the
+loop), so a call with it cannot be traced by ``jax.jit``.
+
+Precision
+---------
+float16 and bfloat16 inputs are computed in float32: the state sums up to ``T`` outer
+products and the cumulative log-gates are sums of up to ``T`` terms, which half precision
+cannot hold (bfloat16 has 8 significant bits). The output is cast back to the input dtype;
+the final state is returned in float32, as fla's kernels return it.
+"""
+
+from __future__ import annotations
+
+import array_api_compat
+
+from .._checks import (
+    broadcast_batch,
+    check_array,
+    check_flag,
+    check_positive_int,
+    check_qkv,
+    default_scale,
+    is_integer,
+)
+
+__all__ = [
+    "FORMS",
+    "Inputs",
+    "working_dtype",
+    "check_inputs",
+    "check_step_input",
+    "check_state",
+    "check_cu_seqlens",
+    "packed",
+    "finish",
+    "segment_sums",
+    "causal_decay",
+]
+
+#: The three forms of every variant, in the order of the docs.
+FORMS = ("recurrent", "parallel", "chunk")
+
+
+def working_dtype(xp, dtype):
+    """float32 for float16/bfloat16 inputs (see the module docstring), else ``dtype``."""
+    low = [getattr(xp, name) for name in ("float16", "bfloat16") if hasattr(xp, name)]
+    return xp.float32 if any(dtype == t for t in low) else dtype
+
+
+class Inputs:
+    """The checked inputs of one call, in the working dtype (plain attributes)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _check_causal(fn, causal):
+    # Causal by construction: True and both alignments (equal when Nq == Nk) are the
+    # only meaning these functions have; False is refused rather than ignored.
+    if causal is True or causal in ("top-left", "bottom-right"):
+        return
+    raise ValueError(f"{fn} is causal by construction (a recurrence over time); causal must "
+                     f"be True, 'top-left' or 'bottom-right', got causal={causal!r}")
+
+
+def check_inputs(fn, q, k, v, *, scale, form, chunk_size, output_final_state, causal, xp):
+    """Check ``q, k, v`` and the options every recurrent function shares.
+
+    Returns an :class:`Inputs` with ``xp``, ``batch`` (broadcast leading shape), ``T``,
+    ``dk``, ``dv``, ``dtype`` (the input dtype), ``wdt`` (the working dtype), ``scale``,
+    ``form``, ``chunk_size``, ``output_final_state``, ``device`` and ``q, k, v``
+    broadcast to ``batch`` and cast to ``wdt`` (new arrays; the inputs are untouched).
+    """
+    _check_causal(fn, causal)
+    xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}, got form={form!r}")
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    output_final_state = check_flag("output_final_state", output_final_state)
+    T, dk, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    wdt = working_dtype(xp, q.dtype)
+
+    def prep(x, tail):
+        x = xp.broadcast_to(x, tuple(batch) + tail)
+        return x if x.dtype == wdt else xp.astype(x, wdt)
+
+    return Inputs(xp=xp, batch=tuple(batch), T=T, dk=dk, dv=dv, dtype=q.dtype, wdt=wdt,
+                  scale=default_scale(dk, scale), form=form, chunk_size=chunk_size,
+                  output_final_state=output_final_state, device=array_api_compat.device(q),
+                  q=prep(q, (T, dk)), k=prep(k, (T, dk)), v=prep(v, (T, dv)))
+
+
+def check_step_input(name, x, inp, tail, want, *, like):
+    """A per-step input (a gate, ``beta``) of shape ``(..., T) + tail``.
+
+    Its leading dimensions must broadcast to the leading shape of ``q, k, v`` without
+    enlarging it (so a gate shared by every head is ``(T,)``). Returns it broadcast to
+    ``batch + (T,) + tail`` in the working dtype.
+    """
+    xp = inp.xp
+    check_array(name, x, like=like)
+    full = inp.batch + (inp.T,) + tuple(tail)
+    n = 1 + len(tail)
+    shape = tuple(x.shape)
+    lead = shape[:-n] if x.ndim >= n else None
+    ok = lead is not None and shape[-n:] == full[-n:] and len(lead) <= len(inp.batch)
+    if ok:
+        try:
+            ok = broadcast_batch([("batch", inp.batch), (name, lead)]) == inp.batch
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ValueError(f"{name} must have shape {want} = {full} (leading dimensions "
+                         f"broadcastable to those of q, k, v), got shape {shape}")
+    x = xp.broadcast_to(x, full)
+    return x if x.dtype == inp.wdt else xp.astype(x, inp.wdt)
+
+
+def check_state(name, s, inp, n_seq, *, like):
+    """``initial_state``: None, or ``batch + (dk, dv)`` (packed: ``(n_seq, *rest, dk, dv)``).
+
+    Returns None or the state in the working dtype, shaped ``(n_seq, *rest, dk, dv)``
+    when packed and ``batch + (dk, dv)`` otherwise.
+    """
+    if s is None:
+        return None
+    xp = inp.xp
+    check_array(name, s, like=like)
+    if n_seq is None:
+        want, what = inp.batch + (inp.dk, inp.dv), "(..., dk, dv)"
+    else:
+        want, what = (n_seq,) + inp.batch[1:] + (inp.dk, inp.dv), "(n_seq, *rest, dk, dv)"
+    if tuple(s.shape) != want:
+        raise ValueError(f"{name} must have shape {what} = {want} (leading dims of q, k, v "
+                         f"{inp.batch}, dk={inp.dk}, dv={inp.dv}), got shape {tuple(s.shape)}")
+    return s if s.dtype == inp.wdt else xp.astype(s, inp.wdt)
+
+
+def check_cu_seqlens(cu_seqlens, inp):
+    """``cu_seqlens`` as a host list ``[0, t_1, ..., T]`` (strictly increasing), or None.
+
+    Accepts a sequence of integers or a 1-D integer array of any library (read on the
+    host). Packing needs a leading packing axis of size 1 (see the module docstring).
+    """
+    if cu_seqlens is None:
+        return None
+    if array_api_compat.is_array_api_obj(cu_seqlens):
+        xp = array_api_compat.array_namespace(cu_seqlens)
+        if cu_seqlens.ndim != 1 or not xp.isdtype(cu_seqlens.dtype, "integral"):
+            raise TypeError(f"cu_seqlens must be a 1-D integer array [0, t_1, ..., T], got "
+                            f"shape {tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}")
+        values = [int(cu_seqlens[i]) for i in range(cu_seqlens.shape[0])]
+    else:
+        try:
+            values = list(cu_seqlens)
+        except TypeError:
+            raise TypeError(f"cu_seqlens must be a sequence or 1-D integer array "
+                            f"[0, t_1, ..., T], got {type(cu_seqlens).__name__}") from None
+        if not all(is_integer(x) for x in values):
+            raise TypeError(f"cu_seqlens must hold integers, got {values!r}")
+        values = [int(x) for x in values]
+    if len(values) < 2 or values[0] != 0 or values[-1] != inp.T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={inp.T} (the length of q, k, "
+                         f"v), got {values}")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got "
+                         f"{values}")
+    if not inp.batch or inp.batch[0] != 1:
+        raise ValueError(f"with cu_seqlens, q, k and v must be (1, *rest, T, d) (a packing axis "
+                         f"of size 1, as fla's B = 1), got leading dimensions {inp.batch}")
+    return values
+
+
+def packed(run, inp, steps, state, cu):
+    """Run ``run(q, k, v, steps, state) -> (o, S_T)`` on each packed sequence.
+
+    ``steps`` maps names to per-step arrays ``batch + (T, ...)``; ``state`` is None or
+    the checked initial state. Without ``cu`` this is one call. With it, each sequence
+    gets its slice of every input and its own initial state (row ``i`` of ``state``);
+    outputs are concatenated along ``T`` and final states stacked along the packing axis.
+    """
+    if cu is None:
+        return run(inp.q, inp.k, inp.v, steps, state)
+    xp = inp.xp
+    outs, finals = [], []
+    nb = len(inp.batch)
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        def cut(x, a=a, b=b):
+            return x[(slice(None),) * nb + (slice(a, b), ...)]
+        s0 = None if state is None else state[i:i + 1, ...]
+        o, s = run(cut(inp.q), cut(inp.k), cut(inp.v), {n: cut(x) for n, x in steps.items()}, s0)
+        outs.append(o)
+        finals.append(s)
+    return xp.concat(outs, axis=-2), xp.concat(finals, axis=0)
+
+
+def finish(inp, o, s):
+    """The return value: ``o`` in the input dtype, and ``S_T`` when asked for."""
+    xp = inp.xp
+    o = o if o.dtype == inp.dtype else xp.astype(o, inp.dtype)
+    return (o, s) if inp.output_final_state else o
+
+
+def segment_sums(xp, a, r0, r1):
+    """Exponents ``b_i - b_j = sum_{j < s <= i} a_s`` for rows ``r0 <= i < r1``, keys ``j < r1``.
+
+    ``a (..., T, e)`` holds log decays and ``b`` their running sum. Both sides are
+    summed from the anchor ``r0``: ``P_i = sum_{r0 <= s <= i} a_s`` for the rows and
+    ``K_j = P_j`` (``j >= r0``) or ``-sum_{j < s < r0} a_s`` (``j < r0``) for the keys,
+    and the result is ``P_i - K_j``. A global running sum would give the same value as
+    the difference of two numbers of size ``|b_T|`` (``-20480`` for ``T = 4096`` steps of
+    ``-5``), losing ``eps |b_T|`` of every exponent; anchored, a nearby pair is summed
+    over the few steps between them.
+
+    Returns ``(P, diff, after)``: ``P (..., r1 - r0, e)``, ``diff (..., r1 - r0, r1, e)``,
+    and ``after = sum_{s < r0} a_s (..., 1, e)`` so that ``b_i = after + P_i``. Entries
+    with ``j > i`` are finite (the decay from ``i`` to ``j``) and must be masked *before*
+    any ``exp`` (see :func:`causal_decay`).
+    """
+    nb = a.ndim - 2
+    rows = a[(slice(None),) * nb + (slice(r0, r1), slice(None))]
+    p = xp.cumulative_sum(rows, axis=-2)
+    if r0 > 0:
+        before = a[(slice(None),) * nb + (slice(1, r0), slice(None))]
+        # -sum_{j < s < r0} a_s for j = 0 .. r0 - 1: a reversed running sum, 0 for r0 - 1.
+        rev = xp.flip(xp.cumulative_sum(xp.flip(before, axis=-2), axis=-2, include_initial=True),
+                      axis=-2)
+        keys = xp.concat([-rev, p], axis=-2)
+        after = xp.sum(a[(slice(None),) * nb + (slice(0, r0), slice(None))], axis=-2,
+                       keepdims=True)
+    else:
+        keys = p
+        after = xp.zeros_like(p[..., :1, :])
+    diff = p[..., :, None, :] - keys[..., None, :, :]
+    return p, diff, after
+
+
+def causal_decay(xp, diff, r0):
+    """``exp(diff)`` where key ``j <= i`` (row ``i = r0 + row index``), exactly 0 elsewhere.
+
+    The mask is applied to the exponent (``-inf``), never to the result: for ``j > i``
+    the exponent is positive and can overflow to ``inf``, and ``inf * 0`` is NaN.
+    """
+    nr, nk = diff.shape[-3], diff.shape[-2]
+    dev = array_api_compat.device(diff)
+    i = xp.arange(r0, r0 + nr, device=dev)[:, None]
+    j = xp.arange(nk, device=dev)[None, :]
+    keep = (j <= i)[:, :, None]
+    return xp.exp(xp.where(keep, diff, xp.full_like(diff, -xp.inf)))

@@ -1,0 +1,382 @@
+"""Decayed linear attention: retention (RetNet), gated linear attention (GLA), Mamba-2's SSD.
+
+The three share one recurrence over a state ``S_t (..., dk, dv)``::
+
+    S_t = diag(alpha_t) S_{t-1} + k_t^T v_t,        o_t = scale q_t S_t,
+
+with the decay ``alpha_t = exp(a_t)`` given in log space: a constant per head
+(retention, ``a = log gamma``), one value per step (SSD, ``a_t = g_t``) or one per key
+dimension and step (GLA, ``a_t = g_t (dk,)``). The output includes the current token,
+as in flash-linear-attention's naive references. Unrolled, with ``b_t = a_1 + ... + a_t``::
+
+    o_i = scale sum_{j <= i} (q_i * exp(b_i - b_j)) . k_j  v_j  +  scale (q_i * exp(b_i)) S_0,
+
+the masked, decay-weighted form of causal linear attention (``a = 0`` is exactly
+:func:`attn_ref.linear.linear_from_features` with ``normalize=False``). Each function
+computes it three ways (``form=``):
+
+``"recurrent"``
+    The definition, token by token: ``O(T dk dv)`` time, ``O(dk dv)`` state.
+``"parallel"``
+    The masked ``T x T`` matrix, ``O(T^2 dk)`` time (``O(T^2 (dk + dv))`` with per-key
+    gates); built in blocks of 64 query rows so that exponents are summed from a nearby
+    anchor (:func:`~attn_ref.recurrent.common.segment_sums`).
+``"chunk"``
+    Chunks of ``C`` steps: the masked matrix inside a chunk, the state passed between
+    chunks. ``O(T C dk + T dk dv)`` time (``O(T C dk dv / dv + ...)``), the form fast
+    kernels use. Exact, not an approximation: the sum over ``j <= i`` is split into
+    ``j`` in earlier chunks (all folded into the state at the chunk's start, decayed by
+    ``exp(b_i - b_start)``) and ``j`` in the same chunk.
+
+Every exponent is a sum of log decays between two positions at most a chunk (or 64 rows)
+apart, masked to ``-inf`` before ``exp`` where ``j > i``: with ``a <= 0`` no ``exp`` ever
+sees a positive argument, so no intermediate overflows however long ``T`` or strong the
+decay. See :doc:`/recurrent` for the derivation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import array_api_compat
+
+from .._checks import check_array, check_real
+from .common import (
+    causal_decay,
+    check_cu_seqlens,
+    check_inputs,
+    check_state,
+    check_step_input,
+    finish,
+    packed,
+    segment_sums,
+)
+
+__all__ = [
+    "retention",
+    "gated_linear_attention",
+    "ssd",
+    "retention_weights",
+    "gated_linear_attention_weights",
+    "ssd_weights",
+    "decayed_weights",
+]
+
+# query rows per block of the parallel form (the anchor distance of its exponents)
+ROW_BLOCK = 64
+
+
+def _zeros_state(xp, q, v):
+    return xp.zeros(tuple(q.shape[:-1])[:-1] + (q.shape[-1], v.shape[-1]), dtype=q.dtype,
+                    device=_device(q))
+
+
+def _device(x):
+    return array_api_compat.device(x)
+
+
+def _decay_rows(s, alpha):
+    """``diag(alpha) S``: ``alpha (..., e)`` with ``e`` = 1 (scalar) or ``dk``."""
+    return alpha[..., :, None] * s
+
+
+def _recurrent(xp, q, k, v, a, s, scale):
+    s = _zeros_state(xp, q, v) if s is None else s
+    outs = []
+    for t in range(q.shape[-2]):
+        s = _decay_rows(s, xp.exp(a[..., t, :])) + k[..., t, :, None] * v[..., t, None, :]
+        outs.append((q[..., t, None, :] @ s)[..., 0, :])
+    if not outs:
+        return xp.zeros_like(v), s
+    return scale * xp.stack(outs, axis=-2), s
+
+
+def _scores(xp, q, k, d):
+    """``sum_c q_ic k_jc D_ijc`` for ``D (..., n, m, e)``: a product when ``e`` is 1."""
+    if d.shape[-1] == 1:
+        return (q @ xp.matrix_transpose(k)) * d[..., 0]
+    return xp.sum(q[..., :, None, :] * k[..., None, :, :] * d, axis=-1)
+
+
+def _row_blocks(T):
+    return [(r0, min(r0 + ROW_BLOCK, T)) for r0 in range(0, T, ROW_BLOCK)]
+
+
+def _parallel(xp, q, k, v, a, s0, scale):
+    T = q.shape[-2]
+    outs = []
+    for r0, r1 in _row_blocks(T):
+        p, diff, after = segment_sums(xp, a, r0, r1)
+        o = _scores(xp, q[..., r0:r1, :], k[..., :r1, :], causal_decay(xp, diff, r0)) @ v[..., :r1, :]
+        if s0 is not None:
+            o = o + (q[..., r0:r1, :] * xp.exp(after + p)) @ s0
+        outs.append(o)
+    o = scale * xp.concat(outs, axis=-2) if outs else xp.zeros_like(v)
+    # S_T = exp(b_T) S_0 + sum_j (k_j * exp(b_T - b_j))^T v_j, exponents from the last row.
+    s = _zeros_state(xp, q, v) if s0 is None else s0
+    if T:
+        p, diff, after = segment_sums(xp, a, T - 1, T)
+        to_end = diff[..., 0, :, :]  # b_T - b_j, j = 0 .. T - 1, all <= 0 for a <= 0
+        s = _decay_rows(s, xp.exp(after + p)[..., 0, :]) + \
+            xp.matrix_transpose(k * xp.exp(to_end)) @ v
+    return o, s
+
+
+def _chunk(xp, q, k, v, a, s, scale, chunk):
+    T = q.shape[-2]
+    s = _zeros_state(xp, q, v) if s is None else s
+    outs = []
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        qc, kc, vc = q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :]
+        b, diff, _ = segment_sums(xp, a[..., c0:c1, :], 0, c1 - c0)  # b_i - b_start
+        intra = _scores(xp, qc, kc, causal_decay(xp, diff, 0)) @ vc
+        outs.append(intra + (qc * xp.exp(b)) @ s)
+        last = b[..., -1:, :]
+        s = _decay_rows(s, xp.exp(last[..., 0, :])) + \
+            xp.matrix_transpose(kc * xp.exp(last - b)) @ vc
+    if not outs:
+        return xp.zeros_like(v), s
+    return scale * xp.concat(outs, axis=-2), s
+
+
+def _run(inp, a, s0):
+    xp, form = inp.xp, inp.form
+
+    def one(q, k, v, steps, s):
+        if form == "recurrent":
+            return _recurrent(xp, q, k, v, steps["a"], s, inp.scale)
+        if form == "parallel":
+            return _parallel(xp, q, k, v, steps["a"], s, inp.scale)
+        return _chunk(xp, q, k, v, steps["a"], s, inp.scale, inp.chunk_size)
+
+    return one
+
+
+def _decayed(inp, q, a, initial_state, cu_seqlens):
+    cu = check_cu_seqlens(cu_seqlens, inp)
+    s0 = check_state("initial_state", initial_state, inp, None if cu is None else len(cu) - 1,
+                     like=q)
+    o, s = packed(_run(inp, a, s0), inp, {"a": a}, s0, cu)
+    return finish(inp, o, s)
+
+
+def decayed_weights(q, k, a, /, *, scale):
+    """The implied ``(..., T, T)`` matrix of :func:`decayed_attention` (zero initial state).
+
+    ``W_ij = scale sum_c q_ic k_jc exp(b_ic - b_jc)`` for ``j <= i``, 0 above the diagonal.
+    """
+    xp = array_api_compat.array_namespace(q, k, a)
+    T = q.shape[-2]
+    rows = []
+    for r0, r1 in _row_blocks(T):
+        _, diff, _ = segment_sums(xp, a, r0, r1)
+        w = _scores(xp, q[..., r0:r1, :], k[..., :r1, :], causal_decay(xp, diff, r0))
+        pad = xp.zeros(tuple(w.shape[:-1]) + (T - r1,), dtype=w.dtype, device=_device(w))
+        rows.append(xp.concat([w, pad], axis=-1))
+    if not rows:
+        return xp.zeros(tuple(q.shape[:-1]) + (0,), dtype=q.dtype, device=_device(q))
+    return scale * xp.concat(rows, axis=-2)
+
+
+# ------------------------------------------------------------------------------ variants
+
+_COMMON_DOC = """
+    q : array, shape (..., T, dk)
+    k : array, shape (..., T, dk)
+    v : array, shape (..., T, dv)
+    scale : float, optional
+        Multiplies ``q``; default ``dk ** -0.5``.
+    initial_state : array, optional
+        ``S_0``, shape ``(..., dk, dv)``; with ``cu_seqlens`` ``(n_seq, *rest, dk, dv)``
+        (one per packed sequence, see :mod:`attn_ref.recurrent.common`). Default zeros.
+    output_final_state : bool
+        Also return ``S_T`` (per sequence with ``cu_seqlens``).
+    cu_seqlens : sequence of int or 1-D integer array, optional
+        ``[0, t_1, ..., T]``: packed sequences along ``T``; ``q`` is then ``(1, *rest, T,
+        dk)``. The state restarts at each boundary.
+    form : {"chunk", "parallel", "recurrent"}
+        How to compute it (the same function; see the module docstring).
+    chunk_size : int
+        ``C`` of the chunk form; ``T`` need not be a multiple.
+    causal : True
+        These are causal by construction; ``True`` (or either alignment, the same for
+        ``Nq == Nk``) is accepted for the generic callers, ``False`` is a ``ValueError``.
+
+    Returns
+    -------
+    o : array, shape (..., T, dv)
+        In the input dtype (float16/bfloat16 inputs are computed in float32).
+    S_T : array, shape (..., dk, dv)
+        Only with ``output_final_state=True``: ``(o, S_T)``, in the working dtype.
+"""
+
+
+def _documented(fn):
+    """Put the parameters every function of this module shares into ``fn``'s docstring."""
+    fn.__doc__ = fn.__doc__.replace("    <common parameters>\n", _COMMON_DOC.lstrip("\n"))
+    return fn
+
+
+def _gate_inputs(fn, q, k, v, scale, form, chunk_size, output_final_state, causal, xp):
+    return check_inputs(fn, q, k, v, scale=scale, form=form, chunk_size=chunk_size,
+                        output_final_state=output_final_state, causal=causal, xp=xp)
+
+
+def _retention_decay(inp, gamma, q):
+    xp = inp.xp
+    full = inp.batch + (inp.T, 1)
+    if not array_api_compat.is_array_api_obj(gamma):
+        g = check_real("gamma", gamma, "a decay in (0, 1]")
+        if not 0.0 < g <= 1.0:
+            raise ValueError(f"gamma must be a decay in (0, 1], got gamma={gamma!r}")
+        return xp.full(full, math.log(g), dtype=inp.wdt, device=inp.device)
+    check_array("gamma", gamma, like=q)
+    lead = tuple(gamma.shape)
+    if len(lead) > len(inp.batch) or any(
+            n not in (1, m) for n, m in zip(lead[::-1], inp.batch[::-1])):
+        raise ValueError(f"gamma must be a float or an array of the leading shape of q, k, v "
+                         f"{inp.batch} (one decay per head), got shape {lead}")
+    g = gamma if gamma.dtype == inp.wdt else xp.astype(gamma, inp.wdt)
+    return xp.broadcast_to(xp.log(g)[..., None, None], full)
+
+
+@_documented
+def retention(q, k, v, /, *, gamma, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, form="chunk", chunk_size=64, causal=True, xp=None):
+    """Retention (RetNet): linear attention with a fixed decay ``gamma`` per head.
+
+    ``S_t = gamma S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``; equivalently
+    ``O = scale (Q K^T * D) V`` with ``D_ij = gamma^(i - j)`` for ``j <= i``.
+
+    Parameters
+    ----------
+    gamma : float or array
+        The decay, in ``(0, 1]``: a Python float, or an array broadcastable to the
+        leading shape of ``q`` (one per head; RetNet uses ``1 - 2^(-5 - h)``). Array
+        values are not checked (so the function traces under ``jax.jit``).
+    <common parameters>
+
+    Notes
+    -----
+    Chunk form ``O(T C dk + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory per head.
+    Sun et al., *Retentive Network: A Successor to Transformer for Large Language Models*,
+    2023. RetNet's group norm and swish gate are layers around this, not part of it.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.recurrent import retention
+    >>> x = xp.reshape(xp.sin(xp.arange(40.0)), (10, 4))
+    >>> a = retention(x, x, x, gamma=0.9, chunk_size=3)
+    >>> b = retention(x, x, x, gamma=0.9, form="recurrent")
+    >>> bool(xp.max(xp.abs(a - b)) < 1e-13)
+    True
+    """
+    inp = _gate_inputs("retention", q, k, v, scale, form, chunk_size, output_final_state, causal,
+                       xp)
+    return _decayed(inp, q, _retention_decay(inp, gamma, q), initial_state, cu_seqlens)
+
+
+def retention_weights(q, k, /, *, gamma, scale=None, form="chunk", chunk_size=64, causal=True, xp=None):
+    """The implied ``(..., T, T)`` matrix of :func:`retention` with a zero initial state."""
+    inp = _gate_inputs("retention_weights", q, k, k[..., :1], scale, "chunk", 1, False, causal,
+                       xp)
+    w = decayed_weights(inp.q, inp.k, _retention_decay(inp, gamma, q), scale=inp.scale)
+    return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
+
+
+@_documented
+def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, form="chunk", chunk_size=64,
+                           causal=True, xp=None):
+    """Gated linear attention (GLA): a data-dependent decay per key dimension.
+
+    ``S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t``.
+
+    Parameters
+    ----------
+    g : array, shape (..., T, dk)
+        Log gates (``<= 0``; fla's GLA uses ``logsigmoid(x) / 16``), leading dims
+        broadcastable to those of ``q``. fla's ``gk``.
+    <common parameters>
+
+    Notes
+    -----
+    Chunk form ``O(T C dk (1 + dv / dk) + T dk dv)`` time: the per-dimension decay makes
+    the intra-chunk scores a ``(C, C, dk)`` contraction, ``O(C^2 dk)`` extra memory.
+    Yang et al., *Gated Linear Attention Transformers with Hardware-Efficient Training*,
+    ICML 2024.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.recurrent import gated_linear_attention
+    >>> x = xp.reshape(xp.sin(xp.arange(40.0)), (10, 4))
+    >>> g = -xp.abs(xp.reshape(xp.cos(xp.arange(40.0)), (10, 4)))
+    >>> a = gated_linear_attention(x, x, x, g=g, chunk_size=4)
+    >>> b = gated_linear_attention(x, x, x, g=g, form="parallel")
+    >>> bool(xp.max(xp.abs(a - b)) < 1e-13)
+    True
+    """
+    inp = _gate_inputs("gated_linear_attention", q, k, v, scale, form, chunk_size,
+                       output_final_state, causal, xp)
+    a = check_step_input("g", g, inp, (inp.dk,), "(..., T, dk)", like=q)
+    return _decayed(inp, q, a, initial_state, cu_seqlens)
+
+
+def gated_linear_attention_weights(q, k, /, *, g, scale=None, form="chunk", chunk_size=64,
+                                   causal=True, xp=None):
+    """The implied ``(..., T, T)`` matrix of :func:`gated_linear_attention` (zero initial state)."""
+    inp = _gate_inputs("gated_linear_attention_weights", q, k, k[..., :1], scale, "chunk", 1,
+                       False, causal, xp)
+    a = check_step_input("g", g, inp, (inp.dk,), "(..., T, dk)", like=q)
+    w = decayed_weights(inp.q, inp.k, a, scale=inp.scale)
+    return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
+
+
+@_documented
+def ssd(q, k, v, /, *, g, scale=None, initial_state=None, output_final_state=False,
+        cu_seqlens=None, form="chunk", chunk_size=64, causal=True, xp=None):
+    """Mamba-2's state space duality (SSD): a data-dependent scalar decay per step.
+
+    ``S_t = exp(g_t) S_{t-1} + k_t^T v_t``, ``o_t = scale q_t S_t`` (fla's simple GLA).
+
+    In Mamba-2's names (Dao & Gu 2024, per head): ``q = C``, ``k = B``, ``v = X * dt``
+    (the input scaled by its step size), ``g = A * dt`` (``A < 0``), ``scale = 1``, and
+    the state is ``h^T`` (Mamba-2's ``(P, N)`` state is ``(dv, dk)``). The skip term
+    ``D * X`` and the output gate are outside the SSD. See :doc:`/recurrent`.
+
+    Parameters
+    ----------
+    g : array, shape (..., T)
+        Log decays (``<= 0``), leading dims broadcastable to those of ``q``.
+    <common parameters>
+
+    Notes
+    -----
+    Chunk form ``O(T C (dk + dv) + T dk dv)`` time, ``O(C^2 + dk dv)`` extra memory per
+    head. Dao & Gu, *Transformers are SSMs: Generalized Models and Efficient Algorithms
+    Through Structured State Space Duality*, ICML 2024.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.recurrent import ssd
+    >>> x = xp.reshape(xp.sin(xp.arange(40.0)), (10, 4))
+    >>> g = -xp.abs(xp.cos(xp.arange(10.0)))
+    >>> o, s = ssd(x, x, x, g=g, output_final_state=True)
+    >>> o.shape, s.shape
+    ((10, 4), (4, 4))
+    """
+    inp = _gate_inputs("ssd", q, k, v, scale, form, chunk_size, output_final_state, causal, xp)
+    a = check_step_input("g", g, inp, (), "(..., T)", like=q)
+    return _decayed(inp, q, a[..., None], initial_state, cu_seqlens)
+
+
+def ssd_weights(q, k, /, *, g, scale=None, form="chunk", chunk_size=64, causal=True, xp=None):
+    """The implied ``(..., T, T)`` matrix of :func:`ssd` (zero initial state)."""
+    inp = _gate_inputs("ssd_weights", q, k, k[..., :1], scale, "chunk", 1, False, causal, xp)
+    a = check_step_input("g", g, inp, (), "(..., T)", like=q)
+    w = decayed_weights(inp.q, inp.k, a[..., None], scale=inp.scale)
+    return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
