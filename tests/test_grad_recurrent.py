@@ -501,3 +501,27 @@ def test_float32_in_float32_out(backend, variant):
         assert str(got[n].dtype).endswith("float32"), (n, got[n].dtype)
         np.testing.assert_allclose(host(got[n]), want[n], rtol=0,
                                    atol=2**10 * EPS["float32"] * np.abs(want[n]).max(), err_msg=n)
+
+
+# ---------------------------------------------------------------- the real forwards
+
+_FORWARDS = {"retention": "retention", "gla": "gated_linear_attention", "ssd": "ssd",
+             "delta": "delta_rule", "gated_delta": "gated_delta_rule"}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("form", ["recurrent", "parallel", "chunk"])
+def test_the_plain_forward_here_is_attn_ref_recurrent(variant, form):
+    # The VJPs are checked against plain_forward's derivatives: plain_forward must be
+    # the function attn_ref.recurrent computes, in each of its forms, output and final state.
+    import attn_ref.recurrent as forward
+
+    for cu in (None, (0, 4, 5, 11)):
+        inputs, static, _, _ = _case(variant, T=11, batch=(1, 2) if cu else (3, 2), cu_seqlens=cu,
+                                     qk_l2norm=True, seed=4)
+        want_o, want_s = plain_forward(np, variant, **inputs, **static)
+        got_o, got_s = getattr(forward, _FORWARDS[variant])(
+            *(inputs[n] for n in "qkv"), **{n: x for n, x in inputs.items() if n not in "qkv"},
+            **static, form=form, chunk_size=3, output_final_state=True)
+        np.testing.assert_allclose(got_o, want_o, rtol=1e-11, atol=1e-12, err_msg=f"{variant} {form}")
+        np.testing.assert_allclose(got_s, want_s, rtol=1e-11, atol=1e-12, err_msg=f"{variant} {form}")
