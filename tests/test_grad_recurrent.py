@@ -386,15 +386,15 @@ def test_do_with_the_wrong_shape_dtype_or_library_is_named(backend):
 def test_bad_gates_states_and_offsets_are_named(backend):
     xp = backend.xp
     pos, do, kw = _bad_args(backend)
-    with pytest.raises(ValueError, match=r"g must have shape \(\.\.\., T\) = \(2, 4\), got shape \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"g must have shape \(\.\.\., T\) = \(2, 4\) .*got shape \(2, 3\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, g=kw["g"][:, :3]))
     with pytest.raises(ValueError, match=r"beta must have shape .* got shape \(3, 4\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, beta=xp.concat([kw["beta"], kw["beta"][:1, :]], axis=0)))
     with pytest.raises(ValueError, match=r"initial_state must have shape \(\.\.\., dk, dv\) = \(2, 4, 3\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, initial_state=kw["initial_state"][..., :2]))
-    with pytest.raises(ValueError, match=r"cu_seqlens must be cumulative offsets .* T = q.shape\[-2\] = 4"):
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at T=4"):
         rec.gated_delta_rule(*pos, do, **dict(kw, cu_seqlens=[0, 2, 3]))
-    with pytest.raises(ValueError, match=r"with cu_seqlens .* q must have shape \(1, \.\.\., T, dk\)"):
+    with pytest.raises(ValueError, match=r"with cu_seqlens, q, k and v must be \(1, \*rest, T, d\)"):
         rec.gated_delta_rule(*pos, do, **dict(kw, cu_seqlens=[0, 2, 4]))
     with pytest.raises(ValueError, match=r"gated_delta_rule is causal by construction .* got causal=False"):
         rec.gated_delta_rule(*pos, do, **dict(kw, causal=False))
@@ -404,7 +404,7 @@ def test_bad_gates_states_and_offsets_are_named(backend):
     with pytest.raises(ValueError, match=r"g must have shape \(\.\.\., T, dk\) = \(2, 4, 4\)"):
         rec.gated_linear_attention(*p, d, **dict(k, g=k["g"][..., 0]))
     p, d, k = _bad_args(backend, "retention")
-    with pytest.raises(ValueError, match=r"gamma must be a decay in \(0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"gamma must be a decay in \(0, 1\], got gamma=1.5"):
         rec.retention(*p, d, **dict(k, gamma=1.5))
     with pytest.raises(TypeError, match="gamma must be a decay"):
         rec.retention(*p, d, **dict(k, gamma="0.9"))

@@ -48,102 +48,22 @@ dtype.
 from __future__ import annotations
 
 import math
-import operator
 
 import array_api_compat
 
-from .._checks import (
-    broadcast_batch,
-    check_array,
-    check_flag,
-    check_positive_int,
-    check_qkv,
-    check_real,
-    default_scale,
-    is_integer,
-)
+from .._checks import check_flag
+from ..recurrent.common import check_cu_seqlens, check_inputs, check_state, check_step_input
+from ..recurrent.decay import retention_log_decay
+from ..recurrent.delta import L2NORM_EPS
 from ._common import check_cotangent, unbroadcast
 
 __all__ = ["retention", "gated_linear_attention", "ssd", "delta_rule", "gated_delta_rule"]
 
-#: The forms of the forward. They compute one function, so they have one VJP; the form
-#: only chooses how the backward runs (the token loop for "recurrent").
-FORMS = ("recurrent", "parallel", "chunk")
-
-#: fla's ``l2norm`` epsilon: ``x / sqrt(sum(x^2) + eps)`` (``use_qk_l2norm_in_kernel``).
-L2NORM_EPS = 1e-6
+# The forms of the forward (FORMS) compute one function, so they have one VJP; the form
+# only chooses how the backward runs (the token loop for "recurrent").
 
 
 # ---------------------------------------------------------------- input checks
-
-
-def _check_leading(name, x, batch, tail, want):
-    """``x`` has shape ``lead + tail`` with ``lead`` broadcastable into ``batch``."""
-    tail = tuple(tail)
-    shape = tuple(x.shape)
-    full = tuple(batch) + tail
-    if len(shape) < len(tail) or shape[len(shape) - len(tail):] != tail:
-        raise ValueError(f"{name} must have shape {want} = {full}, got shape {shape}")
-    lead = shape[:len(shape) - len(tail)]
-    ok = len(lead) <= len(batch)
-    if ok:
-        try:
-            ok = broadcast_batch([("batch", tuple(batch)), (name, lead)]) == tuple(batch)
-        except ValueError:
-            ok = False
-    if not ok:
-        raise ValueError(
-            f"{name} must have shape {want} = {full} (leading dimensions may be 1 or "
-            f"left out, but not added), got shape {shape}"
-        )
-
-
-def _sequence_bounds(cu_seqlens, total):
-    """``cu_seqlens`` as Python ints ``[0, t1, ..., T]`` (one sequence ``[0, T]`` if None)."""
-    if cu_seqlens is None:
-        return [0, total]
-    if array_api_compat.is_array_api_obj(cu_seqlens):
-        cxp = array_api_compat.array_namespace(cu_seqlens)
-        if cu_seqlens.ndim != 1 or not cxp.isdtype(cu_seqlens.dtype, "integral"):
-            raise TypeError(
-                f"cu_seqlens must be a 1-D integer array, got shape {tuple(cu_seqlens.shape)} "
-                f"and dtype {cu_seqlens.dtype}"
-            )
-        # The offsets decide where the state resets, so they are read on the host;
-        # under jax.jit pass a tuple of ints.
-        vals = [int(cu_seqlens[i]) for i in range(cu_seqlens.shape[0])]
-    elif isinstance(cu_seqlens, (list, tuple)) and all(is_integer(c) for c in cu_seqlens):
-        vals = [operator.index(c) for c in cu_seqlens]
-    else:
-        raise TypeError(
-            f"cu_seqlens must be a 1-D integer array or a sequence of ints [0, t1, ..., T], "
-            f"got {type(cu_seqlens).__name__}"
-        )
-    if len(vals) < 2 or vals[0] != 0 or vals[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must be cumulative offsets [0, t1, ..., T] from 0 to the sequence "
-            f"length T = q.shape[-2] = {total}, got {vals}"
-        )
-    for i in range(1, len(vals)):
-        if vals[i] < vals[i - 1]:
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing, but cu_seqlens[{i - 1}]={vals[i - 1]} > "
-                f"cu_seqlens[{i}]={vals[i]}"
-            )
-    return vals
-
-
-def _state_batch(batch, n_seq, varlen):
-    """Leading shape of ``initial_state``: ``batch``, or ``(n_seq,) + batch[1:]`` with
-    ``cu_seqlens`` (fla's ``(N, H, K, V)`` for ``q (1, H, T, K)``)."""
-    if not varlen:
-        return tuple(batch)
-    if not batch or batch[0] != 1:
-        raise ValueError(
-            f"with cu_seqlens the sequences are packed along T of a batch of one: q must have "
-            f"shape (1, ..., T, dk), got leading dimensions {tuple(batch)}"
-        )
-    return (n_seq,) + tuple(batch[1:])
 
 
 class _Problem:
@@ -151,46 +71,29 @@ class _Problem:
 
     def __init__(self, fn, q, k, v, do, *, scale, initial_state, cu_seqlens, dfinal_state, form,
                  chunk_size, output_final_state, qk_l2norm, causal, xp):
-        # Causal by construction, as the forward: True or either alignment (the same for
-        # T x T); False is refused rather than ignored.
-        if not (causal is True or causal in ("top-left", "bottom-right")):
-            raise ValueError(f"{fn} is causal by construction (a recurrence over time); causal "
-                             f"must be True, 'top-left' or 'bottom-right', got causal={causal!r}")
-        xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
-        if form not in FORMS:
-            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
-        self.form, self.chunk_size = form, check_positive_int("chunk_size", chunk_size)
-        check_flag("output_final_state", output_final_state)
+        # The forward's own checks: the VJP takes exactly what the forward takes.
+        inp = check_inputs(fn, q, k, v, scale=scale, form=form, chunk_size=chunk_size,
+                           output_final_state=output_final_state, causal=causal, xp=xp)
+        self.inp, self.xp, self.batch = inp, inp.xp, inp.batch
+        self.form, self.chunk_size, self.scale = inp.form, inp.chunk_size, inp.scale
         self.qk_l2norm = check_flag("qk_l2norm", qk_l2norm)
-        self.xp, self.batch = xp, tuple(batch)
-        self.like = q
-        self.device = array_api_compat.device(q)
-        self.T, self.dk, self.dv = q.shape[-2], q.shape[-1], v.shape[-1]
-        self.scale = default_scale(self.dk, scale)
-        check_cotangent(xp, do, self.batch + (self.T, self.dv), q)
-        self.bounds = _sequence_bounds(cu_seqlens, self.T)
-        self.varlen = cu_seqlens is not None
-        self.n_seq = len(self.bounds) - 1
+        self.like, self.device = q, inp.device
+        self.T, self.dk, self.dv = inp.T, inp.dk, inp.dv
         # Half-precision inputs are differentiated with float32 states, as fla keeps them.
-        self.work = q.dtype if xp.finfo(q.dtype).bits >= 32 else xp.float32
-        sb = _state_batch(self.batch, self.n_seq, self.varlen)
-        want = "(n_seq, ..., dk, dv)" if self.varlen else "(..., dk, dv)"
+        self.work = inp.wdt
+        check_cotangent(self.xp, do, self.batch + (self.T, self.dv), q)
+        cu = check_cu_seqlens(cu_seqlens, inp)
+        self.varlen = cu is not None
+        self.bounds = cu if self.varlen else [0, self.T]
+        self.n_seq = len(self.bounds) - 1
         for name, s in (("initial_state", initial_state), ("dfinal_state", dfinal_state)):
-            if s is not None:
-                check_array(name, s, like=q)
-                if self.varlen:
-                    if tuple(s.shape) != sb + (self.dk, self.dv):
-                        raise ValueError(f"{name} must have shape {want} = {sb + (self.dk, self.dv)}"
-                                         f" (one state per sequence of cu_seqlens), got shape "
-                                         f"{tuple(s.shape)}")
-                else:
-                    _check_leading(name, s, sb, (self.dk, self.dv), want)
+            check_state(name, s, inp, self.n_seq if self.varlen else None, like=q)
         self.initial_state, self.dfinal_state = initial_state, dfinal_state
-        self.q, self.k, self.v, self.do = (self.full(x) for x in (q, k, v, do))
+        self.q, self.k, self.v, self.do = inp.q, inp.k, inp.v, self.full(do)
         if self.qk_l2norm:
             # The recurrence sees the normalised q, k; their reciprocal norms are kept for
             # the normalisation's VJP.
-            (self.q, self.rq), (self.k, self.rk) = _l2norm(xp, self.q), _l2norm(xp, self.k)
+            (self.q, self.rq), (self.k, self.rk) = _l2norm(self.xp, self.q), _l2norm(self.xp, self.k)
 
     def full(self, x, tail=None):
         """``x`` in the working dtype, broadcast to ``batch + tail`` (``tail``: x's own)."""
@@ -200,10 +103,9 @@ class _Problem:
         return xp.broadcast_to(x, self.batch + tail)
 
     def gate(self, name, x, tail, want):
-        """A per-token array option (``g``, ``beta``) checked against ``batch + tail``."""
-        check_array(name, x, like=self.like)
-        _check_leading(name, x, self.batch, tail, want)
-        return self.full(x, tail)
+        """A per-token array option (``g``, ``beta``) of shape ``(..., T) + tail``, checked
+        as the forward checks it, in the working dtype and broadcast to ``batch``."""
+        return check_step_input(name, x, self.inp, tail, want, like=self.like)
 
     def state(self, s, n):
         """Sequence ``n``'s slice of ``initial_state`` / ``dfinal_state``, shaped ``batch + (dk, dv)``."""
@@ -436,18 +338,8 @@ def _result(pb, q, k, v, dq, dk, dv, d0, initial_state):
 
 
 def _log_gamma(pb, gamma):
-    """Retention's decay as log gates ``batch + (T, 1)``: ``gamma`` in (0, 1], a Python
-    float or an array of shape ``q.shape[:-2]`` (per head)."""
-    xp = pb.xp
-    if array_api_compat.is_array_api_obj(gamma):
-        check_array("gamma", gamma, like=pb.like)
-        _check_leading("gamma", gamma, pb.batch, (), "q.shape[:-2]")
-        g = gamma if gamma.dtype == pb.work else xp.astype(gamma, pb.work)
-        return xp.broadcast_to(xp.log(g)[..., None, None], pb.batch + (pb.T, 1))
-    gamma = check_real("gamma", gamma, "a decay in (0, 1] (a float or an array of shape q.shape[:-2])")
-    if not 0.0 < gamma <= 1.0:
-        raise ValueError(f"gamma must be a decay in (0, 1], got {gamma!r}")
-    return xp.full(pb.batch + (pb.T, 1), math.log(gamma), dtype=pb.work, device=pb.device)
+    """Retention's decay as log gates ``batch + (T, 1)``, as the forward reads ``gamma``."""
+    return retention_log_decay(pb.inp, gamma, pb.like)
 
 
 # ---------------------------------------------------------------- public VJPs
@@ -575,7 +467,7 @@ def gated_linear_attention(q, k, v, do, /, *, g, scale=None, initial_state=None,
     pb = _Problem("gated_linear_attention", q, k, v, do, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
-    lg = pb.gate("g", g, (pb.T, pb.dk), "(..., T, dk)")
+    lg = pb.gate("g", g, (pb.dk,), "(..., T, dk)")
     dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg, per_key=True)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
     out["g"] = pb.grad(dlg, g)
@@ -616,7 +508,7 @@ def ssd(q, k, v, do, /, *, g, scale=None, initial_state=None, output_final_state
     pb = _Problem("ssd", q, k, v, do, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=False, causal=causal, xp=xp)
-    lg = pb.gate("g", g, (pb.T,), "(..., T)")
+    lg = pb.gate("g", g, (), "(..., T)")
     dq, dk, dv, dlg, _, d0 = _run(pb, lg=lg[..., None])
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
     out["g"] = pb.grad(dlg[..., 0], g)
@@ -658,7 +550,7 @@ def delta_rule(q, k, v, do, /, *, beta, scale=None, initial_state=None, output_f
     pb = _Problem("delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
-    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    b = pb.gate("beta", beta, (), "(..., T)")
     dq, dk, dv, _, db, d0 = _run(pb, beta=b)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
     out["beta"] = pb.grad(db, beta)
@@ -703,8 +595,8 @@ def gated_delta_rule(q, k, v, do, /, *, g, beta, scale=None, initial_state=None,
     pb = _Problem("gated_delta_rule", q, k, v, do, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, dfinal_state=dfinal_state, form=form, chunk_size=chunk_size,
                   output_final_state=output_final_state, qk_l2norm=qk_l2norm, causal=causal, xp=xp)
-    lg = pb.gate("g", g, (pb.T,), "(..., T)")
-    b = pb.gate("beta", beta, (pb.T,), "(..., T)")
+    lg = pb.gate("g", g, (), "(..., T)")
+    b = pb.gate("beta", beta, (), "(..., T)")
     dq, dk, dv, dlg, db, d0 = _run(pb, lg=lg[..., None], beta=b)
     out = _result(pb, q, k, v, dq, dk, dv, d0, initial_state)
     out["g"] = pb.grad(dlg[..., 0], g)

@@ -54,6 +54,7 @@ from .common import (
 
 __all__ = [
     "retention",
+    "retention_log_decay",
     "gated_linear_attention",
     "ssd",
     "retention_weights",
@@ -223,7 +224,11 @@ def _gate_inputs(fn, q, k, v, scale, form, chunk_size, output_final_state, causa
                         output_final_state=output_final_state, causal=causal, xp=xp)
 
 
-def _retention_decay(inp, gamma, q):
+def retention_log_decay(inp, gamma, q):
+    """Retention's decay as log gates ``batch + (T, 1)``: ``gamma`` in (0, 1], a Python
+    float or an array of the leading shape of ``q`` (one decay per head); ``q`` names the
+    library and device an array ``gamma`` must share; ``inp`` as
+    :func:`attn_ref.recurrent.common.check_inputs` returns it."""
     xp = inp.xp
     full = inp.batch + (inp.T, 1)
     if not array_api_compat.is_array_api_obj(gamma):
@@ -275,14 +280,14 @@ def retention(q, k, v, /, *, gamma, scale=None, initial_state=None, output_final
     """
     inp = _gate_inputs("retention", q, k, v, scale, form, chunk_size, output_final_state, causal,
                        xp)
-    return _decayed(inp, q, _retention_decay(inp, gamma, q), initial_state, cu_seqlens)
+    return _decayed(inp, q, retention_log_decay(inp, gamma, q), initial_state, cu_seqlens)
 
 
 def retention_weights(q, k, /, *, gamma, scale=None, form="chunk", chunk_size=64, causal=True, xp=None):
     """The implied ``(..., T, T)`` matrix of :func:`retention` with a zero initial state."""
     inp = _gate_inputs("retention_weights", q, k, k[..., :1], scale, "chunk", 1, False, causal,
                        xp)
-    w = decayed_weights(inp.q, inp.k, _retention_decay(inp, gamma, q), scale=inp.scale)
+    w = decayed_weights(inp.q, inp.k, retention_log_decay(inp, gamma, q), scale=inp.scale)
     return w if w.dtype == inp.dtype else inp.xp.astype(w, inp.dtype)
 
 
