@@ -22,8 +22,12 @@ import re
 # expensive optimisation passes buy nothing and cost most of the suite's time (compiles
 # about 2x faster without them). XLA's own optimisation level stays at its default: level
 # 0 changed inf/NaN handling in jax.vjp of masked rows. Set before anything imports jax;
-# an explicit XLA_FLAGS wins.
-os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true")
+# an explicit XLA_FLAGS wins. XLA also runs single-threaded: `pytest -n auto` already runs
+# one worker per core, and a worker whose XLA thread pool waited on itself hung CI once
+# (tests/test_recurrent.py's float16 case on JAX, after 90 % of the suite; not reproduced
+# alone), a wait that cannot happen without the pool.
+os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true "
+                      "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
 import pytest  # noqa: E402
 
