@@ -50,6 +50,7 @@ from .tolerance import (
     MANTISSA_BITS,
     Metrics,
     Tolerance,
+    compared_count,
     elementwise_ulp_rms,
     lp_array,
     measure,
@@ -513,10 +514,9 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # sits at the ulp of max|v| (torch's float64 sums over 4096 keys err ~5 ulps of
         # the output where NumPy's pairwise sums err ~1: a false fail at ulp(max|out|)).
         floor_mag = max(mag, float(np.max(np.abs(prep.arrays["v"]))))
-    count = int(np.count_nonzero(np.broadcast_to(keep, np.shape(prep.golden)))
-                if keep is not None else np.size(prep.golden))
     prep.tol_max, prep.tol_rms = tol.bounds(base_max, base_rms, floor_mag, dtype,
-                                            elementwise_ulp_rms(prep.golden, dtype, keep), count)
+                                            elementwise_ulp_rms(prep.golden, dtype, keep),
+                                            compared_count(prep.golden, keep))
     return prep
 
 

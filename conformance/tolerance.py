@@ -44,6 +44,7 @@ __all__ = [
     "MANTISSA_BITS",
     "ulp",
     "elementwise_ulp_rms",
+    "compared_count",
     "round_to",
     "host_dtype",
     "bf16_round",
@@ -130,14 +131,20 @@ def ulp(magnitude: float, dtype: str) -> float:
     return 2.0 ** (math.floor(math.log2(m)) - MANTISSA_BITS[dtype])
 
 
+def compared_count(golden: np.ndarray, keep: np.ndarray | None = None) -> int:
+    """How many elements a verdict compares: the finite golden values that ``keep`` keeps."""
+    g = np.asarray(golden)
+    fin = np.isfinite(g)
+    return int(np.count_nonzero(fin if keep is None else np.broadcast_to(keep, g.shape) & fin))
+
+
 def elementwise_ulp_rms(golden: np.ndarray, dtype: str, keep: np.ndarray | None = None) -> float:
     """RMS over the compared finite elements of each element's own ``dtype`` ulp (0 at 0)."""
     g = np.abs(np.asarray(golden, dtype=np.float64))
     sel = np.isfinite(g) & (g > 0)
     if keep is not None:
         sel &= np.broadcast_to(keep, g.shape)
-    n = int(np.count_nonzero(np.isfinite(g) if keep is None
-                             else np.broadcast_to(keep, g.shape) & np.isfinite(g)))
+    n = compared_count(g, keep)
     if n == 0 or not sel.any():
         return 0.0
     u = np.exp2(np.floor(np.log2(g[sel])) - MANTISSA_BITS[dtype])
