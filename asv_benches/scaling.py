@@ -1,6 +1,6 @@
 """``attn-ref scaling``: how each variant's time and memory grow with ``N``, from asv.
 
-Reads one asv results file (``.asv/results/<machine>/<commit>-<env>.json``, written by
+Reads one asv results file (``asv_results/<machine>/<commit>-<env>.json``, written by
 ``asv run`` with the suite in ``asv_benches/``) and reports, per variant and backend:
 
 * the fitted exponent ``p`` of time ``~ N^p`` and of peak memory ``~ N^p`` (least
@@ -54,7 +54,7 @@ __all__ = [
     "main",
 ]
 
-DEFAULT_RESULTS = ".asv/results"
+DEFAULT_RESULTS = "asv_results"
 COMMITTED_RESULTS = os.path.join("docs", "_static", "scaling_results.json")
 COMMITTED_RATES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                "docs", "_static", "roofline_rates.json")

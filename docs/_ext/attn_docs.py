@@ -15,6 +15,9 @@
   the implied-matrix error, per registered variant.
 * ``scaling-table PATH``: the fitted exponents of the committed asv results, analysed
   at build time by :mod:`asv_benches.scaling` (the ``attn-ref scaling`` report).
+* ``history-table DIR``: the committed asv history (one machine's results per
+  commit), each key benchmark's first and last time and the commits that moved it
+  (:mod:`asv_benches.history`).
 * Blocks between ``<!-- if-exists: PATH -->`` and ``<!-- end-if -->`` are kept only
   when ``PATH`` (relative to ``docs/``) exists: pages that other parts of the project
   produce (the conformance page, the measured scaling plot) are linked as soon as they
@@ -270,12 +273,37 @@ class ScalingTable(SphinxDirective):
         return out
 
 
+class HistoryTable(SphinxDirective):
+    """The committed asv history (``asv_results/``): each key benchmark across commits."""
+
+    required_arguments = 1  # the results directory, relative to the docs folder
+    option_spec = {"n": int}
+
+    def run(self):
+        from asv_benches import history
+
+        path = Path(self.env.srcdir) / self.arguments[0]
+        hist = history.load_history(str(path))
+        for f in sorted(path.rglob("*.json")):
+            self.env.note_dependency(str(f))
+        n = self.options.get("n", 4096)
+        first, last = hist.commits[0][0][:7], hist.commits[-1][0][:7]
+        intro = nodes.paragraph(text=(
+            f"asv results of {len(hist.commits)} commits ({first} to {last}) on machine "
+            f"{hist.machine}, NumPy float32, 8 heads, d = 64, N = {n}; a move is a change by "
+            f"more than {history.MOVE}x between consecutive commits that the next commit "
+            f"confirms (at the newest, more than {history.MOVE ** 2:.2f}x)."))
+        return [intro, _table(list(history.HEADER),
+                              [list(r) for r in history.table_rows(hist, n)], [14, 14, 14, 40])]
+
+
 def setup(app):
     app.connect("builder-inited", generate_api_pages)
     app.connect("source-read", keep_if_exists)
     app.add_directive("variant-table", VariantTable)
     app.add_directive("variant-error-table", VariantErrorTable)
     app.add_directive("scaling-table", ScalingTable)
+    app.add_directive("history-table", HistoryTable)
     app.add_directive("error-bound-table", ErrorBoundTable)
     app.add_directive("variant-choice-table", VariantChoiceTable)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
