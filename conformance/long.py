@@ -57,9 +57,13 @@ def dask_settings(*, client=None, progress=None):
         _SETTINGS.update(old)
 
 
-def long_reference(prep, dtype="float64"):
+def long_reference(prep, dtype="float64", *, reorder=False):
     """``(out, lse)`` of ``prep``'s case on Dask in ``dtype``, as float64 host arrays
-    ``(B, H, Nq, dv)`` and ``(B, H, Nq)``; ``-inf`` lse on rows that see no key."""
+    ``(B, H, Nq, dv)`` and ``(B, H, Nq)``; ``-inf`` lse on rows that see no key.
+
+    ``reorder``: chunks of ``CHUNK // 2`` rows instead of :data:`CHUNK`, which sums the
+    keys in another order, so it rounds differently while computing the same function.
+    """
     try:
         import dask.array as da
 
@@ -79,9 +83,10 @@ def long_reference(prep, dtype="float64"):
     q, k, v = (np.asarray(prep.arrays[n], dtype=host) for n in ("q", "k", "v"))
     b, h = q.shape[:2]
     k, v = np.broadcast_to(k, (b, h) + k.shape[2:]), np.broadcast_to(v, (b, h) + v.shape[2:])
-    qd = da.from_array(q, chunks=(1, 1, CHUNK, q.shape[-1]))
-    kd = da.from_array(k, chunks=(1, 1, CHUNK, k.shape[-1]))
-    vd = da.from_array(v, chunks=(1, 1, CHUNK, v.shape[-1]))
+    chunk = max(1, CHUNK // 2) if reorder else CHUNK
+    qd = da.from_array(q, chunks=(1, 1, chunk, q.shape[-1]))
+    kd = da.from_array(k, chunks=(1, 1, chunk, k.shape[-1]))
+    vd = da.from_array(v, chunks=(1, 1, chunk, v.shape[-1]))
     out, lse = dask_softmax_attention(qd, kd, vd, causal=prep.kwargs.get("causal") or False,
                                       scale=prep.kwargs.get("scale"))
     progress = _SETTINGS["progress"]

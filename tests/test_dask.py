@@ -129,9 +129,9 @@ def small_threshold(monkeypatch):
     calls = []
     real = long.long_reference
 
-    def spy(prep, dtype="float64"):
+    def spy(prep, dtype="float64", **kw):
         calls.append((prep.case.id, dtype))
-        return real(prep, dtype)
+        return real(prep, dtype, **kw)
 
     monkeypatch.setattr(long, "LONG_THRESHOLD", 4000)
     monkeypatch.setattr(long, "CHUNK", 64)
@@ -242,3 +242,28 @@ def test_a_worker_killed_mid_run_is_an_error_with_no_result(client):
     assert "value" not in result
     assert isinstance(result.get("error"), WorkerLost), result
     assert "no result is returned" in str(result["error"])
+
+
+def _torch_sdpa(q, k, v, *, causal=False, scale=None):
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def test_long_float64_tolerance_holds_the_goldens_own_rounding(small_threshold):
+    # The golden of a long case is float64 on Dask; for a float64 kernel the baseline was
+    # that very computation (error 0), so a correct kernel that sums in another order
+    # (SDPA float64) failed. The baseline now sums in another order too.
+    pytest.importorskip("torch")
+    from conformance import Case, verify
+
+    case = Case("long", (1, 2), 1500, 1500, 64, 64)
+    report = verify(_torch_sdpa, backend="torch", dtypes=("float64",), cases=[case],
+                    progress=False)
+    assert report.passed, report.table()
+
+    def slightly_wrong(q, k, v, **kw):
+        return _torch_sdpa(q, k, v, **kw) * (1 + 1e-11)
+
+    bad = verify(slightly_wrong, backend="torch", dtypes=("float64",), cases=[case], progress=False)
+    assert not bad.passed, bad.table()
