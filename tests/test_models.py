@@ -285,6 +285,59 @@ def test_budgets_are_clipped_to_short_sentences(w_np, tok):
     assert np.array_equal(e, e_n)
 
 
+def test_encoder_variants_are_the_bidirectional_ones():
+    import inspect
+
+    from attn_ref.registry import get, variants
+
+    names = minilm.encoder_variants()
+    assert names == [v.name for v in variants() if v.name in names]  # registry order
+    assert {"softmax", "online_softmax", "linformer", "nystrom", "local", "bigbird"} <= set(names)
+    assert not {"strided", "fixed", "retention", "gla", "deltanet"} & set(names)
+    for v in variants():
+        causal = inspect.signature(v.fn).parameters.get("causal")
+        assert (v.name in names) == (causal is None or causal.default is False), v.name
+    assert {c.variant for c in study.configs()} <= set(names)
+    assert get("strided").name not in names
+
+
+# ------------------------------------------------------------------------ asv benchmark
+
+def test_asv_model_benchmark_grid_and_two_cases():
+    from asv_benches import model as bench_model
+
+    variants, tokens = bench_model.MiniLMForward.params
+    assert variants == ["exact", *minilm.encoder_variants()] and tokens == [128, 512]
+    b = bench_model.MiniLMForward()
+    b.setup("exact", 128)
+    assert b.ids.shape == (128,) and b.attention is None
+    text, _ = study.reference_text()
+    tok = minilm.load_tokenizer()
+    ids = np.asarray(minilm.tokenize([text], tok, max_length=128)[0])
+    assert np.array_equal(b.run(), minilm.sentence_embedding(ids, minilm.load_weights()))
+    b.time_forward("exact", 128)
+    # Linformer under the suite's configuration: k = 256 clipped to N = 128 (exact then
+    # only if E = F were the identity: the projections are Gaussian)
+    b.setup("linformer", 128)
+    assert b.attention.variant == "linformer" and tuple(b.attention.params["e_proj"].shape) == (128, 128)
+    e = b.run()
+    assert e.shape == (384,) and np.all(np.isfinite(e))
+    # At least the FFN's (128, 1536) float32 activations and its GELU's temporaries
+    assert b.track_traced_peak("linformer", 128) > 128 * 1536 * 4
+    b.teardown("linformer", 128)
+
+
+def test_asv_model_benchmark_skips_without_the_extra_or_the_variant(monkeypatch):
+    from asv_benches import model as bench_model
+
+    b = bench_model.MiniLMForward()
+    with pytest.raises(NotImplementedError, match="not one the encoder can use"):
+        b.setup("strided", 128)
+    monkeypatch.setattr(minilm, "WEIGHTS_PACKAGE", "no_such_weights_package_xyz")
+    with pytest.raises(NotImplementedError, match=r"model extra is not installed.*attn-ref\[model\]"):
+        b.setup("exact", 128)
+
+
 # ------------------------------------------------------------------------ bad input
 
 def test_unknown_variant_names_the_known_ones():

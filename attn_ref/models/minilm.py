@@ -37,7 +37,7 @@ __all__ = [
     "model_dir", "load_weights", "load_tokenizer", "tokenize",
     "erf", "gelu", "layer_norm", "linear", "embeddings", "split_heads", "split_qkv", "merge_heads",
     "qkv_projection", "self_attention", "feed_forward", "encoder_layer", "bert", "mean_pooling", "normalize",
-    "sentence_embedding", "variant_attention", "budget_parameters",
+    "sentence_embedding", "variant_attention", "budget_parameters", "encoder_variants",
 ]
 
 HIDDEN = 384
@@ -480,6 +480,19 @@ _SIZED = {
 _CLIPPED = ("num_landmarks", "num_segments", "num_clusters", "topk")
 # The encoder is bidirectional; these arguments would make it a different model.
 _NOT_PARAMETERS = ("xp", "causal")
+
+
+def encoder_variants() -> list[str]:
+    """Names of the registered variants this bidirectional encoder can use, in registry
+    order: those whose function attends both ways by default (no ``causal`` argument, or
+    ``causal=False``). The causal-only ones (strided, fixed, the recurrent family) would
+    make it a different model; :func:`variant_attention` does not pass ``causal``."""
+    out = []
+    for variant in _registry_variants():
+        causal = inspect.signature(variant.fn).parameters.get("causal")
+        if causal is None or causal.default is False:
+            out.append(variant.name)
+    return out
 
 
 def budget_parameters(name) -> dict:
