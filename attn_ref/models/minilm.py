@@ -35,9 +35,9 @@ from ..softmax import softmax_attention
 __all__ = [
     "HIDDEN", "HEADS", "HEAD_DIM", "LAYERS", "MAX_POSITIONS", "WEIGHTS_PACKAGE",
     "model_dir", "load_weights", "load_tokenizer", "tokenize",
-    "erf", "gelu", "layer_norm", "linear", "embeddings", "split_heads", "merge_heads",
-    "self_attention", "feed_forward", "encoder_layer", "bert", "mean_pooling", "normalize",
-    "sentence_embedding", "variant_attention", "budget_parameters",
+    "erf", "gelu", "layer_norm", "linear", "embeddings", "split_heads", "split_qkv", "merge_heads",
+    "qkv_projection", "self_attention", "feed_forward", "encoder_layer", "bert", "mean_pooling", "normalize",
+    "sentence_embedding", "variant_attention", "budget_parameters", "encoder_variants",
 ]
 
 HIDDEN = 384
@@ -155,12 +155,55 @@ def _chebyshev(coef, x, eps):
     return x * b1 - b2 + coef[0]
 
 
-def erf(x, /, *, xp=None):
-    """The error function to the rounding of ``x``'s dtype (absolute error < 1e-15 in float64).
+# A rational fit for float32 and narrower: Phi(t) - 1/2 = t P(t^2) / Q(t^2) on |t| <= 5.5,
+# P of degree 5, Q of degree 5 with Q(0) = 1, fitted to math.erf at 8000 points of
+# [0, 5.5] by linearised least squares with Lawson's minimax reweighting (300 rounds).
+# The fit's own error is 7.2e-9; evaluated in float32, the rounding of its ~24 operations
+# dominates: |erf error| <= 3.7e-7 (3.1 float32 eps of 1) on 1.6 million points of
+# [-8, 8], and GELU is within 3.3 float32 ulps of the exact x Phi(x) for x > 0, where
+# PyTorch's float32 GELU is within 5.1 (tests/test_models.py). Beyond |t| = 5.5,
+# Phi - 1/2 is 1/2 to 1.9e-8, below float32's resolution there. Every coefficient is
+# positive, so Horner's rule adds no cancellation; P(0) is 1/sqrt(2 pi), Phi's slope at 0.
+_PHI_T = 5.5
+_PHI_P = (0.3989422346313372, 0.03385311682812542, 0.00467729111639524, 0.00016883061775995687,
+          6.35216408305606e-06, 2.2749120592646288e-08)
+_PHI_Q = (1.0, 0.2515230980628392, 0.02864614483926856, 0.0018844729278043907,
+          7.364914677816398e-05, 1.1975001658149292e-06)
 
-    The standard has no ``erf``, and BERT's GELU is the exact erf one; this evaluates two
+
+def _horner(coef, s):
+    y = coef[-1] * s + coef[-2]
+    for c in reversed(coef[:-2]):
+        y = y * s + c
+    return y
+
+
+def _phi_centred(t, xp):
+    # Phi(t) - 1/2 for float32 t. The clip of the result keeps erf in [-1, 1] and GELU in
+    # [min(x, 0), max(x, 0)]: at the clip of t the fit is 1/2 + 3e-8, which made
+    # erf(8) = 1 + 2^-23 and GELU(x) one ulp above x.
+    t = xp.clip(t, min=-_PHI_T, max=_PHI_T)
+    s = t * t
+    return xp.clip(t * _horner(_PHI_P, s) / _horner(_PHI_Q, s), min=-0.5, max=0.5)
+
+
+def _in_float32(f, x, xp):
+    # float16 and bfloat16 are evaluated in float32 (the coefficients and s^5 are outside
+    # float16's range) and rounded once at the end.
+    if xp.finfo(x.dtype).bits >= 32:
+        return f(x)
+    return xp.astype(f(xp.astype(x, xp.float32)), x.dtype)
+
+
+def erf(x, /, *, xp=None):
+    """The error function to the accuracy of ``x``'s dtype.
+
+    The standard has no ``erf``, and BERT's GELU is the exact erf one. float64: two
     Chebyshev series (``erf(z)/z`` for ``|z| <= 2``, ``exp(z^2) erfc(z)`` above), fitted
-    once to mpmath. ``O(n)`` time, about 30 elementwise passes in float64.
+    once to mpmath; absolute error < 1e-15, about 30 elementwise passes. float32 (and
+    narrower, evaluated in float32): ``2 (Phi(sqrt(2) z) - 1/2)`` from a degree-5/5 rational
+    fit of the normal CDF ``Phi``; absolute error <= 3.7e-7 (3.1 float32 eps), 27 passes.
+    ``O(n)`` time.
 
     Examples
     --------
@@ -170,8 +213,13 @@ def erf(x, /, *, xp=None):
     >>> ref = xp.asarray([-0.8427007929497149, 0.0, 0.5204998778130465, 0.9999779095030014])
     >>> bool(xp.max(xp.abs(y - ref)) < 1e-15)
     True
+    >>> y32 = erf(xp.asarray([-1.0, 0.0, 0.5, 3.0], dtype=xp.float32))
+    >>> bool(xp.max(xp.abs(xp.astype(y32, xp.float64) - ref)) < 4e-7)
+    True
     """
     xp = array_api_compat.array_namespace(x) if xp is None else xp
+    if xp.finfo(x.dtype).bits < 64:
+        return _in_float32(lambda z: 2.0 * _phi_centred(z * math.sqrt(2.0), xp), x, xp)
     eps = xp.finfo(x.dtype).eps
     a = xp.abs(x)
     u = xp.clip(a * a, max=4.0)
@@ -183,13 +231,23 @@ def erf(x, /, *, xp=None):
 
 
 def gelu(x, /, *, xp=None):
-    """``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2``, BERT's exact GELU (not the tanh form)."""
+    """``x Phi(x) = x (1 + erf(x / sqrt 2)) / 2``, BERT's exact GELU (not the tanh form).
+
+    float32 and narrower: ``x (1/2 + (Phi(x) - 1/2))`` from the rational fit of ``Phi``
+    (see :func:`erf`), within 3.3 float32 ulps of the exact value for ``x > 0``; float64:
+    through the Chebyshev :func:`erf`. ``O(n)`` time, 27 elementwise passes in float32.
+    """
     xp = array_api_compat.array_namespace(x) if xp is None else xp
+    if xp.finfo(x.dtype).bits < 64:
+        return _in_float32(lambda z: z * (0.5 + _phi_centred(z, xp)), x, xp)
     return 0.5 * x * (1.0 + erf(x * (1.0 / math.sqrt(2.0)), xp=xp))
 
 
 def layer_norm(x, g, b, /, *, eps=LAYER_NORM_EPS, xp=None):
     """``g (x - mean) / sqrt(var + eps) + b`` over the last axis (biased variance).
+
+    Five elementwise passes over ``x`` besides the two means: centring, squaring, the
+    product with the per-row ``1 / sqrt(var + eps)``, with ``g``, and the sum with ``b``.
 
     Examples
     --------
@@ -200,9 +258,9 @@ def layer_norm(x, g, b, /, *, eps=LAYER_NORM_EPS, xp=None):
     (True, True)
     """
     xp = array_api_compat.array_namespace(x) if xp is None else xp
-    mu = xp.mean(x, axis=-1, keepdims=True)
-    var = xp.mean((x - mu) ** 2, axis=-1, keepdims=True)
-    return (x - mu) / xp.sqrt(var + eps) * g + b
+    c = x - xp.mean(x, axis=-1, keepdims=True)
+    r = 1.0 / xp.sqrt(xp.mean(c * c, axis=-1, keepdims=True) + eps)
+    return c * r * g + b
 
 
 def linear(x, w, b, /, *, xp=None):
@@ -233,15 +291,32 @@ def embeddings(ids, w, /, *, xp=None):
                       w["embeddings.LayerNorm.bias"], xp=xp)
 
 
+def _row_major(x, xp):
+    # A row-major copy (flatten, reshape: a copy on NumPy, free elsewhere): NumPy's stacked
+    # matmul runs BLAS only on row-major matrices and loops over a permuted view, which
+    # made the attention products of one 512-token forward 20x slower.
+    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
+
+
 def split_heads(x, /, *, xp=None):
     """``(..., N, 384)`` to ``(..., 12, N, 32)``: head ``h`` owns features ``32h .. 32h+31``."""
     xp = array_api_compat.array_namespace(x) if xp is None else xp
     b = x.ndim - 2
     x = xp.permute_dims(xp.reshape(x, (*x.shape[:-1], HEADS, HEAD_DIM)), (*range(b), b + 1, b, b + 2))
-    # A row-major copy (flatten, reshape: a copy on NumPy, free elsewhere): NumPy's stacked
-    # matmul runs BLAS only on row-major matrices and loops over a permuted view, which
-    # made the attention products of one 512-token forward 20x slower.
-    return xp.reshape(xp.reshape(x, (-1,)), x.shape)
+    return _row_major(x, xp)
+
+
+def split_qkv(x, /, *, xp=None):
+    """The fused projection ``(..., N, 3 * 384)`` (query, key, value features side by side)
+    to ``q, k, v``, ``(..., 12, N, 32)`` each, as :func:`split_heads` splits each third.
+
+    One row-major copy of all three: ``q``, ``k``, ``v`` are contiguous slices of it.
+    """
+    xp = array_api_compat.array_namespace(x) if xp is None else xp
+    b = x.ndim - 2
+    x = xp.reshape(x, (*x.shape[:-1], 3, HEADS, HEAD_DIM))
+    x = _row_major(xp.permute_dims(x, (b + 1, *range(b), b + 2, b, b + 3)), xp)
+    return x[0, ...], x[1, ...], x[2, ...]
 
 
 def merge_heads(a, /, *, xp=None):
@@ -250,6 +325,21 @@ def merge_heads(a, /, *, xp=None):
     b = a.ndim - 3
     a = xp.permute_dims(a, (*range(b), b + 1, b, b + 2))
     return xp.reshape(a, (*a.shape[:-2], HIDDEN))
+
+
+def qkv_projection(x, w, layer, /, *, xp=None):
+    """``q, k, v`` ``(..., 12, N, 32)`` of layer ``layer`` from states ``x (..., N, 384)``.
+
+    The three projections are one product with the checkpoint's query, key and value
+    weights stacked into ``(1152, 384)`` (a 1.7 MB copy per call; the dict of weights
+    stays as read), and one head split: BLAS runs a single larger GEMM.
+    """
+    xp = array_api_compat.array_namespace(x) if xp is None else xp
+    p = f"encoder.layer.{layer}.attention.self."
+    names = ("query", "key", "value")
+    wqkv = xp.concat([w[f"{p}{n}.weight"] for n in names], axis=0)
+    bqkv = xp.concat([w[f"{p}{n}.bias"] for n in names], axis=0)
+    return split_qkv(linear(x, wqkv, bqkv, xp=xp), xp=xp)
 
 
 def self_attention(x, w, layer, attend, /, *, trace=None, xp=None):
@@ -261,8 +351,7 @@ def self_attention(x, w, layer, attend, /, *, trace=None, xp=None):
     """
     xp = array_api_compat.array_namespace(x) if xp is None else xp
     p = f"encoder.layer.{layer}.attention."
-    q, k, v = (split_heads(linear(x, w[f"{p}self.{n}.weight"], w[f"{p}self.{n}.bias"], xp=xp), xp=xp)
-               for n in ("query", "key", "value"))
+    q, k, v = qkv_projection(x, w, layer, xp=xp)
     a = attend(q, k, v)
     if trace is not None:
         trace.append({"q": q, "k": k, "v": v, "attention": a})
@@ -290,7 +379,21 @@ def encoder_layer(x, w, layer, attend, /, *, trace=None, xp=None):
 
 
 def _exact(q, k, v):
-    return softmax_attention(q, k, v)
+    """BERT's attention, ``softmax(q k^T / sqrt(d)) v``, through the reference
+    :func:`~attn_ref.softmax_attention`, one head at a time.
+
+    Two choices make it several times faster on NumPy without changing the function
+    (only the rounding): the ``1/sqrt(d)`` scale multiplies ``q`` (``N d`` products) and
+    the reference gets ``scale=1.0``, which skips its scaling and clamping passes over the
+    ``N x N`` logits (the clamp guards a logit overflow that these bounded activations
+    never reach); and each head's logits, 1 MiB at ``N = 512`` in float32, stay in a
+    core's cache through the softmax's passes, where all twelve heads' 12 MiB did not.
+    """
+    xp = array_api_compat.array_namespace(q, k, v)
+    q = q * (1.0 / math.sqrt(q.shape[-1]))
+    heads = [softmax_attention(q[..., h:h + 1, :, :], k[..., h:h + 1, :, :], v[..., h:h + 1, :, :],
+                               scale=1.0) for h in range(q.shape[-3])]
+    return xp.concat(heads, axis=-3)
 
 
 def _per_layer(attention):
@@ -377,6 +480,19 @@ _SIZED = {
 _CLIPPED = ("num_landmarks", "num_segments", "num_clusters", "topk")
 # The encoder is bidirectional; these arguments would make it a different model.
 _NOT_PARAMETERS = ("xp", "causal")
+
+
+def encoder_variants() -> list[str]:
+    """Names of the registered variants this bidirectional encoder can use, in registry
+    order: those whose function attends both ways by default (no ``causal`` argument, or
+    ``causal=False``). The causal-only ones (strided, fixed, the recurrent family) would
+    make it a different model; :func:`variant_attention` does not pass ``causal``."""
+    out = []
+    for variant in _registry_variants():
+        causal = inspect.signature(variant.fn).parameters.get("causal")
+        if causal is None or causal.default is False:
+            out.append(variant.name)
+    return out
 
 
 def budget_parameters(name) -> dict:
