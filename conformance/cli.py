@@ -5,8 +5,10 @@ Each subcommand is a pair of functions, ``<name>_arguments(parser)`` and
 subcommand is: write the two functions, add one line to ``COMMANDS``.
 
 ``attn-ref verify``
-    With no kernel: every registered ``attn_ref`` variant, on every installed backend,
-    in float32 and float64, against the golden (the README's main job). With
+    With no kernel (the README's main job): every registered ``attn_ref`` variant, on
+    every installed backend (JAX under ``jax.jit``), in float32 and float64, on each
+    case of the ``quick`` suite it can take, against the golden - the reference itself
+    in float64/longdouble on NumPy - in worker processes (:func:`_work_units`). With
     ``MODULE:FUNCTION``: that kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
@@ -142,8 +144,14 @@ def _causal_convention(fn) -> str:
 
 
 def verify_arguments(p):
-    p.add_argument("kernel", nargs="?", help="MODULE:FUNCTION of the kernel; omit to verify "
-                   "every built-in reference on every installed backend")
+    p.add_argument("kernel", nargs="?", help="MODULE:FUNCTION of the kernel; omit it for the "
+                   "built-in job: every registered attn_ref function on every installed "
+                   "backend (numpy, array_api_strict, torch, jax under jax.jit; cupy with a "
+                   "GPU), float32 and float64, the quick suite's cases (14: batch/heads, "
+                   "Nq != Nk both ways, length 1, causal both alignments, masks, fully masked "
+                   "rows, bias, scale, large logits) that each can take, against itself in "
+                   "float64/longdouble on NumPy; JAX compilations are cached in "
+                   "$ATTN_REF_JAX_CACHE, default $XDG_CACHE_HOME/attn-ref/jax")
     p.add_argument("--variant", action="append", default=None,
                    help="attn_ref variant name (repeatable; default: softmax, or all for the "
                         "built-in job)")
