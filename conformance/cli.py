@@ -5,8 +5,10 @@ Each subcommand is a pair of functions, ``<name>_arguments(parser)`` and
 subcommand is: write the two functions, add one line to ``COMMANDS``.
 
 ``attn-ref verify``
-    With no kernel: every registered ``attn_ref`` variant, on every installed backend,
-    in float32 and float64, against the golden (the README's main job). With
+    With no kernel (the README's main job): every registered ``attn_ref`` variant, on
+    every installed backend (JAX under ``jax.jit``), in float32 and float64, on each
+    case of the ``quick`` suite it can take, against the golden - the reference itself
+    in float64/longdouble on NumPy - in worker processes (:func:`_work_units`). With
     ``MODULE:FUNCTION``: that kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
@@ -142,8 +144,14 @@ def _causal_convention(fn) -> str:
 
 
 def verify_arguments(p):
-    p.add_argument("kernel", nargs="?", help="MODULE:FUNCTION of the kernel; omit to verify "
-                   "every built-in reference on every installed backend")
+    p.add_argument("kernel", nargs="?", help="MODULE:FUNCTION of the kernel; omit it for the "
+                   "built-in job: every registered attn_ref function on every installed "
+                   "backend (numpy, array_api_strict, torch, jax under jax.jit; cupy with a "
+                   "GPU), float32 and float64, the quick suite's cases (14: batch/heads, "
+                   "Nq != Nk both ways, length 1, causal both alignments, masks, fully masked "
+                   "rows, bias, scale, large logits) that each can take, against itself in "
+                   "float64/longdouble on NumPy; JAX compilations are cached in "
+                   "$ATTN_REF_JAX_CACHE, default $XDG_CACHE_HOME/attn-ref/jax")
     p.add_argument("--variant", action="append", default=None,
                    help="attn_ref variant name (repeatable; default: softmax, or all for the "
                         "built-in job)")
@@ -403,19 +411,39 @@ def _completed(pending):
     return ((f, f.result()) for f in cf.as_completed(pending))
 
 
-def _backend_status(name):
-    """None when the backend loads here, else why not (its import stays in the worker)."""
+def _worker_init():
+    """Settings of a built-in job worker, made before it imports NumPy, torch or JAX.
+
+    The job runs one worker per CPU, so a library's own thread pool only makes the
+    workers compete for the cores: on a loaded 2-core machine the torch rows (28
+    references, both dtypes, one process) took 7.4 s of CPU with torch's default
+    threads and 2.5 s with ``OMP_NUM_THREADS=1``. A value the user set wins.
+    """
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+
+def _verify_tasks(tasks, dtypes, settings) -> dict:
+    """``{(variant, backend): reports}`` of the tasks, in one process (a worker's call).
+
+    A backend that cannot be loaded here gives its reason, a string, in place of
+    the reports, so only the workers that run a backend's tasks ever import it.
+    """
     from . import backends as B
 
-    try:
-        B.load(name)
-    except B.BackendUnavailable as exc:
-        return str(exc)
-    return None
+    out = {}
+    for name, backend_name in tasks:
+        try:
+            B.load(backend_name)
+        except B.BackendUnavailable as exc:
+            out[name, backend_name] = str(exc)
+            continue
+        out[name, backend_name] = _verify_task(name, backend_name, dtypes, settings)
+    return out
 
 
 def _verify_task(name, backend_name, dtypes, settings) -> list:
-    """The reports of one reference on one backend, one per dtype (run in a worker)."""
+    """The reports of one reference on one backend, one per dtype."""
     from attn_ref.registry import get
 
     from . import backends as B
@@ -429,6 +457,25 @@ def _verify_task(name, backend_name, dtypes, settings) -> list:
                    time_limit=settings["time_limit"], options=settings["options"],
                    cases=settings["cases"], **sem)
             for dt in dtypes]
+
+
+def _work_units(vs, names):
+    """The built-in job cut into calls for the workers, in the order they are submitted.
+
+    Every backend but JAX is one call (all its variants in one worker, so torch is
+    imported by one worker only); each JAX variant is a call of its own, since JAX's
+    compilations are most of the job and are shared out between the workers. The torch
+    call goes first, then the JAX variants, then the short NumPy and array-api-strict
+    calls, which fill the workers' last seconds.
+    """
+    rank = {"torch": 0, "cupy": 1, "jax": 2}
+    units = []
+    for b in sorted(names, key=lambda n: rank.get(n, 3)):
+        if b == "jax":
+            units += [[(v.name, b)] for v in vs]
+        else:
+            units.append([(v.name, b) for v in vs])
+    return units
 
 
 def _verify_builtin(args) -> int:
@@ -462,33 +509,27 @@ def _verify_builtin(args) -> int:
                     cases=todo, semantics=_semantics(args))
     prog = Progress()
     done = {}
+    units = _work_units(vs, names)
+    total = len(vs) * len(names) * len(dtypes)
 
     def run(submit):
-        """Load the backends, then run every task; ``submit`` may run it in a worker."""
-        status = [f.result() for f in [submit(_backend_status, n) for n in names]]
-        avail = [n for n, why in zip(names, status) if why is None]
-        skipped = [(n, why) for n, why in zip(names, status) if why is not None]
-        # One task per (variant, backend), both dtypes: a JAX reference keeps its
-        # compilations per task. JAX's tasks go first, being the longest, so that
-        # a worker that finishes early takes the short ones.
-        tasks = [(v.name, b) for v in vs for b in avail]
-        order = sorted(tasks, key=lambda t: t[1] != "jax")
-        pending = {submit(_verify_task, name, b, dtypes, settings): (name, b) for name, b in order}
-        for fut, reps in _completed(pending):
-            done[pending[fut]] = reps
-            prog.update(len(done) * len(dtypes), len(tasks) * len(dtypes), " ".join(pending[fut]))
-        return tasks, avail, skipped
+        """Run every unit; ``submit`` may run it in a worker."""
+        pending = {submit(_verify_tasks, unit, dtypes, settings): unit for unit in units}
+        for fut, got in _completed(pending):
+            done.update(got)
+            prog.update(len(done) * len(dtypes), total, " ".join(pending[fut][-1]))
 
-    jobs = min(jobs, len(vs) * len(names))
+    jobs = min(jobs, len(units))
     if jobs > 1:
         import concurrent.futures as cf
         import multiprocessing
 
         # Workers import the backends; this process imports neither torch nor JAX.
         # spawn, not fork: a forked child would inherit JAX's and torch's threads.
-        pool = cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+        pool = cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_worker_init)
         try:
-            tasks, avail, skipped = run(pool.submit)
+            run(pool.submit)
         except KeyboardInterrupt:  # the workers got the Ctrl-C too; nothing left to wait for
             pool.shutdown(wait=False, cancel_futures=True)
             prog.done()
@@ -496,9 +537,12 @@ def _verify_builtin(args) -> int:
             return INTERRUPTED
         pool.shutdown()
     else:
-        tasks, avail, skipped = run(_Done)
+        run(_Done)
+    # a backend is skipped when it could not be loaded (its tasks hold the reason)
+    skipped = {b: got for (_, b), got in done.items() if isinstance(got, str)}
+    avail = [b for b in names if b not in skipped]
     rows, reports = [], []
-    for name, bname in tasks:
+    for name, bname in [(v.name, b) for v in vs for b in avail]:
         for dt, rep in zip(dtypes, done[name, bname]):
             reports.append(rep)
             rows.append((name, bname, dt, rep))
@@ -518,7 +562,7 @@ def _verify_builtin(args) -> int:
             f"{'inf' if w else '-':>6}"
         print(f"{name:<18} {bname:<17} {dt:<8} {c['pass']:>3}/{ran:<3} {me} {tol} {ratio}  "
               f"{'pass' if rep.passed else 'FAIL'}")
-    for n, why in skipped:
+    for n, why in skipped.items():
         print(f"skipped backend {n}: {why}")
     failed = [(n, b, d, r) for n, b, d, r in rows if not r.passed]
     for name, bname, dt, rep in failed:

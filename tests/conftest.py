@@ -28,6 +28,15 @@ import re
 # alone), a wait that cannot happen without the pool.
 os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true "
                       "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+# For the same reason a pytest-xdist worker (one per core) runs NumPy's BLAS and torch on
+# one thread: their pools on every worker only made the workers compete for the cores.
+# `pytest -n 2 tests/test_reference_finite.py -k performer` (QR-bound at d = 256) on the
+# loaded 2-core machine: 34 s and 25 s wall with the pools, 19 s and 18 s without (CPU
+# 13.6/10.2 s against 7.8/7.3 s). Nothing has imported NumPy or torch yet when this runs
+# (checked in the workers); a value the user set wins; a run without xdist keeps them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 import pytest  # noqa: E402
 
