@@ -6,8 +6,9 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
 
 ``attn-ref verify``
     With no kernel (the README's main job): every registered ``attn_ref`` variant, on
-    every installed backend (JAX under ``jax.jit``), in float32 and float64, on each
-    case of the ``quick`` suite it can take, against the golden - the reference itself
+    every installed backend (JAX under ``jax.jit``, on :func:`jit_cases` only), in
+    float32 and float64, on each case of the ``quick`` suite it can take, against the
+    golden - the reference itself
     in float64/longdouble on NumPy - in worker processes (:func:`_work_units`). With
     ``MODULE:FUNCTION``: that kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
@@ -149,8 +150,9 @@ def verify_arguments(p):
                    "backend (numpy, array_api_strict, torch, jax under jax.jit; cupy with a "
                    "GPU), float32 and float64, the quick suite's cases (14: batch/heads, "
                    "Nq != Nk both ways, length 1, causal both alignments, masks, fully masked "
-                   "rows, bias, scale, large logits) that each can take, against itself in "
-                   "float64/longdouble on NumPy; JAX compilations are cached in "
+                   "rows, bias, scale, large logits) that each can take (on JAX two of them "
+                   "per function and dtype unless --backend or --suite is given), against "
+                   "itself in float64/longdouble on NumPy; JAX compilations are cached in "
                    "$ATTN_REF_JAX_CACHE, default $XDG_CACHE_HOME/attn-ref/jax")
     p.add_argument("--variant", action="append", default=None,
                    help="attn_ref variant name (repeatable; default: softmax, or all for the "
@@ -452,11 +454,51 @@ def _verify_task(name, backend_name, dtypes, settings) -> list:
     v, be = get(name), B.load(backend_name)
     sem = {"causal": _causal_convention(v.fn), **settings["semantics"]}
     kernel = reference_kernel(v, be)
+    todo = settings["cases"]
+    if todo is None and backend_name == "jax" and settings.get("jit_subset"):
+        todo = jit_cases(name)
     return [verify(kernel, name, backend=backend_name, dtypes=(dt,), suite=settings["suite"],
                    seed=settings["seed"], supports={"broadcast": True}, progress=False,
                    time_limit=settings["time_limit"], options=settings["options"],
-                   cases=settings["cases"], **sem)
+                   cases=todo, **sem)
             for dt in dtypes]
+
+
+#: The quick-suite cases the built-in job runs on JAX, by tag, in order of preference.
+#: Every case shape is a compilation under ``jax.jit`` (about 0.3 s of CPU cold, 0.09 s
+#: from the persistent cache: tracing and lowering), and the 14 cases x 2 dtypes x 28
+#: references were 365 compilations, most of the job. The rows of one reference on JAX
+#: differ from its NumPy rows only by what JAX's tracing and XLA do to the same code, so
+#: two shapes per reference and dtype keep what the JAX rows prove (the function traces
+#: under ``jit``, with the keys and queries of unequal length and a causal mask, in both
+#: dtypes); every quick case still runs on NumPy, array-api-strict and PyTorch, and
+#: ``attn-ref verify --backend jax`` (or ``--suite quick`` given explicitly) runs them all
+#: on JAX. The subset applies to the job with no ``--suite``, ``--backend`` or ``--case``.
+JIT_CASE_TAGS = ("cross", "causal", "basic")
+JIT_CASES_PER_REFERENCE = 2
+
+
+def jit_cases(name) -> list:
+    """The cases of :data:`JIT_CASE_TAGS` that reference ``name`` can take, at most
+    :data:`JIT_CASES_PER_REFERENCE`: the first case of each tag first, then the rest in
+    tag order (a causal-only reference takes causal cases only)."""
+    from .catalogue import cases
+    from .features import NotApplicable
+    from .judging import prepare
+
+    quick = cases(name, "quick")
+    ranked = [c for t in JIT_CASE_TAGS for c in quick if c.tag == t]
+    firsts = [c for i, c in enumerate(ranked) if i == 0 or ranked[i - 1].tag != c.tag]
+    chosen = []
+    for c in firsts + [c for c in ranked if c not in firsts]:
+        try:
+            prepare(c, name, "float64")
+        except NotApplicable:
+            continue
+        chosen.append(c)
+        if len(chosen) == JIT_CASES_PER_REFERENCE:
+            break
+    return chosen
 
 
 def _work_units(vs, names):
@@ -506,7 +548,9 @@ def _verify_builtin(args) -> int:
     dtypes = args.dtype or ["float32", "float64"]
     suite = args.suite or "quick"
     settings = dict(suite=suite, seed=args.seed, time_limit=args.time_limit, options=options,
-                    cases=todo, semantics=_semantics(args))
+                    cases=todo, semantics=_semantics(args),
+                    # no suite, backend or case asked for: JAX runs JIT_CASES only
+                    jit_subset=not (args.suite or args.backend or args.case))
     prog = Progress()
     done = {}
     units = _work_units(vs, names)

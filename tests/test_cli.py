@@ -82,3 +82,38 @@ def test_worker_threads_default_to_one_but_the_users_setting_wins(monkeypatch):
 
     assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["MKL_NUM_THREADS"] == "1"
     assert os.environ["OPENBLAS_NUM_THREADS"] == "2"
+
+
+def test_jit_cases_are_a_few_applicable_quick_cases_of_every_reference():
+    from attn_ref.registry import variants
+    from conformance.catalogue import cases
+    from conformance.judging import prepare
+
+    for v in variants():
+        chosen = cli.jit_cases(v.name)
+        quick = {c.id for c in cases(v.name, "quick")}
+        assert 1 <= len(chosen) <= cli.JIT_CASES_PER_REFERENCE, v.name
+        assert {c.id for c in chosen} <= quick, v.name
+        for c in chosen:
+            prepare(c, v.name, "float64")  # applicable: raises NotApplicable otherwise
+    # unequal lengths and a causal mask, where the reference takes them
+    assert [c.tag for c in cli.jit_cases("softmax")] == ["cross", "causal"]
+
+
+def test_the_jit_subset_is_only_for_the_job_without_a_suite_backend_or_case(monkeypatch):
+    seen = {}
+
+    def spy(name, backend_name, dtypes, settings):
+        seen[name, backend_name] = settings["jit_subset"]
+        return []
+
+    monkeypatch.setattr(cli, "_verify_task", spy)
+    monkeypatch.setattr(cli, "_work_units", lambda vs, names: [[(vs[0].name, "numpy")]])
+    for argv, subset in ((["verify"], True), (["verify", "--suite", "quick"], False),
+                         (["verify", "--backend", "numpy"], False)):
+        seen.clear()
+        try:
+            cli.main(argv + ["--variant", "softmax", "--jobs", "1"])
+        except (KeyError, ValueError, TypeError):
+            pass  # the spy's empty report list; only the settings matter here
+        assert seen == {("softmax", "numpy"): subset}, argv
