@@ -292,7 +292,8 @@ def structural_cases():
     from .catalogue import CATALOGUE
 
     return [c for c in CATALOGUE["standard"]
-            if not c.needs - {"mask", "bias", "causal", "scale", "broadcast", "value_dim"}
+            if c.family is None
+            and not c.needs - {"mask", "bias", "causal", "scale", "broadcast", "value_dim"}
             and (c.batch[0] > 2 or c.batch[1] > 4 or c.nk > 1024)]
 
 

@@ -52,7 +52,7 @@ from .calling import (
 from .catalogue import Case
 from .catalogue import cases as _cases
 from .diagnose import diagnose
-from .extras import extra_results, split_outputs
+from .extras import extra_results, requested_keywords, split_outputs
 from .features import NotApplicable
 from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
@@ -124,6 +124,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         kw = kernel_kwargs(ctx, prep, convert)
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), **base)]
+    kw.update(requested_keywords(ctx, prep))
     inputs = {n: convert(to_layout(prep.arrays[n], ctx.layout)) for n in BASE_KEYS}
     shapes = {n: tuple(np.shape(to_layout(prep.arrays[n], ctx.layout))) for n in BASE_KEYS}
     snaps = {n: snapshot(ctx, x) for n, x in inputs.items()}
@@ -357,7 +358,8 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         for dt in dtypes:  # a backend without the dtype (NumPy has no bfloat16) raises now
             ctx.to_kernel(np.zeros(1), dt)
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
-    todo = list(cases) if cases is not None else _cases(None, suite)
+    todo = list(cases) if cases is not None else [
+        c for c in _cases(None, suite) if c.family is None or c.family == v.family]
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,
                     dtypes=tuple(dtypes), suite=suite, seed=seed, semantics=sem,
                     features=sorted(spec.features), signature_known=spec.signature_known,
