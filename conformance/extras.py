@@ -15,8 +15,11 @@ it (a tuple's second element that is something else, attention weights say). Eac
 checked extra is one report row (``output="lse"``) with its own tolerance; a fault in it
 fails the row, never the output's.
 
-Extension point: one :class:`Extra` in :data:`EXTRAS` (issue 18's recurrent kernels
-will add ``final_state``).
+An extra may be asked for by name (:attr:`Extra.request`): a signature that takes
+``output_final_state`` is called with ``output_final_state=True``, as fla's kernels are,
+and must then return the final state.
+
+Extension point: one :class:`Extra` in :data:`EXTRAS` (``lse``, ``final_state``).
 
 The log-sum-exp
 ---------------
@@ -42,6 +45,31 @@ relative error of the sum of exponentials, plus its own rounding::
 
 Absolute, per row. A base-2 lse is off by ``0.44 |lse|``, a scale applied twice by
 ``(1 - scale) |S|``, a relative bias of ``1e-3`` by ``1e-3 |lse|``: each far outside it.
+
+The final state (recurrent family)
+----------------------------------
+``S_T (N, H, d_k, d_v)`` whatever the layout of the output (fla's ``K x V``), ``N`` the
+batch or the number of packed sequences (``cu_seqlens``); ``(d_k, d_v)`` for ``nd``.
+Float32 for float16/bfloat16 kernels, as fla returns it (``supports={"final_state":
+"input_dtype"}``: rounded to the input dtype). Golden: the reference's final state in
+float64 (longdouble for float64 kernels).
+
+Tolerance, derived (``docs/conformance.md``, "Recurrent kernels"): the state is linear
+in ``S_0`` and the values, ``S_T = P_0 S_0 + sum_t w_t v_t^T`` (decay: ``w_t = Lambda_t *
+k_t``, ``Lambda_t = exp(sum_{s>t} a_s)``; delta rule: ``w_t = beta_t P_t k_t``, ``P_t`` the
+product of the later transitions ``exp(a_s) (I - beta_s k_s k_s^T)``, norm <= 1). With ``u``
+the accumulation's unit roundoff (float32's for float16/bfloat16/float32, float64's for
+float64), ``M = |P_0| |S_0| + sum_t |w_t| |v_t|^T`` the magnitude of the terms and ``G``
+the same sum weighted by ``|log Lambda_t|`` (the decay of each term is ``exp`` of a
+cumulative sum of log-gates)::
+
+    |dS_ij| <= (sqrt(T) + d_k) u M_ij     (the sum of T terms, random walk; d_k-term products)
+             + sqrt(T) u G_ij              (the cumulative log-gates behind each decay)
+    tol_ij = 4 (that) + ulp(|S_ij|) in float32 (float64 for float64 kernels)
+
+Per element, absolute, ``T`` the length of the element's sequence. A transposed state,
+the state before the last token, an ignored initial state are off by ``O(|S|)``; a
+relative ``1e-4`` (float32) fails at ``T = 4096``.
 """
 
 from __future__ import annotations
@@ -53,11 +81,12 @@ from typing import Any
 import numpy as np
 
 from .report import CaseResult
-from .tolerance import MANTISSA_BITS, ulp
+from .tolerance import LOW_PRECISION, MANTISSA_BITS, round_to, ulp
 
-__all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "split_outputs",
+__all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "expected_outputs",
+           "split_outputs",
            "extra_results", "lse_golden", "lse_tolerance", "diagnose_lse", "LSE_FUDGE",
-           "RECURRENT", "final_state_golden", "state_magnitudes", "final_state_tolerance",
+           "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE"]
 
 #: The factor over the derived per-row bound (module docstring).
@@ -116,6 +145,16 @@ def requested_keywords(ctx, prep) -> dict:
     return kw
 
 
+def expected_outputs(ctx) -> dict:
+    """The kernel's declared extras (``supports=``), plus those its signature was asked
+    for (:func:`requested_keywords`): an extra asked for by name must come back, in its
+    shape, as a declared one must."""
+    asked = {e.name: True for e in extras_of(ctx.variant)
+             if e.request and ctx.kernel.outputs.get(e.name) is not False
+             and all(n in ctx.kernel.accepts for n in e.request)}
+    return {**asked, **ctx.kernel.outputs}
+
+
 def _shape_words(e, prep, layout, shape):
     words = e.explain_shape(prep, layout, tuple(shape)) if e.explain_shape else ""
     return f": {words}" if words else ""
@@ -149,8 +188,10 @@ def split_outputs(ret, variant, declared: dict, prep, layout):
         has_shape = hasattr(x, "shape") and tuple(x.shape) == shape
         declared_present = want is not None and want is not False
         if declared_present and x is None:
-            problems[e.name] = (f"declared supports={{{e.name!r}: {want!r}}} but the kernel returned "
-                                f"no {e.name}")
+            asked = ", ".join(f"{n}={v!r}" for n, v in e.request.items())
+            problems[e.name] = (f"declared supports={{{e.name!r}: {want!r}}}"
+                                + (f" or asked for by {asked}" if asked else "")
+                                + f" but the kernel returned no {e.name}")
         elif declared_present and not has_shape:
             got = tuple(getattr(x, 'shape', ()))
             problems[e.name] = (f"{e.name} shape {got}, expected {shape} ({layout}; {e.doc})"
@@ -372,7 +413,7 @@ register_extra(Extra(
 #: ``output_final_state=True``.
 RECURRENT = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
 #: The factor over the derived per-element bound of the final state (module docstring).
-STATE_FUDGE = 2.0
+STATE_FUDGE = 4.0
 # chunk sizes the diagnoses try (those of fla's kernels and the usual Triton tiles)
 _CHUNKS = (16, 32, 64)
 
@@ -409,15 +450,18 @@ def _state_shape_words(prep, layout, shape):
     return ""
 
 
-def _call_state(prep, dtype, lo, hi, s0, *, cu=None, sliced=True):
-    """The reference's final state on tokens ``lo:hi`` from ``s0`` (None: zeros), computed
-    in ``dtype`` and returned as host float64; ``s0`` itself where the range is empty."""
+def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False, arrays=None):
+    """The recurrent reference on tokens ``lo:hi`` of ``prep``'s inputs from the initial
+    state ``s0`` (None: zeros), computed in ``dtype``, as host float64: its final state,
+    or with ``output=True`` its output. ``cu``: packed sequences of the range;
+    ``arrays``: replacements of ``q``, ``k``, ``v``. An empty range's state is ``s0``."""
     import array_api_compat.numpy as npx
 
     from .judging import as_dtype
 
     T = prep.case.nq
-    arrays = {n: prep.arrays[n][..., lo:hi, :] if sliced else prep.arrays[n] for n in "qkv"}
+    src = {n: prep.arrays[n] for n in "qkv"} if arrays is None else {**prep.arrays, **arrays}
+    arrays = {n: src[n][..., lo:hi, :] if sliced else src[n] for n in "qkv"}
     if hi <= lo:
         shape = arrays["q"].shape[:-2] + (prep.case.d, prep.case.dv)
         return np.zeros(shape) if s0 is None else np.array(s0, dtype=np.float64)
@@ -432,7 +476,7 @@ def _call_state(prep, dtype, lo, hi, s0, *, cu=None, sliced=True):
     if s0 is not None:
         params["initial_state"] = as_dtype(np.asarray(s0, dtype=np.float64), dtype)
     out = prep.variant.fn(*(as_dtype(arrays[n], dtype) for n in "qkv"), output_final_state=True,
-                          **kw, **params, **prep.options, xp=npx)[1]
+                          **kw, **params, **prep.options, xp=npx)[0 if output else 1]
     return np.asarray(out, dtype=np.float64)
 
 
@@ -451,7 +495,7 @@ def _per_sequence(prep, dtype, ranges, initial=True):
     from its sequence's initial state (``initial=False``: from zeros), stacked as the
     final state is."""
     rows = _initial_rows(prep)
-    return np.concatenate([_call_state(prep, dtype, lo, hi, s0 if initial else None)
+    return np.concatenate([reference_on(prep, dtype, lo, hi, s0 if initial else None)
                            for (lo, hi), s0 in zip(ranges, rows)], axis=0)
 
 
@@ -460,10 +504,25 @@ def final_state_golden(prep):
     kernels) values held as float64, computed once per prepared case."""
     if "final_state" not in prep.golden_extras:
         s0 = prep.arrays.get("initial_state")
-        prep.golden_extras["final_state"] = _call_state(
+        prep.golden_extras["final_state"] = reference_on(
             prep, prep.golden_dtype, 0, prep.case.nq, s0, cu=prep.kwargs.get("cu_seqlens"),
             sliced=False)
     return prep.golden_extras["final_state"]
+
+
+def _step_decay(prep):
+    """The decay ``alpha_t`` of a decay variant (retention, GLA, SSD) broadcastable to ``k``
+    ``(B, H, T, d_k)``, or None for the delta rule."""
+    p, k = prep.params, prep.arrays["k"]
+    if "beta" in p:
+        return None
+    if "gamma" in p:
+        gamma = np.asarray(p["gamma"], dtype=np.float64)
+        return gamma[..., None, None] if gamma.ndim else gamma
+    if "g" in p:
+        g = np.exp(np.asarray(p["g"], dtype=np.float64))
+        return g if g.ndim == k.ndim else g[..., None]
+    return None
 
 
 def _log_decays(prep, k):
@@ -552,13 +611,22 @@ def state_magnitudes(prep):
     return np.concatenate(ms), np.concatenate(gs), np.concatenate(ns)
 
 
-def final_state_tolerance(prep, golden, state_dtype="float32"):
-    """Per-element absolute bound ``(N, H, d_k, d_v)`` of the module docstring."""
+def _accumulation(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def final_state_tolerance(prep, golden, state_dtype=None):
+    """Per-element absolute bound ``(N, H, d_k, d_v)`` of the module docstring.
+
+    The storage term is one ulp of the accumulation's dtype (float32 for float16,
+    bfloat16 and float32 kernels, as fla returns its states), or of ``state_dtype`` when
+    given (the ``"input_dtype"`` convention: a state returned in the kernel's dtype).
+    """
     u = _unit(prep.dtype)
     m, g, n = state_magnitudes(prep)
-    bound = u * ((n + prep.case.d) * m + n * g)
-    store = state_dtype.split(".")[-1]
-    store = store if store in MANTISSA_BITS else "float32"
+    bound = u * ((np.sqrt(n) + prep.case.d) * m + np.sqrt(n) * g)
+    store = (state_dtype or "").split(".")[-1]
+    store = store if store in MANTISSA_BITS else _accumulation(prep.dtype)
     mag = np.abs(golden)
     ulps = np.vectorize(lambda x: ulp(x, store), otypes=[float])(mag) if mag.size else mag
     return STATE_FUDGE * bound + ulps
@@ -566,7 +634,7 @@ def final_state_tolerance(prep, golden, state_dtype="float32"):
 
 def _state_judge(prep, got, *, dtype="float32", convention=None):
     golden = final_state_golden(prep)
-    tol = final_state_tolerance(prep, golden, dtype)
+    tol = final_state_tolerance(prep, golden, dtype if convention == "input_dtype" else None)
     finite = np.isfinite(got)
     err = np.where(finite, np.abs(got - golden), 0.0)
     ratios = err / np.maximum(tol, np.finfo(float).tiny)
@@ -588,7 +656,7 @@ def _state_judge(prep, got, *, dtype="float32", convention=None):
         res.verdict = "fail"
         if nonfinite:
             res.ratio = math.inf
-        res.diagnosis = diagnose_final_state(prep, got, golden, tol)
+        res.diagnosis = diagnose_final_state(prep, got, golden, tol, dtype)
     return res
 
 
@@ -620,8 +688,21 @@ def _state_candidates(prep, golden):
         first = _initial_rows(prep)[0]
         out.append(("the state not reset at the packed sequences' boundaries (cu_seqlens): each "
                     "sequence starts from the previous one's final state",
-                    lambda: np.concatenate([_call_state(prep, "float64", 0, hi, first)
+                    lambda: np.concatenate([reference_on(prep, "float64", 0, hi, first)
                                             for _, hi in segs], axis=0)))
+    decay = _step_decay(prep)
+    if decay is not None:
+        out.append(("the gate applied after the update (S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t): "
+                    "the current token decays too)",
+                    lambda: np.concatenate([reference_on(prep, "float64", lo, hi, s0, arrays={
+                        "k": prep.arrays["k"] * decay}) for (lo, hi), s0 in zip(segs, _initial_rows(prep))])))
+    for c in _CHUNKS:
+        if all(hi - lo <= c for lo, hi in segs):
+            continue
+        out.append((f"the state not carried across chunks of {c}: the final state is the last "
+                    f"chunk's alone, from S = 0",
+                    lambda c=c: _per_sequence(prep, "float64", [(lo + c * ((hi - lo - 1) // c), hi)
+                                                                 for lo, hi in segs], initial=False)))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:
@@ -647,12 +728,23 @@ def _state_candidates(prep, golden):
     return out
 
 
-def diagnose_final_state(prep, got, golden, tol) -> str:
-    """Words naming the bug class of a failing final state (host, canonical layout)."""
+def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
+    """Words naming the bug class of a failing final state (host, canonical layout);
+    ``state_dtype`` the dtype the kernel returned it in."""
     finite = np.isfinite(got)
     if not np.all(finite):
         return f"{int(np.count_nonzero(~finite))} NaN/Inf value(s) in the final state"
     err = float(np.max(np.abs(got - golden), initial=0.0))
+    store = (state_dtype or "").split(".")[-1]
+    acc = _accumulation(prep.dtype)
+    if store in MANTISSA_BITS and MANTISSA_BITS[store] < MANTISSA_BITS[acc]:
+        lowered = f"the final state is returned in {store}, below the {acc} it accumulates in"
+        if prep.dtype in LOW_PRECISION:
+            lowered += (" (fla returns float32 states; declare supports={'final_state': "
+                        "'input_dtype'} if the rounding is intended)")
+        rounded = np.asarray(round_to(golden, store), dtype=np.float64)
+        if np.all(np.abs(got - rounded) <= tol + np.abs(rounded - golden)):
+            return lowered + ": precision below the dtype"
 
     def fits(c):
         if np.all(np.abs(golden - c) <= tol):
@@ -675,7 +767,8 @@ def diagnose_final_state(prep, got, golden, tol) -> str:
             continue
         if be > 0 and 0.2 <= err / be <= 5.0:
             return (f"the state computes in {dt}: its error ({err:.2g}) is the size a plain {dt} "
-                    f"implementation makes ({be:.2g}), precision below the dtype")
+                    f"implementation makes ({be:.2g}), precision below the dtype"
+                    + (f" (and is returned in {store})" if store == dt else ""))
     i = np.unravel_index(np.argmax(np.abs(got - golden) / np.maximum(tol, np.finfo(float).tiny)),
                          golden.shape)
     return (f"final state off by up to {err:.3g} (tolerance there {float(tol[i]):.3g} at "
@@ -689,4 +782,6 @@ register_extra(Extra(
     doc="the final state is (N, H, d_k, d_v) whatever the layout of the output, N the batch or "
         "the number of packed sequences (cu_seqlens), (d_k, d_v) for nd",
     request={"output_final_state": True}, explain_shape=_state_shape_words,
+    conventions={"input_dtype": "the state returned in the kernel's own dtype (float16/bfloat16), "
+                                "rounded from its float32 accumulation; fla returns float32"},
 ))

@@ -52,7 +52,7 @@ from .calling import (
 from .catalogue import Case
 from .catalogue import cases as _cases
 from .diagnose import diagnose
-from .extras import extra_results, requested_keywords, split_outputs
+from .extras import expected_outputs, extra_results, requested_keywords, split_outputs
 from .features import NotApplicable
 from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
@@ -134,7 +134,8 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     def forward():
         # the read-back is part of the call: it makes an asynchronous library finish
         ret = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
-        out, extras, problems = split_outputs(ret, ctx.variant, ctx.kernel.outputs, prep, ctx.layout)
+        out, extras, problems = split_outputs(ret, ctx.variant, expected_outputs(ctx), prep,
+                                              ctx.layout)
         problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
         if problem:
             return problem, None
