@@ -765,7 +765,10 @@ def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
             be = float(np.max(np.abs(_per_sequence(prep, dt, _segments(prep)) - golden)))
         except Exception:
             continue
-        if be > 0 and 0.2 <= err / be <= 5.0:
+        # a float32 loop can err several times less than the chunked float32 reference
+        # (measured: fla's naive GLA at 1/5 of it); an error of that order, far above the
+        # dtype's own rounding, is the float32 computation
+        if be > 0 and 0.05 <= err / be <= 5.0:
             return (f"the state computes in {dt}: its error ({err:.2g}) is the size a plain {dt} "
                     f"implementation makes ({be:.2g}), precision below the dtype"
                     + (f" (and is returned in {store})" if store == dt else ""))
