@@ -149,7 +149,7 @@ def test_a_kernel_without_the_extra_inputs_gets_those_cases_as_not_applicable():
     def kernel(q, k, v, *, g, scale=None):
         return get("gla").fn(q, k, v, g=g, scale=scale)
 
-    rep = _run(kernel, "gla", ("float32",), RECURRENT)
+    rep = _run(kernel, "gla", ("float32",), RECURRENT, supports={"causal": "always"})
     na = {r.case for r in rep.results if r.verdict == "n/a"}
     assert na == {c.id for c in RECURRENT if c.needs & {"initial_state", "cu_seqlens"}}
     assert rep.passed and not [r for r in rep.results if r.output == "final_state"], rep.table()
