@@ -459,24 +459,20 @@ def _recurrent():
     """Cases of the recurrent family (issue 18): where chunked kernels go wrong.
 
     Lengths that are not a multiple of the chunk sizes kernels use (16, 32, 64), among
-    them 1 and 15, shorter than any chunk; 4096 steps (states summed over thousands of
-    decayed terms, cumulative log-gates of size ~3000); ``d_v != d_k`` (the state is
+    them 1 and 15, shorter than any chunk (4096 steps, states summed over thousands of
+    decayed terms and cumulative log-gates of size ~3000, in ``exhaustive``); ``d_v != d_k`` (the state is
     ``d_k x d_v``: a transposed one has the wrong shape); an initial state, at lengths
     short enough that it still shows through the decay; packed sequences (``cu_seqlens``,
     B = 1 as fla takes them) of different lengths, some shorter than a chunk, one of a
     single token, with and without initial states. Causal (the family is causal by
-    construction); one case of 3 batch entries and 5 heads. Their cost is linear in T:
-    the 4096-step case costs what ``T = 1000`` costs a softmax case.
+    construction); one case of 3 batch entries and 5 heads.
     """
     C = Case
     tl, fam = "top-left", "recurrent"
     init, cu = ("initial_state",), ("cu_seqlens",)
     out = [C("chunks", (2, 2), n, n, 32, 32, causal=tl, family=fam)
            for n in (1, 15, 33, 63, 65, 100)]
-    out += [
-        C("chunks", (1, 2), 4096, 4096, 16, 16, causal=tl, family=fam),
-        C("chunks", (1, 2), 37, 37, 16, 24, causal=tl, family=fam),
-    ]
+    out.append(C("chunks", (1, 2), 37, 37, 16, 24, causal=tl, family=fam))
     out += [C("initial-state", (2, 2), n, n, 32, 32, causal=tl, family=fam, features=init)
             for n in (1, 15, 100)]
     out += [
@@ -493,8 +489,12 @@ def _recurrent():
     return out
 
 
+# 4096 steps: exhaustive only. In the standard suite it took the built-in job
+# (`verify --variant gla`, every backend) past 30 minutes, a call stopped at the 60 s
+# limit, on a loaded 2-core machine; the standard suite reaches T = 1000 for the family.
 CATALOGUE["standard"] += _recurrent()
-CATALOGUE["exhaustive"] += _recurrent()
+CATALOGUE["exhaustive"] += _recurrent() + [
+    Case("chunks", (1, 2), 4096, 4096, 16, 16, causal="top-left", family="recurrent")]
 
 
 def _long():

@@ -592,18 +592,9 @@ def _delta_without_wy(q, k, v, kw):
     chunk are ``U = T_c V`` instead of ``U - W S``, as if each chunk started from ``S = 0``
     when it corrects, while the queries still read the carried state."""
 
-    def run(fn, q, k, v, kw):
-        out_dtype = q.dtype
-        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-        beta = np.broadcast_to(np.asarray(kw["beta"], dtype=np.float64), q.shape[:-1])
-        g = kw.get("g")
-        g = np.zeros(q.shape[:-1]) if g is None else np.broadcast_to(
-            np.asarray(g, dtype=np.float64), q.shape[:-1])
-        if kw.get("qk_l2norm"):
-            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+    def one(q, k, v, beta, g, S, kw):
         scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         C, T = kw.get("chunk_size", 64), q.shape[-2]
-        S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]))
         out = np.zeros(q.shape[:-1] + (v.shape[-1],))
         for c0 in range(0, T, C):
             sl = slice(c0, min(c0 + C, T))
@@ -618,7 +609,30 @@ def _delta_without_wy(q, k, v, kw):
                                        + np.exp(b)[..., None] * (qc @ S))
             S = np.exp(b[..., -1:, None]) * S + np.swapaxes(
                 kc * np.exp(b[..., -1:] - b)[..., None], -1, -2) @ u
-        return out.astype(out_dtype)
+        return out, S
+
+    def run(fn, q, k, v, kw):
+        out_dtype = q.dtype
+        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+        beta = np.broadcast_to(np.asarray(kw["beta"], dtype=np.float64), q.shape[:-1])
+        g = kw.get("g")
+        g = np.zeros(q.shape[:-1]) if g is None else np.broadcast_to(
+            np.asarray(g, dtype=np.float64), q.shape[:-1])
+        if kw.get("qk_l2norm"):
+            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+        outs, finals = [], []
+        for (lo, hi), s0 in zip(*_sequences(q, kw)):
+            S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1])) if s0 is None else \
+                np.asarray(s0, dtype=np.float64)
+            o, S = one(q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], beta[..., lo:hi],
+                       g[..., lo:hi], S, kw)
+            outs.append(o)
+            finals.append(S)
+        out = np.concatenate(outs, axis=-2).astype(out_dtype)
+        if kw.get("output_final_state"):
+            return out, np.concatenate(finals, axis=0).astype(np.float32 if out_dtype in (
+                np.float16, np.float32) else out_dtype)
+        return out
 
     return q, k, v, kw, run
 
