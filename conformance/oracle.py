@@ -19,7 +19,11 @@ holding only what the case needs and the signature declares: ``mask``/``attn_mas
 :data:`conformance.features.FEATURES`), plus the variant's parameters (always passed by
 the reference's names) and options (passed when the signature has them). A kernel may
 return a tuple ``(out, lse, ...)`` or a dict ``{"out": ..., "lse": ...}``: the output
-and its extra outputs, each judged on its own row (:mod:`conformance.extras`).
+and its extra outputs, each judged on its own row (:mod:`conformance.extras`). A
+recurrent kernel (fla's convention) gets its gates and ``beta`` by name,
+``initial_state`` and ``cu_seqlens`` in the cases that have them, and
+``output_final_state=True`` when its signature takes it: it returns ``(o, final_state)``.
+The cases of a family (``Case.family``) run for that family's variants only.
 ``verify(supports={...})`` overrides detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
 
 Extension points
