@@ -90,6 +90,11 @@ class Case:
         Extra feature names this case needs beyond those implied by the fields.
     tag : str
         What the case is about, first part of its id.
+    family : str or None
+        The :mod:`attn_ref.registry` family the case is for (``"recurrent"``: chunk
+        boundaries, packed sequences, initial states); None: every variant. Not part of
+        the id: a case of a family is run only for that family's variants, so other
+        variants' suites (and their cost) are unchanged.
     """
 
     tag: str
@@ -106,6 +111,7 @@ class Case:
     kv_batch: tuple | None = None
     params: tuple = ()
     features: tuple = ()
+    family: str | None = None
 
     def __post_init__(self):
         if self.dist not in DISTRIBUTIONS:
@@ -449,6 +455,48 @@ CATALOGUE["standard"] += _modern_standard()
 CATALOGUE["exhaustive"] += _modern_standard() + _modern_long()
 
 
+def _recurrent():
+    """Cases of the recurrent family (issue 18): where chunked kernels go wrong.
+
+    Lengths that are not a multiple of the chunk sizes kernels use (16, 32, 64), among
+    them 1 and 15, shorter than any chunk (4096 steps, states summed over thousands of
+    decayed terms and cumulative log-gates of size ~3000, in ``exhaustive``); ``d_v != d_k`` (the state is
+    ``d_k x d_v``: a transposed one has the wrong shape); an initial state, at lengths
+    short enough that it still shows through the decay; packed sequences (``cu_seqlens``,
+    B = 1 as fla takes them) of different lengths, some shorter than a chunk, one of a
+    single token, with and without initial states. Causal (the family is causal by
+    construction); one case of 3 batch entries and 5 heads.
+    """
+    C = Case
+    tl, fam = "top-left", "recurrent"
+    init, cu = ("initial_state",), ("cu_seqlens",)
+    out = [C("chunks", (2, 2), n, n, 32, 32, causal=tl, family=fam)
+           for n in (1, 15, 33, 63, 65, 100)]
+    out.append(C("chunks", (1, 2), 37, 37, 16, 24, causal=tl, family=fam))
+    out += [C("initial-state", (2, 2), n, n, 32, 32, causal=tl, family=fam, features=init)
+            for n in (1, 15, 100)]
+    out += [
+        C("initial-state", (3, 5), 37, 37, 16, 16, causal=tl, family=fam, features=init),
+        C("initial-state", (1, 2), 33, 33, 16, 24, causal=tl, family=fam, features=init),
+        # packed sequences: 7, 33, 1 and 59 steps; 64, 1, 64 and 71
+        C("varlen-packed", (1, 2), 100, 100, 32, 32, causal=tl, family=fam,
+          params=(("cu_seqlens", (0, 7, 40, 41, 100)),), features=cu),
+        C("varlen-packed", (1, 3), 200, 200, 16, 16, causal=tl, family=fam,
+          params=(("cu_seqlens", (0, 64, 65, 129, 200)),), features=cu),
+        C("varlen-packed", (1, 2), 100, 100, 32, 32, causal=tl, family=fam,
+          params=(("cu_seqlens", (0, 15, 16, 81, 100)),), features=cu + init),
+    ]
+    return out
+
+
+# 4096 steps: exhaustive only. In the standard suite it took the built-in job
+# (`verify --variant gla`, every backend) past 30 minutes, a call stopped at the 60 s
+# limit, on a loaded 2-core machine; the standard suite reaches T = 1000 for the family.
+CATALOGUE["standard"] += _recurrent()
+CATALOGUE["exhaustive"] += _recurrent() + [
+    Case("chunks", (1, 2), 4096, 4096, 16, 16, causal="top-left", family="recurrent")]
+
+
 def _long():
     # Nq * Nk past conformance.long.LONG_THRESHOLD: goldens on Dask (conformance.long)
     C = Case
@@ -466,8 +514,9 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
     """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``, ``"long"``).
 
     ``variant`` (a registered name) drops cases the reference of that variant cannot
-    take because its signature lacks the feature or it is self-attention only, and the
-    non-causal cases of a variant that is causal by construction; cases
+    take because its signature lacks the feature or it is self-attention only, the
+    non-causal cases of a variant that is causal by construction, and the cases of
+    another family (:attr:`Case.family`); cases
     the kernel cannot take are decided later, in :func:`conformance.verify`.
 
     Examples
@@ -487,7 +536,8 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
         v = get(variant)
         feats = reference_features(v)
         out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)
-               and not (v.causal_only and c.causal is None)]
+               and not (v.causal_only and c.causal is None)
+               and c.family in (None, v.family)]
     return out
 
 

@@ -478,11 +478,58 @@ def _varlen_sigs(prep):
     yield "tokens attend across sequence boundaries (the packed batch is one sequence)", out
 
 
+def _recurrent_sigs(prep):
+    """The recurrent family's state mistakes (issue 18): an initial state dropped, packed
+    sequences whose state is not restarted at their boundaries, the gate applied after the
+    update (the current token decays too), the state reset at every chunk."""
+    if prep.variant.family != "recurrent":
+        return
+    a, kw = prep.arrays, prep.kwargs
+    s0, cu = a.get("initial_state"), kw.get("cu_seqlens")
+    if s0 is not None:
+        arrays = {n: x for n, x in a.items() if n != "initial_state"}
+        yield ("the initial state is ignored (the output computed from S_0 = 0)",
+               prep.reference("float64", arrays=arrays))
+    if cu is not None:
+        arrays = dict(a) if s0 is None else {**a, "initial_state": s0[:1]}
+        yield ("the state is not reset at the packed sequences' boundaries (cu_seqlens): each "
+               "sequence starts from the previous one's state, decay included",
+               prep.reference("float64", arrays=arrays,
+                              kwargs={n: x for n, x in kw.items() if n != "cu_seqlens"}))
+    from .extras import reference_on
+
+    p = prep.params
+    decay = None
+    if "gamma" in p:
+        gamma = np.asarray(p["gamma"], dtype=np.float64)
+        decay = gamma[..., None, None] if gamma.ndim else gamma
+    elif "g" in p and "beta" not in p:
+        g = np.exp(np.asarray(p["g"], dtype=np.float64))
+        decay = g if g.ndim == a["k"].ndim else g[..., None]
+    if decay is not None:
+        yield ("the gate is applied after the update (S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t): "
+               "the current token decays too)",
+               prep.reference("float64", arrays={**a, "k": a["k"] * decay}))
+    T = prep.case.nq
+    segs = list(zip(cu, cu[1:])) if cu is not None else [(0, T)]
+    rows = [s0] if cu is None else [None if s0 is None else s0[i:i + 1] for i in range(len(segs))]
+    for c in (16, 32, 64):
+        if all(hi - lo <= c for lo, hi in segs):
+            break
+        # each chunk from S = 0 (a sequence's initial state enters its first chunk only)
+        out = np.concatenate([reference_on(prep, "float64", c0, min(c0 + c, hi),
+                                           s if c0 == lo else None, output=True)
+                              for (lo, hi), s in zip(segs, rows) for c0 in range(lo, hi, c)],
+                             axis=-2)
+        yield f"the state is not carried across chunks of {c} (reset to 0 at each chunk)", out
+
+
 for _sig in (
     Signature("window", _window_sigs),
     Signature("gqa", _gqa_sigs),
     Signature("softcap", _softcap_sigs),
     Signature("varlen", _varlen_sigs),
+    Signature("recurrent", _recurrent_sigs),
 ):
     register_signature(_sig)
 

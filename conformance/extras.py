@@ -15,8 +15,11 @@ it (a tuple's second element that is something else, attention weights say). Eac
 checked extra is one report row (``output="lse"``) with its own tolerance; a fault in it
 fails the row, never the output's.
 
-Extension point: one :class:`Extra` in :data:`EXTRAS` (issue 18's recurrent kernels
-will add ``final_state``).
+An extra may be asked for by name (:attr:`Extra.request`): a signature that takes
+``output_final_state`` is called with ``output_final_state=True``, as fla's kernels are,
+and must then return the final state.
+
+Extension point: one :class:`Extra` in :data:`EXTRAS` (``lse``, ``final_state``).
 
 The log-sum-exp
 ---------------
@@ -42,6 +45,31 @@ relative error of the sum of exponentials, plus its own rounding::
 
 Absolute, per row. A base-2 lse is off by ``0.44 |lse|``, a scale applied twice by
 ``(1 - scale) |S|``, a relative bias of ``1e-3`` by ``1e-3 |lse|``: each far outside it.
+
+The final state (recurrent family)
+----------------------------------
+``S_T (N, H, d_k, d_v)`` whatever the layout of the output (fla's ``K x V``), ``N`` the
+batch or the number of packed sequences (``cu_seqlens``); ``(d_k, d_v)`` for ``nd``.
+Float32 for float16/bfloat16 kernels, as fla returns it (``supports={"final_state":
+"input_dtype"}``: rounded to the input dtype). Golden: the reference's final state in
+float64 (longdouble for float64 kernels).
+
+Tolerance, derived (``docs/conformance.md``, "Recurrent kernels"): the state is linear
+in ``S_0`` and the values, ``S_T = P_0 S_0 + sum_t w_t v_t^T`` (decay: ``w_t = Lambda_t *
+k_t``, ``Lambda_t = exp(sum_{s>t} a_s)``; delta rule: ``w_t = beta_t P_t k_t``, ``P_t`` the
+product of the later transitions ``exp(a_s) (I - beta_s k_s k_s^T)``, norm <= 1). With ``u``
+the accumulation's unit roundoff (float32's for float16/bfloat16/float32, float64's for
+float64), ``M = |P_0| |S_0| + sum_t |w_t| |v_t|^T`` the magnitude of the terms and ``G``
+the same sum weighted by ``|log Lambda_t|`` (the decay of each term is ``exp`` of a
+cumulative sum of log-gates)::
+
+    |dS_ij| <= (sqrt(T) + d_k) u M_ij     (the sum of T terms, random walk; d_k-term products)
+             + sqrt(T) u G_ij              (the cumulative log-gates behind each decay)
+    tol_ij = 4 (that) + ulp(|S_ij|) in float32 (float64 for float64 kernels)
+
+Per element, absolute, ``T`` the length of the element's sequence. A transposed state,
+the state before the last token, an ignored initial state are off by ``O(|S|)``; a
+relative ``1e-4`` (float32) fails at ``T = 4096``.
 """
 
 from __future__ import annotations
@@ -53,10 +81,13 @@ from typing import Any
 import numpy as np
 
 from .report import CaseResult
-from .tolerance import MANTISSA_BITS, ulp
+from .tolerance import LOW_PRECISION, MANTISSA_BITS, round_to, ulp
 
-__all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "split_outputs", "extra_results",
-           "lse_golden", "lse_tolerance", "diagnose_lse", "LSE_FUDGE"]
+__all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "expected_outputs",
+           "split_outputs",
+           "extra_results", "lse_golden", "lse_tolerance", "diagnose_lse", "LSE_FUDGE",
+           "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
+           "diagnose_final_state", "STATE_FUDGE"]
 
 #: The factor over the derived per-row bound (module docstring).
 LSE_FUDGE = 4.0
@@ -80,6 +111,12 @@ class Extra:
     #: conventions a kernel may declare instead of ``True`` (``supports={"lse": "+inf"}``),
     #: each with what it means; the judge gets the declared one as ``convention=``
     conventions: dict = field(default_factory=dict)
+    #: keywords that ask a kernel for this output (``{"output_final_state": True}``, as
+    #: fla's kernels take it), passed when its signature names them (or it takes
+    #: ``**kwargs`` and declares the extra), unless it declares ``supports={name: False}``
+    request: dict = field(default_factory=dict)
+    #: ``explain_shape(prep, layout, shape) -> str``: words for a known wrong shape
+    explain_shape: Any = None
 
 
 EXTRAS: dict = {}
@@ -93,6 +130,34 @@ def register_extra(extra: Extra) -> Extra:
 def extras_of(variant) -> tuple:
     """The extras a variant defines, in the order a tuple return holds them."""
     return tuple(e for e in EXTRAS.values() if variant.name in e.variants)
+
+
+def requested_keywords(ctx, prep) -> dict:
+    """The keywords that ask the kernel for its extra outputs (:attr:`Extra.request`)."""
+    kw = {}
+    for e in extras_of(ctx.variant):
+        declared = ctx.kernel.outputs.get(e.name)
+        if declared is False:
+            continue
+        for name, val in e.request.items():
+            if name in ctx.kernel.accepts or (ctx.kernel.var_kw and declared is not None):
+                kw[name] = val
+    return kw
+
+
+def expected_outputs(ctx) -> dict:
+    """The kernel's declared extras (``supports=``), plus those its signature was asked
+    for (:func:`requested_keywords`): an extra asked for by name must come back, in its
+    shape, as a declared one must."""
+    asked = {e.name: True for e in extras_of(ctx.variant)
+             if e.request and ctx.kernel.outputs.get(e.name) is not False
+             and all(n in ctx.kernel.accepts for n in e.request)}
+    return {**asked, **ctx.kernel.outputs}
+
+
+def _shape_words(e, prep, layout, shape):
+    words = e.explain_shape(prep, layout, tuple(shape)) if e.explain_shape else ""
+    return f": {words}" if words else ""
 
 
 def split_outputs(ret, variant, declared: dict, prep, layout):
@@ -123,11 +188,14 @@ def split_outputs(ret, variant, declared: dict, prep, layout):
         has_shape = hasattr(x, "shape") and tuple(x.shape) == shape
         declared_present = want is not None and want is not False
         if declared_present and x is None:
-            problems[e.name] = (f"declared supports={{{e.name!r}: {want!r}}} but the kernel returned "
-                                f"no {e.name}")
+            asked = ", ".join(f"{n}={v!r}" for n, v in e.request.items())
+            problems[e.name] = (f"declared supports={{{e.name!r}: {want!r}}}"
+                                + (f" or asked for by {asked}" if asked else "")
+                                + f" but the kernel returned no {e.name}")
         elif declared_present and not has_shape:
-            problems[e.name] = (f"{e.name} shape {tuple(getattr(x, 'shape', ()))}, expected {shape} "
-                                f"({layout}; {e.doc})")
+            got = tuple(getattr(x, 'shape', ()))
+            problems[e.name] = (f"{e.name} shape {got}, expected {shape} ({layout}; {e.doc})"
+                                + _shape_words(e, prep, layout, got))
         elif x is not None and (has_shape or by_name):
             extras[e.name] = x
     return out, extras, problems
@@ -148,7 +216,8 @@ def extra_results(ctx, prep, extras: dict, problems: dict, host: dict, base: dic
         if tuple(x.shape) != tuple(e.shape(prep, ctx.layout)):
             rows.append(CaseResult.error(
                 f"{name} shape {tuple(x.shape)}, expected {tuple(e.shape(prep, ctx.layout))} "
-                f"({ctx.layout}; {e.doc})", verdict="fail", output=name, **base))
+                f"({ctx.layout}; {e.doc})" + _shape_words(e, prep, ctx.layout, x.shape),
+                verdict="fail", output=name, **base))
             continue
         try:
             got = e.canonical(np.asarray(x, dtype=np.float64), ctx.layout)
@@ -332,4 +401,390 @@ register_extra(Extra(
     doc="the row log-sum-exp is (B, H, Nq), head-major, or (Nq,) for nd",
     conventions={"+inf": "+inf, not -inf = log 0, on rows that see no key (FlashAttention 2's "
                          "final lse)"},
+))
+
+
+# ------------------------------------------------------ the final state (issue 18)
+# The recurrent family (attn_ref.recurrent) returns the state S_T it ends on, which a
+# caller hands to the next call (chunked prefill, decoding): a second output, judged
+# against the reference's own final state with a bound of its own (module docstring).
+
+#: The variants whose kernels return a final state, as fla's do with
+#: ``output_final_state=True``.
+RECURRENT = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
+#: The factor over the derived per-element bound of the final state (module docstring).
+STATE_FUDGE = 4.0
+# chunk sizes the diagnoses try (those of fla's kernels and the usual Triton tiles)
+_CHUNKS = (16, 32, 64)
+
+
+def _segments(prep):
+    """The packed sequences ``[(start, end), ...]`` of a case, ``[(0, T)]`` unpacked."""
+    cu = prep.kwargs.get("cu_seqlens")
+    return list(zip(cu, cu[1:])) if cu is not None else [(0, prep.case.nq)]
+
+
+def _state_shape(prep, layout):
+    b, h = prep.golden.shape[:2]
+    cu = prep.kwargs.get("cu_seqlens")
+    n = len(cu) - 1 if cu is not None else b
+    if layout == "nd":
+        return (prep.case.d, prep.case.dv)
+    return (n, h, prep.case.d, prep.case.dv)
+
+
+def _state_canonical(x, layout):
+    return x[None, None] if layout == "nd" else x
+
+
+def _state_shape_words(prep, layout, shape):
+    want = tuple(_state_shape(prep, layout))
+    if len(shape) == len(want) and shape[:-2] == want[:-2] and shape[-2:] == want[:-3:-1] \
+            and want[-1] != want[-2]:
+        return ("the state transposed: d_v x d_k, where it is d_k x d_v (fla's layout: S[i, j] "
+                "pairs key dim i with value dim j)")
+    if prep.kwargs.get("cu_seqlens") is not None and len(shape) == len(want) and \
+            shape[1:] == want[1:] and shape[0] == prep.golden.shape[0]:
+        return (f"one state per batch entry, not one per packed sequence ({want[0]} sequences "
+                f"in cu_seqlens)")
+    return ""
+
+
+def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False, arrays=None):
+    """The recurrent reference on tokens ``lo:hi`` of ``prep``'s inputs from the initial
+    state ``s0`` (None: zeros), computed in ``dtype``, as host float64: its final state,
+    or with ``output=True`` its output. ``cu``: packed sequences of the range;
+    ``arrays``: replacements of ``q``, ``k``, ``v``. An empty range's state is ``s0``."""
+    import array_api_compat.numpy as npx
+
+    from .judging import as_dtype
+
+    T = prep.case.nq
+    src = {n: prep.arrays[n] for n in "qkv"} if arrays is None else {**prep.arrays, **arrays}
+    arrays = {n: src[n][..., lo:hi, :] if sliced else src[n] for n in "qkv"}
+    if hi <= lo:
+        shape = arrays["q"].shape[:-2] + (prep.case.d, prep.case.dv)
+        return np.zeros(shape) if s0 is None else np.array(s0, dtype=np.float64)
+    params = {}
+    for n, x in prep.params.items():
+        # per-step inputs (gates, beta) are (B, H, T, ...); per-head ones (gamma) are not
+        per_step = hasattr(x, "shape") and x.ndim >= 3 and x.shape[2] == T
+        params[n] = as_dtype(x[:, :, lo:hi] if per_step and sliced else x, dtype)
+    kw = {n: x for n, x in prep.kwargs.items() if n != "cu_seqlens"}
+    if cu is not None:
+        kw["cu_seqlens"] = cu
+    if s0 is not None:
+        params["initial_state"] = as_dtype(np.asarray(s0, dtype=np.float64), dtype)
+    out = prep.variant.fn(*(as_dtype(arrays[n], dtype) for n in "qkv"), output_final_state=True,
+                          **kw, **params, **prep.options, xp=npx)[0 if output else 1]
+    return np.asarray(out, dtype=np.float64)
+
+
+def _initial_rows(prep):
+    """The initial state of each packed sequence (or of the batch), None without one."""
+    s0 = prep.arrays.get("initial_state")
+    if s0 is None:
+        return [None] * len(_segments(prep))
+    if prep.kwargs.get("cu_seqlens") is None:
+        return [s0]
+    return [s0[i:i + 1] for i in range(s0.shape[0])]
+
+
+def _per_sequence(prep, dtype, ranges, initial=True):
+    """States of the reference on ``ranges`` (one ``(lo, hi)`` per packed sequence), each
+    from its sequence's initial state (``initial=False``: from zeros), stacked as the
+    final state is."""
+    rows = _initial_rows(prep)
+    return np.concatenate([reference_on(prep, dtype, lo, hi, s0 if initial else None)
+                           for (lo, hi), s0 in zip(ranges, rows)], axis=0)
+
+
+def final_state_golden(prep):
+    """The reference final state ``(N, H, d_k, d_v)``: float64 (longdouble for float64
+    kernels) values held as float64, computed once per prepared case."""
+    if "final_state" not in prep.golden_extras:
+        s0 = prep.arrays.get("initial_state")
+        prep.golden_extras["final_state"] = reference_on(
+            prep, prep.golden_dtype, 0, prep.case.nq, s0, cu=prep.kwargs.get("cu_seqlens"),
+            sliced=False)
+    return prep.golden_extras["final_state"]
+
+
+def _step_decay(prep):
+    """The decay ``alpha_t`` of a decay variant (retention, GLA, SSD) broadcastable to ``k``
+    ``(B, H, T, d_k)``, or None for the delta rule."""
+    p, k = prep.params, prep.arrays["k"]
+    if "beta" in p:
+        return None
+    if "gamma" in p:
+        gamma = np.asarray(p["gamma"], dtype=np.float64)
+        return gamma[..., None, None] if gamma.ndim else gamma
+    if "g" in p:
+        g = np.exp(np.asarray(p["g"], dtype=np.float64))
+        return g if g.ndim == k.ndim else g[..., None]
+    return None
+
+
+def _log_decays(prep, k):
+    """Log decay per step ``(B, H, T, e)`` (``e`` = d_k for GLA's gates, else 1)."""
+    p = prep.params
+    shape = k.shape[:-1] + (1,)
+    if "gamma" in p:
+        gamma = np.asarray(p["gamma"], dtype=np.float64)
+        return np.broadcast_to(np.log(gamma)[..., None, None] if gamma.ndim else np.log(gamma),
+                               shape)
+    if "g" in p:
+        g = np.asarray(p["g"], dtype=np.float64)
+        return np.broadcast_to(g, k.shape) if g.ndim == k.ndim else np.broadcast_to(g[..., None], shape)
+    return np.zeros(shape)
+
+
+def _decay_terms(k, v, a, s0):
+    """``M, G`` of a decayed sum ``S_T = D S_0 + sum_t diag(L_t) k_t v_t^T`` in closed form:
+    ``L_t = exp(sum_{s > t} a_s)``, ``D = exp(sum_s a_s)``."""
+    after = np.cumsum(a[..., ::-1, :], axis=-2)[..., ::-1, :] - a  # sum_{s > t} a_s
+    w = np.exp(after) * np.abs(k)
+    m = np.swapaxes(w, -1, -2) @ np.abs(v)
+    g = np.swapaxes(np.abs(after) * w, -1, -2) @ np.abs(v)
+    if s0 is not None:
+        total = np.sum(a, axis=-2)[..., :, None]  # (..., e, 1)
+        m = m + np.exp(total) * np.abs(s0)
+        g = g + np.abs(total) * np.exp(total) * np.abs(s0)
+    return m, g
+
+
+def _delta_terms(k, v, a, beta, s0):
+    """``M, G`` of the delta rule, ``S_t = (I - beta_t k_t k_t^T) exp(a_t) S_{t-1} + beta_t
+    k_t v_t^T``: ``S_T = P_0 S_0 + sum_t w_t v_t^T`` with ``w_t = beta_t P_t k_t`` and
+    ``P_t`` the product of the later steps' transitions, built backwards."""
+    dk = k.shape[-1]
+    r = np.broadcast_to(np.eye(dk), k.shape[:-2] + (dk, dk)).copy()
+    logr = np.zeros(k.shape[:-2] + (1, 1))
+    m = np.zeros(k.shape[:-2] + (dk, v.shape[-1]))
+    g = np.zeros_like(m)
+    for t in range(k.shape[-2] - 1, -1, -1):
+        kt = k[..., t, :]
+        w = beta[..., t, None] * (r @ kt[..., :, None])[..., 0]
+        outer = np.abs(w)[..., :, None] * np.abs(v[..., t, None, :])
+        m += outer
+        g += np.abs(logr) * outer
+        r = np.exp(a[..., t, :])[..., None] * (r - w[..., :, None] * kt[..., None, :])
+        logr = logr + a[..., t, :][..., None]
+    if s0 is not None:
+        term = np.abs(r) @ np.abs(s0)
+        m += term
+        g += np.abs(logr) * term
+    return m, g
+
+
+def state_magnitudes(prep):
+    """``(M, G, n)``, each shaped as the final state, of the module docstring's bound.
+
+    ``M[i, j]``: the sum of the magnitudes of the terms whose sum is ``S_T[i, j]`` (the
+    final state is linear in ``S_0`` and the values: ``S_T = P_0 S_0 + sum_t w_t
+    v_t^T``); ``G``: the same sum weighted by each term's ``|log|`` of decay (where an
+    error in a cumulative log-gate moves it); ``n``: the length of the sequence.
+    """
+    import array_api_compat.numpy as npx
+
+    from attn_ref.recurrent import l2_normalize
+
+    batch = prep.golden.shape[:2]
+    k = np.broadcast_to(prep.arrays["k"], batch + prep.arrays["k"].shape[2:])
+    v = np.broadcast_to(prep.arrays["v"], batch + prep.arrays["v"].shape[2:])
+    if prep.options.get("qk_l2norm"):
+        k = np.asarray(l2_normalize(np.asarray(k, dtype=np.float64), xp=npx))
+    a = _log_decays(prep, k)
+    beta = prep.params.get("beta")
+    if beta is not None:
+        beta = np.broadcast_to(np.asarray(beta, dtype=np.float64), k.shape[:-1])
+    ms, gs, ns = [], [], []
+    for (lo, hi), s0 in zip(_segments(prep), _initial_rows(prep)):
+        sl = (..., slice(lo, hi), slice(None))
+        if beta is None:
+            m, g = _decay_terms(k[sl], v[sl], a[sl], s0)
+        else:
+            m, g = _delta_terms(k[sl], v[sl], a[sl], beta[..., lo:hi], s0)
+        ms.append(m)
+        gs.append(g)
+        ns.append(np.full(m.shape, float(hi - lo)))
+    return np.concatenate(ms), np.concatenate(gs), np.concatenate(ns)
+
+
+def _accumulation(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def final_state_tolerance(prep, golden, state_dtype=None):
+    """Per-element absolute bound ``(N, H, d_k, d_v)`` of the module docstring.
+
+    The storage term is one ulp of the accumulation's dtype (float32 for float16,
+    bfloat16 and float32 kernels, as fla returns its states), or of ``state_dtype`` when
+    given (the ``"input_dtype"`` convention: a state returned in the kernel's dtype).
+    """
+    u = _unit(prep.dtype)
+    m, g, n = state_magnitudes(prep)
+    bound = u * ((np.sqrt(n) + prep.case.d) * m + np.sqrt(n) * g)
+    store = (state_dtype or "").split(".")[-1]
+    store = store if store in MANTISSA_BITS else _accumulation(prep.dtype)
+    mag = np.abs(golden)
+    ulps = np.vectorize(lambda x: ulp(x, store), otypes=[float])(mag) if mag.size else mag
+    return STATE_FUDGE * bound + ulps
+
+
+def _state_judge(prep, got, *, dtype="float32", convention=None):
+    golden = final_state_golden(prep)
+    tol = final_state_tolerance(prep, golden, dtype if convention == "input_dtype" else None)
+    finite = np.isfinite(got)
+    err = np.where(finite, np.abs(got - golden), 0.0)
+    ratios = err / np.maximum(tol, np.finfo(float).tiny)
+    ratio = float(np.max(ratios, initial=0.0))
+    worst = tuple(int(i) for i in np.unravel_index(np.argmax(ratios), ratios.shape)) \
+        if ratios.size else ()
+    res = CaseResult(case=prep.case.id, dtype=prep.dtype, output="final_state",
+                     max_err=float(np.max(err, initial=0.0)),
+                     rms_err=float(np.sqrt(np.mean(err ** 2))) if err.size else 0.0,
+                     tol_max=float(tol[worst]) if worst else float("nan"), ratio=ratio,
+                     worst=worst[:3])
+    bad_golden = int(np.count_nonzero(~np.isfinite(golden)))
+    if bad_golden:
+        res.verdict = "error"
+        res.diagnosis = f"oracle: golden final state has {bad_golden} non-finite values"
+        return res
+    nonfinite = int(np.count_nonzero(~finite))
+    if nonfinite or ratio > 1:
+        res.verdict = "fail"
+        if nonfinite:
+            res.ratio = math.inf
+        res.diagnosis = diagnose_final_state(prep, got, golden, tol, dtype)
+    return res
+
+
+# The final state's own bug classes: its layout, which step it is taken at, what happens
+# to the initial state and at sequence boundaries, its precision. Each is named only when
+# it reproduces the kernel's state (within the tolerance, or all but 1/50 of the error),
+# the rule of conformance.diagnose.
+
+
+def _state_candidates(prep, golden):
+    """``(message, make)`` pairs, ``make()`` the state a mistake would return."""
+    segs = _segments(prep)
+    dk, dv = prep.case.d, prep.case.dv
+    packed = prep.kwargs.get("cu_seqlens") is not None
+    out = []
+    if dk == dv:
+        out.append(("the state transposed: d_v x d_k, where it is d_k x d_v (fla's layout: "
+                    "S[i, j] pairs key dim i with value dim j)", lambda: np.swapaxes(golden, -1, -2)))
+    if "initial_state" in prep.arrays:
+        def zero_start():
+            return _per_sequence(prep, "float64", segs, initial=False)
+        out += [
+            ("the initial state ignored: the final state is the one from S_0 = 0", zero_start),
+            ("the initial state not decayed: S_0 added to the final state as it came in, "
+             "not carried through the steps' decays (and delta-rule updates)",
+             lambda: zero_start() + prep.arrays["initial_state"]),
+        ]
+    if packed:
+        first = _initial_rows(prep)[0]
+        out.append(("the state not reset at the packed sequences' boundaries (cu_seqlens): each "
+                    "sequence starts from the previous one's final state",
+                    lambda: np.concatenate([reference_on(prep, "float64", 0, hi, first)
+                                            for _, hi in segs], axis=0)))
+    decay = _step_decay(prep)
+    if decay is not None:
+        out.append(("the gate applied after the update (S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t): "
+                    "the current token decays too)",
+                    lambda: np.concatenate([reference_on(prep, "float64", lo, hi, s0, arrays={
+                        "k": prep.arrays["k"] * decay}) for (lo, hi), s0 in zip(segs, _initial_rows(prep))])))
+    for c in _CHUNKS:
+        if all(hi - lo <= c for lo, hi in segs):
+            continue
+        out.append((f"the state not carried across chunks of {c}: the final state is the last "
+                    f"chunk's alone, from S = 0",
+                    lambda c=c: _per_sequence(prep, "float64", [(lo + c * ((hi - lo - 1) // c), hi)
+                                                                 for lo, hi in segs], initial=False)))
+    out.append(("the state before the last token's update (S_{T-1}: the last step not written "
+                "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
+    for c in _CHUNKS:
+        if all((hi - lo) % c == 0 for lo, hi in segs):
+            continue
+        out.append((f"the state at the last chunk boundary (chunks of {c}): the tokens after the "
+                    f"last full chunk not added",
+                    lambda c=c: _per_sequence(prep, "float64",
+                                              [(lo, lo + c * ((hi - lo) // c)) for lo, hi in segs])))
+    for c in _CHUNKS:
+        if all(hi - lo <= c for lo, hi in segs) and "initial_state" not in prep.arrays:
+            continue
+
+        def undecayed(c=c):
+            # the state carried into the last chunk added without that chunk's decay
+            starts = [lo + c * ((hi - lo - 1) // c) for lo, hi in segs]
+            carried = _per_sequence(prep, "float64", [(lo, s) for (lo, _), s in zip(segs, starts)])
+            rest = _per_sequence(prep, "float64", [(s, hi) for (_, hi), s in zip(segs, starts)],
+                                 initial=False)
+            return carried + rest
+        out.append((f"the carried state not decayed over the last chunk (chunks of {c}): the decay "
+                    f"of the last chunk not applied to the state it starts from", undecayed))
+    return out
+
+
+def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
+    """Words naming the bug class of a failing final state (host, canonical layout);
+    ``state_dtype`` the dtype the kernel returned it in."""
+    finite = np.isfinite(got)
+    if not np.all(finite):
+        return f"{int(np.count_nonzero(~finite))} NaN/Inf value(s) in the final state"
+    err = float(np.max(np.abs(got - golden), initial=0.0))
+    store = (state_dtype or "").split(".")[-1]
+    acc = _accumulation(prep.dtype)
+    if store in MANTISSA_BITS and MANTISSA_BITS[store] < MANTISSA_BITS[acc]:
+        lowered = f"the final state is returned in {store}, below the {acc} it accumulates in"
+        if prep.dtype in LOW_PRECISION:
+            lowered += (" (fla returns float32 states; declare supports={'final_state': "
+                        "'input_dtype'} if the rounding is intended)")
+        rounded = np.asarray(round_to(golden, store), dtype=np.float64)
+        if np.all(np.abs(got - rounded) <= tol + np.abs(rounded - golden)):
+            return lowered + ": precision below the dtype"
+
+    def fits(c):
+        if np.all(np.abs(golden - c) <= tol):
+            return False  # the mistake changes nothing on this case
+        off = np.abs(got - c)
+        return bool(np.all(off <= tol)) or float(np.max(off)) <= err / 50
+
+    for message, make in _state_candidates(prep, golden):
+        try:
+            cand = make()
+        except Exception:  # a candidate that cannot be built here says nothing
+            continue
+        if cand.shape == golden.shape and fits(cand):
+            return message
+    lower = {"float64": ("float32",), "float32": ()}.get(prep.dtype, ())
+    for dt in lower:
+        try:
+            be = float(np.max(np.abs(_per_sequence(prep, dt, _segments(prep)) - golden)))
+        except Exception:
+            continue
+        # a float32 loop can err several times less than the chunked float32 reference
+        # (measured: fla's naive GLA at 1/5 of it); an error of that order, far above the
+        # dtype's own rounding, is the float32 computation
+        if be > 0 and 0.05 <= err / be <= 5.0:
+            return (f"the state computes in {dt}: its error ({err:.2g}) is the size a plain {dt} "
+                    f"implementation makes ({be:.2g}), precision below the dtype"
+                    + (f" (and is returned in {store})" if store == dt else ""))
+    i = np.unravel_index(np.argmax(np.abs(got - golden) / np.maximum(tol, np.finfo(float).tiny)),
+                         golden.shape)
+    return (f"final state off by up to {err:.3g} (tolerance there {float(tol[i]):.3g} at "
+            f"(sequence, head, i, j) = {tuple(int(x) for x in i)}); no known mistake of the final "
+            f"state explains it")
+
+
+register_extra(Extra(
+    name="final_state", variants=RECURRENT, shape=_state_shape, canonical=_state_canonical,
+    judge=_state_judge,
+    doc="the final state is (N, H, d_k, d_v) whatever the layout of the output, N the batch or "
+        "the number of packed sequences (cu_seqlens), (d_k, d_v) for nd",
+    request={"output_final_state": True}, explain_shape=_state_shape_words,
+    conventions={"input_dtype": "the state returned in the kernel's own dtype (float16/bfloat16), "
+                                "rounded from its float32 accumulation; fla returns float32"},
 ))

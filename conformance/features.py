@@ -226,3 +226,32 @@ def allowed_matrix(case, arrays: dict, kwargs: dict) -> np.ndarray | None:
         if a is not None:
             out = a if out is None else np.logical_and(out, a)
     return out
+
+
+# ------------------------------------------------- features of recurrent kernels (issue 18)
+# The state a recurrent kernel starts from and the packed sequences it runs over, as
+# flash-linear-attention's kernels take them: ``initial_state (N, H, d_k, d_v)`` (N the
+# batch, or the number of packed sequences) and ``cu_seqlens = (0, t_1, ..., T)`` with
+# ``q (1, T, H, d_k)``. Both are passed by name; the state as an array in the kernel's
+# dtype, the boundaries as a tuple of Python ints.
+
+
+def _cu_seqlens_build(case, rng, arrays, kwargs):
+    kwargs["cu_seqlens"] = tuple(int(x) for x in case.param("cu_seqlens"))
+
+
+def _initial_state_build(case, rng, arrays, kwargs):
+    # drawn as fla's tests draw h0 (torch.randn(N, H, K, V)); one state per packed
+    # sequence when the case packs several
+    cu = case.param("cu_seqlens")
+    n = len(cu) - 1 if cu is not None else case.batch[0]
+    arrays["initial_state"] = rng.standard_normal((n, case.batch[1], case.d, case.dv))
+
+
+register_feature(Feature("initial_state", ("initial_state",), build=_initial_state_build,
+                         doc="the state S_0 (N, H, d_k, d_v) a recurrent kernel starts from, "
+                             "one per batch entry or packed sequence"))
+register_feature(Feature("cu_seqlens", ("cu_seqlens",), build=_cu_seqlens_build,
+                         doc="packed sequences [0, t_1, ..., T] (B = 1), a tuple of ints as "
+                             "seqlens_q/seqlens_k are (static under jit; fla's kernels take "
+                             "torch.tensor(cu_seqlens)); the state restarts at each boundary"))

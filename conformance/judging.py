@@ -434,6 +434,10 @@ def resolve_tolerance(tolerance, dtype, output):
 
 
 def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
+    family = getattr(case, "family", None)
+    if family is not None and family != v.family:
+        raise NotApplicable(f"a case of the {family} family; variant {v.name} is of the "
+                            f"{v.family} family")
     if v.self_attention and case.nq != case.nk:
         raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
     if v.causal_only and case.causal is None:

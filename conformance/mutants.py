@@ -24,6 +24,8 @@ import numpy as np
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
            "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "routing_kernel",
            "synthesizer_kernel", "variant_kernel", "variant_mutants", "first_failure",
+           "FINAL_STATE_CHANGES", "final_state_mutants", "RECURRENT_CHANGES", "RECURRENT_VARIANTS",
+           "catch_table",
            "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
@@ -292,7 +294,8 @@ def structural_cases():
     from .catalogue import CATALOGUE
 
     return [c for c in CATALOGUE["standard"]
-            if not c.needs - {"mask", "bias", "causal", "scale", "broadcast", "value_dim"}
+            if c.family is None
+            and not c.needs - {"mask", "bias", "causal", "scale", "broadcast", "value_dim"}
             and (c.batch[0] > 2 or c.batch[1] > 4 or c.nk > 1024)]
 
 
@@ -388,7 +391,11 @@ def variant_kernel(variant, change=None, *, factor=None):
             q, k, v, kw, *rest = change(q, k, v, kw)
             run = rest[0] if rest else None
         out = fn(q, k, v, **kw) if run is None else run(fn, q, k, v, kw)
-        return out if factor is None else (out * factor).astype(out.dtype)
+        if factor is None:
+            return out
+        if isinstance(out, tuple):  # (output, final state): the output alone is scaled
+            return ((out[0] * factor).astype(out[0].dtype),) + out[1:]
+        return (out * factor).astype(out.dtype)
 
     kernel.__signature__ = inspect.signature(fn)
     kernel.__name__ = f"{variant}_mutant"
@@ -458,22 +465,126 @@ def _gate_after_update(q, k, v, kw):
 _STEP_INPUTS = ("g", "beta")
 
 
+def _steps_cut(kw, lo, hi):
+    """``kw`` with the per-step inputs (gates, ``beta``: ``(B, H, T, ...)``) cut to ``lo:hi``."""
+    out = dict(kw)
+    for name in _STEP_INPUTS:
+        x = out.get(name)
+        if x is not None and getattr(x, "ndim", 0) >= 3:
+            out[name] = x[:, :, lo:hi]
+    return out
+
+
+def _sequences(q, kw):
+    """``(ranges, initial states)`` of a call: its packed sequences (``cu_seqlens``) with
+    one initial state each, or the whole length with the whole initial state."""
+    cu, s0 = kw.get("cu_seqlens"), kw.get("initial_state")
+    if cu is None:
+        return [(0, q.shape[-2])], [s0]
+    cu = [int(x) for x in cu]
+    return list(zip(cu, cu[1:])), [None if s0 is None else s0[i:i + 1] for i in range(len(cu) - 1)]
+
+
+def _state_on(fn, q, k, v, kw, lo, hi, s0):
+    """The reference's state after tokens ``lo:hi`` from ``s0`` (``s0``, or zeros, if empty)."""
+    if hi <= lo:
+        return np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]), q.dtype) if s0 is None else s0
+    rest = {n: x for n, x in _steps_cut(kw, lo, hi).items()
+            if n not in ("cu_seqlens", "initial_state", "output_final_state")}
+    sl = (..., slice(lo, hi), slice(None))
+    return fn(q[sl], k[sl], v[sl], initial_state=s0, output_final_state=True, **rest)[1]
+
+
 def _state_not_carried(chunk):
-    """The state reset to zero at every chunk of ``chunk`` steps: the chunks computed as
-    packed sequences of their own (``cu_seqlens``), the batch moved behind a packing axis."""
+    """The state reset to zero at every chunk of ``chunk`` steps of each sequence (the
+    sequence's initial state enters its first chunk only)."""
 
     def change(q, k, v, kw):
         def run(fn, q, k, v, kw):
-            T = q.shape[-2]
-            kw = dict(kw, cu_seqlens=list(range(0, T, chunk)) + [T])
-            for name in _STEP_INPUTS:
-                if name in kw:
-                    kw[name] = np.asarray(kw[name])[None]
-            return fn(q[None], k[None], v[None], **kw)[0]
+            rest = {n: x for n, x in kw.items()
+                    if n not in ("cu_seqlens", "initial_state", "output_final_state")}
+            outs, finals = [], []
+            for (a, b), s0 in zip(*_sequences(q, kw)):
+                s = s0
+                for c0 in range(a, b, chunk):
+                    c1 = min(c0 + chunk, b)
+                    sl = (..., slice(c0, c1), slice(None))
+                    o, s = fn(q[sl], k[sl], v[sl], initial_state=s if c0 == a else None,
+                              output_final_state=True, **_steps_cut(rest, c0, c1))
+                    outs.append(o)
+                finals.append(s)
+            o = np.concatenate(outs, axis=-2)
+            return (o, np.concatenate(finals, axis=0)) if kw.get("output_final_state") else o
 
         return q, k, v, kw, run
 
     return change
+
+
+def _not_reset_at_boundaries(q, k, v, kw):
+    """Packed sequences run as one: the state (and its decay) flows from each sequence into
+    the next instead of restarting from that sequence's initial state at ``cu_seqlens``."""
+
+    def run(fn, q, k, v, kw):
+        ranges, rows = _sequences(q, kw)
+        if kw.get("cu_seqlens") is None:
+            return fn(q, k, v, **kw)
+        rest = {n: x for n, x in kw.items() if n not in ("cu_seqlens", "initial_state")}
+        ret = fn(q, k, v, initial_state=rows[0], **rest)
+        if not kw.get("output_final_state"):
+            return ret
+        finals = [_state_on(fn, q, k, v, kw, 0, hi, rows[0]) for _, hi in ranges]
+        return ret[0], np.concatenate(finals, axis=0)
+
+    return q, k, v, kw, run
+
+
+def _final_state_change(make):
+    """A kernel whose output is right and whose final state is ``make(fn, q, k, v, kw,
+    ranges, rows, state)`` instead of ``state``."""
+
+    def change(q, k, v, kw):
+        def run(fn, q, k, v, kw):
+            ret = fn(q, k, v, **kw)
+            if not kw.get("output_final_state"):
+                return ret
+            ranges, rows = _sequences(q, kw)
+            return ret[0], make(fn, q, k, v, kw, ranges, rows, ret[1])
+
+        return q, k, v, kw, run
+
+    return change
+
+
+def _transposed_state(fn, q, k, v, kw, ranges, rows, state):
+    return np.ascontiguousarray(np.swapaxes(state, -1, -2))
+
+
+def _state_before_last_token(fn, q, k, v, kw, ranges, rows, state):
+    return np.concatenate([_state_on(fn, q, k, v, kw, lo, hi - 1, s0)
+                           for (lo, hi), s0 in zip(ranges, rows)], axis=0)
+
+
+def _state_without_initial(fn, q, k, v, kw, ranges, rows, state):
+    return np.concatenate([_state_on(fn, q, k, v, kw, lo, hi, None) for lo, hi in ranges], axis=0)
+
+
+#: Mistakes in the final state alone (the output is right): ``(name, change, words the
+#: final_state row's diagnosis must contain)``. Each must fail the final_state row of the
+#: standard suite in float32 and float64, the output rows passing.
+FINAL_STATE_CHANGES = (
+    ("final state transposed (d_v x d_k)", _final_state_change(_transposed_state), "transposed"),
+    ("final state before the last token's update", _final_state_change(_state_before_last_token),
+     "before the last token"),
+    ("final state from an ignored initial state", _final_state_change(_state_without_initial),
+     "initial state ignored"),
+)
+
+
+def final_state_mutants(variant: str) -> list:
+    """The :data:`FINAL_STATE_CHANGES` of a recurrent variant, as :class:`Mutant` objects."""
+    return [Mutant(f"{variant}: {name}", variant_kernel(variant, change), words, variant=variant)
+            for name, change, words in FINAL_STATE_CHANGES]
 
 
 def _delta_without_wy(q, k, v, kw):
@@ -481,18 +592,9 @@ def _delta_without_wy(q, k, v, kw):
     chunk are ``U = T_c V`` instead of ``U - W S``, as if each chunk started from ``S = 0``
     when it corrects, while the queries still read the carried state."""
 
-    def run(fn, q, k, v, kw):
-        out_dtype = q.dtype
-        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-        beta = np.broadcast_to(np.asarray(kw["beta"], dtype=np.float64), q.shape[:-1])
-        g = kw.get("g")
-        g = np.zeros(q.shape[:-1]) if g is None else np.broadcast_to(
-            np.asarray(g, dtype=np.float64), q.shape[:-1])
-        if kw.get("qk_l2norm"):
-            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+    def one(q, k, v, beta, g, S, kw):
         scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
         C, T = kw.get("chunk_size", 64), q.shape[-2]
-        S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]))
         out = np.zeros(q.shape[:-1] + (v.shape[-1],))
         for c0 in range(0, T, C):
             sl = slice(c0, min(c0 + C, T))
@@ -507,7 +609,30 @@ def _delta_without_wy(q, k, v, kw):
                                        + np.exp(b)[..., None] * (qc @ S))
             S = np.exp(b[..., -1:, None]) * S + np.swapaxes(
                 kc * np.exp(b[..., -1:] - b)[..., None], -1, -2) @ u
-        return out.astype(out_dtype)
+        return out, S
+
+    def run(fn, q, k, v, kw):
+        out_dtype = q.dtype
+        q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+        beta = np.broadcast_to(np.asarray(kw["beta"], dtype=np.float64), q.shape[:-1])
+        g = kw.get("g")
+        g = np.zeros(q.shape[:-1]) if g is None else np.broadcast_to(
+            np.asarray(g, dtype=np.float64), q.shape[:-1])
+        if kw.get("qk_l2norm"):
+            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+        outs, finals = [], []
+        for (lo, hi), s0 in zip(*_sequences(q, kw)):
+            S = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1])) if s0 is None else \
+                np.asarray(s0, dtype=np.float64)
+            o, S = one(q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :], beta[..., lo:hi],
+                       g[..., lo:hi], S, kw)
+            outs.append(o)
+            finals.append(S)
+        out = np.concatenate(outs, axis=-2).astype(out_dtype)
+        if kw.get("output_final_state"):
+            return out, np.concatenate(finals, axis=0).astype(np.float32 if out_dtype in (
+                np.float16, np.float32) else out_dtype)
+        return out
 
     return q, k, v, kw, run
 
@@ -760,10 +885,21 @@ VARIANT_KERNELS: dict[str, tuple] = {
                  ("causal mask on the sort matrix missing", _sinkhorn_unmasked_sort, {})),
 }
 
+#: The recurrent family's mistakes beyond :data:`VARIANT_CHANGES` (issue 18), changes of
+#: the reference's call as there: the state carried from one packed sequence into the
+#: next, and the initial state dropped (output and final state from ``S_0 = 0``).
+RECURRENT_CHANGES = (
+    ("decay not reset at a sequence boundary in varlen (state carried into the next packed "
+     "sequence)", _not_reset_at_boundaries),
+    ("initial state ignored", _drop("initial_state")),
+)
+RECURRENT_VARIANTS = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
+
 
 def variant_mutants(variant: str) -> list[Mutant]:
-    """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`;
-    KeyError if it has none declared."""
+    """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`
+    (and :data:`RECURRENT_CHANGES` for the recurrent family); KeyError if it has none
+    declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
@@ -773,7 +909,9 @@ def variant_mutants(variant: str) -> list[Mutant]:
             Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
             Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
         Mutant(f"{variant}: {words}", kernel, "", {"options": opts} if opts else {}, variant=variant)
-        for words, kernel, opts in VARIANT_KERNELS.get(variant, ())]
+        for words, kernel, opts in VARIANT_KERNELS.get(variant, ())] + [
+        Mutant(f"{variant}: {words}", variant_kernel(variant, change), "", variant=variant)
+        for words, change in (RECURRENT_CHANGES if variant in RECURRENT_VARIANTS else ())]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
@@ -795,6 +933,31 @@ def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
         if fails:
             return fails[0], ran
     return None, ran
+
+
+def catch_table(mutants, dtypes=("float32", "float64"), suite="standard", seed=0, out=sys.stdout):
+    """One line per mutant and dtype: the first failing case (:func:`first_failure`), then
+    that case re-run with diagnoses, every failing row's output and diagnosis printed.
+    Returns ``[(mutant name, dtype, failing rows)]`` (an empty list of rows: missed)."""
+    from .catalogue import cases
+    from .oracle import verify
+
+    table = []
+    for m in mutants:
+        for dt in dtypes:
+            res, ran = first_failure(m, dt, suite, seed)
+            rows = []
+            if res is not None:
+                case = [c for c in cases(m.variant, suite) if c.id == res.case]
+                rep = verify(m.kernel, m.variant, backend="numpy", dtypes=(dt,), seed=seed,
+                             cases=case, causal="both", supports={"broadcast": True},
+                             progress=False, **m.options)
+                rows = [r for r in rep.results if r.verdict == "fail"]
+            table.append((m.name, dt, rows))
+            said = "; ".join(f"{r.output}: {r.diagnosis}" for r in rows)
+            print(f"{m.name:<60} {dt:<8} " + (f"caught on {res.case} -> {said}" if rows
+                                               else f"MISSED ({ran} cases)"), file=out)
+    return table
 
 
 def run_mutant(m: Mutant, suite="quick", seed=0):
@@ -823,8 +986,14 @@ def catch_rate(suite="quick", seed=0, out=sys.stdout):
 
 
 def main(argv=None):
-    """``python -m conformance.mutants [SUITE] [SEEDS]``: catch rate over seeds 0..SEEDS-1."""
+    """``python -m conformance.mutants [SUITE] [SEEDS]``: catch rate over seeds 0..SEEDS-1;
+    ``python -m conformance.mutants recurrent [VARIANT...]``: the recurrent family's catch
+    table (:func:`catch_table`) on the standard suite, float32 and float64."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "recurrent":
+        table = catch_table([m for name in (argv[1:] or RECURRENT_VARIANTS)
+                             for m in variant_mutants(name) + final_state_mutants(name)])
+        return 0 if all(rows for _, _, rows in table) else 1
     suite = argv[0] if argv else "quick"
     seeds = int(argv[1]) if len(argv) > 1 else 1
     totals = [0, 0, 0]

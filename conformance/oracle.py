@@ -19,7 +19,11 @@ holding only what the case needs and the signature declares: ``mask``/``attn_mas
 :data:`conformance.features.FEATURES`), plus the variant's parameters (always passed by
 the reference's names) and options (passed when the signature has them). A kernel may
 return a tuple ``(out, lse, ...)`` or a dict ``{"out": ..., "lse": ...}``: the output
-and its extra outputs, each judged on its own row (:mod:`conformance.extras`).
+and its extra outputs, each judged on its own row (:mod:`conformance.extras`). A
+recurrent kernel (fla's convention) gets its gates and ``beta`` by name,
+``initial_state`` and ``cu_seqlens`` in the cases that have them, and
+``output_final_state=True`` when its signature takes it: it returns ``(o, final_state)``.
+The cases of a family (``Case.family``) run for that family's variants only.
 ``verify(supports={...})`` overrides detection: ``{"mask": "my_mask_arg", "bias": False, "broadcast": True}``.
 
 Extension points
@@ -52,7 +56,7 @@ from .calling import (
 from .catalogue import Case
 from .catalogue import cases as _cases
 from .diagnose import diagnose
-from .extras import extra_results, split_outputs
+from .extras import expected_outputs, extra_results, requested_keywords, split_outputs
 from .features import NotApplicable
 from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
@@ -124,6 +128,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         kw = kernel_kwargs(ctx, prep, convert)
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), **base)]
+    kw.update(requested_keywords(ctx, prep))
     inputs = {n: convert(to_layout(prep.arrays[n], ctx.layout)) for n in BASE_KEYS}
     shapes = {n: tuple(np.shape(to_layout(prep.arrays[n], ctx.layout))) for n in BASE_KEYS}
     snaps = {n: snapshot(ctx, x) for n, x in inputs.items()}
@@ -133,7 +138,8 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     def forward():
         # the read-back is part of the call: it makes an asynchronous library finish
         ret = ctx.kernel.fn(inputs["q"], inputs["k"], inputs["v"], **kw)
-        out, extras, problems = split_outputs(ret, ctx.variant, ctx.kernel.outputs, prep, ctx.layout)
+        out, extras, problems = split_outputs(ret, ctx.variant, expected_outputs(ctx), prep,
+                                              ctx.layout)
         problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
         if problem:
             return problem, None
@@ -357,7 +363,8 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
         for dt in dtypes:  # a backend without the dtype (NumPy has no bfloat16) raises now
             ctx.to_kernel(np.zeros(1), dt)
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
-    todo = list(cases) if cases is not None else _cases(None, suite)
+    todo = list(cases) if cases is not None else [
+        c for c in _cases(None, suite) if c.family is None or c.family == v.family]
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,
                     dtypes=tuple(dtypes), suite=suite, seed=seed, semantics=sem,
                     features=sorted(spec.features), signature_known=spec.signature_known,

@@ -138,7 +138,9 @@ def pytest_generate_tests(metafunc):
     from .catalogue import cases
 
     sess = _session(config)
-    todo = cases(None, config.getoption("attn_suite"))
+    # a family's cases (Case.family) only for that family's variants
+    todo = [c for c in cases(None, config.getoption("attn_suite"))
+            if c.family in (None, sess.variant.family)]
     params, ids = [], []
     for dt in _dtypes(config):
         for c in todo:

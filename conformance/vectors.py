@@ -147,7 +147,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
     sem = parse_semantics(semantics)
     variant = with_options(variant, options)
     os.makedirs(directory, exist_ok=True)
-    todo = list(cases) if cases is not None else _cases(None, suite)
+    todo = list(cases) if cases is not None else [
+        c for c in _cases(None, suite) if c.family in (None, variant.family)]
     entries, skipped = [], []
     for dt in dtypes:
         for i, case in enumerate(todo):

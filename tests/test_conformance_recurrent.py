@@ -1,0 +1,407 @@
+"""The oracle for the recurrent family (issue 18): final state, extra inputs, cases, mutants.
+
+* A kernel returning ``(o, final_state)`` as fla's do is judged on both, one row each; the
+  final state's tolerance is :func:`conformance.extras.final_state_tolerance`.
+* Gates, ``beta``, ``initial_state`` and ``cu_seqlens`` reach the kernel by name.
+* The recurrent cases (chunk boundaries, T = 4096, packed sequences, initial states) run
+  for the recurrent family only.
+* Mutants: the state carried across packed sequences and the initial state ignored fail
+  with their diagnoses; mistakes in the final state alone fail its row, named.
+* flash-linear-attention's naive references through :func:`conformance.verify`: in
+  float32 they pass; in float64 they fail as what they are, float32 computations, and
+  pass once run in the input dtype (:func:`fla_naive_kernel` with ``compute="input"``).
+  The full calibration::
+
+      ATTN_REF_CALIBRATION_SEEDS=20 python -m pytest tests/test_conformance_recurrent.py -k fla
+"""
+
+import functools
+import importlib.util
+import inspect
+import os
+import re
+import types
+
+import numpy as np
+import pytest
+
+from attn_ref.registry import get
+from conformance import verify
+from conformance.catalogue import cases
+from conformance.extras import EXTRAS, final_state_golden, final_state_tolerance
+from conformance.judging import prepare
+from conformance.mutants import (
+    FINAL_STATE_CHANGES,
+    RECURRENT_CHANGES,
+    RECURRENT_VARIANTS,
+    final_state_mutants,
+    first_failure,
+    variant_kernel,
+)
+from conformance.tolerance import ulp
+
+SEEDS = int(os.environ.get("ATTN_REF_CALIBRATION_SEEDS", "1"))
+RECURRENT = [c for c in cases("gla", "standard") if c.family == "recurrent"]
+LONGEST = [c for c in cases("gla", "exhaustive") if c.family == "recurrent" and c.nq == 4096]
+
+
+def _run(kernel, name, dtypes=("float32", "float64"), case_list=None, **kw):
+    return verify(kernel, name, backend="numpy", dtypes=dtypes, progress=False,
+                  cases=case_list if case_list is not None else
+                  [c for c in cases(name, "standard") if c.nq <= 200], **kw)
+
+
+# ------------------------------------------------------------------ the final state row
+
+
+@pytest.mark.parametrize("name", RECURRENT_VARIANTS)
+def test_a_correct_fla_style_kernel_passes_both_rows(name):
+    """The reference as a kernel that returns ``(o, S_T)``: every case has an ``out`` and a
+    ``final_state`` row, and both pass."""
+    # a chunk boundary, an initial state, packed sequences with initial states
+    few = [c for c in RECURRENT if c.nq == 33 or c.param("cu_seqlens") == (0, 15, 16, 81, 100)]
+    rep = _run(variant_kernel(name), name, case_list=few)
+    assert rep.passed, rep.table()
+    ran = [r for r in rep.results if r.verdict != "n/a"]
+    outs = {(r.case, r.dtype) for r in ran if r.output == "out"}
+    states = {(r.case, r.dtype) for r in ran if r.output == "final_state"}
+    assert outs and outs == states, rep.table()
+
+
+def test_final_state_shape_follows_batch_or_packed_sequences():
+    ex = EXTRAS["final_state"]
+    by_tag = {c.tag + str(c.param("cu_seqlens")): c for c in RECURRENT}
+    packed = prepare(by_tag["varlen-packed(0, 7, 40, 41, 100)"], "gla", "float32")
+    assert ex.shape(packed, "bhnd") == (4, 2, 32, 32) == ex.shape(packed, "bnhd")
+    plain = prepare([c for c in RECURRENT if c.dv != c.d][0], "gla", "float32")
+    assert ex.shape(plain, "bhnd") == (1, 2, 16, 24)
+    assert final_state_golden(packed).shape == (4, 2, 32, 32)
+
+
+def test_a_transposed_state_of_the_wrong_shape_is_named():
+    case = [c for c in RECURRENT if c.dv != c.d and c.tag == "chunks"]
+
+    def kernel(q, k, v, *, g, output_final_state=False, **kw):
+        o, s = get("gla").fn(q, k, v, g=g, output_final_state=True, **kw)
+        return (o, np.swapaxes(s, -1, -2)) if output_final_state else o
+
+    kernel.__signature__ = inspect.signature(get("gla").fn)
+    rep = _run(kernel, "gla", ("float32",), case)
+    row = [r for r in rep.results if r.output == "final_state"][0]
+    assert row.verdict == "fail" and "transposed" in row.diagnosis, rep.table()
+
+
+@pytest.mark.parametrize("dtype, factor", [("float32", 1 + 1e-4), ("float64", 1 + 1e-12)])
+def test_the_state_bound_fails_a_state_slightly_off(dtype, factor):
+    """The bound is not loose: a final state off by a relative 1e-4 (float32) or 1e-12
+    (float64) fails, on a short case where the bound is tightest and on the longest (T =
+    4096 in float32; its longdouble golden for float64 costs a minute, T = 100 there)."""
+    def kernel(q, k, v, **kw):
+        o, s = get("gla").fn(q, k, v, **{**kw, "output_final_state": True})
+        return (o, s * factor) if kw.get("output_final_state") else o
+
+    kernel.__signature__ = inspect.signature(get("gla").fn)
+    longest = LONGEST[0] if dtype == "float32" else [c for c in RECURRENT if c.nq == 100][0]
+    for case in (RECURRENT[1], longest):
+        rep = _run(kernel, "gla", (dtype,), [case])
+        row = [r for r in rep.results if r.output == "final_state"][0]
+        assert row.verdict == "fail", rep.table()
+
+
+def test_the_bound_is_the_derived_one():
+    """``4 u ((sqrt(T) + d_k) M + sqrt(T) G) + ulp``: one case, its terms summed by hand."""
+    case = [c for c in RECURRENT if c.tag == "initial-state" and c.nq == 15][0]
+    prep = prepare(case, "ssd", "float32")
+    a = np.broadcast_to(prep.params["g"][..., None], prep.arrays["k"].shape[:-1] + (1,))
+    k, v, s0 = np.abs(prep.arrays["k"]), np.abs(prep.arrays["v"]), np.abs(prep.arrays["initial_state"])
+    m, g = np.exp(a.sum(-2))[..., None] * s0, -a.sum(-2)[..., None] * np.exp(a.sum(-2))[..., None] * s0
+    for t in range(case.nq):
+        later = a[..., t + 1:, :].sum(-2)  # sum over s > t of the log decays
+        term = np.exp(later)[..., None] * k[..., t, :, None] * v[..., t, None, :]
+        m, g = m + term, g - later[..., None] * term
+    u = 2.0 ** -24
+    golden = final_state_golden(prep)
+    ulps = np.vectorize(lambda x: ulp(x, "float32"))(golden)
+    want = 4 * u * ((np.sqrt(15) + case.d) * m + np.sqrt(15) * g) + ulps
+    np.testing.assert_allclose(final_state_tolerance(prep, golden), want, rtol=1e-9)
+
+
+# ------------------------------------------------------------- extra inputs, by name
+
+
+def test_extra_inputs_reach_the_kernel_by_name():
+    seen = []
+
+    def kernel(q, k, v, *, g, beta, initial_state=None, cu_seqlens=None, output_final_state=False,
+               qk_l2norm=False, chunk_size=64, causal=True, scale=None):
+        seen.append(dict(g=g.shape, beta=beta.shape, cu=cu_seqlens, qk=qk_l2norm,
+                         s0=None if initial_state is None else initial_state.shape,
+                         final=output_final_state))
+        return get("gated_deltanet").fn(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                        cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                                        qk_l2norm=qk_l2norm, chunk_size=chunk_size)
+
+    packed = [c for c in RECURRENT if c.param("cu_seqlens") == (0, 15, 16, 81, 100)]
+    rep = _run(kernel, "gated_deltanet", ("float32",), packed)
+    assert rep.passed, rep.table()
+    assert seen == [dict(g=(1, 2, 100), beta=(1, 2, 100), cu=(0, 15, 16, 81, 100), qk=True,
+                         s0=(4, 2, 32, 32), final=True)]
+
+
+def test_a_kernel_without_the_extra_inputs_gets_those_cases_as_not_applicable():
+    def kernel(q, k, v, *, g, scale=None):
+        return get("gla").fn(q, k, v, g=g, scale=scale)
+
+    rep = _run(kernel, "gla", ("float32",), RECURRENT, supports={"causal": "always"})
+    na = {r.case for r in rep.results if r.verdict == "n/a"}
+    assert na == {c.id for c in RECURRENT if c.needs & {"initial_state", "cu_seqlens"}}
+    assert rep.passed and not [r for r in rep.results if r.output == "final_state"], rep.table()
+
+
+def test_recurrent_cases_run_for_the_recurrent_family_only():
+    lengths = {c.nq for c in RECURRENT}
+    assert {1, 15, 33, 63, 65, 100} <= lengths and LONGEST
+    assert {f for c in RECURRENT for f in c.needs} >= {"initial_state", "cu_seqlens"}
+    assert not [c for c in cases("softmax", "standard") if c.family is not None]
+    assert not [c for c in cases("linear", "exhaustive") if c.family is not None]
+    packed = [c.param("cu_seqlens") for c in RECURRENT if c.param("cu_seqlens")]
+    # several sequences of different lengths, one shorter than a chunk of 16, one of 1
+    assert any(min(np.diff(cu)) == 1 and len(set(np.diff(cu))) > 2 for cu in packed)
+
+
+# ----------------------------------------------------------------------------- mutants
+
+
+def _cases_needing(feature):
+    return [c for c in RECURRENT if feature in c.needs]
+
+
+@pytest.mark.parametrize("name", RECURRENT_VARIANTS)
+def test_state_mistakes_fail_with_their_diagnosis(name):
+    """The state carried across packed sequences and the initial state ignored: both rows
+    fail, both named; on every case with packed sequences / an initial state."""
+    mistakes = [
+        ("cu_seqlens", variant_kernel(name, RECURRENT_CHANGES[0][1]), "not reset at the packed"),
+        ("initial_state", variant_kernel(name, RECURRENT_CHANGES[1][1]), "initial state"),
+    ]
+    for feature, kernel, words in mistakes:
+        for dtype in ("float32", "float64"):
+            rep = _run(kernel, name, (dtype,), _cases_needing(feature)[-1:])
+            fails = [r for r in rep.results if r.verdict == "fail"]
+            assert {r.output for r in fails} == {"out", "final_state"}, rep.table()
+            assert all(words in r.diagnosis for r in fails), rep.table()
+
+
+@pytest.mark.parametrize("name", RECURRENT_VARIANTS)
+def test_final_state_mistakes_fail_the_final_state_row_only(name):
+    for m, (_, _, words) in zip(final_state_mutants(name), FINAL_STATE_CHANGES):
+        for dtype in ("float32", "float64"):
+            res, ran = first_failure(m, dtype)
+            assert res is not None and res.output == "final_state", (m.name, dtype, res)
+            rep = _run(m.kernel, name, (dtype,), [c for c in RECURRENT if c.id == res.case])
+            rows = {r.output: r for r in rep.results}
+            assert rows["out"].verdict == "pass", rep.table()
+            assert words in rows["final_state"].diagnosis, rep.table()
+
+
+def test_chunk_mistakes_are_named_on_both_rows():
+    """The state reset at every chunk of 16 and the gate applied after the update: the
+    output's and the final state's diagnoses name them."""
+    from conformance.mutants import VARIANT_CHANGES
+
+    for (_, change), expect in zip(VARIANT_CHANGES["gla"], ("gate", "not carried across chunks of 16")):
+        case = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"]
+        rep = _run(variant_kernel("gla", change), "gla", ("float32",), case)
+        assert [r.verdict for r in rep.results] == ["fail", "fail"], rep.table()
+        assert all(expect in r.diagnosis for r in rep.results), rep.table()
+
+
+# ------------------------------------------------------- flash-linear-attention's naive
+
+
+# the float32 downcasts of fla's naive files; compute="input" replaces each by a cast to
+# the input's dtype (``_DTYPE``, set per call): the same loop, in the input's precision
+_DOWNCASTS = (
+    (r"\.float\(\)", ".to(_DTYPE)"),
+    (r"\.to\(torch\.float32\)", ".to(_DTYPE)"),
+    (r"dtype=torch\.float(32)?\b", "dtype=_DTYPE"),
+)
+# fla-core 0.6.0: (file, function, layout of q/k/v, of the per-step inputs)
+_FLA = {
+    "retention": ("retention", "naive_retention", "bhtd"),
+    "gla": ("gla", "naive_recurrent_gla", "bthd"),
+    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthd"),
+    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtd"),
+    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthd"),
+}
+
+
+@functools.cache
+def _fla_module(family, compute):
+    """``fla/ops/<family>/naive.py`` as a module, read from its file (``import fla`` needs
+    triton); with ``compute="input"``, its float32 downcasts replaced (:data:`_DOWNCASTS`)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("einops")
+    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("fla-core is not installed (pip install --no-deps fla-core==0.6.0 einops)")
+    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+    with open(path) as f:
+        source = f.read()
+    if compute == "input":
+        found = 0
+        for pattern, cast in _DOWNCASTS:
+            source, n = re.subn(pattern, cast, source)
+            found += n
+        assert found, f"{path}: no float32 downcast found; fla's naive file changed"
+    mod = types.ModuleType(f"_fla_naive_{family}_{compute}")
+    mod.__file__, mod._SOURCE = path, source
+    exec(compile(source, path, "exec"), mod.__dict__)
+    return mod
+
+
+def fla_naive_kernel(name, *, compute="float32"):
+    """fla's naive reference of ``name`` as an oracle kernel (torch, ``bhnd``).
+
+    Conventions of fla's naive files, each a documented step here, never a tolerance:
+
+    * layout: ``[B, T, H, K]`` for the files that take it (q, k, v, gates, ``beta``
+      transposed in and the output back), ``[B, H, T, K]`` for the others;
+    * ``qk_l2norm=True`` (DeltaNet as registered): q and k normalised by fla's ``l2norm``
+      (``x / sqrt(|x|^2 + 1e-6)``) before the loop, as ``use_qk_l2norm_in_kernel`` does;
+    * retention's decays ``1 - 2^(-5 - h)`` are built in (the registered ``gamma``), and
+      the file takes neither an initial state nor returns a final state;
+    * ``cu_seqlens``: one naive call per packed sequence, with its own initial state (as
+      fla's tests check their varlen kernels);
+    * ``gated_delta_rule``'s file returns its output in float32: cast to the input dtype;
+    * ``compute="float32"``: the files as they are (they compute in float32 whatever the
+      input); ``compute="input"``: the same files with their float32 downcasts replaced
+      by the input's dtype (:func:`_fla_module`), for the float64 calibration.
+    """
+    import torch
+
+    family, fn_name, layout = _FLA[name]
+
+    def call(q, k, v, steps, s0, want_state):
+        mod = _fla_module(family, compute)
+        mod._DTYPE = q.dtype
+        fn = getattr(mod, fn_name)
+        if layout == "bthd":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+            steps = {n: x.transpose(1, 2) for n, x in steps.items()}
+        if name == "retention":
+            o, s = fn(q, k, v), None
+        elif name == "gla":
+            o, s = fn(q, k, v, steps["g"], initial_state=s0, output_final_state=want_state)
+        elif name == "ssd":
+            o, s = fn(q, k, v, steps["g"], initial_state=s0, output_final_state=want_state)
+        elif name == "deltanet":
+            o, s = fn(q, k, v, steps["beta"], initial_state=s0, output_final_state=want_state)
+        else:
+            o, s = fn(q, k, v, steps["beta"], steps["g"], initial_state=s0,
+                      output_final_state=want_state)
+        o = o.transpose(1, 2) if layout == "bthd" else o
+        return o.to(q.dtype), s
+
+    def kernel(q, k, v, *, initial_state=None, output_final_state=False, cu_seqlens=None,
+               qk_l2norm=False, **steps):
+        steps = {n: x for n, x in steps.items() if n in ("g", "beta")}
+        if qk_l2norm:
+            q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+        bounds = list(cu_seqlens) if cu_seqlens is not None else [0, q.shape[-2]]
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            s0 = initial_state if cu_seqlens is None or initial_state is None else \
+                initial_state[i:i + 1]
+            o, s = call(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                        {n: x[:, :, a:b] for n, x in steps.items()}, s0, output_final_state)
+            outs.append(o)
+            finals.append(s)
+        o = torch.cat(outs, dim=-2)
+        if output_final_state and finals[0] is not None:
+            return o, torch.cat(finals, dim=0)
+        return o
+
+    params = ["q", "k", "v"]
+    sig = inspect.signature(get(name).fn)
+    keep = [p for n, p in sig.parameters.items() if n in params or n in (
+        "g", "beta", "qk_l2norm") or (name != "retention" and n in (
+            "initial_state", "output_final_state", "cu_seqlens"))]
+    if name == "retention":
+        # fla's naive retention has its decays built in: it takes no gamma
+        keep += [inspect.Parameter("gamma", inspect.Parameter.KEYWORD_ONLY, default=None)]
+    kernel.__signature__ = sig.replace(parameters=keep)
+    kernel.__name__ = f"fla_naive_{name}_{compute}"
+    return kernel
+
+
+# fla's naive_retention forms exp2((i - j) log2 gamma) for every (i, j), the upper triangle
+# too, then multiplies by the causal mask: past (T - 1) |log2 gamma_0| > 128 (T > 2795 for
+# gamma_0 = 1 - 2^-5) the upper triangle overflows float32 and inf * 0 is NaN. A bug of
+# that reference, which the oracle reports (the 4096-step case is in the exhaustive suite).
+_FLA_RETENTION_OVERFLOWS = "chunks:b1h2-q4096k4096-d16-causal-tl"
+
+
+def _fla_verify(name, dtype, compute, seed, todo=None):
+    pytest.importorskip("torch")
+    todo = cases(name, "standard") if todo is None else todo
+    return verify(fla_naive_kernel(name, compute=compute), name, backend="torch", dtypes=(dtype,),
+                  seed=seed, progress=False, supports={"causal": "always"}, causal="top-left",
+                  cases=todo)
+
+
+@pytest.mark.slow
+def test_fla_naive_retention_overflows_at_4096_steps_and_the_oracle_says_so():
+    case = [c for c in cases("retention", "exhaustive") if c.id == _FLA_RETENTION_OVERFLOWS]
+    rep = _fla_verify("retention", "float32", "float32", 0, case)
+    row = rep.results[0]
+    assert row.verdict == "fail" and "NaN" in row.diagnosis, rep.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECURRENT_VARIANTS)
+def test_fla_naive_references_pass_in_float32_and_in_float64_in_the_input_dtype(name):
+    """fla's naive files as they are in float32, and in float64 with their float32
+    downcasts replaced by the input dtype: both rows pass, over ``SEEDS`` seeds."""
+    for seed in range(SEEDS):
+        for dtype, compute in (("float32", "float32"), ("float64", "input")):
+            rep = _fla_verify(name, dtype, compute, seed)
+            assert rep.passed, f"seed {seed}\n" + rep.table()
+            rows = {r.output for r in rep.results if r.verdict == "pass"}
+            assert rows == ({"out"} if name == "retention" else {"out", "final_state"}), rep.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gla", "deltanet"])
+def test_fla_naive_references_in_float64_fail_as_float32_computations(name):
+    """As they are, fla's naive files compute in float32 for float64 inputs (``.float()``):
+    the float64 rows fail, diagnosed as a float32 computation, on both outputs."""
+    rep = _fla_verify(name, "float64", "float32", 0)
+    fails = [r for r in rep.results if r.verdict == "fail"]
+    assert {r.output for r in fails} == {"out", "final_state"}, rep.table()
+    for r in fails:
+        assert "float32" in r.diagnosis and ("precision below the dtype" in r.diagnosis
+                                             or "low precision" in r.diagnosis), r.diagnosis
+
+
+def test_the_input_dtype_option_replaces_every_downcast():
+    """``compute="input"`` leaves no float32 in the files it runs (the float64 calibration
+    would otherwise be a float32 computation passing by luck), and changes nothing else:
+    in float32 both versions give the same bits."""
+    torch = pytest.importorskip("torch")
+    for family, _, _ in _FLA.values():
+        mod = _fla_module(family, "input")
+        assert not re.search(r"float\(\)|float32|torch\.float\b", mod._SOURCE), family
+    q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))
+    g = torch.nn.functional.logsigmoid(torch.randn(1, 2, 9, 4, dtype=torch.float64))
+    s0 = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    kw = dict(g=g, initial_state=s0, output_final_state=True)
+    o64, s64 = fla_naive_kernel("gla", compute="input")(q, k, v, **kw)
+    o32, s32 = fla_naive_kernel("gla")(q, k, v, **kw)
+    assert o64.dtype == s64.dtype == torch.float64 and s32.dtype == torch.float32
+    assert 1e-9 < float((o64 - o32).abs().max()) < 1e-4  # float32 rounding, not another function
+    f32 = {n: x.float() for n, x in kw.items() if hasattr(x, "dtype")}
+    a = fla_naive_kernel("gla", compute="input")(q.float(), k.float(), v.float(), **f32,
+                                                 output_final_state=True)
+    b = fla_naive_kernel("gla")(q.float(), k.float(), v.float(), **f32, output_final_state=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
