@@ -124,6 +124,44 @@ def test_chunk_size_does_not_change_the_function(name):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"chunk_size={C}")
 
 
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_groups_of_chunks_are_the_whole_batch(backend, name, monkeypatch):
+    # The chunk form batches groups of chunks (GROUP_ELEMENTS); one chunk per group,
+    # three per group (a short last group) and all at once compute the same function.
+    from attn_ref.recurrent import decay, delta
+
+    (qh, kh, vh), steps_h, s0h = _host_inputs(name, 70)
+    want_o, want_s = _plain(name, qh, kh, vh, steps_h, s0h)
+    q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
+    steps = _to(backend, steps_h)
+    per_chunk = math.prod(BATCH) * 8 * max(8, DK + DV)
+    for chunks in (1, 3, 1000):
+        monkeypatch.setattr(decay, "GROUP_ELEMENTS", chunks * per_chunk)
+        monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
+        o, s = FNS[name](q, k, v, initial_state=s0, output_final_state=True, chunk_size=8, **steps)
+        for got, want in ((o, want_o), (s, want_s)):
+            assert_close(got, want, backend, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+def test_per_key_scores_are_the_pairwise_sum(backend):
+    # decayed_scores halves each block and factors the lower-left one through a
+    # reference point; it must be the pairwise sum_e q_ie k_je exp(b_ie - b_je), and
+    # finite where the pairwise exponents span far more than float32's range.
+    from attn_ref.recurrent.common import decayed_scores
+
+    rng = np.random.default_rng(3)
+    for c in (1, 2, 7, 16, 24):
+        q, k = rng.standard_normal((2, c, DK)), rng.standard_normal((2, c, DK))
+        b = np.cumsum(-20 * rng.random((2, c, DK)), axis=-2)  # up to -20 a step: exp(-480)
+        want = np.einsum("...ie,...je,...ije->...ij", q, k,
+                         np.exp(np.minimum(b[..., :, None, :] - b[..., None, :, :], 0)))
+        want = want * np.tril(np.ones((c, c)))
+        for dtype in ("float64", "float32"):
+            got = decayed_scores(backend.xp, *(from_numpy(x, backend, dtype) for x in (q, k, b)))
+            tol = 1e-12 if dtype == "float64" else 1e-5
+            assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
 # ---------------------------------------------------------- state in, state out, varlen
 
 

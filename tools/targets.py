@@ -3,6 +3,7 @@
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
+    python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--reps 3] [--variants ...]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -28,6 +29,17 @@ output costs page faults instead), and memory bandwidth (a 256 MiB copy, bytes r
 plus written). ``--json`` writes them with the machine, the time and the load average
 (``docs/_static/roofline_rates.json`` is what the scaling report reads); rates taken
 on a loaded machine are marked so, and are lower bounds of the machine's.
+
+``recurrent``: the chunk form of each recurrent variant (retention, gla, ssd, deltanet,
+gated_deltanet) at ``--n`` with its benchmark configuration (``asv_benches/_common.py``
+``BENCH_CONFIGS``: chunk size, gates drawn as fla's tests draw them), against its
+roofline (``asv_benches/costs.py`` ``WORK`` at the NumPy rates measured in the same
+run), and, at ``--fla-n`` (fla's naive loops take about a minute each at 16384 on a
+loaded 2-core machine), ours against flash-linear-attention's naive reference on torch
+CPU (``fla/ops/<op>/naive.py`` of the installed fla-core: the recurrent loops; for
+retention fla's only naive form, the masked ``T x T`` product), interleaved variant by
+variant. Run from the repository root with ``PYTHONPATH=.`` so that this checkout's
+``attn_ref`` is the one timed.
 """
 
 from __future__ import annotations
@@ -226,6 +238,113 @@ def rates(args):
         print(f"wrote {args.json}")
 
 
+# The fla naive reference of each recurrent variant: (module under fla/ops, function,
+# layout: "bhtk" or fla's "bthk").
+_FLA_NAIVE = {
+    "retention": ("retention", "naive_retention", "bhtk"),
+    "gla": ("gla", "naive_recurrent_gla", "bthk"),
+    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthk"),
+    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtk"),
+    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthk"),
+}
+
+
+def _fla_module(family):
+    """``fla/ops/<family>/naive.py`` of the installed fla-core, without fla's __init__."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{family}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _recurrent_call(name, n):
+    """``(run, fla_run)``: our chunk form on NumPy and fla's naive one on torch, same inputs."""
+    import array_api_compat.numpy as xp
+
+    from asv_benches._common import BENCH_CONFIGS
+    from attn_ref.registry import get
+
+    variant = get(name)
+    config = BENCH_CONFIGS[name]
+    options, sizes = config.resolve(n)
+    q, k, v = _inputs(n)
+    extra = config.arrays(n, D, {**options, **sizes}, seed=0, dtype=xp.float32, device="cpu", xp=xp)
+    kw = {**options, **extra}
+
+    def run():
+        return variant.fn(q, k, v, **kw)
+
+    def fla_run():
+        import torch
+
+        family, fn, layout = _FLA_NAIVE[name]
+        mod = _fla_module(family)
+        qq, kk = q, k
+        if kw.get("qk_l2norm"):  # fla's naive loops take q, k as given: normalised here, untimed
+            qq, kk = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+
+        def t(x):  # ours (H, T, ...) -> fla's (1, H, T, ...) or (1, T, H, ...)
+            x = torch.from_numpy(np.ascontiguousarray(x))[None]
+            return x.transpose(1, 2).contiguous() if layout == "bthk" else x
+
+        args = [t(qq), t(kk), t(v)]
+        if name == "gla":
+            args.append(t(extra["g"]))
+        elif name == "ssd":
+            args.append(t(extra["g"]))
+        elif name == "deltanet":
+            args.append(t(extra["beta"]))
+        elif name == "gated_deltanet":
+            args += [t(extra["beta"]), t(extra["g"])]
+        f = getattr(mod, fn)
+
+        def call():
+            with torch.no_grad():
+                return f(*args)
+        return call
+
+    return run, fla_run, kw
+
+
+def recurrent(args):
+    from asv_benches._common import BENCH_CONFIGS
+    from asv_benches.costs import variant_work
+
+    names = args.variants.split(",")
+    load0 = os.getloadavg()
+    rate = _rates_numpy(args.reps)
+    print(f"numpy rates: GEMM {rate['gemm_flops'] / 1e9:.1f} GFLOP/s | exp {rate['exp'] / 1e9:.2f} "
+          f"Gelem/s | multiply {rate['elementwise'] / 1e9:.2f} Gelem/s | copy "
+          f"{rate['bandwidth'] / 1e9:.1f} GB/s | BLAS threads "
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}", flush=True)
+    have_fla = args.fla_n > 0 and importlib.util.find_spec("fla") is not None
+    if have_fla:
+        import torch
+        print(f"fla naive: torch {torch.__version__} CPU, {torch.get_num_threads()} threads, "
+              f"T = {args.fla_n}", flush=True)
+    print(f"{'variant':15s} {'C':>4s} {'T':>6s} {'time s':>8s} {'roofline s':>10s} {'ratio':>6s}"
+          + (f" | T={args.fla_n}: ours s   fla s  fla/ours" if have_fla else ""))
+    for name in names:
+        run, _, kw = _recurrent_call(name, args.n)
+        t = _median_time(run, args.reps)
+        w = variant_work(name, args.n, BENCH_CONFIGS[name].describe(args.n), d=D, heads=H)
+        roof = w.seconds(rate)
+        line = f"{name:15s} {kw['chunk_size']:4d} {args.n:6d} {t:8.3f} {roof:10.3f} {t / roof:6.2f}"
+        if have_fla:
+            small, fla_call, _ = _recurrent_call(name, args.fla_n)
+            t_small = _median_time(small, args.reps)
+            t_fla = _median_time(fla_call(), 1)
+            line += f" | {t_small:14.3f} {t_fla:7.2f} {t_fla / t_small:8.1f}"
+        print(line, flush=True)
+    load1 = os.getloadavg()
+    print(f"load average (1/5/15 min) before {[round(x, 2) for x in load0]}, after "
+          f"{[round(x, 2) for x in load1]}, on {os.cpu_count()} CPUs")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -241,8 +360,15 @@ def main(argv=None):
     rt.add_argument("--backends", default="numpy,torch")
     rt.add_argument("--reps", type=int, default=7)
     rt.add_argument("--json", metavar="PATH", help="write the rates with the machine and load")
+    rec = sub.add_parser("recurrent", help="issue 18: recurrent chunk forms against their "
+                         "roofline and fla's naive loops")
+    rec.add_argument("--n", type=int, default=16384)
+    rec.add_argument("--fla-n", type=int, default=2048, help="T of the fla comparison (0: none)")
+    rec.add_argument("--reps", type=int, default=3)
+    rec.add_argument("--variants", default="retention,gla,ssd,deltanet,gated_deltanet")
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward, "rates": rates}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates,
+     "recurrent": recurrent}[args.what](args)
 
 
 if __name__ == "__main__":
