@@ -46,6 +46,7 @@ from .common import (
     check_state,
     check_step_input,
     finish,
+    forward_substitution,
     from_chunks,
     packed,
     segment_sums,
@@ -189,25 +190,6 @@ def _parallel(xp, q, k, v, g, beta, s0, scale):
     return scale * o, s + xp.matrix_transpose(k) @ u
 
 
-def _forward_substitution(xp, m, rhs):
-    """``m^{-1} rhs`` for a unit lower-triangular ``m (..., c, c)``, blocked by halving.
-
-    ``[A 0; C D] [x1; x2] = [r1; r2]`` gives ``x1 = A^{-1} r1`` and ``x2 = D^{-1} (r2 - C
-    x1)``: forward substitution reordered so that its work (``c^2`` multiply-adds per
-    column of ``rhs``, the least a triangular solve needs) is done by ``c - 1`` GEMMs,
-    each batched over the leading dimensions, instead of ``c`` row steps or a general
-    LU solve. Only matmul and concatenation: any dtype (NumPy's LAPACK has no long
-    double) and any library.
-    """
-    c = m.shape[-1]
-    if c == 1:
-        return rhs
-    h = c // 2
-    x1 = _forward_substitution(xp, m[..., :h, :h], rhs[..., :h, :])
-    x2 = _forward_substitution(xp, m[..., h:, h:], rhs[..., h:, :] - m[..., h:, :h] @ x1)
-    return xp.concat([x1, x2], axis=-2)
-
-
 def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
     # The whole chunks in batches, then the last partial one (T need not be a multiple of C).
     T = q.shape[-2]
@@ -230,7 +212,7 @@ def _chunks(xp, q, k, v, g, beta, s, c):
 
     Batched over groups of chunks (about :data:`GROUP_ELEMENTS` elements of ``c x c``
     matrices at once): the decay matrices, ``K K^T``, ``Q K^T``, the UT transform
-    (:func:`_forward_substitution` on ``[V, exp(b) K]``) and the outputs. Sequential
+    (:func:`~attn_ref.recurrent.common.forward_substitution` on ``[V, exp(b) K]``) and the outputs. Sequential
     over the chunks: only ``U - W S``, the values written given the state entering the
     chunk, and the state's hand-over.
     """
@@ -262,7 +244,7 @@ def _chunks(xp, q, k, v, g, beta, s, c):
             kd = head * kg
         system = xp.where(strict, bg * kk, xp.zeros_like(kk)) + eye
         # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
-        wu = _forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
+        wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
         u_c, w_c = wu[..., :dv], wu[..., dv:]
         us, entering = [], []
         for i in range(qg.shape[-3]):
