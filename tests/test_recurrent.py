@@ -525,3 +525,27 @@ def test_fla_naive_references_are_the_same_function(name):
             if want_s is not None:
                 np.testing.assert_allclose(got_s, want_s, rtol=0, atol=T * dk * EPS["float32"]
                                            * np.abs(want_s).max() + 1e-30)
+
+
+# ------------------------------------------------------------------------- asv cases
+
+
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_asv_recurrent_cases_run(name):
+    # asv_benches/recurrent.py at its smallest T: the forward with the benchmark
+    # configuration is the function (another chunking of it agrees), and the chunked
+    # backward returns every gradient, finite.
+    from asv_benches import recurrent as bench
+
+    fwd = bench.RecurrentForward()
+    fwd.setup(name, bench.NS[0], 128)
+    out = fwd.run()
+    assert out.shape == (8, bench.NS[0], 128) and out.dtype == np.float32
+    other = fwd.variant.fn(fwd.q, fwd.k, fwd.v, **dict(fwd.kwargs, chunk_size=16))
+    np.testing.assert_allclose(out, other, rtol=2e-3, atol=2e-3 * np.abs(other).max())
+    bwd = bench.RecurrentBackward()
+    bwd.setup(name, bench.NS[0])
+    grads = bwd.run()
+    assert {"q", "k", "v"} <= set(grads)
+    for n, g in grads.items():
+        assert g.dtype == np.float32 and np.isfinite(g).all(), n
