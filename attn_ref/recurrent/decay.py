@@ -23,10 +23,11 @@ computes it three ways (``form=``):
     anchor (:func:`~attn_ref.recurrent.common.segment_sums`).
 ``"chunk"``
     Chunks of ``C`` steps: the masked matrix inside a chunk, the state passed between
-    chunks. ``O(T C dk + T dk dv)`` time (``O(T C dk dv / dv + ...)``), the form fast
-    kernels use. Exact, not an approximation: the sum over ``j <= i`` is split into
-    ``j`` in earlier chunks (all folded into the state at the chunk's start, decayed by
-    ``exp(b_i - b_start)``) and ``j`` in the same chunk.
+    chunks. ``O(T C (dk + dv) + T dk dv)`` time, the form fast kernels use. Exact, not
+    an approximation: the sum over ``j <= i`` is split into ``j`` in earlier chunks
+    (all folded into the state at the chunk's start, decayed by ``exp(b_i - b_start)``)
+    and ``j`` in the same chunk. The chunks are computed in batches; only the state's
+    hand-over between them is sequential.
 
 Every exponent is a sum of log decays between two positions at most a chunk (or 64 rows)
 apart, masked to ``-inf`` before ``exp`` where ``j > i``: with ``a <= 0`` no ``exp`` ever
@@ -343,8 +344,11 @@ def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
 
     Notes
     -----
-    Chunk form ``O(T C dk (1 + dv / dk) + T dk dv)`` time: the per-dimension decay makes
-    the intra-chunk scores a ``(C, C, dk)`` contraction, ``O(C^2 dk)`` extra memory.
+    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk log C)`` exponentials: the
+    per-dimension decay does not factor out of ``q . k``, and the intra-chunk scores are
+    computed by halving through reference points
+    (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose exponents are all
+    ``<= 0``; ``O(C^2 + dk dv)`` extra memory per head.
     Yang et al., *Gated Linear Attention Transformers with Hardware-Efficient Training*,
     ICML 2024.
 
