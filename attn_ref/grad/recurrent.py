@@ -60,6 +60,7 @@ from ..recurrent.common import (
     check_inputs,
     check_state,
     check_step_input,
+    decayed_scores,
     forward_substitution,
 )
 from ..recurrent.decay import retention_log_decay
@@ -215,6 +216,45 @@ def _token_vjp(xp, pb, sl, s0, ds, lg, per_key, beta):
     return (*out, ds)
 
 
+def _decayed_products(xp, g, q, k, b):
+    """``((G * E) K, (G * E)^T Q)`` with ``E[t, s, e] = exp(b_te - b_se)`` per key dimension.
+
+    ``g (..., c, c)`` is causal (zero above the diagonal), ``q, k (..., c, dk)``, ``b
+    (..., c, dk)`` running sums of log gates. Computed as
+    :func:`attn_ref.recurrent.common.decayed_scores` computes the scores: the block of
+    rows ``m..c`` against columns ``0..m`` through the reference point ``r = b_{m-1}``,
+    ``exp(b_t - r) (G_ts (k_s exp(r - b_s)))`` (both exponents ``<= 0``), the diagonal
+    halves recursively and batched; ``O(c dk log c)`` exponentials, GEMM work.
+    """
+    mt = xp.matrix_transpose
+    c, d = q.shape[-2], q.shape[-1]
+    if c == 1:
+        return g * k, g * q
+    if c % 2:
+        # An odd block: the last row pairwise (its exponents b_last - b_s <= 0), the rest halved.
+        dq, dk = _decayed_products(xp, g[..., :-1, :-1], q[..., :-1, :], k[..., :-1, :],
+                                   b[..., :-1, :])
+        e = xp.exp(b[..., -1:, :] - b)
+        row = g[..., -1:, :]
+        pad = xp.zeros(tuple(dk.shape[:-2]) + (1, d), dtype=dk.dtype, device=array_api_compat.device(dk))
+        return (xp.concat([dq, row @ (k * e)], axis=-2),
+                xp.concat([dk, pad], axis=-2) + mt(row) * (q[..., -1:, :] * e))
+    m = c // 2
+    ref = b[..., m - 1:m, :]
+    e_hi, e_lo = xp.exp(b[..., m:, :] - ref), xp.exp(ref - b[..., :m, :])
+    g_low = g[..., m:, :m]
+    dq_hi = e_hi * (g_low @ (k[..., :m, :] * e_lo))
+    dk_lo = e_lo * (mt(g_low) @ (q[..., m:, :] * e_hi))
+    half = tuple(q.shape[:-2]) + (2, m)
+    dq_d, dk_d = _decayed_products(
+        xp, xp.stack([g[..., :m, :m], g[..., m:, m:]], axis=-3), xp.reshape(q, half + (d,)),
+        xp.reshape(k, half + (d,)), xp.reshape(b, half + (d,)))
+    full = tuple(q.shape)
+    zero = xp.zeros_like(dq_hi)
+    return (xp.reshape(dq_d, full) + xp.concat([zero, dq_hi], axis=-2),
+            xp.reshape(dk_d, full) + xp.concat([dk_lo, zero], axis=-2))
+
+
 def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
     """The VJP of a decay variant (no delta rule) on one sequence, ``chunk`` steps at a time.
 
@@ -232,8 +272,9 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
     (``B`` the chunk's total log decay, products with ``E`` elementwise per key for GLA)
     and the log gates' gradient is the reverse cumulative sum of ``q dq - k dk`` (plus
     ``rowsum(dS_T * S_T)``), see ``docs/recurrent_backward.md``. ``O(L C (dk + dv) + L dk dv)``
-    time, ``O(C^2 dk + (L / C) dk dv)`` extra memory (``O(C^2 + ...)`` for a scalar decay,
-    whose products with ``E`` are matrix products).
+    time, ``O(C^2 + (L / C) dk dv)`` extra memory; for a per-key decay the products with
+    ``E`` are taken by halving (:func:`_decayed_products`), GEMMs and ``O(L dk log C)``
+    exponentials.
     """
     q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
     lg = lg[..., sl, :]
@@ -262,17 +303,16 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
         b = xp.cumulative_sum(cut(lg, r0), axis=-2)
         m = qc.shape[-2]
         causal = xp.arange(m, device=pb.device)[:, None] >= xp.arange(m, device=pb.device)[None, :]
-        # E[t, s, e] = exp(b_t - b_s) for s <= t, else exactly 0.
-        e = xp.exp(xp.where(causal[:, :, None], b[..., :, None, :] - b[..., None, :, :], neg_inf))
         e_q, e_k = xp.exp(b), xp.exp(b[..., -1:, :] - b)
         g_ts = xp.where(causal, pb.scale * (doc @ mt(vc)), zero)  # (dO V^T) masked, scaled
         if per_key:
-            # The decay differs per key dimension: (C, C, dk) products, no GEMM.
-            a_ts = xp.sum(qc[..., :, None, :] * kc[..., None, :, :] * e, axis=-1)  # QK^T * E
-            dq_in = xp.sum(g_ts[..., None] * kc[..., None, :, :] * e, axis=-2)
-            dk_in = xp.sum(g_ts[..., None] * qc[..., :, None, :] * e, axis=-3)
+            # The decay differs per key dimension: the products with E by halving through
+            # reference points (GEMMs, every exponent <= 0), as the forward's scores.
+            a_ts = decayed_scores(xp, qc, kc, b)  # QK^T * E
+            dq_in, dk_in = _decayed_products(xp, g_ts, qc, kc, b)
         else:
-            e = e[..., 0]
+            # E[t, s] = exp(b_t - b_s) for s <= t, else exactly 0.
+            e = xp.exp(xp.where(causal, b[..., :, None, 0] - b[..., None, :, 0], neg_inf))
             a_ts = (qc @ mt(kc)) * e
             dq_in = (g_ts * e) @ kc
             dk_in = mt(g_ts * e) @ qc
@@ -515,8 +555,9 @@ _COST_DECAY = """
     Notes
     -----
     Chunked (``form="chunk"`` or ``"parallel"``): ``O(T C (dk + dv) + T dk dv)`` time per
-    leading index with ``C = chunk_size``, ``O(C^2 dk + (T / C) dk dv)`` extra memory
-    (``C^2`` for a scalar decay), ``T / C`` Python steps. Token
+    leading index with ``C = chunk_size``, ``O(C^2 + (T / C) dk dv)`` extra memory
+    (GLA's per-key decay by halving, ``O(T dk log C)`` exponentials), ``T / C`` Python
+    steps. Token
     loop (``form="recurrent"``): ``O(T dk dv)`` time and memory, ``T`` Python steps.
     Derivation: ``docs/recurrent_backward.md``."""
 
