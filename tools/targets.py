@@ -345,7 +345,10 @@ def recurrent(args):
     have_fla = args.fla_n > 0 and importlib.util.find_spec("fla") is not None
     if have_fla:
         import torch
-        print(f"fla naive: torch {torch.__version__} CPU, {torch.get_num_threads()} threads", flush=True)
+
+        # One thread, as our BLAS: CPU seconds of a spinning thread pool are not work.
+        torch.set_num_threads(1)
+        print(f"fla naive: torch {torch.__version__} CPU, {torch.get_num_threads()} thread", flush=True)
     print("times are medians of CPU seconds (wall seconds in brackets); roofline from the CPU-time "
           "rates above")
     print(f"{'variant':15s} {'C':>4s} {'T':>6s} {'time s':>16s} {'roofline s':>10s} {'ratio':>6s}"
