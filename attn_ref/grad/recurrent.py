@@ -41,8 +41,8 @@ the backward of a decayed linear attention is a decayed linear attention run fro
 end, so it chunks as the forward does (intra-chunk decay matrices from differences of
 cumulative log gates, masked before ``exp``), and the log gates' gradient is the
 reverse cumulative sum of ``q dq - k dk``. For the delta rules each chunk's WY/UT
-transform is recomputed from the state entering it and run backwards (through the
-unit-triangular system's inverse; the log decays through the decay
+transform is recomputed from the state entering it and run backwards (a back
+substitution through the unit-triangular system; the log decays through the decay
 matrix, ``exp(b)``, ``exp(B - b)`` and ``exp(B)``). Inputs in float16/bfloat16 are differentiated with
 float32 states (as fla's kernels keep them) and the gradients cast back to each input's
 dtype.
@@ -61,7 +61,7 @@ from ..recurrent.common import (
     check_state,
     check_step_input,
     decayed_scores,
-    unit_lower_inverse,
+    forward_substitution,
 )
 from ..recurrent.decay import retention_log_decay
 from ..recurrent.delta import L2NORM_EPS
@@ -346,7 +346,7 @@ def _chunked_delta_vjp(xp, pb, sl, s0, ds, lg, beta, chunk):
 
     * ``dA = scale dO U^T`` (causal), ``dU = scale A^T dO + (exp(B - b) K) Lambda``,
     * ``dQ = (dA * D) K + scale exp(b) (dO S^T)``, ``dK = (dA * D)^T Q + ...``,
-    * through ``X = M^{-1} R``: ``dR = M^{-T} dX`` (the inverse's transpose) and
+    * through ``X = M^{-1} R``: ``dR = M^{-T} dX`` (a back substitution) and
       ``dM = -dR X^T`` on the strict lower triangle, for ``X = U0`` and ``W`` (whose
       cotangent is ``-dU S^T``),
     * ``Lambda_prev = exp(B) Lambda + scale (exp(b) Q)^T dO - W^T dU``,
@@ -393,8 +393,7 @@ def _chunked_delta_vjp(xp, pb, sl, s0, ds, lg, beta, chunk):
         x["kkd"] = kkd
         x["m"] = xp.where(x["strict"], x["beta"] * kkd, xp.zeros_like(kkd)) + xp.eye(
             c, dtype=pb.work, device=dev)
-        x["m_inv"] = unit_lower_inverse(xp, x["m"])
-        wu = x["m_inv"] @ (x["beta"] * xp.concat([x["v"], kh], axis=-1))
+        wu = forward_substitution(xp, x["m"], x["beta"] * xp.concat([x["v"], kh], axis=-1))
         x["u0"], x["w"] = wu[..., :dv], wu[..., dv:]
         x["kt"] = x["k"] if x["t"] is None else x["t"] * x["k"]
         return x
@@ -424,8 +423,11 @@ def _chunked_delta_vjp(xp, pb, sl, s0, ds, lg, beta, chunk):
         qh = qc if h is None else h * qc
         lam_prev = scale * mt(qh) @ doc + (lam if x["gamma"] is None else x["gamma"] * lam) \
             - mt(x["w"]) @ du
-        # Through X = M^{-1} R for X = [U0, W]: dR = M^{-T} dX, dM = -dR X^T (strict lower).
-        dr = mt(x["m_inv"]) @ xp.concat([du, -(du @ mt(s))], axis=-1)
+        # Through X = M^{-1} R for X = [U0, W]: dR = M^{-T} dX (back substitution, as a
+        # forward one on the reversed, transposed system), dM = -dR X^T (strict lower).
+        dx = xp.concat([du, -(du @ mt(s))], axis=-1)
+        rev = mt(xp.flip(x["m"], axis=(-2, -1)))
+        dr = xp.flip(forward_substitution(xp, rev, xp.flip(dx, axis=-2)), axis=-2)
         drv, drk = dr[..., :dv], dr[..., dv:]
         dm = -(drv @ mt(x["u0"]) + drk @ mt(x["w"]))
         dm = xp.where(x["strict"], dm, zeros(dm))

@@ -54,7 +54,6 @@ __all__ = [
     "from_chunks",
     "decayed_scores",
     "forward_substitution",
-    "unit_lower_inverse",
 ]
 
 #: The three forms of every variant, in the order of the docs.
@@ -349,28 +348,3 @@ def forward_substitution(xp, m, rhs):
     x1 = forward_substitution(xp, m[..., :h, :h], rhs[..., :h, :])
     x2 = forward_substitution(xp, m[..., h:, h:], rhs[..., h:, :] - m[..., h:, :h] @ x1)
     return xp.concat([x1, x2], axis=-2)
-
-
-def unit_lower_inverse(xp, m):
-    """``m^{-1}`` for a unit lower-triangular ``m (..., c, c)``, by halving.
-
-    ``[A 0; C D]^{-1} = [A^{-1} 0; -D^{-1} C A^{-1}, D^{-1}]``, the two diagonal halves
-    inverted together (one batch) at each of the ``log2 c`` levels: ``O(log c)`` array
-    operations where :func:`forward_substitution` takes ``O(c)``, for about ``c^3 / 3``
-    more multiply-adds than substituting into a ``c``-column right-hand side. The UT
-    transform of fla's chunk kernels forms this inverse too. An odd ``c`` is substituted.
-    """
-    c = m.shape[-1]
-    dev = array_api_compat.device(m)
-    if c == 1:
-        return xp.ones_like(m)
-    if c % 2:
-        return forward_substitution(xp, m, xp.broadcast_to(xp.eye(c, dtype=m.dtype, device=dev),
-                                                           tuple(m.shape)))
-    h = c // 2
-    inv = unit_lower_inverse(xp, xp.stack([m[..., :h, :h], m[..., h:, h:]], axis=-3))
-    a_inv, d_inv = inv[..., 0, :, :], inv[..., 1, :, :]
-    low = -(d_inv @ (m[..., h:, :h] @ a_inv))
-    return xp.concat([xp.concat([a_inv, xp.zeros_like(a_inv)], axis=-1),
-                      xp.concat([low, d_inv], axis=-1)], axis=-2)
-

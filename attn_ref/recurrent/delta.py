@@ -46,11 +46,11 @@ from .common import (
     check_state,
     check_step_input,
     finish,
+    forward_substitution,
     from_chunks,
     packed,
     segment_sums,
     to_chunks,
-    unit_lower_inverse,
 )
 
 __all__ = [
@@ -212,8 +212,8 @@ def _chunks(xp, q, k, v, g, beta, s, c):
 
     Batched over groups of chunks (about :data:`GROUP_ELEMENTS` elements of ``c x c``
     matrices at once): the decay matrices, ``K K^T``, ``Q K^T``, the UT transform
-    (:func:`~attn_ref.recurrent.common.unit_lower_inverse` applied to ``[V, exp(b) K]``)
-    and the outputs. Sequential
+    (:func:`~attn_ref.recurrent.common.forward_substitution` on ``[V, exp(b) K]``) and
+    the outputs. Sequential
     over the chunks: only ``U - W S``, the values written given the state entering the
     chunk, and the state's hand-over.
     """
@@ -245,7 +245,7 @@ def _chunks(xp, q, k, v, g, beta, s, c):
             kd = head * kg
         system = xp.where(strict, bg * kk, xp.zeros_like(kk)) + eye
         # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
-        wu = unit_lower_inverse(xp, system) @ (bg * xp.concat([vg, kd], axis=-1))
+        wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
         u_c, w_c = wu[..., :dv], wu[..., dv:]
         us, entering = [], []
         for i in range(qg.shape[-3]):
