@@ -202,27 +202,54 @@ def _work_linear(n, d, c):
 
 
 def _decayed(n, d, c, per_dim):
-    # Chunks of C: the causal half of Q K^T and of A V inside each chunk (n C d each), the
-    # read of the carried state q (S) and its update k^T v (2 n d^2 each); the decay
-    # matrix exp(b_i - b_j) of each chunk (n C / 2 exponentials, n C d / 2 when the decay
-    # is per key dimension, as the overflow-free pairwise form computes it) and the
-    # exp(b) factors of q and k; gates read once.
+    """The chunk form of a decayed linear attention at chunk size ``C`` (``d = dk = dv``).
+
+    Per chunk, with ``b`` the running sum of the log decays from the chunk's start and
+    ``B`` its total (see ``docs/recurrent.md``, Cost):
+
+    * GEMM: the causal half of ``Q K^T`` and of ``A V`` (``C/2`` keys per query on
+      average, ``2 d`` flops each: ``n C d`` apiece), the read of the entering state
+      ``(q exp(b)) S`` and the state's update ``(k exp(B - b))^T V`` (``2 n d^2`` each).
+    * exponentials: a scalar decay (retention, SSD) multiplies ``Q K^T`` by the causal
+      half of ``exp(b_i - b_j)``, ``n C / 2``; a per-key-dimension decay (GLA) does not
+      factor out of the dot product, and the least work that never exponentiates a
+      positive number is the halving of ``decayed_scores``: at each of the ``log2 C``
+      levels every row of ``q`` or ``k`` is scaled once relative to a reference point,
+      ``n d log2 C`` (the pairwise ``(C, C, d)`` form would take ``n C d / 2``). Then
+      ``exp(b)`` and ``exp(B - b)`` for ``q`` and ``k``, ``n e`` each (``e = 1`` or ``d``).
+    * elementwise: the decay's product with the scores (``n C / 2``) or the
+      subtraction and product of each halving level (``2 n d log2 C``), the scaling of
+      ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the gates read once.
+    """
     C = min(c["chunk_size"], n)
-    e = d if per_dim else 1
     gemm = Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0)
-    decay = Work(0.0, n * C * e / 2 + 2 * n * e, n * C * e / 2 + 2 * n * e, n * e * _F32)
-    return gemm + decay + _io(n, d)
+    if per_dim:
+        levels = math.log2(C)
+        e, scores = d, Work(0.0, n * d * levels, 2 * n * d * levels, 0.0)
+    else:
+        e, scores = 1, Work(0.0, n * C / 2, n * C / 2, 0.0)
+    gates = Work(0.0, 2 * n * e, 2 * n * d + n * e, n * e * _F32)
+    return gemm + scores + gates + _io(n, d)
 
 
 def _delta(n, d, c, gated):
-    # The decayed form's work plus the UT transform of each chunk: K K^T (n C d), the
-    # unit-triangular solve for U = T V and W = T K (n C (2 d) + n C^2 / 3), the
-    # corrected values U - W S (2 n d^2); beta (and g) read once.
+    """The chunked WY/UT form of the (gated) delta rule at chunk size ``C``.
+
+    The decayed form's work (with a scalar decay, or none) plus, per chunk: ``K K^T``'s
+    strict causal half (``n C d``); the UT transform, ``M^{-1} diag(beta) [V, exp(b) K]``
+    for the unit lower-triangular ``M``, by forward substitution (``C^2 / 2``
+    multiply-adds per column of the ``C x 2d`` right-hand side: ``2 n C d``; forming
+    ``M^{-1}`` first would add ``n C^2 / 3``); the corrected values ``U - W S``
+    (``2 n d^2``). Elementwise: ``beta`` times ``K K^T * D`` (``n C / 2``) and the
+    right-hand side (``2 n d``); with ``qk_l2norm`` the normalisation of ``q`` and ``k``
+    (square, sum, divide: ``6 n d``, and ``2 n`` square roots); ``beta`` read once.
+    """
     C = min(c["chunk_size"], n)
-    ut = Work(n * C * d + 2 * n * C * 2 * d + 2 * n * C * C / 3 + 2 * n * d * d, 0.0, n * d, 0.0)
     base = _decayed(n, d, c, False) if gated else (
         Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0) + _io(n, d))
-    return base + ut + Work(0.0, 0.0, 0.0, n * _F32)
+    ut = Work(n * C * d + 2 * n * C * d + 2 * n * d * d, 0.0, n * C / 2 + 2 * n * d, n * _F32)
+    norm = Work(0.0, 0.0, 6 * n * d + 2 * n, 0.0) if c.get("qk_l2norm") else Work(0.0, 0.0, 0.0, 0.0)
+    return base + ut + norm
 
 
 def _work_linformer(n, d, c):

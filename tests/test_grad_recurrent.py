@@ -119,7 +119,7 @@ def _case(variant, *, T=7, batch=(3, 5), dk=4, dv=3, h0=True, cu_seqlens=None, d
         static["cu_seqlens"] = tuple(cu_seqlens)
     if scale is not None:
         static["scale"] = scale
-    # The backward's chunking (the decay variants; the delta rules take the token loop).
+    # The backward's chunking (unless form="recurrent", the token loop).
     if chunk_size is not None:
         static["chunk_size"] = chunk_size
     if form is not None:
@@ -443,13 +443,23 @@ def test_the_forwards_options_are_accepted_and_change_nothing(backend):
         assert_grads_close(got, {n: host(x) for n, x in base.items()}, backend, rtol=0, atol=0)
 
 
-#: The decay variants' backward is chunked unless form="recurrent" (the token loop).
-#: Every token its own chunk; a partial last chunk; one chunk longer than T.
+#: The backward is chunked unless form="recurrent" (the token loop): for the decay
+#: variants as a decayed linear attention run from the end, for the delta rules through
+#: the WY/UT form. Every token its own chunk; a partial last chunk; one chunk longer
+#: than T.
 CHUNKINGS = [{"chunk_size": 1}, {"chunk_size": 3}, {"chunk_size": 64}]
 
 
-@pytest.mark.parametrize("variant", ["retention", "gla", "ssd"])
-@pytest.mark.parametrize("name", ["T=7,batch=(3,5),h0,dS_T,scale", "cu_seqlens=(0,4,5,11)"])
+def _chunking_cases():
+    for variant in VARIANTS:
+        for name in ("T=7,batch=(3,5),h0,dS_T,scale", "cu_seqlens=(0,4,5,11)"):
+            yield variant, name
+        if variant in ("delta", "gated_delta"):
+            for name in DELTA_CASES:
+                yield variant, name
+
+
+@pytest.mark.parametrize("variant,name", list(_chunking_cases()))
 def test_chunked_backward_is_the_token_loop(backend, variant, name):
     inputs, static, do, dfinal = _make(variant, name)
     static = {n: a for n, a in static.items() if n != "chunk_size"}

@@ -124,6 +124,44 @@ def test_chunk_size_does_not_change_the_function(name):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"chunk_size={C}")
 
 
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_groups_of_chunks_are_the_whole_batch(backend, name, monkeypatch):
+    # The chunk form batches groups of chunks (GROUP_ELEMENTS); one chunk per group,
+    # three per group (a short last group) and all at once compute the same function.
+    from attn_ref.recurrent import decay, delta
+
+    (qh, kh, vh), steps_h, s0h = _host_inputs(name, 70)
+    want_o, want_s = _plain(name, qh, kh, vh, steps_h, s0h)
+    q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
+    steps = _to(backend, steps_h)
+    per_chunk = math.prod(BATCH) * 8 * max(8, DK + DV)
+    for chunks in (1, 3, 1000):
+        monkeypatch.setattr(decay, "GROUP_ELEMENTS", chunks * per_chunk)
+        monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
+        o, s = FNS[name](q, k, v, initial_state=s0, output_final_state=True, chunk_size=8, **steps)
+        for got, want in ((o, want_o), (s, want_s)):
+            assert_close(got, want, backend, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+def test_per_key_scores_are_the_pairwise_sum(backend):
+    # decayed_scores halves each block and factors the lower-left one through a
+    # reference point; it must be the pairwise sum_e q_ie k_je exp(b_ie - b_je), and
+    # finite where the pairwise exponents span far more than float32's range.
+    from attn_ref.recurrent.common import decayed_scores
+
+    rng = np.random.default_rng(3)
+    for c in (1, 2, 7, 16, 24):
+        q, k = rng.standard_normal((2, c, DK)), rng.standard_normal((2, c, DK))
+        b = np.cumsum(-20 * rng.random((2, c, DK)), axis=-2)  # up to -20 a step: exp(-480)
+        want = np.einsum("...ie,...je,...ije->...ij", q, k,
+                         np.exp(np.minimum(b[..., :, None, :] - b[..., None, :, :], 0)))
+        want = want * np.tril(np.ones((c, c)))
+        for dtype in ("float64", "float32"):
+            got = decayed_scores(backend.xp, *(from_numpy(x, backend, dtype) for x in (q, k, b)))
+            tol = 1e-12 if dtype == "float64" else 1e-5
+            assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
 # ---------------------------------------------------------- state in, state out, varlen
 
 
@@ -487,3 +525,41 @@ def test_fla_naive_references_are_the_same_function(name):
             if want_s is not None:
                 np.testing.assert_allclose(got_s, want_s, rtol=0, atol=T * dk * EPS["float32"]
                                            * np.abs(want_s).max() + 1e-30)
+
+
+
+def test_unit_triangular_solve_is_the_solve(backend):
+    # The UT transform's triangular solve (halving into GEMMs) against LAPACK's general
+    # solve, for even and odd sizes; a wrong block (C x1 left out, A for D) would not agree.
+    from attn_ref.recurrent.common import forward_substitution
+
+    rng = np.random.default_rng(4)
+    for c in (1, 2, 5, 8, 13, 16):
+        m = np.tril(0.5 * rng.standard_normal((2, 3, c, c)), -1) + np.eye(c)
+        rhs = rng.standard_normal((2, 3, c, 5))
+        want = np.linalg.solve(m, rhs)
+        xm, xr = from_numpy(m, backend), from_numpy(rhs, backend)
+        assert_close(forward_substitution(backend.xp, xm, xr), want, backend, rtol=1e-12, atol=1e-12)
+
+# ------------------------------------------------------------------------- asv cases
+
+
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_asv_recurrent_cases_run(name):
+    # asv_benches/recurrent.py at its smallest T: the forward with the benchmark
+    # configuration is the function (another chunking of it agrees), and the chunked
+    # backward returns every gradient, finite.
+    from asv_benches import recurrent as bench
+
+    fwd = bench.RecurrentForward()
+    fwd.setup(name, bench.NS[0], 128)
+    out = fwd.run()
+    assert out.shape == (8, bench.NS[0], 128) and out.dtype == np.float32
+    other = fwd.variant.fn(fwd.q, fwd.k, fwd.v, **dict(fwd.kwargs, chunk_size=16))
+    np.testing.assert_allclose(out, other, rtol=2e-3, atol=2e-3 * np.abs(other).max())
+    bwd = bench.RecurrentBackward()
+    bwd.setup(name, bench.NS[0])
+    grads = bwd.run()
+    assert {"q", "k", "v"} <= set(grads)
+    for n, g in grads.items():
+        assert g.dtype == np.float32 and np.isfinite(g).all(), n

@@ -3,6 +3,7 @@
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
+    python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -28,6 +29,22 @@ output costs page faults instead), and memory bandwidth (a 256 MiB copy, bytes r
 plus written). ``--json`` writes them with the machine, the time and the load average
 (``docs/_static/roofline_rates.json`` is what the scaling report reads); rates taken
 on a loaded machine are marked so, and are lower bounds of the machine's.
+
+``recurrent``: the chunk form of each recurrent variant (retention, gla, ssd, deltanet,
+gated_deltanet) at ``--n`` with its benchmark configuration (``asv_benches/_common.py``
+``BENCH_CONFIGS``: chunk size, gates drawn as fla's tests draw them), against its
+roofline (``asv_benches/costs.py`` ``WORK`` at the NumPy rates measured in the same
+run), and, at ``--fla-n`` (fla's naive loops take about a minute each at 16384 on a
+loaded 2-core machine), ours against flash-linear-attention's naive reference on torch
+CPU (``fla/ops/<op>/naive.py`` of the installed fla-core: the recurrent loops; for
+retention fla's only naive form, the masked ``T x T`` product), interleaved variant by
+variant; then at ``--grad-n`` the chunked backward (``attn_ref.grad.recurrent``,
+``form="chunk"``) against the token loop (``form="recurrent"``). Times and rates are
+CPU seconds of this process (``time.process_time``; wall seconds are shown beside):
+on a shared machine wall time measures the other jobs too. Run it single-threaded
+(``OPENBLAS_NUM_THREADS=1``: on a loaded machine OpenBLAS's threads wait on each other,
+tens of times slower) and from the repository root with ``PYTHONPATH=.`` so that this
+checkout's ``attn_ref`` is the one timed.
 """
 
 from __future__ import annotations
@@ -44,12 +61,12 @@ import numpy as np
 H, D = 8, 64
 
 
-def _median_time(f, reps):
+def _median_time(f, reps, clock=time.perf_counter):
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         f()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return float(np.median(times))
 
 
@@ -58,9 +75,9 @@ def _inputs(n, count=3, seed=0):
     return [rng.standard_normal((H, n, D), dtype=np.float32) for _ in range(count)]
 
 
-def matmul_rate(reps=7, size=2048):
+def matmul_rate(reps=7, size=2048, clock=time.perf_counter):
     a = np.random.default_rng(1).standard_normal((size, size), dtype=np.float32)
-    return 2 * size**3 / _median_time(lambda: a @ a, reps)
+    return 2 * size**3 / _median_time(lambda: a @ a, reps, clock)
 
 
 def _peak_extra(f):
@@ -150,7 +167,7 @@ _CACHE_ELEMS = 1 << 16  # 256 KiB of float32: in L2 on any recent core
 _STREAM_BYTES = 256 << 20
 
 
-def _streaming_rates(reps, exp, mul, copy, x, y, out, src, dst):
+def _streaming_rates(reps, exp, mul, copy, x, y, out, src, dst, clock=time.perf_counter):
     """In-cache ``exp`` and multiply rates (elements/s, written into ``out``) and the copy
     bandwidth (bytes/s, read + write) of one library, given its three operations."""
     inner = 200
@@ -161,18 +178,19 @@ def _streaming_rates(reps, exp, mul, copy, x, y, out, src, dst):
                 f()
         return run
 
-    return {"exp": inner * _CACHE_ELEMS / _median_time(many(lambda: exp(x, out=out)), reps),
-            "elementwise": inner * _CACHE_ELEMS / _median_time(many(lambda: mul(x, y, out=out)), reps),
-            "bandwidth": 2 * _STREAM_BYTES / _median_time(lambda: copy(dst, src), reps)}
+    return {"exp": inner * _CACHE_ELEMS / _median_time(many(lambda: exp(x, out=out)), reps, clock),
+            "elementwise": inner * _CACHE_ELEMS / _median_time(many(lambda: mul(x, y, out=out)), reps,
+                                                               clock),
+            "bandwidth": 2 * _STREAM_BYTES / _median_time(lambda: copy(dst, src), reps, clock)}
 
 
-def _rates_numpy(reps):
+def _rates_numpy(reps, clock=time.perf_counter):
     rng = np.random.default_rng(2)
     x = rng.standard_normal(_CACHE_ELEMS, dtype=np.float32)
     src = np.ones(_STREAM_BYTES // 4, dtype=np.float32)
     rates = _streaming_rates(reps, np.exp, np.multiply, np.copyto, x, x.copy(), np.empty_like(x),
-                             src, np.empty_like(src))
-    return {"gemm_flops": matmul_rate(reps), **rates}
+                             src, np.empty_like(src), clock)
+    return {"gemm_flops": matmul_rate(reps, clock=clock), **rates}
 
 
 def _rates_torch(reps):
@@ -226,6 +244,142 @@ def rates(args):
         print(f"wrote {args.json}")
 
 
+# The fla naive reference of each recurrent variant: (module under fla/ops, function,
+# layout: "bhtk" or fla's "bthk").
+_FLA_NAIVE = {
+    "retention": ("retention", "naive_retention", "bhtk"),
+    "gla": ("gla", "naive_recurrent_gla", "bthk"),
+    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthk"),
+    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtk"),
+    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthk"),
+}
+
+
+def _fla_module(family):
+    """``fla/ops/<family>/naive.py`` of the installed fla-core, without fla's __init__."""
+    spec = importlib.util.find_spec("fla")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{family}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def _recurrent_call(name, n):
+    """``(run, fla_run)``: our chunk form on NumPy and fla's naive one on torch, same inputs."""
+    import array_api_compat.numpy as xp
+
+    from asv_benches._common import BENCH_CONFIGS
+    from attn_ref.registry import get
+
+    variant = get(name)
+    config = BENCH_CONFIGS[name]
+    options, sizes = config.resolve(n)
+    q, k, v = _inputs(n)
+    extra = config.arrays(n, D, {**options, **sizes}, seed=0, dtype=xp.float32, device="cpu", xp=xp)
+    kw = {**options, **extra}
+
+    def run():
+        return variant.fn(q, k, v, **kw)
+
+    def fla_run():
+        import torch
+
+        family, fn, layout = _FLA_NAIVE[name]
+        mod = _fla_module(family)
+        qq, kk = q, k
+        if kw.get("qk_l2norm"):  # fla's naive loops take q, k as given: normalised here, untimed
+            qq, kk = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6) for x in (q, k))
+
+        def t(x):  # ours (H, T, ...) -> fla's (1, H, T, ...) or (1, T, H, ...)
+            x = torch.from_numpy(np.ascontiguousarray(x))[None]
+            return x.transpose(1, 2).contiguous() if layout == "bthk" else x
+
+        args = [t(qq), t(kk), t(v)]
+        if name == "gla":
+            args.append(t(extra["g"]))
+        elif name == "ssd":
+            args.append(t(extra["g"]))
+        elif name == "deltanet":
+            args.append(t(extra["beta"]))
+        elif name == "gated_deltanet":
+            args += [t(extra["beta"]), t(extra["g"])]
+        f = getattr(mod, fn)
+
+        def call():
+            with torch.no_grad():
+                return f(*args)
+        return call
+
+    return run, fla_run, kw
+
+
+def _recurrent_vjp(name, n):
+    """``(chunked, token_loop)``: the VJP of ``name`` at ``n`` by each backward."""
+    from asv_benches._common import BENCH_CONFIGS
+    from attn_ref.registry import get
+
+    vjp = get(name).vjp
+    _, _, kw = _recurrent_call(name, n)
+    q, k, v, do = _inputs(n, 4)
+    c = BENCH_CONFIGS[name].resolve(n)[0]["chunk_size"]
+    kw = {**kw, "chunk_size": c}
+    return (lambda: vjp(q, k, v, do, **kw, form="chunk"),
+            lambda: vjp(q, k, v, do, **kw, form="recurrent"))
+
+
+def recurrent(args):
+    from asv_benches._common import BENCH_CONFIGS
+    from asv_benches.costs import variant_work
+
+    cpu = time.process_time
+    names = args.variants.split(",")
+    load0 = os.getloadavg()
+    rate = _rates_numpy(args.reps, clock=cpu)
+    print(f"numpy rates (CPU time): GEMM {rate['gemm_flops'] / 1e9:.1f} GFLOP/s | exp "
+          f"{rate['exp'] / 1e9:.2f} Gelem/s | multiply {rate['elementwise'] / 1e9:.2f} Gelem/s | "
+          f"copy {rate['bandwidth'] / 1e9:.1f} GB/s | BLAS threads "
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')}", flush=True)
+    have_fla = args.fla_n > 0 and importlib.util.find_spec("fla") is not None
+    if have_fla:
+        import torch
+
+        # One thread, as our BLAS: CPU seconds of a spinning thread pool are not work.
+        torch.set_num_threads(1)
+        print(f"fla naive: torch {torch.__version__} CPU, {torch.get_num_threads()} thread", flush=True)
+    print("times are medians of CPU seconds (wall seconds in brackets); roofline from the CPU-time "
+          "rates above")
+    print(f"{'variant':15s} {'C':>4s} {'T':>6s} {'time s':>16s} {'roofline s':>10s} {'ratio':>6s}"
+          + (f" | T={args.fla_n}: ours s     fla s      fla/ours" if have_fla else ""))
+    for name in names:
+        run, _, kw = _recurrent_call(name, args.n)
+        t = _median_time(run, args.reps, cpu)
+        wall = _median_time(run, 1)
+        w = variant_work(name, args.n, BENCH_CONFIGS[name].describe(args.n), d=D, heads=H)
+        roof = w.seconds(rate)
+        line = (f"{name:15s} {kw['chunk_size']:4d} {args.n:6d} {t:7.3f} [{wall:6.2f}] {roof:10.3f} "
+                f"{t / roof:6.2f}")
+        if have_fla:
+            small, fla_call, _ = _recurrent_call(name, args.fla_n)
+            t_small = _median_time(small, args.reps, cpu)
+            f = fla_call()
+            t_fla = _median_time(f, 1, cpu)
+            line += f" | {t_small:14.3f} {t_fla:9.2f} {t_fla / t_small:10.1f}"
+        print(line, flush=True)
+    if args.grad_n > 0:
+        print(f"backward (VJP) at T = {args.grad_n}, CPU seconds: chunked | token loop | ratio")
+        for name in names:
+            chunked, loop = _recurrent_vjp(name, args.grad_n)
+            t_c = _median_time(chunked, args.reps, cpu)
+            t_l = _median_time(loop, 1, cpu)
+            print(f"{name:15s} {t_c:8.3f} | {t_l:8.3f} | {t_l / t_c:6.1f}", flush=True)
+    load1 = os.getloadavg()
+    print(f"load average (1/5/15 min) before {[round(x, 2) for x in load0]}, after "
+          f"{[round(x, 2) for x in load1]}, on {os.cpu_count()} CPUs")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -241,8 +395,16 @@ def main(argv=None):
     rt.add_argument("--backends", default="numpy,torch")
     rt.add_argument("--reps", type=int, default=7)
     rt.add_argument("--json", metavar="PATH", help="write the rates with the machine and load")
+    rec = sub.add_parser("recurrent", help="issue 18: recurrent chunk forms against their "
+                         "roofline and fla's naive loops")
+    rec.add_argument("--n", type=int, default=16384)
+    rec.add_argument("--fla-n", type=int, default=2048, help="T of the fla comparison (0: none)")
+    rec.add_argument("--grad-n", type=int, default=2048, help="T of the backward timing (0: none)")
+    rec.add_argument("--reps", type=int, default=3)
+    rec.add_argument("--variants", default="retention,gla,ssd,deltanet,gated_deltanet")
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward, "rates": rates}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates,
+     "recurrent": recurrent}[args.what](args)
 
 
 if __name__ == "__main__":

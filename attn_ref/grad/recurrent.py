@@ -31,16 +31,19 @@ With ``cu_seqlens`` the packed sequences are differentiated one after another, e
 from its own initial state: no cotangent crosses a boundary, and the initial state's
 gradient is per sequence.
 
-Two implementations. The token loop above (``form="recurrent"``, and always for the
-delta rules): ``O(T dk dv)`` time per leading index (a few times the forward's
-multiply-adds) and ``O(T dk dv)`` extra memory for the saved states, in ``T`` Python steps
-of array operations vectorised over the leading dimensions. For the decay variants
-(retention, GLA, SSD) the other forms take a chunked backward, ``chunk_size`` steps at
-a time: the backward of a decayed linear attention is a decayed linear attention run
-from the end, so it chunks as the forward does (intra-chunk decay matrices from
-differences of cumulative log gates, masked before ``exp``; only the states at chunk
-boundaries and their cotangents carried), and the log gates' gradient is the reverse
-cumulative sum of ``q dq - k dk``. Inputs in float16/bfloat16 are differentiated with
+Two implementations. The token loop above (``form="recurrent"``): ``O(T dk dv)`` time
+per leading index (a few times the forward's multiply-adds) and ``O(T dk dv)`` extra
+memory for the saved states, in ``T`` Python steps of array operations vectorised over
+the leading dimensions; it is the defining form the other is tested against. The other
+forms take a chunked backward, ``chunk_size`` steps at a time, carrying only the states
+at chunk boundaries and their cotangents. For the decay variants (retention, GLA, SSD)
+the backward of a decayed linear attention is a decayed linear attention run from the
+end, so it chunks as the forward does (intra-chunk decay matrices from differences of
+cumulative log gates, masked before ``exp``), and the log gates' gradient is the
+reverse cumulative sum of ``q dq - k dk``. For the delta rules each chunk's WY/UT
+transform is recomputed from the state entering it and run backwards (a back
+substitution through the unit-triangular system; the log decays through the decay
+matrix, ``exp(b)``, ``exp(B - b)`` and ``exp(B)``). Inputs in float16/bfloat16 are differentiated with
 float32 states (as fla's kernels keep them) and the gradients cast back to each input's
 dtype.
 """
@@ -52,7 +55,14 @@ import math
 import array_api_compat
 
 from .._checks import check_flag
-from ..recurrent.common import check_cu_seqlens, check_inputs, check_state, check_step_input
+from ..recurrent.common import (
+    check_cu_seqlens,
+    check_inputs,
+    check_state,
+    check_step_input,
+    decayed_scores,
+    forward_substitution,
+)
 from ..recurrent.decay import retention_log_decay
 from ..recurrent.delta import L2NORM_EPS
 from ._common import check_cotangent, unbroadcast
@@ -206,6 +216,45 @@ def _token_vjp(xp, pb, sl, s0, ds, lg, per_key, beta):
     return (*out, ds)
 
 
+def _decayed_products(xp, g, q, k, b):
+    """``((G * E) K, (G * E)^T Q)`` with ``E[t, s, e] = exp(b_te - b_se)`` per key dimension.
+
+    ``g (..., c, c)`` is causal (zero above the diagonal), ``q, k (..., c, dk)``, ``b
+    (..., c, dk)`` running sums of log gates. Computed as
+    :func:`attn_ref.recurrent.common.decayed_scores` computes the scores: the block of
+    rows ``m..c`` against columns ``0..m`` through the reference point ``r = b_{m-1}``,
+    ``exp(b_t - r) (G_ts (k_s exp(r - b_s)))`` (both exponents ``<= 0``), the diagonal
+    halves recursively and batched; ``O(c dk log c)`` exponentials, GEMM work.
+    """
+    mt = xp.matrix_transpose
+    c, d = q.shape[-2], q.shape[-1]
+    if c == 1:
+        return g * k, g * q
+    if c % 2:
+        # An odd block: the last row pairwise (its exponents b_last - b_s <= 0), the rest halved.
+        dq, dk = _decayed_products(xp, g[..., :-1, :-1], q[..., :-1, :], k[..., :-1, :],
+                                   b[..., :-1, :])
+        e = xp.exp(b[..., -1:, :] - b)
+        row = g[..., -1:, :]
+        pad = xp.zeros(tuple(dk.shape[:-2]) + (1, d), dtype=dk.dtype, device=array_api_compat.device(dk))
+        return (xp.concat([dq, row @ (k * e)], axis=-2),
+                xp.concat([dk, pad], axis=-2) + mt(row) * (q[..., -1:, :] * e))
+    m = c // 2
+    ref = b[..., m - 1:m, :]
+    e_hi, e_lo = xp.exp(b[..., m:, :] - ref), xp.exp(ref - b[..., :m, :])
+    g_low = g[..., m:, :m]
+    dq_hi = e_hi * (g_low @ (k[..., :m, :] * e_lo))
+    dk_lo = e_lo * (mt(g_low) @ (q[..., m:, :] * e_hi))
+    half = tuple(q.shape[:-2]) + (2, m)
+    dq_d, dk_d = _decayed_products(
+        xp, xp.stack([g[..., :m, :m], g[..., m:, m:]], axis=-3), xp.reshape(q, half + (d,)),
+        xp.reshape(k, half + (d,)), xp.reshape(b, half + (d,)))
+    full = tuple(q.shape)
+    zero = xp.zeros_like(dq_hi)
+    return (xp.reshape(dq_d, full) + xp.concat([zero, dq_hi], axis=-2),
+            xp.reshape(dk_d, full) + xp.concat([dk_lo, zero], axis=-2))
+
+
 def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
     """The VJP of a decay variant (no delta rule) on one sequence, ``chunk`` steps at a time.
 
@@ -223,8 +272,9 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
     (``B`` the chunk's total log decay, products with ``E`` elementwise per key for GLA)
     and the log gates' gradient is the reverse cumulative sum of ``q dq - k dk`` (plus
     ``rowsum(dS_T * S_T)``), see ``docs/recurrent_backward.md``. ``O(L C (dk + dv) + L dk dv)``
-    time, ``O(C^2 dk + (L / C) dk dv)`` extra memory (``O(C^2 + ...)`` for a scalar decay,
-    whose products with ``E`` are matrix products).
+    time, ``O(C^2 + (L / C) dk dv)`` extra memory; for a per-key decay the products with
+    ``E`` are taken by halving (:func:`_decayed_products`), GEMMs and ``O(L dk log C)``
+    exponentials.
     """
     q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
     lg = lg[..., sl, :]
@@ -253,17 +303,16 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
         b = xp.cumulative_sum(cut(lg, r0), axis=-2)
         m = qc.shape[-2]
         causal = xp.arange(m, device=pb.device)[:, None] >= xp.arange(m, device=pb.device)[None, :]
-        # E[t, s, e] = exp(b_t - b_s) for s <= t, else exactly 0.
-        e = xp.exp(xp.where(causal[:, :, None], b[..., :, None, :] - b[..., None, :, :], neg_inf))
         e_q, e_k = xp.exp(b), xp.exp(b[..., -1:, :] - b)
         g_ts = xp.where(causal, pb.scale * (doc @ mt(vc)), zero)  # (dO V^T) masked, scaled
         if per_key:
-            # The decay differs per key dimension: (C, C, dk) products, no GEMM.
-            a_ts = xp.sum(qc[..., :, None, :] * kc[..., None, :, :] * e, axis=-1)  # QK^T * E
-            dq_in = xp.sum(g_ts[..., None] * kc[..., None, :, :] * e, axis=-2)
-            dk_in = xp.sum(g_ts[..., None] * qc[..., :, None, :] * e, axis=-3)
+            # The decay differs per key dimension: the products with E by halving through
+            # reference points (GEMMs, every exponent <= 0), as the forward's scores.
+            a_ts = decayed_scores(xp, qc, kc, b)  # QK^T * E
+            dq_in, dk_in = _decayed_products(xp, g_ts, qc, kc, b)
         else:
-            e = e[..., 0]
+            # E[t, s] = exp(b_t - b_s) for s <= t, else exactly 0.
+            e = xp.exp(xp.where(causal, b[..., :, None, 0] - b[..., None, :, 0], neg_inf))
             a_ts = (qc @ mt(kc)) * e
             dq_in = (g_ts * e) @ kc
             dk_in = mt(g_ts * e) @ qc
@@ -286,6 +335,135 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
     return dq, dk, dv, dlg, None, lam
 
 
+def _chunked_delta_vjp(xp, pb, sl, s0, ds, lg, beta, chunk):
+    """The VJP of the (gated) delta rule on one sequence, through the chunked WY/UT form.
+
+    The same inputs and outputs as :func:`_token_vjp`. A forward pass over the chunks
+    keeps only the state entering each chunk; the backward pass recomputes each chunk's
+    UT transform from it (``M = I + tril(diag(beta) (K K^T * D), -1)``, ``U0 = M^{-1}
+    diag(beta) V``, ``W = M^{-1} diag(beta) (exp(b) K)``, ``U = U0 - W S``) and runs it
+    backwards, carrying ``Lambda``, the cotangent of the state leaving the chunk:
+
+    * ``dA = scale dO U^T`` (causal), ``dU = scale A^T dO + (exp(B - b) K) Lambda``,
+    * ``dQ = (dA * D) K + scale exp(b) (dO S^T)``, ``dK = (dA * D)^T Q + ...``,
+    * through ``X = M^{-1} R``: ``dR = M^{-T} dX`` (a back substitution) and
+      ``dM = -dR X^T`` on the strict lower triangle, for ``X = U0`` and ``W`` (whose
+      cotangent is ``-dU S^T``),
+    * ``Lambda_prev = exp(B) Lambda + scale (exp(b) Q)^T dO - W^T dU``,
+
+    and the log decays through ``D``, ``exp(b)``, ``exp(B - b)`` and ``exp(B)``
+    (``dL/db``, then a reverse cumulative sum in the chunk). See
+    ``docs/recurrent_backward.md``. ``O(L C (C + dk + dv) + L dk dv)`` time per leading
+    index, ``O(C^2 + (L / C) dk dv)`` extra memory, ``2 L / C`` Python steps.
+    """
+    mt = xp.matrix_transpose
+    q, k, v, do = (x[..., sl, :] for x in (pb.q, pb.k, pb.v, pb.do))
+    bt = beta[..., sl][..., None]  # (..., L, 1)
+    a = None if lg is None else lg[..., sl, :]  # (..., L, 1)
+    n, dv = q.shape[-2], v.shape[-1]
+    starts = list(range(0, n, chunk))
+    scale, dev = pb.scale, pb.device
+
+    def zeros(x):
+        return xp.zeros_like(x)
+
+    def chunk_of(r0):
+        """The S-independent quantities of the chunk starting at ``r0``."""
+        r1 = min(r0 + chunk, n)
+        c = r1 - r0
+        x = {name: t[..., r0:r1, :] for name, t in (("q", q), ("k", k), ("v", v), ("do", do),
+                                                    ("beta", bt))}
+        x["lower"] = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+        x["strict"] = xp.arange(c, device=dev)[None, :] < xp.arange(c, device=dev)[:, None]
+        ones = xp.ones((c, c), dtype=pb.work, device=dev)
+        if a is None:
+            x["d"] = xp.where(x["lower"], ones, xp.zeros_like(ones))
+            x["h"] = x["t"] = x["gamma"] = None
+            kh = x["k"]
+        else:
+            b = xp.cumulative_sum(a[..., r0:r1, :], axis=-2)  # from the chunk's start
+            diff = b - mt(b)
+            x["d"] = xp.exp(xp.where(x["lower"], diff, xp.full_like(diff, -math.inf)))
+            x["h"], x["t"] = xp.exp(b), xp.exp(b[..., -1:, :] - b)
+            x["gamma"] = xp.exp(b[..., -1:, :])  # (..., 1, 1)
+            kh = x["h"] * x["k"]
+        x["kh"] = kh
+        x["kk"] = x["k"] @ mt(x["k"])
+        kkd = x["kk"] * x["d"]
+        x["kkd"] = kkd
+        x["m"] = xp.where(x["strict"], x["beta"] * kkd, xp.zeros_like(kkd)) + xp.eye(
+            c, dtype=pb.work, device=dev)
+        wu = forward_substitution(xp, x["m"], x["beta"] * xp.concat([x["v"], kh], axis=-1))
+        x["u0"], x["w"] = wu[..., :dv], wu[..., dv:]
+        x["kt"] = x["k"] if x["t"] is None else x["t"] * x["k"]
+        return x
+
+    # Forward: the state entering every chunk.
+    s_in, s = [], s0
+    for r0 in starts:
+        x = chunk_of(r0)
+        s_in.append(s)
+        u = x["u0"] - x["w"] @ s
+        s = (s if x["gamma"] is None else x["gamma"] * s) + mt(x["kt"]) @ u
+
+    grads = {name: [None] * len(starts) for name in ("q", "k", "v", "beta", "g")}
+    lam = ds
+    for j in range(len(starts) - 1, -1, -1):
+        x, s = chunk_of(starts[j]), s_in[j]
+        qc, kc, vc, doc, bc, d, h = x["q"], x["k"], x["v"], x["do"], x["beta"], x["d"], x["h"]
+        u = x["u0"] - x["w"] @ s
+        qk = qc @ mt(kc)
+        da = xp.where(x["lower"], scale * (doc @ mt(u)), zeros(qk))
+        du = scale * mt(qk * d) @ doc + x["kt"] @ lam
+        dad = da * d
+        qs_t = doc @ mt(s)
+        dq = dad @ kc + scale * (qs_t if h is None else h * qs_t)
+        ul = u @ mt(lam)  # the cotangent of exp(B - b) K
+        dk = mt(dad) @ qc + (ul if x["t"] is None else x["t"] * ul)
+        qh = qc if h is None else h * qc
+        lam_prev = scale * mt(qh) @ doc + (lam if x["gamma"] is None else x["gamma"] * lam) \
+            - mt(x["w"]) @ du
+        # Through X = M^{-1} R for X = [U0, W]: dR = M^{-T} dX (back substitution, as a
+        # forward one on the reversed, transposed system), dM = -dR X^T (strict lower).
+        dx = xp.concat([du, -(du @ mt(s))], axis=-1)
+        rev = mt(xp.flip(x["m"], axis=(-2, -1)))
+        dr = xp.flip(forward_substitution(xp, rev, xp.flip(dx, axis=-2)), axis=-2)
+        drv, drk = dr[..., :dv], dr[..., dv:]
+        dm = -(drv @ mt(x["u0"]) + drk @ mt(x["w"]))
+        dm = xp.where(x["strict"], dm, zeros(dm))
+        grads["v"][j] = bc * drv
+        grads["beta"][j] = (xp.sum(drv * vc, axis=-1) + xp.sum(drk * x["kh"], axis=-1)
+                            + xp.sum(dm * x["kkd"], axis=-1))
+        dk = dk + bc * (drk if h is None else h * drk)
+        gkk = bc * dm  # the cotangent of K K^T * D on the strict lower triangle
+        gd = gkk * d
+        dk = dk + gd @ kc + mt(gd) @ kc
+        if a is not None:
+            # dL/db_i through D_ij = exp(b_i - b_j) (row i +, column i -), exp(b_i),
+            # exp(B - b_i) and exp(B), B = b_last; then dg = the reverse cumsum of dL/db.
+            e = (da * qk + gkk * x["kk"]) * d
+            db = xp.sum(e, axis=-1)[..., None] - xp.sum(e, axis=-2)[..., None]
+            dh = scale * xp.sum(doc * (qc @ s), axis=-1)[..., None] + bc * xp.sum(
+                drk * kc, axis=-1)[..., None]
+            dt = xp.sum(kc * ul, axis=-1)[..., None] * x["t"]
+            db = db + dh * h - dt
+            db_last = xp.sum(dt, axis=-2, keepdims=True) + x["gamma"] * xp.sum(
+                lam * s, axis=(-2, -1))[..., None, None]
+            db = xp.concat([db[..., :-1, :], db[..., -1:, :] + db_last], axis=-2)
+            grads["g"][j] = xp.flip(xp.cumulative_sum(xp.flip(db, axis=-2), axis=-2), axis=-2)
+        grads["q"][j], grads["k"][j] = dq, dk
+        lam = lam_prev
+
+    def joined(name, like, axis):
+        if not starts:
+            return xp.zeros(like.shape, dtype=pb.work, device=pb.device)
+        return xp.concat(grads[name], axis=axis)
+
+    dlg = None if a is None else joined("g", a, -2)
+    return (joined("q", q, -2), joined("k", k, -2), joined("v", v, -2), dlg,
+            joined("beta", bt[..., 0], -1), lam)
+
+
 def _l2norm(xp, x):
     """fla's ``l2norm``: ``x / sqrt(sum(x^2) + eps)`` and the reciprocal norm."""
     eps = xp.asarray(L2NORM_EPS, dtype=x.dtype, device=array_api_compat.device(x))
@@ -302,19 +480,21 @@ def _run(pb, *, lg=None, per_key=False, beta=None):
     """The VJP of the recurrence over every sequence of ``pb``.
 
     ``lg``: None or the log gates ``batch + (T, e)`` (``e = dk`` when ``per_key``, else
-    1). The decay variants take the chunked backward unless ``form="recurrent"``; the
-    delta rules take the token loop. Returns ``dq, dk, dv`` (``batch + (T, d)``), ``dlg``
-    (like ``lg``) and ``dbeta`` (``batch + (T,)``) or None, and the initial state's
-    cotangent (``batch + (dk, dv)``, or ``(n_seq, ...)`` with ``cu_seqlens``).
+    1). Every variant takes the chunked backward unless ``form="recurrent"``. Returns
+    ``dq, dk, dv`` (``batch + (T, d)``), ``dlg`` (like ``lg``) and ``dbeta``
+    (``batch + (T,)``) or None, and the initial state's cotangent (``batch + (dk, dv)``,
+    or ``(n_seq, ...)`` with ``cu_seqlens``).
     """
     xp = pb.xp
-    chunked = lg is not None and beta is None and pb.form != "recurrent"
+    chunked = pb.form != "recurrent" and (lg is not None or beta is not None)
     parts = [[] for _ in range(5)]
     ds0 = []
     for i in range(pb.n_seq):
         sl = slice(pb.bounds[i], pb.bounds[i + 1])
         s0, dst = pb.state(pb.initial_state, i), pb.state(pb.dfinal_state, i)
-        if chunked:
+        if chunked and beta is not None:
+            *grads, ds = _chunked_delta_vjp(xp, pb, sl, s0, dst, lg, beta, pb.chunk_size)
+        elif chunked:
             *grads, ds = _chunked_decay_vjp(xp, pb, sl, s0, dst, lg, per_key, pb.chunk_size)
         else:
             *grads, ds = _token_vjp(xp, pb, sl, s0, dst, lg, per_key, beta)
@@ -364,8 +544,7 @@ _COMMON_DOC = """
     form, chunk_size
         The forward's form and chunk size. Every form computes the same function, so they
         choose only how the backward runs: ``"recurrent"``, the token loop; ``"chunk"``
-        and ``"parallel"``, the chunked backward in chunks of ``chunk_size`` for the decay
-        variants (the delta rules always run the token loop).
+        and ``"parallel"``, the chunked backward in chunks of ``chunk_size``.
     dfinal_state : array, optional
         Cotangent of the final state ``S_T`` (shape of ``initial_state``); zero if None.
     causal : True
@@ -376,17 +555,20 @@ _COST_DECAY = """
     Notes
     -----
     Chunked (``form="chunk"`` or ``"parallel"``): ``O(T C (dk + dv) + T dk dv)`` time per
-    leading index with ``C = chunk_size``, ``O(C^2 dk + (T / C) dk dv)`` extra memory
-    (``C^2`` for a scalar decay), ``T / C`` Python steps. Token
+    leading index with ``C = chunk_size``, ``O(C^2 + (T / C) dk dv)`` extra memory
+    (GLA's per-key decay by halving, ``O(T dk log C)`` exponentials), ``T / C`` Python
+    steps. Token
     loop (``form="recurrent"``): ``O(T dk dv)`` time and memory, ``T`` Python steps.
     Derivation: ``docs/recurrent_backward.md``."""
 
 _COST_DELTA = """
     Notes
     -----
-    The token loop, whatever the form: ``O(T dk dv)`` time per leading index and
-    ``O(T dk dv)`` extra memory (the saved states), ``T`` Python steps each vectorised
-    over the leading dimensions. Derivation: ``docs/recurrent_backward.md``."""
+    Chunked (``form="chunk"`` or ``"parallel"``, the WY/UT form recomputed per chunk):
+    ``O(T C (C + dk + dv) + T dk dv)`` time per leading index with ``C = chunk_size``,
+    ``O(C^2 + (T / C) dk dv)`` extra memory, ``2 T / C`` Python steps. Token loop
+    (``form="recurrent"``): ``O(T dk dv)`` time and memory (the saved states), ``T``
+    Python steps. Derivation: ``docs/recurrent_backward.md``."""
 
 
 def _doc(cost):

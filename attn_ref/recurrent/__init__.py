@@ -115,7 +115,7 @@ def _register():
         name="gla", fn=gated_linear_attention, params=gla_params,
         weights=gated_linear_attention_weights,
         vjp="attn_ref.grad.recurrent:gated_linear_attention", options={"chunk_size": 16},
-        time="O(N C d + N d^2)", memory="O(N d + C^2 d + d^2)",
+        time="O(N C d + N d^2)", memory="O(N d + C^2 + d^2)",
         summary="gated linear attention, per-key-dim log-sigmoid gates; chunked",
         **common))
     register(Variant(

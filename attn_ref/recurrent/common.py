@@ -50,6 +50,10 @@ __all__ = [
     "finish",
     "segment_sums",
     "causal_decay",
+    "to_chunks",
+    "from_chunks",
+    "decayed_scores",
+    "forward_substitution",
 ]
 
 #: The three forms of every variant, in the order of the docs.
@@ -262,3 +266,85 @@ def causal_decay(xp, diff, r0):
     j = xp.arange(nk, device=dev)[None, :]
     keep = (j <= i)[:, :, None]
     return xp.exp(xp.where(keep, diff, xp.full_like(diff, -xp.inf)))
+
+
+def to_chunks(xp, x, c):
+    """``(..., n c, e) -> (..., n, c, e)``: consecutive chunks of ``c`` steps as a batch axis."""
+    return xp.reshape(x, tuple(x.shape[:-2]) + (x.shape[-2] // c, c, x.shape[-1]))
+
+
+def from_chunks(xp, x):
+    """``(..., n, c, e) -> (..., n c, e)``, the inverse of :func:`to_chunks`."""
+    return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+
+def decayed_scores(xp, q, k, b):
+    """Causal decayed scores ``A_ij = sum_e q_ie k_je exp(b_ie - b_je)`` (``j <= i``, else 0).
+
+    ``q, k (..., c, dk)`` and ``b (..., c, e)``: the running sums of the log decays
+    from any anchor (only differences enter), ``e = 1`` (a scalar decay per step) or
+    ``dk`` (GLA's per-key-dimension decay). Returns ``(..., c, c)``. Every exponent is
+    ``b_i - b_j`` or a part of one with ``j <= i``, so it is ``<= 0`` for decays
+    ``<= 0``: nothing overflows.
+
+    A scalar decay factors out of the dot product: ``(Q K^T) * exp(b_i - b_j)``, one
+    GEMM and ``c^2`` exponentials (masked to ``-inf`` above the diagonal before
+    ``exp``). A per-dimension decay does not, and the pairwise ``(c, c, dk)`` form
+    costs ``c^2 dk`` exponentials. Here it is computed by halving instead (the
+    secondary chunking of flash-linear-attention's chunk GLA, applied recursively): the
+    block of rows ``m..c`` against keys ``0..m`` factors through the reference point
+    ``r = b_{m-1}`` between them,
+
+        A_ij = (q_i * exp(b_i - r)) . (k_j * exp(r - b_j)),    i >= m > j,
+
+    one GEMM whose two exponents are both ``<= 0`` (``b`` is non-increasing), and the
+    two diagonal halves recurse (both halves of every chunk in one batch). Each of the
+    ``log2 c`` levels takes ``c dk`` exponentials per chunk, ``O(c dk log c)`` in all
+    instead of ``O(c^2 dk)``; the GEMMs add up to the causal half of ``Q K^T``.
+    See :doc:`/recurrent` (Cost).
+    """
+    c = q.shape[-2]
+    dev = array_api_compat.device(q)
+    if b.shape[-1] == 1:
+        diff = b[..., :, None, 0] - b[..., None, :, 0]
+        keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+        return (q @ xp.matrix_transpose(k)) * xp.exp(xp.where(keep, diff, xp.full_like(diff, -xp.inf)))
+    if c == 1:
+        return xp.sum(q * k, axis=-1, keepdims=True)
+    if c % 2:
+        # An odd block: the last row pairwise (c dk exponentials), the rest halved.
+        top = decayed_scores(xp, q[..., :-1, :], k[..., :-1, :], b[..., :-1, :])
+        row = xp.sum(q[..., -1:, :] * k * xp.exp(b[..., -1:, :] - b), axis=-1)[..., None, :]
+        pad = xp.zeros(tuple(top.shape[:-1]) + (1,), dtype=top.dtype, device=dev)
+        return xp.concat([xp.concat([top, pad], axis=-1), row], axis=-2)
+    m = c // 2
+    ref = b[..., m - 1:m, :]
+    low = (q[..., m:, :] * xp.exp(b[..., m:, :] - ref)) @ xp.matrix_transpose(
+        k[..., :m, :] * xp.exp(ref - b[..., :m, :]))
+    # Both halves of every block at once: (..., 2, m, d) -> their diagonal blocks.
+    half = tuple(q.shape[:-2]) + (2, m)
+    diag = decayed_scores(xp, xp.reshape(q, half + (q.shape[-1],)),
+                          xp.reshape(k, half + (k.shape[-1],)),
+                          xp.reshape(b, half + (b.shape[-1],)))
+    zero = xp.zeros(tuple(low.shape), dtype=low.dtype, device=dev)
+    return xp.concat([xp.concat([diag[..., 0, :, :], zero], axis=-1),
+                      xp.concat([low, diag[..., 1, :, :]], axis=-1)], axis=-2)
+
+
+def forward_substitution(xp, m, rhs):
+    """``m^{-1} rhs`` for a unit lower-triangular ``m (..., c, c)``, blocked by halving.
+
+    ``[A 0; C D] [x1; x2] = [r1; r2]`` gives ``x1 = A^{-1} r1`` and ``x2 = D^{-1} (r2 - C
+    x1)``: forward substitution reordered so that its work (``c^2`` multiply-adds per
+    column of ``rhs``, the least a triangular solve needs) is done by ``c - 1`` GEMMs,
+    each batched over the leading dimensions, instead of ``c`` row steps or a general
+    LU solve. Only matmul and concatenation: any dtype (NumPy's LAPACK has no long
+    double) and any library.
+    """
+    c = m.shape[-1]
+    if c == 1:
+        return rhs
+    h = c // 2
+    x1 = forward_substitution(xp, m[..., :h, :h], rhs[..., :h, :])
+    x2 = forward_substitution(xp, m[..., h:, h:], rhs[..., h:, :] - m[..., h:, :h] @ x1)
+    return xp.concat([x1, x2], axis=-2)

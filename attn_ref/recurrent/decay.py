@@ -23,10 +23,11 @@ computes it three ways (``form=``):
     anchor (:func:`~attn_ref.recurrent.common.segment_sums`).
 ``"chunk"``
     Chunks of ``C`` steps: the masked matrix inside a chunk, the state passed between
-    chunks. ``O(T C dk + T dk dv)`` time (``O(T C dk dv / dv + ...)``), the form fast
-    kernels use. Exact, not an approximation: the sum over ``j <= i`` is split into
-    ``j`` in earlier chunks (all folded into the state at the chunk's start, decayed by
-    ``exp(b_i - b_start)``) and ``j`` in the same chunk.
+    chunks. ``O(T C (dk + dv) + T dk dv)`` time, the form fast kernels use. Exact, not
+    an approximation: the sum over ``j <= i`` is split into ``j`` in earlier chunks
+    (all folded into the state at the chunk's start, decayed by ``exp(b_i - b_start)``)
+    and ``j`` in the same chunk. The chunks are computed in batches; only the state's
+    hand-over between them is sequential.
 
 Every exponent is a sum of log decays between two positions at most a chunk (or 64 rows)
 apart, masked to ``-inf`` before ``exp`` where ``j > i``: with ``a <= 0`` no ``exp`` ever
@@ -47,9 +48,12 @@ from .common import (
     check_inputs,
     check_state,
     check_step_input,
+    decayed_scores,
     finish,
+    from_chunks,
     packed,
     segment_sums,
+    to_chunks,
 )
 
 __all__ = [
@@ -65,6 +69,9 @@ __all__ = [
 
 # query rows per block of the parallel form (the anchor distance of its exponents)
 ROW_BLOCK = 64
+#: Elements of the in-chunk scores the chunk form computes at once (512 KiB of float32:
+#: the temporaries stay in cache).
+GROUP_ELEMENTS = 1 << 17
 
 
 def _zeros_state(xp, q, v):
@@ -124,21 +131,50 @@ def _parallel(xp, q, k, v, a, s0, scale):
 
 
 def _chunk(xp, q, k, v, a, s, scale, chunk):
+    # The whole chunks at once, then the last partial one (T need not be a multiple of C).
     T = q.shape[-2]
     s = _zeros_state(xp, q, v) if s is None else s
+    full = T - T % chunk
     outs = []
-    for c0 in range(0, T, chunk):
-        c1 = min(c0 + chunk, T)
-        qc, kc, vc = q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :]
-        b, diff, _ = segment_sums(xp, a[..., c0:c1, :], 0, c1 - c0)  # b_i - b_start
-        intra = _scores(xp, qc, kc, causal_decay(xp, diff, 0)) @ vc
-        outs.append(intra + (qc * xp.exp(b)) @ s)
-        last = b[..., -1:, :]
-        s = _decay_rows(s, xp.exp(last[..., 0, :])) + \
-            xp.matrix_transpose(kc * xp.exp(last - b)) @ vc
+    for c0, c1, c in ((0, full, chunk), (full, T, T - full)):
+        if c1 > c0:
+            o, s = _chunks(xp, q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :],
+                           a[..., c0:c1, :], s, c)
+            outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
     return scale * xp.concat(outs, axis=-2), s
+
+
+def _chunks(xp, q, k, v, a, s, c):
+    """The chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``), unscaled.
+
+    Batched over groups of chunks whose ``c x c`` scores fill about
+    :data:`GROUP_ELEMENTS` (one batch of every chunk would make each temporary a trip
+    through main memory): per group, the in-chunk scores
+    (:func:`~attn_ref.recurrent.common.decayed_scores`), each chunk's contribution to
+    the state and the read of the state entering each chunk are batched GEMMs; the
+    hand-overs ``S <- exp(B) S + dS`` between chunks are the only sequential steps.
+    """
+    mt = xp.matrix_transpose
+    qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
+    n = qc.shape[-3]
+    per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * max(c, qc.shape[-1])))
+    outs = []
+    for g0 in range(0, n, per):
+        cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
+        qg, kg, vg = qc[cut], kc[cut], vc[cut]
+        b = xp.cumulative_sum(ac[cut], axis=-2)  # b_i - b_start, anchored at each chunk's start
+        last = b[..., -1:, :]  # the chunk's total log decay B
+        inc = mt(kg * xp.exp(last - b)) @ vg  # (..., per, dk, dv)
+        decay = xp.exp(last[..., 0, :])[..., :, None]  # (..., per, e, 1)
+        entering = []
+        for i in range(qg.shape[-3]):
+            entering.append(s)
+            s = decay[..., i, :, :] * s + inc[..., i, :, :]
+        outs.append(decayed_scores(xp, qg, kg, b) @ vg
+                    + (qg * xp.exp(b)) @ xp.stack(entering, axis=-3))
+    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
 
 
 def _run(inp, a, s0):
@@ -308,8 +344,11 @@ def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
 
     Notes
     -----
-    Chunk form ``O(T C dk (1 + dv / dk) + T dk dv)`` time: the per-dimension decay makes
-    the intra-chunk scores a ``(C, C, dk)`` contraction, ``O(C^2 dk)`` extra memory.
+    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk log C)`` exponentials: the
+    per-dimension decay does not factor out of ``q . k``, and the intra-chunk scores are
+    computed by halving through reference points
+    (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose exponents are all
+    ``<= 0``; ``O(C^2 + dk dv)`` extra memory per head.
     Yang et al., *Gated Linear Attention Transformers with Hardware-Efficient Training*,
     ICML 2024.
 

@@ -34,6 +34,8 @@ negative eigenvalues); ``(0, 1)`` keeps ``I - beta k^T k`` a contraction for uni
 
 from __future__ import annotations
 
+import math
+
 import array_api_compat
 
 from .._checks import check_flag
@@ -44,8 +46,11 @@ from .common import (
     check_state,
     check_step_input,
     finish,
+    forward_substitution,
+    from_chunks,
     packed,
     segment_sums,
+    to_chunks,
 )
 
 __all__ = [
@@ -61,6 +66,9 @@ __all__ = [
 L2NORM_EPS = 1e-6
 # query rows per block when building the parallel form's decay matrix
 ROW_BLOCK = 64
+#: Elements of the ``c x c`` matrices the chunk form computes at once (512 KiB of
+#: float32: the temporaries stay in cache).
+GROUP_ELEMENTS = 1 << 17
 
 
 def l2_normalize(x, /, *, eps=L2NORM_EPS, xp=None):
@@ -183,31 +191,74 @@ def _parallel(xp, q, k, v, g, beta, s0, scale):
 
 
 def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
+    # The whole chunks in batches, then the last partial one (T need not be a multiple of C).
     T = q.shape[-2]
     s = _zeros_state(xp, k, v) if s is None else s
+    full = T - T % chunk
     outs = []
-    dv = v.shape[-1]
-    for c0 in range(0, T, chunk):
-        c1 = min(c0 + chunk, T)
-        n = c1 - c0
-        qc, kc, vc, bc = q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :], beta[..., c0:c1]
-        gc = None if g is None else g[..., c0:c1]
-        d = _decay_matrix(xp, gc, n)
-        head, tail = _prefix_decay(xp, gc, n)
-        kd = kc if head is None else head * kc
-        # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
-        wu = _unit_lower_solve(xp, _system(xp, kc, bc, d), bc[..., :, None] * xp.concat([vc, kd], axis=-1))
-        u_c, w_c = wu[..., :dv], wu[..., dv:]
-        u = u_c - w_c @ s  # the corrected values, given the state at the chunk's start
-        qs = qc @ s
-        outs.append(_scores(xp, qc, kc, d) @ u + (qs if head is None else head * qs))
-        if gc is not None:
-            s = xp.exp(xp.sum(gc, axis=-1))[..., None, None] * s
-            u = tail * u
-        s = s + xp.matrix_transpose(kc) @ u
+    for c0, c1, c in ((0, full, chunk), (full, T, T - full)):
+        if c1 > c0:
+            gc = None if g is None else g[..., c0:c1]
+            o, s = _chunks(xp, q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :], gc,
+                           beta[..., c0:c1], s, c)
+            outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
     return scale * xp.concat(outs, axis=-2), s
+
+
+def _chunks(xp, q, k, v, g, beta, s, c):
+    """The WY/UT chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``), unscaled.
+
+    Batched over groups of chunks (about :data:`GROUP_ELEMENTS` elements of ``c x c``
+    matrices at once): the decay matrices, ``K K^T``, ``Q K^T``, the UT transform
+    (:func:`~attn_ref.recurrent.common.forward_substitution` on ``[V, exp(b) K]``) and
+    the outputs. Sequential
+    over the chunks: only ``U - W S``, the values written given the state entering the
+    chunk, and the state's hand-over.
+    """
+    mt = xp.matrix_transpose
+    dev = array_api_compat.device(q)
+    qc, kc, vc = (to_chunks(xp, x, c) for x in (q, k, v))
+    bc = to_chunks(xp, beta[..., None], c)  # (..., n, c, 1)
+    ac = None if g is None else to_chunks(xp, g[..., None], c)
+    n, dk, dv = qc.shape[-3], kc.shape[-1], vc.shape[-1]
+    per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * max(c, dk + dv)))
+    lower, strict = _tril(xp, c, c, 0, dev), _tril(xp, c, c, -1, dev)
+    eye = xp.eye(c, dtype=q.dtype, device=dev)
+    outs = []
+    for g0 in range(0, n, per):
+        cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
+        qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
+        kk, qk = kg @ mt(kg), qg @ mt(kg)
+        if ac is None:
+            qk = xp.where(lower, qk, xp.zeros_like(qk))
+            kd = kg
+        else:
+            b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
+            # exp(b_i - b_j), masked to -inf before exp where j > i (positive exponents)
+            diff = b - mt(b)
+            d = xp.exp(xp.where(lower, diff, xp.full_like(diff, -xp.inf)))
+            kk, qk = kk * d, qk * d
+            head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
+            decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
+            kd = head * kg
+        system = xp.where(strict, bg * kk, xp.zeros_like(kk)) + eye
+        # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
+        wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
+        u_c, w_c = wu[..., :dv], wu[..., dv:]
+        us, entering = [], []
+        for i in range(qg.shape[-3]):
+            entering.append(s)
+            u = u_c[..., i, :, :] - w_c[..., i, :, :] @ s  # the values written in chunk i
+            us.append(u)
+            if ac is None:
+                s = s + mt(kg[..., i, :, :]) @ u
+            else:
+                s = decay[..., i, :, :] * s + mt(tail[..., i, :, :] * kg[..., i, :, :]) @ u
+        qs = qg @ xp.stack(entering, axis=-3)
+        outs.append(qk @ xp.stack(us, axis=-3) + (qs if ac is None else head * qs))
+    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
 
 
 def _delta(fn, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, form,
