@@ -123,3 +123,45 @@ def call(backend, fn, *args, **kwargs):
             f"values on the host. Make it traceable; if it must inspect values (to raise an "
             f"error, say), add it to NOT_TRACEABLE in tests/helpers.py with the reason."
         ) from exc
+
+
+# flash-linear-attention's naive PyTorch references (fla-core 0.6.0, installed with
+# --no-deps by .ci/run), the calibration peers of the recurrent family: loaded from their
+# files, never through `import fla`, whose __init__ needs triton.
+#: variant -> (folder under fla/ops, function, layout of q/k/v: "bhtd" or fla's "bthd")
+FLA_NAIVE = {
+    "retention": ("retention", "naive_retention", "bhtd"),
+    "gla": ("gla", "naive_recurrent_gla", "bthd"),
+    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthd"),
+    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtd"),
+    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthd"),
+}
+
+
+def fla_naive_path(family):
+    """The path of ``fla/ops/<family>/naive.py``; ImportError naming the install when
+    fla-core (or torch/einops, which the files import) is missing."""
+    import importlib.util
+
+    for needed in ("torch", "einops"):
+        if importlib.util.find_spec(needed) is None:
+            raise ImportError(f"fla's naive references need {needed}")
+    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("fla-core is not installed (pip install --no-deps fla-core==0.6.0 einops)")
+    return f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+
+
+def fla_naive_module(family, source=None, name=None):
+    """``fla/ops/<family>/naive.py`` as a module, executed from ``source`` when given (the
+    file's text, edited) else from the file."""
+    import types
+
+    path = fla_naive_path(family)
+    if source is None:
+        with open(path) as f:
+            source = f.read()
+    mod = types.ModuleType(name or f"_fla_naive_{family}")
+    mod.__file__ = path
+    exec(compile(source, path, "exec"), mod.__dict__)
+    return mod

@@ -16,11 +16,9 @@
 """
 
 import functools
-import importlib.util
 import inspect
 import os
 import re
-import types
 
 import numpy as np
 import pytest
@@ -39,6 +37,7 @@ from conformance.mutants import (
     variant_kernel,
 )
 from conformance.tolerance import ulp
+from tests.helpers import FLA_NAIVE, fla_naive_module, fla_naive_path
 
 SEEDS = int(os.environ.get("ATTN_REF_CALIBRATION_SEEDS", "1"))
 RECURRENT = [c for c in cases("gla", "standard") if c.family == "recurrent"]
@@ -226,26 +225,14 @@ _DOWNCASTS = (
     (r"\.to\(torch\.float32\)", ".to(_DTYPE)"),
     (r"dtype=torch\.float(32)?\b", "dtype=_DTYPE"),
 )
-# fla-core 0.6.0: (file, function, layout of q/k/v, of the per-step inputs)
-_FLA = {
-    "retention": ("retention", "naive_retention", "bhtd"),
-    "gla": ("gla", "naive_recurrent_gla", "bthd"),
-    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthd"),
-    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtd"),
-    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthd"),
-}
-
-
 @functools.cache
 def _fla_module(family, compute):
     """``fla/ops/<family>/naive.py`` as a module, read from its file (``import fla`` needs
     triton); with ``compute="input"``, its float32 downcasts replaced (:data:`_DOWNCASTS`)."""
-    pytest.importorskip("torch")
-    pytest.importorskip("einops")
-    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core is not installed (pip install --no-deps fla-core==0.6.0 einops)")
-    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
+    try:
+        path = fla_naive_path(family)
+    except ImportError as exc:
+        pytest.skip(str(exc))
     with open(path) as f:
         source = f.read()
     if compute == "input":
@@ -254,9 +241,8 @@ def _fla_module(family, compute):
             source, n = re.subn(pattern, cast, source)
             found += n
         assert found, f"{path}: no float32 downcast found; fla's naive file changed"
-    mod = types.ModuleType(f"_fla_naive_{family}_{compute}")
-    mod.__file__, mod._SOURCE = path, source
-    exec(compile(source, path, "exec"), mod.__dict__)
+    mod = fla_naive_module(family, source, f"_fla_naive_{family}_{compute}")
+    mod._SOURCE = source
     return mod
 
 
@@ -280,7 +266,7 @@ def fla_naive_kernel(name, *, compute="float32"):
     """
     import torch
 
-    family, fn_name, layout = _FLA[name]
+    family, fn_name, layout = FLA_NAIVE[name]
 
     def call(q, k, v, steps, s0, want_state):
         mod = _fla_module(family, compute)
@@ -389,7 +375,7 @@ def test_the_input_dtype_option_replaces_every_downcast():
     would otherwise be a float32 computation passing by luck), and changes nothing else:
     in float32 both versions give the same bits."""
     torch = pytest.importorskip("torch")
-    for family, _, _ in _FLA.values():
+    for family, _, _ in FLA_NAIVE.values():
         mod = _fla_module(family, "input")
         assert not re.search(r"float\(\)|float32|torch\.float\b", mod._SOURCE), family
     q, k, v = (torch.randn(1, 2, 9, 4, dtype=torch.float64) for _ in range(3))

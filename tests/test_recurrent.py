@@ -22,7 +22,7 @@ from attn_ref.recurrent import (
 from attn_ref.recurrent.common import working_dtype
 from conformance.backends import from_numpy
 from tests import plain
-from tests.helpers import EPS, assert_close, call, host
+from tests.helpers import EPS, assert_close, call, fla_naive_module, host
 
 FNS = {"retention": retention, "gla": gated_linear_attention, "ssd": ssd,
        "deltanet": delta_rule, "gated_deltanet": gated_delta_rule}
@@ -420,18 +420,10 @@ def test_inputs_are_not_modified(backend, name):
 
 def _fla_naive(family):
     """``fla/ops/<family>/naive.py`` as a module, or a skip naming what is missing."""
-    import importlib.util
-
-    pytest.importorskip("torch")
-    pytest.importorskip("einops")
-    spec = importlib.util.find_spec("fla")  # locates the package without running __init__
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("fla-core is not installed (pip install --no-deps fla-core==0.6.0 einops)")
-    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
-    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{family}", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+    try:
+        return fla_naive_module(family)
+    except ImportError as exc:
+        pytest.skip(str(exc))
 
 
 def _fla_case(name, seed, dtype):

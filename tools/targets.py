@@ -58,6 +58,10 @@ import tracemalloc
 
 import numpy as np
 
+# asv_benches and tests (the recurrent subcommand's configurations and fla's naive files)
+# are read from this checkout, whatever the working directory.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 H, D = 8, 64
 
 
@@ -244,27 +248,15 @@ def rates(args):
         print(f"wrote {args.json}")
 
 
-# The fla naive reference of each recurrent variant: (module under fla/ops, function,
-# layout: "bhtk" or fla's "bthk").
-_FLA_NAIVE = {
-    "retention": ("retention", "naive_retention", "bhtk"),
-    "gla": ("gla", "naive_recurrent_gla", "bthk"),
-    "ssd": ("simple_gla", "naive_recurrent_simple_gla", "bthk"),
-    "deltanet": ("delta_rule", "delta_rule_recurrence", "bhtk"),
-    "gated_deltanet": ("gated_delta_rule", "naive_recurrent_gated_delta_rule", "bthk"),
-}
-
-
 def _fla_module(family):
-    """``fla/ops/<family>/naive.py`` of the installed fla-core, without fla's __init__."""
-    spec = importlib.util.find_spec("fla")
-    if spec is None or not spec.submodule_search_locations:
+    """``fla/ops/<family>/naive.py`` of the installed fla-core (``tests.helpers``, run from
+    the repository root), or None when it is not installed."""
+    from tests.helpers import fla_naive_module
+
+    try:
+        return fla_naive_module(family)
+    except ImportError:
         return None
-    path = f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
-    mod_spec = importlib.util.spec_from_file_location(f"_fla_naive_{family}", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
 
 
 def _recurrent_call(name, n):
@@ -287,7 +279,9 @@ def _recurrent_call(name, n):
     def fla_run():
         import torch
 
-        family, fn, layout = _FLA_NAIVE[name]
+        from tests.helpers import FLA_NAIVE
+
+        family, fn, layout = FLA_NAIVE[name]
         mod = _fla_module(family)
         qq, kk = q, k
         if kw.get("qk_l2norm"):  # fla's naive loops take q, k as given: normalised here, untimed
@@ -295,7 +289,7 @@ def _recurrent_call(name, n):
 
         def t(x):  # ours (H, T, ...) -> fla's (1, H, T, ...) or (1, T, H, ...)
             x = torch.from_numpy(np.ascontiguousarray(x))[None]
-            return x.transpose(1, 2).contiguous() if layout == "bthk" else x
+            return x.transpose(1, 2).contiguous() if layout == "bthd" else x
 
         args = [t(qq), t(kk), t(v)]
         if name == "gla":
