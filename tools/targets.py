@@ -3,6 +3,7 @@
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
+    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -19,6 +20,14 @@ of causal at the largest N (tracemalloc; NumPy reports its buffers to it) agains
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
+
+``softmax``: ``online_softmax_attention`` at ``--n`` on torch tensors and on NumPy
+arrays against PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)`` inputs
+(its default CPU path, the fused flash kernel) and with each CPU kernel forced (flash,
+math), every row with time / SDPA-default and time / roofline (``online_softmax``'s
+least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
+run). The calls are interleaved, one of each per repetition, and the medians reported
+with ``/proc/loadavg`` before and after.
 
 ``rates``: the four rates of the roofline (``asv_benches/costs.py``, ``Work``) per
 backend, in this process with the library's default threads: float32 GEMM (2048^3),
@@ -226,6 +235,77 @@ def rates(args):
         print(f"wrote {args.json}")
 
 
+def _loadavg():
+    try:
+        with open("/proc/loadavg") as fh:
+            return fh.read().strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _interleaved(calls, reps):
+    """``{name: median seconds}`` of ``calls`` (``{name: f}``), one call of each per
+    repetition, so that a change of load hits every row alike; one untimed warm-up each."""
+    for f in calls.values():
+        f()
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def softmax(args):
+    import array_api_compat.numpy as xnp
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from asv_benches.costs import variant_work
+    from attn_ref import online_softmax_attention
+
+    n = args.n
+    print(f"load before: {_loadavg()}", flush=True)
+    rates = roofline_rates(("numpy", "torch"), reps=5)
+    work = variant_work("online_softmax", n, {}, d=D, heads=H)
+    roof = {b: work.seconds(r) for b, r in rates.items()}
+    for b, r in rates.items():
+        print(f"{b:6s} GEMM {r['gemm_flops'] / 1e9:6.1f} GFLOP/s | exp {r['exp'] / 1e9:5.2f} Gelem/s | "
+              f"elementwise {r['elementwise'] / 1e9:5.2f} Gelem/s | roofline at N={n}: "
+              f"{roof[b] * 1e3:6.1f} ms")
+    q, k, v = _inputs(n)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    q4, k4, v4 = (x[None] for x in (tq, tk, tv))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    blocks = {"block_q": args.block_q, "block_k": args.block_k}
+
+    def forced(backend):
+        def run():
+            with sdpa_kernel(backend):
+                sdpa(q4, k4, v4)
+        return run
+
+    calls = {
+        "SDPA-4D default": lambda: sdpa(q4, k4, v4),
+        "SDPA-4D flash": forced(SDPBackend.FLASH_ATTENTION),
+        "SDPA-4D math": forced(SDPBackend.MATH),
+        "online softmax, torch": lambda: online_softmax_attention(tq, tk, tv, **blocks),
+        "online softmax, NumPy": lambda: online_softmax_attention(q, k, v, **blocks, xp=xnp),
+    }
+    with torch.no_grad():
+        med = _interleaved(calls, args.reps)
+    base = med["SDPA-4D default"]
+    print(f"N={n}, H={H}, d={D}, float32, torch threads {torch.get_num_threads()}, "
+          f"tiles {args.block_q}x{args.block_k}, median of {args.reps} interleaved repetitions")
+    for name, t in med.items():
+        b = "numpy" if name.endswith("NumPy") else "torch"
+        print(f"  {name:24s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
+              f"/roofline({b}) {t / roof[b]:5.2f}")
+    print(f"load after: {_loadavg()}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -241,8 +321,13 @@ def main(argv=None):
     rt.add_argument("--backends", default="numpy,torch")
     rt.add_argument("--reps", type=int, default=7)
     rt.add_argument("--json", metavar="PATH", help="write the rates with the machine and load")
+    sm = sub.add_parser("softmax", help="issue 15: online softmax against SDPA-4D and its roofline")
+    sm.add_argument("--n", type=int, default=4096)
+    sm.add_argument("--reps", type=int, default=5)
+    sm.add_argument("--block-q", type=int, default=512)
+    sm.add_argument("--block-k", type=int, default=1024)
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward, "rates": rates}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates, "softmax": softmax}[args.what](args)
 
 
 if __name__ == "__main__":
