@@ -4,6 +4,7 @@
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
+    python tools/targets.py roofline [--n 65536] [--reps 1] [--variants a,b] [--backend numpy]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -28,6 +29,12 @@ math), every row with time / SDPA-default and time / roofline (``online_softmax`
 least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
 run). The calls are interleaved, one of each per repetition, and the medians reported
 with ``/proc/loadavg`` before and after.
+
+``roofline``: every registered variant whose cost under its benchmark configuration
+is below ``N^2`` (``asv_benches/_common.py``, ``BENCH_CONFIGS``; the same inputs and
+arguments as asv's ``variants.Attention``), one call each at ``--n`` after an untimed
+one, against its roofline (``asv_benches/costs.py``, ``WORK``) at the rates measured
+in the same run, sorted by the ratio; ``/proc/loadavg`` before and after.
 
 ``rates``: the four rates of the roofline (``asv_benches/costs.py``, ``Work``) per
 backend, in this process with the library's default threads: float32 GEMM (2048^3),
@@ -294,15 +301,65 @@ def softmax(args):
         "online softmax, torch": lambda: online_softmax_attention(tq, tk, tv, **blocks),
         "online softmax, NumPy": lambda: online_softmax_attention(q, k, v, **blocks, xp=xnp),
     }
+    try:
+        from threadpoolctl import threadpool_limits
+
+        def blas1():
+            # The pool runs one task per CPU; BLAS threads of its own would oversubscribe them.
+            with threadpool_limits(1, "blas"):
+                online_softmax_attention(q, k, v, **blocks, xp=xnp)
+
+        calls["online softmax, NumPy, BLAS 1 thread"] = blas1
+    except ImportError:
+        pass
     with torch.no_grad():
         med = _interleaved(calls, args.reps)
     base = med["SDPA-4D default"]
     print(f"N={n}, H={H}, d={D}, float32, torch threads {torch.get_num_threads()}, "
           f"tiles {args.block_q}x{args.block_k}, median of {args.reps} interleaved repetitions")
     for name, t in med.items():
-        b = "numpy" if name.endswith("NumPy") else "torch"
-        print(f"  {name:24s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
+        b = "numpy" if "NumPy" in name else "torch"
+        print(f"  {name:38s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
               f"/roofline({b}) {t / roof[b]:5.2f}")
+    print(f"load after: {_loadavg()}")
+
+
+def roofline(args):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from asv_benches import _common as bench
+    from asv_benches.costs import cost_exponent
+    from asv_benches.scaling import roofline_seconds
+
+    n, backend = args.n, args.backend
+    print(f"load before: {_loadavg()}", flush=True)
+    rates = roofline_rates((backend,), reps=5)[backend]
+    print(f"{backend}: GEMM {rates['gemm_flops'] / 1e9:.1f} GFLOP/s | exp {rates['exp'] / 1e9:.2f} "
+          f"Gelem/s | elementwise {rates['elementwise'] / 1e9:.2f} Gelem/s | copy "
+          f"{rates['bandwidth'] / 1e9:.1f} GB/s", flush=True)
+    wanted = set(args.variants.split(",")) if args.variants else None
+    rows = []
+    for v in bench.registry().variants():
+        time_cost = bench.benchmark_costs(v)[0]
+        e = cost_exponent(time_cost)
+        if (wanted is not None and v.name not in wanted) or (wanted is None and (e is None or e >= 2)):
+            continue
+        try:
+            case = bench.VariantCase(v.name, backend, n)
+        except NotImplementedError as exc:
+            print(f"  {v.name:24s} skipped: {exc}", flush=True)
+            continue
+        case.run()
+        t = _median_time(case.run, args.reps)
+        roof = roofline_seconds(v.name, n, rates, heads=H, d=D)
+        ratio = t / roof if roof else float("nan")
+        rows.append((ratio, v.name, t, roof, time_cost))
+        print(f"  {v.name:24s} {t * 1e3:9.1f} ms | roofline {roof * 1e3 if roof else float('nan'):8.1f} ms"
+              f" | {ratio:6.2f}x | {time_cost}", flush=True)
+        del case
+    print(f"N={n}, H={H}, d={D}, float32, {backend}, median of {args.reps} after one untimed call; "
+          f"sorted by time / roofline:")
+    for ratio, name, t, roof, _ in sorted(rows, key=lambda r: -r[0]):
+        print(f"  {name:24s} {ratio:6.2f}x  ({t * 1e3:.1f} ms / {roof * 1e3:.1f} ms)")
     print(f"load after: {_loadavg()}")
 
 
@@ -326,8 +383,15 @@ def main(argv=None):
     sm.add_argument("--reps", type=int, default=5)
     sm.add_argument("--block-q", type=int, default=512)
     sm.add_argument("--block-k", type=int, default=1024)
+    rf = sub.add_parser("roofline", help="issue 15: each sub-quadratic variant against its roofline")
+    rf.add_argument("--n", type=int, default=65536)
+    rf.add_argument("--reps", type=int, default=1)
+    rf.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
+    rf.add_argument("--variants", default=None, help="comma-separated names (default: every "
+                    "variant below N^2 under its benchmark configuration)")
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward, "rates": rates, "softmax": softmax}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates, "softmax": softmax,
+     "roofline": roofline}[args.what](args)
 
 
 if __name__ == "__main__":
