@@ -6,6 +6,11 @@ Nothing here checks its arguments; the public functions that call it have.
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import array_api_compat
+
 from ._checks import check_flag
 
 __all__ = [
@@ -22,6 +27,10 @@ __all__ = [
     "online_step",
     "finish_partial",
     "partial_lse",
+    "cpu_count",
+    "parallel_map",
+    "batch_rows",
+    "is_lazy",
 ]
 
 TOP_LEFT = "top-left"
@@ -123,9 +132,15 @@ def online_step(xp, m, l, s):
     Returns ``(m_new, l_new, p, alpha)``: ``p = exp(s - m_new)``, the block's
     unnormalised weights, and ``alpha = exp(m - m_new)``, the factor that rescales the
     running accumulator before ``p @ v`` is added to it. Start from ``m = -inf``,
-    ``l = 0``.
+    ``l = 0``; ``m = None`` (and ``l = None``) marks the first block, which needs no
+    ``alpha`` (returned as None) and gives the same bits as starting from ``-inf``
+    and 0 (``0 * 0 + x`` is ``x``).
     """
-    m_new = xp.maximum(m, xp.max(s, axis=-1, keepdims=True))
+    block_max = xp.max(s, axis=-1, keepdims=True)
+    if m is None:
+        p = xp.exp(s - finite_max(xp, block_max))
+        return block_max, xp.sum(p, axis=-1, keepdims=True), p, None
+    m_new = xp.maximum(m, block_max)
     m_safe = finite_max(xp, m_new)
     p = xp.exp(s - m_safe)
     alpha = xp.exp(m - m_safe)
@@ -147,3 +162,48 @@ def partial_lse(xp, m, l, empty=float("inf")):
     one = xp.ones_like(l)
     return xp.where(empty, xp.full_like(l, value),
                     xp.where(empty, xp.zeros_like(m), m) + xp.log(xp.where(empty, one, l)))
+
+
+# ---------------------------------------------------------------- thread pool
+
+
+def cpu_count():
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def parallel_map(fn, items, *, pooled):
+    """``[fn(item) for item in items]``, on a pool of one thread per CPU when ``pooled``.
+
+    NumPy's ufuncs and BLAS and PyTorch's operators release the GIL, so independent
+    pieces of one call (heads, query blocks) run on all cores in plain Python, whatever
+    the library. The results come back in the order of ``items``, each computed by the
+    same operations whichever thread ran it: nothing depends on the scheduling. The
+    caller decides ``pooled`` (a large problem on arrays that can be computed now: a
+    lazy array, traced by ``jax.jit`` or a Dask graph, gains nothing from threads).
+    """
+    items = list(items)
+    workers = min(cpu_count(), len(items))
+    if not pooled or workers < 2:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def batch_rows(arrays):
+    """The number of leading batch rows the ``arrays`` can be cut along together: the
+    product of their batch shape (all but the last two axes) when they share it, else 1
+    (a broadcast batch is not cut)."""
+    shapes = {tuple(x.shape[:-2]) for x in arrays}
+    if len(shapes) != 1:
+        return 1
+    rows = 1
+    for n in shapes.pop():
+        rows *= n
+    return rows
+
+
+def is_lazy(*arrays):
+    """Whether any of ``arrays`` is lazy (a ``jax.jit`` tracer, a Dask array): its values
+    cannot be read, and threads gain nothing on it."""
+    return any(array_api_compat.is_lazy_array(x) for x in arrays)

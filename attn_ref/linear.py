@@ -67,7 +67,16 @@ from ._checks import (
     is_floating,
     namespace,
 )
-from ._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
+from ._common import (
+    TOP_LEFT,
+    batch_rows,
+    causal_alignment,
+    causal_offset,
+    ceil_div,
+    cpu_count,
+    is_lazy,
+    parallel_map,
+)
 from .softmax.tiles import logit_dtype
 
 __all__ = [
@@ -109,6 +118,9 @@ DEFAULT_EPS = 1e-6
 # Rows per block of the linear order: a few MiB per (8, B, 64) float32 block, so the
 # feature maps and the chunk states of a block stay in cache.
 DEFAULT_BLOCK_SIZE = 2048
+# From this many rows (all heads, queries plus keys) the heads are split among the
+# CPUs (:func:`attn_ref._common.parallel_map`): a pool costs more than it saves below.
+POOL_MIN_ROWS = 1 << 16
 
 
 # ---------------------------------------------------------------- feature maps
@@ -496,8 +508,11 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
 
 
-def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size, normalize, eps):
-    """Shared by :func:`linear_attention` and :func:`linear_from_features`; options checked here."""
+def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size, normalize, eps,
+            threads=True):
+    """Shared by :func:`linear_attention` and :func:`linear_from_features`; options checked
+    here. ``threads=False`` keeps a large call on one thread (a user's feature map is
+    not promised to be thread-safe)."""
     alignment = causal_alignment(causal)
     check_order(order)
     check_positive_int("chunk_size", chunk_size)
@@ -512,7 +527,25 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     if order == "quadratic":
         num, den = quadratic_order(xp, phi_q(q), phi_k(k), v, alignment)
         return readout(xp, num, den, normalize, eps)
-    return _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps)
+    rows = batch_rows((q, k, v))
+    pooled = threads and rows > 1 and rows * (nq + nk) >= POOL_MIN_ROWS and not is_lazy(q, k, v)
+    if not pooled:
+        return _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps)
+    # The heads are independent problems: a few contiguous groups of them, one per CPU,
+    # each the same computation as the batched call on its rows.
+    flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, k, v)]
+    groups = min(cpu_count(), rows)
+    cuts = [rows * i // groups for i in range(groups + 1)]
+
+    def run(i):
+        a, b = cuts[i], cuts[i + 1]
+        qi, ki, vi = (x[a:b, ...] for x in flat)
+        return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
+                       normalize, eps)
+
+    outs = parallel_map(run, range(groups), pooled=True)
+    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
+    return xp.reshape(out, batch + (nq, dv))
 
 
 def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
@@ -617,7 +650,8 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
         return xp.astype(out, q.dtype)
     phi_q, phi_k = _feature_pair(xp, q, k, feature_map, scale)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
-                   block_size=block_size, normalize=normalize, eps=eps)
+                   block_size=block_size, normalize=normalize, eps=eps,
+                   threads=isinstance(feature_map, str))
 
 
 def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scale=None, normalize=True,

@@ -420,3 +420,44 @@ def test_property_convex_combination(backend):
 
 # ---------------------------------------------------------------- catalogue
 
+
+
+# ---------------------------------------------------------------- the thread pool
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom-right"])
+def test_heads_on_the_thread_pool_give_the_serial_bits(backend, monkeypatch, causal):
+    # POOL_MIN_ROWS = 1 makes every call "large": the heads are split among the CPUs,
+    # each group the same computation as the batched call, joined in order.
+    import attn_ref.linear as lin
+
+    q, qh = randn(backend, (2, 3, 21, 4), seed=41)
+    k, kh = randn(backend, (2, 3, 25, 4), seed=42)
+    v, vh = randn(backend, (2, 3, 25, 5), seed=43)
+    serial = host(linear_attention(q, k, v, causal=causal, chunk_size=4, block_size=8))
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    pooled = [host(linear_attention(q, k, v, causal=causal, chunk_size=4, block_size=8)) for _ in range(2)]
+    assert np.array_equal(pooled[0], pooled[1])
+    want = host(linear_attention(q, k, v, causal=causal, order="quadratic"))
+    np.testing.assert_allclose(pooled[0], want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(serial, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_callable_feature_map_stays_on_the_calling_thread(backend, monkeypatch):
+    # A user's feature map is not promised to be thread-safe: never pooled.
+    import threading
+
+    import attn_ref.linear as lin
+
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    seen = set()
+    xp = backend.xp
+
+    def phi(x):
+        seen.add(threading.get_ident())
+        return xp.exp(x)
+
+    q, _ = randn(backend, (4, 9, 3), seed=44)
+    linear_attention(q, q, q, feature_map=phi, causal=True, chunk_size=2, block_size=4)
+    linear_attention(q, q, q, feature_map=phi)
+    assert seen == {threading.get_ident()}

@@ -870,3 +870,47 @@ def test_modern_inputs_not_modified(backend):
              dropout_mask=from_numpy(keep_h, backend), seqlens_k=lens)
     for x, h in ((q, qh), (k, kh), (v, vh), (slopes, sh)):
         assert np.array_equal(host(x), h)
+
+
+# ---------------------------------------------------------------- the fast path
+
+
+@pytest.mark.parametrize("opts", [{}, {"causal": "bottom-right"}, {"mask": "random"}])
+def test_online_thread_pool_is_deterministic(backend, monkeypatch, opts):
+    # Every call here is "large": the query blocks (and the heads, without a mask) run on
+    # the thread pool, and the result equals the serial one and repeats bit for bit.
+    from attn_ref.softmax import online
+
+    q, qh = randn(backend, (2, 3, 37, 8), seed=21)
+    k, kh = randn(backend, (2, 3, 41, 8), seed=22)
+    v, vh = randn(backend, (2, 3, 41, 5), seed=23)
+    kw = dict(opts)
+    mask_h = None
+    if kw.get("mask") == "random":
+        mask_h = np.random.default_rng(24).random((3, 37, 41)) < 0.6
+        kw["mask"] = from_numpy(mask_h, backend)
+    serial = host(call(backend, online_softmax_attention, q, k, v, block_q=8, block_k=16, **kw))
+    monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
+    pooled = [host(online_softmax_attention(q, k, v, block_q=8, block_k=16, **kw)) for _ in range(3)]
+    assert all(np.array_equal(p, pooled[0]) for p in pooled[1:])
+    want, _ = naive_attention(qh, kh, vh, mask=mask_h, causal=kw.get("causal"))
+    assert_close(from_numpy(pooled[0], backend), want, backend)
+    assert_close(from_numpy(serial, backend), want, backend)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_online_huge_products_keep_the_clamp(backend, dtype):
+    # The scale is folded into q only when no product q . k can overflow; here the
+    # products do (scale q stays finite; positive entries, so no inf - inf inside a
+    # product), so the clamped logits must decide: each row's hardmax, the same as the
+    # one-shot form, never NaN.
+    xp = backend.xp
+    big = 1e30 if dtype == "float32" else 1e300
+    q, _ = randn(backend, (2, 6, 4), dtype, seed=31)
+    k, _ = randn(backend, (2, 9, 4), dtype, seed=32)
+    v, _ = randn(backend, (2, 9, 3), dtype, seed=33)
+    q, k = xp.abs(q) * big, xp.abs(k) * big
+    out = host(call(backend, online_softmax_attention, q, k, v, block_q=4, block_k=4))
+    want = host(call(backend, softmax_attention, q, k, v))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)

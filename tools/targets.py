@@ -4,6 +4,8 @@
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
+    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
+    python tools/targets.py roofline [--n 65536] [--reps 1] [--variants a,b] [--backend numpy]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
 medians of wall-clock seconds; run with ``OPENBLAS_NUM_THREADS=1`` for single-thread
@@ -20,6 +22,20 @@ of causal at the largest N (tracemalloc; NumPy reports its buffers to it) agains
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
+
+``softmax``: ``online_softmax_attention`` at ``--n`` on torch tensors and on NumPy
+arrays against PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)`` inputs
+(its default CPU path, the fused flash kernel) and with each CPU kernel forced (flash,
+math), every row with time / SDPA-default and time / roofline (``online_softmax``'s
+least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
+run). The calls are interleaved, one of each per repetition, and the medians reported
+with ``/proc/loadavg`` before and after.
+
+``roofline``: every registered variant whose cost under its benchmark configuration
+is below ``N^2`` (``asv_benches/_common.py``, ``BENCH_CONFIGS``; the same inputs and
+arguments as asv's ``variants.Attention``), one call each at ``--n`` after an untimed
+one, against its roofline (``asv_benches/costs.py``, ``WORK``) at the rates measured
+in the same run, sorted by the ratio; ``/proc/loadavg`` before and after.
 
 ``rates``: the four rates of the roofline (``asv_benches/costs.py``, ``Work``) per
 backend, in this process with the library's default threads: float32 GEMM (2048^3),
@@ -374,6 +390,127 @@ def recurrent(args):
           f"{[round(x, 2) for x in load1]}, on {os.cpu_count()} CPUs")
 
 
+def _loadavg():
+    try:
+        with open("/proc/loadavg") as fh:
+            return fh.read().strip()
+    except OSError:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _interleaved(calls, reps):
+    """``{name: median seconds}`` of ``calls`` (``{name: f}``), one call of each per
+    repetition, so that a change of load hits every row alike; one untimed warm-up each."""
+    for f in calls.values():
+        f()
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, f in calls.items():
+            t = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def softmax(args):
+    import array_api_compat.numpy as xnp
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from asv_benches.costs import variant_work
+    from attn_ref import online_softmax_attention
+
+    n = args.n
+    print(f"load before: {_loadavg()}", flush=True)
+    rates = roofline_rates(("numpy", "torch"), reps=5)
+    work = variant_work("online_softmax", n, {}, d=D, heads=H)
+    roof = {b: work.seconds(r) for b, r in rates.items()}
+    for b, r in rates.items():
+        print(f"{b:6s} GEMM {r['gemm_flops'] / 1e9:6.1f} GFLOP/s | exp {r['exp'] / 1e9:5.2f} Gelem/s | "
+              f"elementwise {r['elementwise'] / 1e9:5.2f} Gelem/s | roofline at N={n}: "
+              f"{roof[b] * 1e3:6.1f} ms")
+    q, k, v = _inputs(n)
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    q4, k4, v4 = (x[None] for x in (tq, tk, tv))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    blocks = {"block_q": args.block_q, "block_k": args.block_k}
+
+    def forced(backend):
+        def run():
+            with sdpa_kernel(backend):
+                sdpa(q4, k4, v4)
+        return run
+
+    calls = {
+        "SDPA-4D default": lambda: sdpa(q4, k4, v4),
+        "SDPA-4D flash": forced(SDPBackend.FLASH_ATTENTION),
+        "SDPA-4D math": forced(SDPBackend.MATH),
+        "online softmax, torch": lambda: online_softmax_attention(tq, tk, tv, **blocks),
+        "online softmax, NumPy": lambda: online_softmax_attention(q, k, v, **blocks, xp=xnp),
+    }
+    try:
+        from threadpoolctl import threadpool_limits
+
+        def blas1():
+            # The pool runs one task per CPU; BLAS threads of its own would oversubscribe them.
+            with threadpool_limits(1, "blas"):
+                online_softmax_attention(q, k, v, **blocks, xp=xnp)
+
+        calls["online softmax, NumPy, BLAS 1 thread"] = blas1
+    except ImportError:
+        pass
+    with torch.no_grad():
+        med = _interleaved(calls, args.reps)
+    base = med["SDPA-4D default"]
+    print(f"N={n}, H={H}, d={D}, float32, torch threads {torch.get_num_threads()}, "
+          f"tiles {args.block_q}x{args.block_k}, median of {args.reps} interleaved repetitions")
+    for name, t in med.items():
+        b = "numpy" if "NumPy" in name else "torch"
+        print(f"  {name:38s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
+              f"/roofline({b}) {t / roof[b]:5.2f}")
+    print(f"load after: {_loadavg()}")
+
+
+def roofline(args):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from asv_benches import _common as bench
+    from asv_benches.costs import cost_exponent
+    from asv_benches.scaling import roofline_seconds
+
+    n, backend = args.n, args.backend
+    print(f"load before: {_loadavg()}", flush=True)
+    rates = roofline_rates((backend,), reps=5)[backend]
+    print(f"{backend}: GEMM {rates['gemm_flops'] / 1e9:.1f} GFLOP/s | exp {rates['exp'] / 1e9:.2f} "
+          f"Gelem/s | elementwise {rates['elementwise'] / 1e9:.2f} Gelem/s | copy "
+          f"{rates['bandwidth'] / 1e9:.1f} GB/s", flush=True)
+    wanted = set(args.variants.split(",")) if args.variants else None
+    rows = []
+    for v in bench.registry().variants():
+        time_cost = bench.benchmark_costs(v)[0]
+        e = cost_exponent(time_cost)
+        if (wanted is not None and v.name not in wanted) or (wanted is None and (e is None or e >= 2)):
+            continue
+        try:
+            case = bench.VariantCase(v.name, backend, n)
+        except NotImplementedError as exc:
+            print(f"  {v.name:24s} skipped: {exc}", flush=True)
+            continue
+        case.run()
+        t = _median_time(case.run, args.reps)
+        roof = roofline_seconds(v.name, n, rates, heads=H, d=D)
+        ratio = t / roof if roof else float("nan")
+        rows.append((ratio, v.name, t, roof, time_cost))
+        print(f"  {v.name:24s} {t * 1e3:9.1f} ms | roofline {roof * 1e3 if roof else float('nan'):8.1f} ms"
+              f" | {ratio:6.2f}x | {time_cost}", flush=True)
+        del case
+    print(f"N={n}, H={H}, d={D}, float32, {backend}, median of {args.reps} after one untimed call; "
+          f"sorted by time / roofline:")
+    for ratio, name, t, roof, _ in sorted(rows, key=lambda r: -r[0]):
+        print(f"  {name:24s} {ratio:6.2f}x  ({t * 1e3:.1f} ms / {roof * 1e3:.1f} ms)")
+    print(f"load after: {_loadavg()}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -396,9 +533,20 @@ def main(argv=None):
     rec.add_argument("--grad-n", type=int, default=2048, help="T of the backward timing (0: none)")
     rec.add_argument("--reps", type=int, default=3)
     rec.add_argument("--variants", default="retention,gla,ssd,deltanet,gated_deltanet")
+    sm = sub.add_parser("softmax", help="issue 15: online softmax against SDPA-4D and its roofline")
+    sm.add_argument("--n", type=int, default=4096)
+    sm.add_argument("--reps", type=int, default=5)
+    sm.add_argument("--block-q", type=int, default=512)
+    sm.add_argument("--block-k", type=int, default=1024)
+    rf = sub.add_parser("roofline", help="issue 15: each sub-quadratic variant against its roofline")
+    rf.add_argument("--n", type=int, default=65536)
+    rf.add_argument("--reps", type=int, default=1)
+    rf.add_argument("--backend", default="numpy", choices=("numpy", "torch"))
+    rf.add_argument("--variants", default=None, help="comma-separated names (default: every "
+                    "variant below N^2 under its benchmark configuration)")
     args = p.parse_args(argv)
-    {"linear": linear, "backward": backward, "rates": rates,
-     "recurrent": recurrent}[args.what](args)
+    {"linear": linear, "backward": backward, "rates": rates, "recurrent": recurrent,
+     "softmax": softmax, "roofline": roofline}[args.what](args)
 
 
 if __name__ == "__main__":
