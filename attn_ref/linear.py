@@ -74,8 +74,8 @@ from ._common import (
     causal_offset,
     ceil_div,
     cpu_count,
-    is_lazy,
     parallel_map,
+    pool_helps,
 )
 from .softmax.tiles import logit_dtype
 
@@ -528,7 +528,7 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
         num, den = quadratic_order(xp, phi_q(q), phi_k(k), v, alignment)
         return readout(xp, num, den, normalize, eps)
     rows = batch_rows((q, k, v))
-    pooled = threads and rows > 1 and rows * (nq + nk) >= POOL_MIN_ROWS and not is_lazy(q, k, v)
+    pooled = threads and rows > 1 and rows * (nq + nk) >= POOL_MIN_ROWS and pool_helps(q, k, v)
     if not pooled:
         return _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps)
     # The heads are independent problems: a few contiguous groups of them, one per CPU,

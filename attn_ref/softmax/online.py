@@ -12,7 +12,15 @@ import math
 import array_api_compat
 
 from .._checks import check_positive_int
-from .._common import batch_rows, finish_partial, is_lazy, online_step, parallel_map, partial_lse
+from .._common import (
+    batch_rows,
+    finish_partial,
+    is_lazy,
+    online_step,
+    parallel_map,
+    partial_lse,
+    pool_helps,
+)
 from .options import prepare_problem
 from .tiles import dropout_scale, keep_tile, logit_dtype, tile_coverage, tile_logits, transposed_copy
 
@@ -120,7 +128,7 @@ def online_forward(pb, block_q, block_k):
         q, spec = q * folded, dataclasses.replace(spec, scale=1.0)
     v = pb.v
     lead = tuple(pb.batch_g)
-    big = math.prod(lead) * nq * nk >= POOL_MIN_LOGITS and not is_lazy(q)
+    big = math.prod(lead) * nq * nk >= POOL_MIN_LOGITS and pool_helps(q)
     rows = _split_heads(pb) if big else 1
     if rows > 1:
         q, kt, v = (xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, kt, v))
