@@ -118,9 +118,13 @@ DEFAULT_EPS = 1e-6
 # Rows per block of the linear order: a few MiB per (8, B, 64) float32 block, so the
 # feature maps and the chunk states of a block stay in cache.
 DEFAULT_BLOCK_SIZE = 2048
-# From this many rows (all heads, queries plus keys) the heads are split among the
-# CPUs (:func:`attn_ref._common.parallel_map`): a pool costs more than it saves below.
-POOL_MIN_ROWS = 1 << 16
+# From this many rows (all heads, queries plus keys) the heads are split among the CPUs
+# (:func:`attn_ref._common.parallel_map`). Off by default: on the quiet 2-core machine,
+# NumPy with its default BLAS threads, 8 heads, d = 64, in-process medians, the pool was
+# faster only at N = 4096 non-causal (20 against 26 ms) and slower at N = 4096 causal (62
+# against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
+# own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
+POOL_MIN_ROWS = 1 << 62
 
 
 # ---------------------------------------------------------------- feature maps
