@@ -81,7 +81,7 @@ from typing import Any
 import numpy as np
 
 from .report import CaseResult
-from .tolerance import LOW_PRECISION, MANTISSA_BITS, round_to, ulp
+from .tolerance import LOW_PRECISION, MANTISSA_BITS, as_dtype, round_to, ulp
 
 __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "expected_outputs",
            "split_outputs",
@@ -456,8 +456,6 @@ def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False,
     or with ``output=True`` its output. ``cu``: packed sequences of the range;
     ``arrays``: replacements of ``q``, ``k``, ``v``. An empty range's state is ``s0``."""
     import array_api_compat.numpy as npx
-
-    from .judging import as_dtype
 
     T = prep.case.nq
     src = {n: prep.arrays[n] for n in "qkv"} if arrays is None else {**prep.arrays, **arrays}

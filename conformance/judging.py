@@ -50,9 +50,9 @@ from .tolerance import (
     MANTISSA_BITS,
     Metrics,
     Tolerance,
+    as_dtype,
     compared_count,
     elementwise_ulp_rms,
-    lp_array,
     measure,
     round_to,
     ulp,
@@ -98,18 +98,6 @@ def _np_compat():
     import array_api_compat.numpy as npx
 
     return npx
-
-
-def as_dtype(x, dtype):
-    """Host float64 data as the NumPy array type that computes in ``dtype``."""
-    if not isinstance(x, np.ndarray) or x.dtype == np.bool_:
-        return x
-    if dtype in LOW_PRECISION:
-        # float32 arithmetic rounded to the dtype after every operation: fp32 accumulation
-        return lp_array(x, dtype)
-    if dtype == "longdouble":
-        return x.astype(np.longdouble)
-    return x.astype(np.dtype(dtype))
 
 
 @dataclass

@@ -53,6 +53,7 @@ __all__ = [
     "F16Array",
     "LOW_PRECISION",
     "lp_array",
+    "as_dtype",
     "Metrics",
     "measure",
 ]
@@ -307,3 +308,15 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None)
         golden_nonfinite=golden_bad,
         compared=n,
     )
+
+
+def as_dtype(x, dtype):
+    """Host float64 data as the NumPy array type that computes in ``dtype``."""
+    if not isinstance(x, np.ndarray) or x.dtype == np.bool_:
+        return x
+    if dtype in LOW_PRECISION:
+        # float32 arithmetic rounded to the dtype after every operation: fp32 accumulation
+        return lp_array(x, dtype)
+    if dtype == "longdouble":
+        return x.astype(np.longdouble)
+    return x.astype(np.dtype(dtype))
