@@ -66,8 +66,12 @@ def load_history(results_dir=RESULTS_DIR, machine=None, env=None) -> History:
     files: a run in an ``existing`` environment (the scaling report's) installs another
     build of the dependencies and is not a point of the same history.
     """
+    # a machine folder with no results file (``asv machine`` alone, or a --dry-run) is
+    # no history
     machines = sorted(d for d in os.listdir(results_dir)
-                      if os.path.isdir(os.path.join(results_dir, d)))
+                      if os.path.isdir(os.path.join(results_dir, d))
+                      and any(f.endswith(".json") and f != "machine.json"
+                              for f in os.listdir(os.path.join(results_dir, d))))
     if machine is None:
         if len(machines) != 1:
             raise ValueError(f"results of {len(machines)} machines under {results_dir!r} "

@@ -65,6 +65,14 @@ def test_two_machines_are_never_mixed(tmp_path):
     assert [c for c, _ in h.commits] == ["b" * 40]
 
 
+def test_a_machine_folder_without_results_is_not_a_machine(tmp_path):
+    # CI runs `asv machine --machine ci` and a --dry-run: a folder with machine.json only
+    _write(tmp_path / "m1", "a" * 40, 1, {"online_softmax": 1.0})
+    (tmp_path / "ci").mkdir()
+    (tmp_path / "ci" / "machine.json").write_text("{}")
+    assert history.load_history(str(tmp_path)).machine == "m1"
+
+
 def test_one_environment_by_default(tmp_path):
     folder = tmp_path / "m"
     for i in range(3):
