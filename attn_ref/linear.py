@@ -74,6 +74,7 @@ from ._common import (
     causal_offset,
     ceil_div,
     cpu_count,
+    is_lazy,
     parallel_map,
     pool_helps,
 )
@@ -462,6 +463,36 @@ def _fold(xp, state, fk, v1):
     return ds if state is None else state + ds
 
 
+class _Rows:
+    """An output of ``n`` rows (axis -2), filled block by block in order.
+
+    Where the library lets us write into an array we made (NumPy, PyTorch, CuPy,
+    array-api-strict) each block goes straight into one preallocated output; else
+    (JAX, a lazy array) the blocks are kept and concatenated at the end. Writing in
+    place saves a full pass: with ``concat`` every block is written to memory once as
+    a block and again into the result (at N = 65536, 8 heads, ``d = 64``, 134 MB each
+    way), and the result's fresh pages are touched a second time.
+    """
+
+    def __init__(self, xp, n):
+        self.xp, self.n, self.parts, self.out = xp, n, [], None
+
+    def put(self, lo, block):
+        if (self.out is None and not self.parts and block.shape[-2] < self.n
+                and array_api_compat.is_writeable_array(block) and not is_lazy(block)):
+            shape = tuple(block.shape[:-2]) + (self.n, block.shape[-1])
+            self.out = self.xp.empty(shape, dtype=block.dtype, device=array_api_compat.device(block))
+        if self.out is None:
+            self.parts.append(block)
+        else:
+            self.out[..., lo:lo + block.shape[-2], :] = block
+
+    def result(self):
+        if self.out is not None:
+            return self.out
+        return self.xp.concat(self.parts, axis=-2) if len(self.parts) > 1 else self.parts[0]
+
+
 def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps):
     """The linear order, ``block_size`` rows at a time: ``batch + (Nq, dv)``.
 
@@ -475,7 +506,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     the output.
     """
     nq, nk = q.shape[-2], k.shape[-2]
-    outs = []
+    outs = _Rows(xp, nq)
     if alignment is None:
         state = None
         for lo in range(0, nk, block_size):
@@ -484,8 +515,8 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
             num, den = split_num_den(xp, phi_q(q[..., lo:hi, :]) @ state)
-            outs.append(readout(xp, num, den, normalize, eps))
-        return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
+            outs.put(lo, readout(xp, num, den, normalize, eps))
+        return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
     c = min(chunk_size, length)
@@ -508,8 +539,8 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
             out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
         num, den = split_num_den(xp, out[..., max(p_q - lo, 0):, :])
-        outs.append(readout(xp, num, den, normalize, eps))
-    return xp.concat(outs, axis=-2) if len(outs) > 1 else outs[0]
+        outs.put(max(lo - p_q, 0), readout(xp, num, den, normalize, eps))
+    return outs.result()
 
 
 def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size, normalize, eps,
