@@ -13,12 +13,13 @@ figures. The matmul rate that sets the floor is measured in the same run, with t
 same threads. asv (``asv_benches/``) tracks the same costs across commits; this
 script answers "does this commit meet the target here, now".
 
-``linear``: non-causal time against the floor ``4 N H d^2 / matmul rate``, causal
-(chunked) against non-causal, the fitted exponent of time in ``N``, peak extra memory
-of causal at the largest N (tracemalloc; NumPy reports its buffers to it) against the
-``N H d dv`` floats of a naive prefix sum, and with ``--fla naive.py`` (the file
-``fla/ops/linear_attn/naive.py`` of flash-linear-attention) its
-``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
+``linear``: non-causal time against the floor ``4 N H d^2 / matmul rate`` and against
+its roofline (``asv_benches/costs.py`` ``WORK["linear"]`` at the NumPy rates of
+``rates``, measured in the same run), causal (chunked) against non-causal, the fitted
+exponent of time in ``N``, peak extra memory of causal at the largest N (tracemalloc;
+NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive prefix sum,
+and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
+flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
@@ -110,12 +111,17 @@ def _peak_extra(f):
 
 
 def linear(args):
+    from asv_benches.costs import variant_work
     from attn_ref import linear_attention
 
     ns = [int(n) for n in args.ns.split(",")]
-    rate = matmul_rate()
+    print(f"load before: {_loadavg()}", flush=True)
+    rates = _rates_numpy(7)
+    rate = rates["gemm_flops"]
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
-    print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}")
+    print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}; "
+          f"exp in cache {rates['exp'] / 1e9:.2f} Gelem/s, multiply {rates['elementwise'] / 1e9:.2f} "
+          f"Gelem/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s")
     fla = None
     if args.fla:
         import torch
@@ -131,9 +137,10 @@ def linear(args):
         t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps)
         non.append(t_non)
         cau.append(t_cau)
-        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | non-causal {t_non * 1e3:8.1f} ms "
-                f"({t_non / floor:5.2f}x floor) | causal {t_cau * 1e3:8.1f} ms "
-                f"({t_cau / t_non:4.2f}x non-causal)")
+        roof = variant_work("linear", n, {}, d=D, heads=H).seconds(rates)
+        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms | non-causal "
+                f"{t_non * 1e3:8.1f} ms ({t_non / floor:5.2f}x floor, {t_non / roof:5.2f}x roofline) | "
+                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal)")
         if fla is not None and n == 16384:
             # fla's layout is (batch, time, heads, d)
             bthd = [torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))[None]) for x in (q, k, v)]
@@ -151,6 +158,7 @@ def linear(args):
     print(f"peak extra memory, causal, N={n}: {peak / 2**20:.1f} MiB (output "
           f"{n * H * D * 4 / 2**20:.0f} MiB; naive prefix sum N H d dv floats: "
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
+    print(f"load after: {_loadavg()}")
 
 
 def backward(args):
