@@ -88,6 +88,7 @@ __all__ = [
     "linear_attention_state",
     "linear_attention_step",
     "linear_from_features",
+    "linear_from_row_maps",
     "weights_from_features",
     "check_feature_map",
     "check_eps",
@@ -608,6 +609,23 @@ def linear_from_features(fq, fk, v, /, *, causal=False, order="linear", chunk_si
                          f"{tuple(fq.shape)} and {tuple(fk.shape)}")
     return _engine(xp, fq, fk, v, lambda x: x, lambda x: x, causal=causal, order=order,
                    chunk_size=chunk_size, block_size=block_size, normalize=normalize, eps=eps)
+
+
+def linear_from_row_maps(q, k, v, phi_q, phi_k, /, *, causal=False, order="linear",
+                         chunk_size=DEFAULT_CHUNK_SIZE, block_size=DEFAULT_BLOCK_SIZE, normalize=True,
+                         eps=DEFAULT_EPS, xp=None):
+    """Linear attention with features made block by block: ``phi_q(q)``, ``phi_k(k)``.
+
+    The same function as ``linear_from_features(phi_q(q), phi_k(k), v, ...)``, but the
+    maps are applied to ``block_size`` rows at a time inside the engine, so the
+    features never exist for the whole sequence (for Performer's ``m = 256`` features,
+    four times the size of ``q``). ``phi_q``, ``phi_k``: row-wise maps
+    ``(..., B, d) -> (..., B, d')`` written in the array API, thread-safe, the scale
+    already in ``phi_q``. Options as in :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+    """
+    xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
+    return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
+                   block_size=block_size, normalize=normalize, eps=eps)
 
 
 def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):
