@@ -1,6 +1,6 @@
 """The speed and memory figures the issues name, measured in one run on this machine.
 
-    python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
+    python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH] [--cpu]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
@@ -116,7 +116,10 @@ def linear(args):
 
     ns = [int(n) for n in args.ns.split(",")]
     print(f"load before: {_loadavg()}", flush=True)
-    rates = _rates_numpy(7)
+    # --cpu: CPU seconds of this process, for a shared machine (with OPENBLAS_NUM_THREADS=1,
+    # as ``recurrent`` does: the time the call's own work took, not the other jobs')
+    clock = time.process_time if args.cpu else time.perf_counter
+    rates = _rates_numpy(7, clock=clock)
     rate = rates["gemm_flops"]
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}; "
@@ -133,8 +136,8 @@ def linear(args):
     for n in ns:
         q, k, v = _inputs(n)
         floor = 4 * n * H * D * D / rate
-        t_non = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v), args.reps)
-        t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps)
+        t_non = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v), args.reps, clock)
+        t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps, clock)
         non.append(t_non)
         cau.append(t_cau)
         roof = variant_work("linear", n, {}, d=D, heads=H).seconds(rates)
@@ -531,6 +534,8 @@ def main(argv=None):
     lin.add_argument("--ns", default="1024,4096,16384,65536")
     lin.add_argument("--reps", type=int, default=5)
     lin.add_argument("--fla", metavar="NAIVE_PY", help="path of fla/ops/linear_attn/naive.py")
+    lin.add_argument("--cpu", action="store_true", help="CPU seconds of this process instead of wall "
+                     "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
     bwd = sub.add_parser("backward", help="issue 8: blockwise backward against torch SDPA")
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)
