@@ -119,9 +119,10 @@ DEFAULT_CHUNK_SIZE = 64
 DEFAULT_EPS = 1e-6
 # Rows per block of the linear order: 1 MiB per (8, B, 64) float32 block, so the
 # feature maps and the chunk states of a block stay in cache. Chosen by measurement
-# (N = 65536, 8 heads, d = 64, BLAS on one thread, CPU-time minima of 5 interleaved
-# calls on a loaded 2-core machine): causal 556 ms at B = 512 against 619 (1024) and
-# 667 (2048); non-causal 297 ms against 328 and 427 (noisy, load 10-13).
+# (N = 65536, 8 heads, d = 64, C = 64, BLAS on one thread, CPU-time minima of 5
+# interleaved calls, two runs on a loaded 2-core machine, load 10-13, so noisy):
+# causal 556 ms at B = 512 against 619 (1024) and 667 (2048); non-causal 297 ms against
+# 328 and 427. Not re-checked with both BLAS threads on a quiet machine.
 DEFAULT_BLOCK_SIZE = 512
 # From this many rows (all heads, queries plus keys) the heads are split among the CPUs
 # (:func:`attn_ref._common.parallel_map`). Off by default: on the quiet 2-core machine,

@@ -416,8 +416,10 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
 
     Notes
     -----
-    ``O(N m (d + dv))`` time, ``O(N m + m dv)`` extra memory (non-causal);
-    causal as the chunked form of linear attention with ``d' = m``.
+    ``O(N m (d + dv))`` time; non-causal in the linear order ``O(B m + m dv)`` extra
+    memory besides the output, the features made ``B`` rows at a time
+    (:data:`attn_ref.linear.DEFAULT_BLOCK_SIZE`); causal as the chunked form of linear
+    attention with ``d' = m``.
     Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021).
 
     Examples
