@@ -44,12 +44,14 @@ from . import random as _random
 from ._checks import check_array, check_positive_int, check_qkv, default_scale, is_floating, namespace
 from ._common import causal_alignment, ceil_div
 from .linear import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
     causal_plan,
     causal_visible,
     check_eps,
     check_order,
     linear_from_features,
+    linear_from_row_maps,
     pad_rows,
     readout,
     safe_denominator,
@@ -414,8 +416,10 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
 
     Notes
     -----
-    ``O(N m (d + dv))`` time, ``O(N m + m dv)`` extra memory (non-causal);
-    causal as the chunked form of linear attention with ``d' = m``.
+    ``O(N m (d + dv))`` time; non-causal in the linear order ``O(B m + m dv)`` extra
+    memory besides the output, the features made ``B`` rows at a time
+    (:data:`attn_ref.linear.DEFAULT_BLOCK_SIZE`); causal as the chunked form of linear
+    attention with ``d' = m``.
     Choromanski et al., "Rethinking Attention with Performers" (ICLR 2021).
 
     Examples
@@ -433,9 +437,43 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
+    if alignment is None and order == "linear":
+        return _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps)
     fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
     return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
                                 eps=eps, xp=xp)
+
+
+def _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps):
+    """Non-causal Performer with the features of one block of rows at a time.
+
+    The same features as :func:`performer_features`: the query stabiliser is each row's
+    own, and the key stabiliser, the maximum exponent over all keys, is found by a first
+    pass over the keys' blocks (their exponents are recomputed in the second pass, one
+    ``W k`` product more, rather than held: at ``m = 256`` they are four times the size
+    of ``k``). No array of the features' full size is made, so none of their
+    elementwise passes leaves the cache.
+    """
+    root = math.sqrt(scale)
+    nk, block = k.shape[-2], DEFAULT_BLOCK_SIZE
+    ok = None
+    if stabilize and nk > 0:
+        for lo in range(0, nk, block):
+            e = feature_exponent(xp, k[..., lo:min(lo + block, nk), :] * root, projection, kernel)
+            m = key_offset(xp, e, projection, kernel, False)
+            ok = m if ok is None else xp.maximum(ok, m)
+
+    def phi_q(x):
+        x = x * root
+        e = feature_exponent(xp, x, projection, kernel)
+        return features_from_exponent(xp, x, projection, e, row_offset(xp, e) if stabilize else None, kernel)
+
+    def phi_k(x):
+        x = x * root
+        return features_from_exponent(xp, x, projection, feature_exponent(xp, x, projection, kernel), ok,
+                                      kernel)
+
+    return linear_from_row_maps(q, k, v, phi_q, phi_k, block_size=block, eps=eps, xp=xp)
 
 
 def performer_attention_weights(q, k, /, *, projection, kernel="positive", causal=False, stabilize=True,

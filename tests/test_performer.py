@@ -111,6 +111,29 @@ def test_matches_plain_numpy(backend, kernel, causal, dtype, order):
     assert_close(out, want, backend, dtype=dtype, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("stabilize,dtype", [(True, "float64"), (False, "float64"), (True, "float32")])
+def test_non_causal_features_block_by_block(backend, kernel, stabilize, dtype, monkeypatch):
+    # Non-causal, linear order: the features are made 4 rows at a time and the key
+    # stabiliser is the maximum of every block's exponents (a first pass over the keys).
+    # For the positive kernel the last block's keys are 30x larger, so their exponents
+    # lie far below the other blocks': a stabiliser taken from one block alone would
+    # overflow the others' features in float32. (Trigonometric features of such keys
+    # are too ill-conditioned to compare; they get 2x.)
+    import attn_ref.performer as performer
+
+    monkeypatch.setattr(performer, "DEFAULT_BLOCK_SIZE", 4)
+    rng = np.random.default_rng(11)
+    qh, kh, vh = (rng.standard_normal((2, n, d)) * 0.7 for n, d in ((9, 4), (11, 4), (11, 3)))
+    kh[:, 8:, :] *= 30.0 if kernel == "positive" else 2.0
+    w, wh = _proj(backend, 4, 12, seed=5, dtype=dtype)
+    want, _ = np_performer(qh, kh, vh, wh, kernel=kernel)
+    q, k, v = (from_numpy(x.astype(dtype), backend) for x in (qh, kh, vh))
+    out = call(backend, performer_attention, q, k, v, projection=w, kernel=kernel, stabilize=stabilize)
+    tol = {"float32": 1e-4, "float64": 1e-10}[dtype]
+    assert_close(out, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("kernel,causals", [
     ("positive", (False, "bottom-right")), ("trigonometric", (False,))
 ])

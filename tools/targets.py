@@ -1,6 +1,6 @@
 """The speed and memory figures the issues name, measured in one run on this machine.
 
-    python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH]
+    python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH] [--cpu]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
@@ -13,12 +13,13 @@ figures. The matmul rate that sets the floor is measured in the same run, with t
 same threads. asv (``asv_benches/``) tracks the same costs across commits; this
 script answers "does this commit meet the target here, now".
 
-``linear``: non-causal time against the floor ``4 N H d^2 / matmul rate``, causal
-(chunked) against non-causal, the fitted exponent of time in ``N``, peak extra memory
-of causal at the largest N (tracemalloc; NumPy reports its buffers to it) against the
-``N H d dv`` floats of a naive prefix sum, and with ``--fla naive.py`` (the file
-``fla/ops/linear_attn/naive.py`` of flash-linear-attention) its
-``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
+``linear``: non-causal time against the floor ``4 N H d^2 / matmul rate`` and against
+its roofline (``asv_benches/costs.py`` ``WORK["linear"]`` at the NumPy rates of
+``rates``, measured in the same run), causal (chunked) against non-causal, the fitted
+exponent of time in ``N``, peak extra memory of causal at the largest N (tracemalloc;
+NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive prefix sum,
+and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
+flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
@@ -110,12 +111,20 @@ def _peak_extra(f):
 
 
 def linear(args):
+    from asv_benches.costs import variant_work
     from attn_ref import linear_attention
 
     ns = [int(n) for n in args.ns.split(",")]
-    rate = matmul_rate()
+    print(f"load before: {_loadavg()}", flush=True)
+    # --cpu: CPU seconds of this process, for a shared machine (with OPENBLAS_NUM_THREADS=1,
+    # as ``recurrent`` does: the time the call's own work took, not the other jobs')
+    clock = time.process_time if args.cpu else time.perf_counter
+    rates = _rates_numpy(7, clock=clock)
+    rate = rates["gemm_flops"]
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
-    print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}")
+    print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}; "
+          f"exp in cache {rates['exp'] / 1e9:.2f} Gelem/s, multiply {rates['elementwise'] / 1e9:.2f} "
+          f"Gelem/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s")
     fla = None
     if args.fla:
         import torch
@@ -127,13 +136,14 @@ def linear(args):
     for n in ns:
         q, k, v = _inputs(n)
         floor = 4 * n * H * D * D / rate
-        t_non = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v), args.reps)
-        t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps)
+        t_non = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v), args.reps, clock)
+        t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps, clock)
         non.append(t_non)
         cau.append(t_cau)
-        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | non-causal {t_non * 1e3:8.1f} ms "
-                f"({t_non / floor:5.2f}x floor) | causal {t_cau * 1e3:8.1f} ms "
-                f"({t_cau / t_non:4.2f}x non-causal)")
+        roof = variant_work("linear", n, {}, d=D, heads=H).seconds(rates)
+        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms | non-causal "
+                f"{t_non * 1e3:8.1f} ms ({t_non / floor:5.2f}x floor, {t_non / roof:5.2f}x roofline) | "
+                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal)")
         if fla is not None and n == 16384:
             # fla's layout is (batch, time, heads, d)
             bthd = [torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))[None]) for x in (q, k, v)]
@@ -151,6 +161,7 @@ def linear(args):
     print(f"peak extra memory, causal, N={n}: {peak / 2**20:.1f} MiB (output "
           f"{n * H * D * 4 / 2**20:.0f} MiB; naive prefix sum N H d dv floats: "
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
+    print(f"load after: {_loadavg()}")
 
 
 def backward(args):
@@ -523,6 +534,8 @@ def main(argv=None):
     lin.add_argument("--ns", default="1024,4096,16384,65536")
     lin.add_argument("--reps", type=int, default=5)
     lin.add_argument("--fla", metavar="NAIVE_PY", help="path of fla/ops/linear_attn/naive.py")
+    lin.add_argument("--cpu", action="store_true", help="CPU seconds of this process instead of wall "
+                     "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
     bwd = sub.add_parser("backward", help="issue 8: blockwise backward against torch SDPA")
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)
