@@ -6,11 +6,11 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
 
 ``attn-ref verify``
     With no kernel (the README's main job): every registered ``attn_ref`` variant, on
-    every installed backend (JAX under ``jax.jit``, on :func:`jit_cases` only), in
-    float32 and float64, on each case of the ``quick`` suite it can take, against the
-    golden - the reference itself
-    in float64/longdouble on NumPy - in worker processes (:func:`_work_units`). With
-    ``MODULE:FUNCTION``: that kernel (see :func:`conformance.verify`).
+    every installed backend, in float32 and float64 (JAX under ``jax.jit``, on
+    :func:`jit_cases` in :data:`JIT_DTYPES` only), on each case of the ``quick`` suite
+    it can take, against the golden - the reference itself in float64/longdouble on
+    NumPy - in worker processes (:func:`_work_units`). With ``MODULE:FUNCTION``: that
+    kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
 ``attn-ref scaling``
@@ -150,10 +150,15 @@ def verify_arguments(p):
                    "backend (numpy, array_api_strict, torch, jax under jax.jit; cupy with a "
                    "GPU), float32 and float64, the quick suite's cases (14: batch/heads, "
                    "Nq != Nk both ways, length 1, causal both alignments, masks, fully masked "
-                   "rows, bias, scale, large logits) that each can take (on JAX two of them "
-                   "per function and dtype unless --backend or --suite is given), against "
-                   "itself in float64/longdouble on NumPy; JAX compilations are cached in "
-                   "$ATTN_REF_JAX_CACHE, default $XDG_CACHE_HOME/attn-ref/jax")
+                   "rows, bias, scale, large logits) that each can take, against itself in "
+                   "float64/longdouble on NumPy. On JAX (under jax.jit, where every case "
+                   "shape is a compilation) it runs two cases per function (unequal lengths, "
+                   "causal) in float32 only: the JAX rows check that a reference traces under "
+                   "jit and keeps float32 in x64 mode, the same code path in either dtype, "
+                   "and float64 arithmetic is checked on the other three backends (--backend "
+                   "jax, --suite or --case runs every case on JAX in both dtypes, --dtype the "
+                   "dtypes given). JAX compilations are cached in $ATTN_REF_JAX_CACHE, "
+                   "default $XDG_CACHE_HOME/attn-ref/jax")
     p.add_argument("--variant", action="append", default=None,
                    help="attn_ref variant name (repeatable; default: softmax, or all for the "
                         "built-in job)")
@@ -394,23 +399,89 @@ def _verify_jobs(jobs) -> int:
     return jobs
 
 
-class _Done:
-    """A call run at once, with a future's ``result()`` (the built-in job with one process)."""
-
-    def __init__(self, fn, *args):
-        self.value = fn(*args)
-
-    def result(self):
-        return self.value
+#: Seconds a worker needs to import JAX before its first JAX unit (1.2-1.5 s of CPU on
+#: the 2-core machine, quiet). A worker that has not imported JAX takes a JAX unit only
+#: when the ones left would keep the JAX workers busy longer than that (:func:`_run_units`).
+JAX_IMPORT_S = 2.0
 
 
-def _completed(pending):
-    """``(future, result)`` of each pending call as it finishes."""
-    if pending and isinstance(next(iter(pending)), _Done):
-        return ((f, f.result()) for f in pending)
+def _is_jax(unit) -> bool:
+    return any(b == "jax" for _, b in unit)
+
+
+def _next_unit(has_jax, jax_left, other_left, jax_workers, paces):
+    """The unit a free worker takes next, popped from ``jax_left`` or ``other_left``.
+
+    ``has_jax``: the worker has imported JAX; ``jax_workers``: how many have;
+    ``paces``: seconds of the JAX units run so far by a worker that had JAX imported.
+    None: it stays idle, since importing JAX would take longer than the JAX workers
+    need for what is left.
+    """
+    if jax_left and has_jax:
+        return jax_left.pop(0)
+    if other_left:
+        return other_left.pop(0)
+    if not jax_left:
+        return None
+    pace = sum(paces) / len(paces) if paces else None
+    if jax_workers and pace is not None and \
+            len(jax_left) * pace / jax_workers <= JAX_IMPORT_S + pace:
+        return None
+    return jax_left.pop(0)
+
+
+def _run_units(units, settings, jobs, on_done):
+    """Run the units of :func:`_work_units` on ``jobs`` spawned worker processes.
+
+    ``on_done(unit, results)`` is called in this process as each unit finishes. Each
+    worker is a pool of one process, so the job decides which worker runs what: the
+    first ``jobs`` units start one per worker, then each free worker takes what
+    :func:`_next_unit` gives it. That keeps the imports few: torch in one worker, JAX
+    in as many as shorten the job (from a warm compilation cache the JAX units take
+    0.1-0.5 s each, and a second worker importing JAX for the last few of them only
+    made the job longer).
+    """
     import concurrent.futures as cf
+    import multiprocessing
+    import time
 
-    return ((f, f.result()) for f in cf.as_completed(pending))
+    # spawn, not fork: a forked child would inherit JAX's and torch's threads
+    ctx = multiprocessing.get_context("spawn")
+    pools = [cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_worker_init)
+             for _ in range(jobs)]
+    jax_left = [u for u in units[jobs:] if _is_jax(u)]
+    other_left = [u for u in units[jobs:] if not _is_jax(u)]
+    has_jax = [False] * jobs
+    paces = []  # seconds of each JAX unit a worker ran after its first
+    running = {}
+
+    def start(w, unit):
+        running[pools[w].submit(_verify_tasks, unit, settings)] = (w, unit, time.perf_counter())
+
+    try:
+        for w, unit in enumerate(units[:jobs]):
+            start(w, unit)
+        while running:
+            finished, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in finished:
+                w, unit, t0 = running.pop(fut)
+                got = fut.result()
+                if _is_jax(unit):
+                    if has_jax[w]:
+                        paces.append(time.perf_counter() - t0)
+                    has_jax[w] = True
+                on_done(unit, got)
+                unit = _next_unit(has_jax[w], jax_left, other_left, sum(has_jax), paces)
+                if unit is not None:
+                    start(w, unit)
+                else:  # nothing more for it: let it exit while the others work
+                    pools[w].shutdown(wait=False)
+    except BaseException:
+        for pool in pools:  # Ctrl-C reached the workers too; nothing left to wait for
+            pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    for pool in pools:
+        pool.shutdown()
 
 
 def _worker_init():
@@ -425,11 +496,13 @@ def _worker_init():
         os.environ.setdefault(var, "1")
 
 
-def _verify_tasks(tasks, dtypes, settings) -> dict:
+def _verify_tasks(tasks, settings) -> dict:
     """``{(variant, backend): reports}`` of the tasks, in one process (a worker's call).
 
     A backend that cannot be loaded here gives its reason, a string, in place of
-    the reports, so only the workers that run a backend's tasks ever import it.
+    the reports, so only the workers that run a backend's tasks ever import it. The
+    goldens are cached in the process (:func:`conformance.judging.prepare`), so the
+    backends of one variant share them when they are tasks of one call.
     """
     from . import backends as B
 
@@ -440,7 +513,8 @@ def _verify_tasks(tasks, dtypes, settings) -> dict:
         except B.BackendUnavailable as exc:
             out[name, backend_name] = str(exc)
             continue
-        out[name, backend_name] = _verify_task(name, backend_name, dtypes, settings)
+        out[name, backend_name] = _verify_task(name, backend_name,
+                                               settings["dtypes"][backend_name], settings)
     return out
 
 
@@ -455,8 +529,8 @@ def _verify_task(name, backend_name, dtypes, settings) -> list:
     sem = {"causal": _causal_convention(v.fn), **settings["semantics"]}
     kernel = reference_kernel(v, be)
     todo = settings["cases"]
-    if todo is None and backend_name == "jax" and settings.get("jit_subset"):
-        todo = jit_cases(name)
+    if todo is None and backend_name == "jax" and settings.get("jit_subset") and dtypes:
+        todo = jit_cases(name, dtypes[0])
     return [verify(kernel, name, backend=backend_name, dtypes=(dt,), suite=settings["suite"],
                    seed=settings["seed"], supports={"broadcast": True}, progress=False,
                    time_limit=settings["time_limit"], options=settings["options"],
@@ -469,19 +543,35 @@ def _verify_task(name, backend_name, dtypes, settings) -> list:
 #: from the persistent cache: tracing and lowering), and the 14 cases x 2 dtypes x 28
 #: references were 365 compilations, most of the job. The rows of one reference on JAX
 #: differ from its NumPy rows only by what JAX's tracing and XLA do to the same code, so
-#: two shapes per reference and dtype keep what the JAX rows prove (the function traces
-#: under ``jit``, with the keys and queries of unequal length and a causal mask, in both
-#: dtypes); every quick case still runs on NumPy, array-api-strict and PyTorch, and
-#: ``attn-ref verify --backend jax`` (or ``--suite quick`` given explicitly) runs them all
-#: on JAX. The subset applies to the job with no ``--suite``, ``--backend`` or ``--case``.
+#: two shapes per reference keep what the JAX rows prove (the function traces under
+#: ``jit``, with the keys and queries of unequal length and a causal mask); every quick
+#: case still runs on NumPy, array-api-strict and PyTorch, and ``attn-ref verify
+#: --backend jax`` (or ``--suite quick`` given explicitly) runs them all on JAX. The
+#: subset applies to the job with no ``--suite``, ``--backend`` or ``--case``.
 JIT_CASE_TAGS = ("cross", "causal", "basic")
 JIT_CASES_PER_REFERENCE = 2
 
+#: The dtypes of the JAX rows in the job with no ``--suite``, ``--backend``, ``--case``
+#: or ``--dtype``. A JAX row checks what only JAX can get wrong: that the reference
+#: traces under ``jax.jit`` (no Python branch on a traced value, no in-place write, no
+#: host conversion) and what XLA computes from the trace. The references take the same
+#: code path in both dtypes (they branch on shapes and options, never on the dtype), and
+#: float32 is where a dtype slip shows: JAX runs in x64 mode, so a constant built
+#: without ``dtype=`` is float64 and promotes a float32 computation, which the output's
+#: dtype check catches. Float64 arithmetic is checked on NumPy, array-api-strict and
+#: PyTorch, whose float64 rows JAX in x64 mode would only repeat; dropping JAX's float64
+#: rows halves the job's compilations (51 instead of 102). ``--dtype float64`` or
+#: ``--backend jax`` runs them.
+JIT_DTYPES = ("float32",)
 
-def jit_cases(name) -> list:
+
+def jit_cases(name, dtype="float32") -> list:
     """The cases of :data:`JIT_CASE_TAGS` that reference ``name`` can take, at most
     :data:`JIT_CASES_PER_REFERENCE`: the first case of each tag first, then the rest in
-    tag order (a causal-only reference takes causal cases only)."""
+    tag order (a causal-only reference takes causal cases only).
+
+    Whether a case applies is found by preparing it in ``dtype`` (the dtype the job
+    runs, so the golden computed here is the one its row uses)."""
     from .catalogue import cases
     from .features import NotApplicable
     from .judging import prepare
@@ -492,7 +582,7 @@ def jit_cases(name) -> list:
     chosen = []
     for c in firsts + [c for c in ranked if c not in firsts]:
         try:
-            prepare(c, name, "float64")
+            prepare(c, name, dtype)
         except NotApplicable:
             continue
         chosen.append(c)
@@ -504,20 +594,20 @@ def jit_cases(name) -> list:
 def _work_units(vs, names):
     """The built-in job cut into calls for the workers, in the order they are submitted.
 
-    Every backend but JAX is one call (all its variants in one worker, so torch is
-    imported by one worker only); each JAX variant is a call of its own, since JAX's
-    compilations are most of the job and are shared out between the workers. The torch
-    call goes first, then the JAX variants, then the short NumPy and array-api-strict
-    calls, which fill the workers' last seconds.
+    Every backend but JAX is in one call, variant by variant (NumPy, array-api-strict,
+    PyTorch, CuPy of one variant in a row): a worker computes a golden once and every
+    backend of the variant uses it (the three NumPy-like backends took 5.3 s of CPU as
+    three calls, 3.0 s as one), and only one worker imports torch. Each JAX variant is
+    a call of its own: JAX's compilations are the longest part and are shared out. The
+    first JAX variant goes first, the other backends' call second, the rest of JAX
+    after: on two workers one starts on JAX while the other runs everything else, then
+    takes JAX variants too.
     """
-    rank = {"torch": 0, "cupy": 1, "jax": 2}
-    units = []
-    for b in sorted(names, key=lambda n: rank.get(n, 3)):
-        if b == "jax":
-            units += [[(v.name, b)] for v in vs]
-        else:
-            units.append([(v.name, b) for v in vs])
-    return units
+    rank = {"numpy": 0, "array_api_strict": 1, "torch": 2, "cupy": 3}
+    rest = sorted((b for b in names if b != "jax"), key=lambda n: rank.get(n, len(rank)))
+    jax_units = [[(v.name, "jax")] for v in vs] if "jax" in names else []
+    others = [[(v.name, b) for v in vs for b in rest]] if rest else []
+    return jax_units[:1] + others + jax_units[1:]
 
 
 def _verify_builtin(args) -> int:
@@ -547,47 +637,43 @@ def _verify_builtin(args) -> int:
     names = args.backend or list(B.BACKENDS)
     dtypes = args.dtype or ["float32", "float64"]
     suite = args.suite or "quick"
+    # no suite, backend or case asked for: JAX runs jit_cases only, and without --dtype
+    # in JIT_DTYPES only
+    jit_subset = not (args.suite or args.backend or args.case)
+    dtypes_of = {b: [dt for dt in dtypes if dt in JIT_DTYPES]
+                 if b == "jax" and jit_subset and not args.dtype else list(dtypes)
+                 for b in names}
     settings = dict(suite=suite, seed=args.seed, time_limit=args.time_limit, options=options,
-                    cases=todo, semantics=_semantics(args),
-                    # no suite, backend or case asked for: JAX runs JIT_CASES only
-                    jit_subset=not (args.suite or args.backend or args.case))
+                    cases=todo, semantics=_semantics(args), jit_subset=jit_subset,
+                    dtypes=dtypes_of)
     prog = Progress()
     done = {}
     units = _work_units(vs, names)
-    total = len(vs) * len(names) * len(dtypes)
+    total = len(vs) * sum(len(d) for d in dtypes_of.values())
 
-    def run(submit):
-        """Run every unit; ``submit`` may run it in a worker."""
-        pending = {submit(_verify_tasks, unit, dtypes, settings): unit for unit in units}
-        for fut, got in _completed(pending):
-            done.update(got)
-            prog.update(len(done) * len(dtypes), total, " ".join(pending[fut][-1]))
+    def finished(unit, got):
+        done.update(got)
+        prog.update(sum(len(d) for d in done.values() if not isinstance(d, str)), total,
+                    " ".join(unit[-1]))
 
     jobs = min(jobs, len(units))
     if jobs > 1:
-        import concurrent.futures as cf
-        import multiprocessing
-
         # Workers import the backends; this process imports neither torch nor JAX.
-        # spawn, not fork: a forked child would inherit JAX's and torch's threads.
-        pool = cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                                      initializer=_worker_init)
         try:
-            run(pool.submit)
-        except KeyboardInterrupt:  # the workers got the Ctrl-C too; nothing left to wait for
-            pool.shutdown(wait=False, cancel_futures=True)
+            _run_units(units, settings, jobs, finished)
+        except KeyboardInterrupt:
             prog.done()
             print("attn-ref verify: interrupted", file=sys.stderr)
             return INTERRUPTED
-        pool.shutdown()
     else:
-        run(_Done)
+        for unit in units:
+            finished(unit, _verify_tasks(unit, settings))
     # a backend is skipped when it could not be loaded (its tasks hold the reason)
     skipped = {b: got for (_, b), got in done.items() if isinstance(got, str)}
     avail = [b for b in names if b not in skipped]
     rows, reports = [], []
     for name, bname in [(v.name, b) for v in vs for b in avail]:
-        for dt, rep in zip(dtypes, done[name, bname]):
+        for dt, rep in zip(dtypes_of[bname], done[name, bname]):
             reports.append(rep)
             rows.append((name, bname, dt, rep))
     prog.done()
@@ -613,8 +699,11 @@ def _verify_builtin(args) -> int:
         print(f"\n{name} on {bname} in {dt}:")
         print(rep.table())
     ok = bool(rows) and not failed
+    fewer = [f"{b} {', '.join(dtypes_of[b]) or 'none'} only" for b in avail
+             if dtypes_of[b] != list(dtypes)]
     print(f"\n{'all passed' if ok else f'{len(failed)} of {len(rows)} combinations FAILED'}: "
-          f"{len(vs)} functions x {len(avail)} backends x {len(dtypes)} dtypes")
+          f"{len(vs)} functions x {len(avail)} backends x {len(dtypes)} dtypes"
+          + (f" ({'; '.join(fewer)}: see attn-ref verify --help)" if fewer else ""))
     _write_json(args.json, reports)
     return 0 if ok else 1
 

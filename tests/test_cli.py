@@ -61,16 +61,36 @@ def test_work_units_import_each_library_in_few_workers():
     # every (variant, backend) exactly once
     assert sorted(flat) == sorted((v.name, b) for v in vs
                                   for b in ("array_api_strict", "numpy", "torch", "jax", "cupy"))
-    # a non-JAX backend is one unit (one worker imports it); JAX is shared out per variant
-    by_backend = {}
-    for u in units:
-        assert len({b for _, b in u}) == 1
-        by_backend.setdefault(u[0][1], []).append(len(u))
-    assert by_backend == {"torch": [3], "cupy": [3], "jax": [1, 1, 1],
-                          "array_api_strict": [3], "numpy": [3]}
-    # torch first, then JAX (the long part), the short NumPy-like units last
-    order = [u[0][1] for u in units]
-    assert order[0] == "torch" and order.index("jax") < order.index("numpy")
+    # JAX is shared out per variant; every other backend is in one unit, variant by
+    # variant, so the goldens a worker computes for a variant serve all its backends
+    assert [u for u in units if cli._is_jax(u)] == [[(v.name, "jax")] for v in vs]
+    (rest,) = [u for u in units if not cli._is_jax(u)]
+    assert [n for n, _ in rest] == [v.name for v in vs for _ in range(4)]
+    assert {b for _, b in rest} == {"array_api_strict", "numpy", "torch", "cupy"}
+    # one worker starts on JAX (the longest part), the next on everything else
+    assert units[0] == [("softmax", "jax")] and units[1] is rest
+    assert cli._work_units(vs, ["numpy", "torch"]) == [[(v.name, b) for v in vs
+                                                       for b in ("numpy", "torch")]]
+
+
+def test_a_free_worker_imports_jax_only_when_it_shortens_the_job():
+    def nxt(has_jax, n_jax, n_other, jax_workers=1, paces=()):
+        jax_left = [[(f"j{i}", "jax")] for i in range(n_jax)]
+        other_left = [[(f"o{i}", "numpy")] for i in range(n_other)]
+        got = cli._next_unit(has_jax, jax_left, other_left, jax_workers, list(paces))
+        return None if got is None else got[0][1]
+
+    assert nxt(True, 3, 1) == "jax"  # a JAX worker stays on JAX
+    assert nxt(False, 3, 1) == "numpy"  # the others' units first
+    assert nxt(True, 0, 1) == "numpy" and nxt(False, 0, 0) is None
+    # no JAX worker yet, or none has finished a unit after importing JAX: take one
+    assert nxt(False, 3, 0, jax_workers=0) == "jax"
+    assert nxt(False, 3, 0, paces=()) == "jax"
+    # 3 units at 0.2 s on one JAX worker: 0.6 s, less than importing JAX
+    assert nxt(False, 3, 0, paces=(0.2,)) is None
+    # 20 units at 0.5 s (a cold compilation cache): 10 s, worth a second JAX worker
+    assert nxt(False, 20, 0, paces=(0.5,)) == "jax"
+    assert nxt(False, 20, 0, jax_workers=8, paces=(0.5,)) is None
 
 
 def test_worker_threads_default_to_one_but_the_users_setting_wins(monkeypatch):
@@ -103,17 +123,59 @@ def test_jit_cases_are_a_few_applicable_quick_cases_of_every_reference():
 def test_the_jit_subset_is_only_for_the_job_without_a_suite_backend_or_case(monkeypatch):
     seen = {}
 
-    def spy(name, backend_name, dtypes, settings):
-        seen[name, backend_name] = settings["jit_subset"]
-        return []
+    def spy(unit, settings):
+        seen.update({t: (settings["jit_subset"], settings["dtypes"][t[1]]) for t in unit})
+        return {t: "not run (spy)" for t in unit}
 
-    monkeypatch.setattr(cli, "_verify_task", spy)
-    monkeypatch.setattr(cli, "_work_units", lambda vs, names: [[(vs[0].name, "numpy")]])
-    for argv, subset in ((["verify"], True), (["verify", "--suite", "quick"], False),
-                         (["verify", "--backend", "numpy"], False)):
+    monkeypatch.setattr(cli, "_verify_tasks", spy)
+    both = ["float32", "float64"]
+    for argv, jax in ((["verify"], (True, list(cli.JIT_DTYPES))),
+                      (["verify", "--dtype", "float64"], (True, ["float64"])),
+                      (["verify", "--suite", "quick"], (False, both)),
+                      (["verify", "--backend", "numpy", "--backend", "jax"], (False, both))):
         seen.clear()
-        try:
-            cli.main(argv + ["--variant", "softmax", "--jobs", "1"])
-        except (KeyError, ValueError, TypeError):
-            pass  # the spy's empty report list; only the settings matter here
-        assert seen == {("softmax", "numpy"): subset}, argv
+        assert cli.main(argv + ["--variant", "softmax", "--jobs", "1"]) == 1  # nothing ran
+        assert seen[("softmax", "jax")] == jax, argv
+        assert seen[("softmax", "numpy")] == (jax[0], both if "--dtype" not in argv
+                                              else ["float64"]), argv
+
+
+def test_builtin_job_on_jax_fails_a_reference_that_does_not_trace(broken_variant, capsys,
+                                                                 monkeypatch):
+    # The default job's JAX rows (two cases under jax.jit, float32) are what catches a
+    # reference that leaves the array API; the NumPy rows cannot (it computes the same).
+    pytest.importorskip("jax")
+    from conformance import backends
+
+    monkeypatch.setattr(backends, "BACKENDS", ("numpy", "jax"))
+    code = cli.main(["verify", "--variant", "softmax", "--variant", broken_variant,
+                     "--jobs", "1"])
+    out = capsys.readouterr().out
+    rows = {tuple(line.split()[:3]): line.split()[-1] for line in out.splitlines()
+            if line.startswith(("softmax ", broken_variant)) and line.endswith(("pass", "FAIL"))}
+    assert code == 1
+    assert rows == {(n, "numpy", dt): "pass" for n in ("softmax", broken_variant)
+                    for dt in ("float32", "float64")} | {
+        ("softmax", "jax", "float32"): "pass", (broken_variant, "jax", "float32"): "FAIL"}
+    assert "1 of 6 combinations FAILED" in out and "jax float32 only" in out
+
+
+def test_units_run_in_workers_give_the_reports_of_one_process():
+    # Two units on two spawned workers (no JAX, so no import of it): each unit's reports
+    # come back to this process whole, as _verify_tasks gives them here.
+    settings = dict(suite="quick", seed=0, time_limit=60.0, options={}, semantics={},
+                    cases=cli.jit_cases("softmax"), jit_subset=False,
+                    dtypes={"numpy": ["float32"], "array_api_strict": ["float64"]})
+    units = [[("softmax", "numpy"), ("linear", "numpy")], [("softmax", "array_api_strict")]]
+    got = {}
+    cli._run_units(units, settings, 2, lambda unit, res: got.update({tuple(unit): res}))
+    assert set(got) == {tuple(u) for u in units}
+
+    def verdicts(results):
+        return {t: [(r.case, r.dtype, r.output, r.verdict, r.max_err) for rep in reps
+                    for r in rep.results] for t, reps in results.items()}
+
+    for unit in units:
+        here = cli._verify_tasks(unit, settings)
+        assert verdicts(got[tuple(unit)]) == verdicts(here)
+        assert all(len(reps) == 1 and reps[0].passed for reps in here.values())

@@ -43,7 +43,11 @@ def _merge_tree(xp_parts, order, shape):
 def test_chunks_merge_to_softmax_attention(backend):
     xp = backend.xp
 
-    @property_test(backend, examples=25)
+    # JAX runs this eagerly, compiling every op at each new (nq, nk): 6 examples took
+    # two minutes of a loaded run, most of the file. What JAX can get wrong here (a
+    # dtype, an immutable array, its -inf handling in the merge) shows on any example;
+    # the 25 on the other backends search the shapes, cuts and merge trees.
+    @property_test(backend, examples=12 if backend.name == "jax" else 25)
     @given(nq=st.integers(1, 9), nk=st.integers(1, 17), causal=st.booleans(),
            data=st.data())
     def check(nq, nk, causal, data):
