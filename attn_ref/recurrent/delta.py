@@ -49,6 +49,7 @@ from .common import (
     forward_substitution,
     from_chunks,
     packed,
+    scalar_decay_matrix,
     segment_sums,
     to_chunks,
 )
@@ -232,18 +233,17 @@ def _chunks(xp, q, k, v, g, beta, s, c):
         qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
         kk, qk = kg @ mt(kg), qg @ mt(kg)
         if ac is None:
-            qk = xp.where(lower, qk, xp.zeros_like(qk))
+            qk = xp.where(lower, qk, 0.0)
             kd = kg
         else:
             b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
-            # exp(b_i - b_j), masked to -inf before exp where j > i (positive exponents)
-            diff = b - mt(b)
-            d = xp.exp(xp.where(lower, diff, xp.full_like(diff, -xp.inf)))
+            d = scalar_decay_matrix(xp, b)  # exp(b_i - b_j), j <= i: masked before exp
             kk, qk = kk * d, qk * d
             head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
             decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
             kd = head * kg
-        system = xp.where(strict, bg * kk, xp.zeros_like(kk)) + eye
+        # I + strict lower part of diag(beta) (K K^T * D): the identity is the else branch.
+        system = xp.where(strict, bg * kk, eye)
         # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
         wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
         u_c, w_c = wu[..., :dv], wu[..., dv:]
