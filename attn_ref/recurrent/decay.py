@@ -140,15 +140,15 @@ def _chunk(xp, q, k, v, a, s, scale, chunk, constant=False):
     for c0, c1, c in ((0, full, chunk), (full, T, T - full)):
         if c1 > c0:
             o, s = _chunks(xp, q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :],
-                           a[..., c0:c1, :], s, c, constant)
+                           a[..., c0:c1, :], s, c, scale, constant)
             outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
-    return scale * xp.concat(outs, axis=-2), s
+    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), s
 
 
-def _chunks(xp, q, k, v, a, s, c, constant):
-    """The chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``), unscaled.
+def _chunks(xp, q, k, v, a, s, c, scale, constant):
+    """The chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``).
 
     Batched over groups of chunks whose ``c x c`` scores fill about
     :data:`GROUP_ELEMENTS` (one batch of every chunk would make each temporary a trip
@@ -159,7 +159,8 @@ def _chunks(xp, q, k, v, a, s, c, constant):
 
     ``constant``: the log decay is the same at every step (retention), so every chunk
     has the same running sums ``b``, decay matrix and scalings: they are computed once
-    (``c^2`` exponentials per head instead of ``c^2`` per chunk).
+    (``c^2`` exponentials per head instead of ``c^2`` per chunk), with ``scale`` folded
+    into the two that multiply the output (no pass over it).
     """
     mt = xp.matrix_transpose
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
@@ -175,7 +176,7 @@ def _chunks(xp, q, k, v, a, s, c, constant):
 
     if constant:
         b, head, tail, decay = gates(ac[..., :1, :, :])
-        dmat = scalar_decay_matrix(xp, b)
+        dmat, head = scale * scalar_decay_matrix(xp, b), scale * head
     outs = []
     for g0 in range(0, n, per):
         cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
@@ -191,7 +192,8 @@ def _chunks(xp, q, k, v, a, s, c, constant):
             entering.append(s)
             s = decay[..., 0 if constant else i, :, :] * s + inc[..., i, :, :]
         outs.append(scores @ vg + (qg * head) @ xp.stack(entering, axis=-3))
-    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
+    o = from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3))
+    return (o if constant else scale * o), s
 
 
 def _run(inp, a, s0, constant):

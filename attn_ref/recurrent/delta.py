@@ -205,7 +205,7 @@ def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
             outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
-    return scale * xp.concat(outs, axis=-2), s
+    return scale * (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), s
 
 
 def _chunks(xp, q, k, v, g, beta, s, c):
