@@ -160,7 +160,9 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     ``constant``: the log decay is the same at every step (retention), so every chunk
     has the same running sums ``b``, decay matrix and scalings: they are computed once
     (``c^2`` exponentials per head instead of ``c^2`` per chunk), with ``scale`` folded
-    into the two that multiply the output (no pass over it).
+    into the two that multiply the output. Otherwise ``scale`` multiplies each group's
+    ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
+    main memory and a fresh array's page faults.
     """
     mt = xp.matrix_transpose
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
@@ -184,6 +186,8 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         if constant:
             scores = (qg @ mt(kg)) * dmat
         else:
+            # scale on q here, in cache, rather than a pass over the whole output after
+            qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             scores = decayed_scores(xp, qg, kg, b)
         inc = mt(kg * tail) @ vg  # (..., per, dk, dv)
@@ -192,8 +196,7 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
             entering.append(s)
             s = decay[..., 0 if constant else i, :, :] * s + inc[..., i, :, :]
         outs.append(scores @ vg + (qg * head) @ xp.stack(entering, axis=-3))
-    o = from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3))
-    return (o if constant else scale * o), s
+    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
 
 
 def _run(inp, a, s0, constant):
