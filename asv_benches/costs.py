@@ -217,7 +217,7 @@ def _work_linear(n, d, c):
     return Work(4 * n * d * (d + 1), 2 * n * d, 4 * n * d + n * d, 0.0) + _io(n, d)
 
 
-def _decayed(n, d, c, per_dim):
+def _decayed(n, d, c, per_dim, constant=False):
     """The chunk form of a decayed linear attention at chunk size ``C`` (``d = dk = dv``).
 
     Per chunk, with ``b`` the running sum of the log decays from the chunk's start and
@@ -226,25 +226,36 @@ def _decayed(n, d, c, per_dim):
     * GEMM: the causal half of ``Q K^T`` and of ``A V`` (``C/2`` keys per query on
       average, ``2 d`` flops each: ``n C d`` apiece), the read of the entering state
       ``(q exp(b)) S`` and the state's update ``(k exp(B - b))^T V`` (``2 n d^2`` each).
-    * exponentials: a scalar decay (retention, SSD) multiplies ``Q K^T`` by the causal
-      half of ``exp(b_i - b_j)``, ``n C / 2``; a per-key-dimension decay (GLA) does not
+    * exponentials: a scalar decay (SSD) multiplies ``Q K^T`` by the causal half of
+      ``exp(b_i - b_j)``, ``n C / 2``; a per-key-dimension decay (GLA) does not
       factor out of the dot product, and the least work that never exponentiates a
       positive number is the halving of ``decayed_scores``: at each of the ``log2 C``
       levels every row of ``q`` or ``k`` is scaled once relative to a reference point,
       ``n d log2 C`` (the pairwise ``(C, C, d)`` form would take ``n C d / 2``). Then
       ``exp(b)`` and ``exp(B - b)`` for ``q`` and ``k``, ``n e`` each (``e = 1`` or ``d``).
+      ``constant`` (retention: the same decay every step): every chunk has the same
+      ``b``, so the decay matrix and the two scalings are computed once per head,
+      ``C^2 / 2 + 2 C`` exponentials and no gates read.
     * elementwise: the decay's product with the scores (``n C / 2``) or the
       subtraction and product of each halving level (``2 n d log2 C``), the scaling of
       ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the gates read once.
+      The hand-over ``S <- diag(exp(B)) S + dS`` is free with a scalar decay (a GEMM's
+      ``C <- alpha A B + beta C`` with ``beta = exp(B)``) and ``d^2`` products per chunk
+      with GLA's per-dimension one (``n d^2 / C``).
     """
     C = min(c["chunk_size"], n)
     gemm = Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0)
     if per_dim:
         levels = math.log2(C)
-        e, scores = d, Work(0.0, n * d * levels, 2 * n * d * levels, 0.0)
+        e, scores = d, Work(0.0, n * d * levels, 2 * n * d * levels + n * d * d / C, 0.0)
+    elif constant:
+        e, scores = 1, Work(0.0, C * C / 2, n * C / 2, 0.0)
     else:
         e, scores = 1, Work(0.0, n * C / 2, n * C / 2, 0.0)
-    gates = Work(0.0, 2 * n * e, 2 * n * d + n * e, n * e * _F32)
+    if constant:
+        gates = Work(0.0, 2 * C, 2 * n * d + C, 0.0)
+    else:
+        gates = Work(0.0, 2 * n * e, 2 * n * d + n * e, n * e * _F32)
     return gemm + scores + gates + _io(n, d)
 
 
@@ -402,7 +413,7 @@ WORK = {
     "online_softmax": _work_softmax,
     "compressed": _work_compressed,
     "linear": _work_linear,
-    "retention": lambda n, d, c: _decayed(n, d, c, False),
+    "retention": lambda n, d, c: _decayed(n, d, c, False, constant=True),
     "gla": lambda n, d, c: _decayed(n, d, c, True),
     "ssd": lambda n, d, c: _decayed(n, d, c, False),
     "deltanet": lambda n, d, c: _delta(n, d, c, False),

@@ -124,6 +124,30 @@ def test_chunk_size_does_not_change_the_function(name):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12, err_msg=f"chunk_size={C}")
 
 
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_qk_l2norm_is_normalising_first(backend, name, monkeypatch):
+    # The chunk form normalises q and k group by group (the other forms up front): every
+    # form with qk_l2norm=True is the token loop on q and k normalised beforehand, for
+    # unnormalised inputs, a partial last chunk and groups of one and several chunks.
+    from attn_ref.recurrent import delta
+
+    (qh, kh, vh), steps_h, s0h = _host_inputs(name, 21)
+    kh = 3.0 * kh  # _host_inputs gives unit keys: make the normalisation matter
+    unit = [x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + delta.L2NORM_EPS)
+            for x in (qh, kh)]
+    want_o, want_s = _plain(name, *unit, vh, steps_h, s0h)
+    q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
+    steps = _to(backend, steps_h)
+    per_chunk = math.prod(BATCH) * 4 * max(4, DK + DV)
+    for chunks in (1, 1000):
+        monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
+        for form in _forms(backend, 21):
+            o, s = FNS[name](q, k, v, initial_state=s0, output_final_state=True, chunk_size=4,
+                             qk_l2norm=True, form=form, **steps)
+            for got, want in ((o, want_o), (s, want_s)):
+                assert_close(got, want, backend, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("name", sorted(FNS))
 def test_groups_of_chunks_are_the_whole_batch(backend, name, monkeypatch):
     # The chunk form batches groups of chunks (GROUP_ELEMENTS); one chunk per group,
@@ -557,3 +581,16 @@ def test_asv_recurrent_cases_run(name):
     assert {"q", "k", "v"} <= set(grads)
     for n, g in grads.items():
         assert g.dtype == np.float32 and np.isfinite(g).all(), n
+
+
+def test_retention_roofline_counts_its_decay_matrix_once():
+    # Retention's decay is the same at every step, so the chunk form computes its C x C
+    # decay matrix once per head: the roofline's exponentials do not grow with T, while
+    # SSD's (a data-dependent decay per step) grow as T C / 2.
+    from asv_benches.costs import variant_work
+
+    def exps(name, T):
+        return variant_work(name, T, {"chunk_size": 64}, d=64, heads=1).transcendentals
+
+    assert exps("retention", 4096) == exps("retention", 16384) == 64 * 64 / 2 + 2 * 64
+    assert exps("ssd", 16384) == 16384 * 64 / 2 + 2 * 16384

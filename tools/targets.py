@@ -56,7 +56,9 @@ loaded 2-core machine), ours against flash-linear-attention's naive reference on
 CPU (``fla/ops/<op>/naive.py`` of the installed fla-core: the recurrent loops; for
 retention fla's only naive form, the masked ``T x T`` product), interleaved variant by
 variant; then at ``--grad-n`` the chunked backward (``attn_ref.grad.recurrent``,
-``form="chunk"``) against the token loop (``form="recurrent"``). Times and rates are
+``form="chunk"``) against the token loop (``form="recurrent"``); ``--chunk-sizes``
+adds each variant at other chunk sizes, each against the roofline at its own ``C``
+(which grows with ``C``: a lower ratio at a larger ``C`` is not a faster call). Times and rates are
 CPU seconds of this process (``time.process_time``; wall seconds are shown beside):
 on a shared machine wall time measures the other jobs too. Run it single-threaded
 (``OPENBLAS_NUM_THREADS=1``: on a loaded machine OpenBLAS's threads wait on each other,
@@ -67,6 +69,7 @@ checkout's ``attn_ref`` is the one timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -389,6 +392,22 @@ def recurrent(args):
             t_fla = _median_time(f, 1, cpu)
             line += f" | {t_small:14.3f} {t_fla:9.2f} {t_fla / t_small:10.1f}"
         print(line, flush=True)
+    if args.chunk_sizes:
+        from attn_ref.registry import get
+
+        print(f"chunk size sweep at T = {args.n}: CPU seconds (median of {args.reps}) / roofline "
+              f"at that C = ratio")
+        for name in names:
+            _, _, kw = _recurrent_call(name, args.n)
+            q, k, v = _inputs(args.n)
+            cells = []
+            for c in (int(x) for x in args.chunk_sizes.split(",")):
+                t = _median_time(functools.partial(get(name).fn, q, k, v, **{**kw, "chunk_size": c}),
+                                 args.reps, cpu)
+                values = {**BENCH_CONFIGS[name].describe(args.n), "chunk_size": c}
+                roof = variant_work(name, args.n, values, d=D, heads=H).seconds(rate)
+                cells.append(f"C={c}: {t:.3f}/{roof:.3f}={t / roof:.2f}")
+            print(f"{name:15s} " + "  ".join(cells), flush=True)
     if args.grad_n > 0:
         print(f"backward (VJP) at T = {args.grad_n}, CPU seconds: chunked | token loop | ratio")
         for name in names:
@@ -551,6 +570,8 @@ def main(argv=None):
     rec.add_argument("--grad-n", type=int, default=2048, help="T of the backward timing (0: none)")
     rec.add_argument("--reps", type=int, default=3)
     rec.add_argument("--variants", default="retention,gla,ssd,deltanet,gated_deltanet")
+    rec.add_argument("--chunk-sizes", default="", help="also time each variant at these chunk "
+                     "sizes against the roofline at each (e.g. 32,64,128,256)")
     sm = sub.add_parser("softmax", help="issue 15: online softmax against SDPA-4D and its roofline")
     sm.add_argument("--n", type=int, default=4096)
     sm.add_argument("--reps", type=int, default=5)

@@ -26,6 +26,8 @@ the final state is returned in float32, as fla's kernels return it.
 
 from __future__ import annotations
 
+import math
+
 import array_api_compat
 
 from .._checks import (
@@ -52,6 +54,7 @@ __all__ = [
     "causal_decay",
     "to_chunks",
     "from_chunks",
+    "scalar_decay_matrix",
     "decayed_scores",
     "forward_substitution",
 ]
@@ -278,6 +281,20 @@ def from_chunks(xp, x):
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))
 
 
+def scalar_decay_matrix(xp, b):
+    """``exp(b_i - b_j)`` for ``j <= i``, exactly 0 above: ``b (..., c, 1)`` -> ``(..., c, c)``.
+
+    ``b`` holds running sums of scalar log decays (any anchor). The mask is applied to
+    the exponent (a scalar ``-inf``, no full temporary), never to the result: above the
+    diagonal the exponent is positive and may overflow.
+    """
+    c = b.shape[-2]
+    dev = array_api_compat.device(b)
+    diff = b - xp.matrix_transpose(b)
+    keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+    return xp.exp(xp.where(keep, diff, -math.inf))
+
+
 def decayed_scores(xp, q, k, b):
     """Causal decayed scores ``A_ij = sum_e q_ie k_je exp(b_ie - b_je)`` (``j <= i``, else 0).
 
@@ -306,9 +323,7 @@ def decayed_scores(xp, q, k, b):
     c = q.shape[-2]
     dev = array_api_compat.device(q)
     if b.shape[-1] == 1:
-        diff = b[..., :, None, 0] - b[..., None, :, 0]
-        keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
-        return (q @ xp.matrix_transpose(k)) * xp.exp(xp.where(keep, diff, xp.full_like(diff, -xp.inf)))
+        return (q @ xp.matrix_transpose(k)) * scalar_decay_matrix(xp, b)
     if c == 1:
         return xp.sum(q * k, axis=-1, keepdims=True)
     if c % 2:

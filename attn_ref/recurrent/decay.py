@@ -52,6 +52,7 @@ from .common import (
     finish,
     from_chunks,
     packed,
+    scalar_decay_matrix,
     segment_sums,
     to_chunks,
 )
@@ -130,7 +131,7 @@ def _parallel(xp, q, k, v, a, s0, scale):
     return o, s
 
 
-def _chunk(xp, q, k, v, a, s, scale, chunk):
+def _chunk(xp, q, k, v, a, s, scale, chunk, constant=False):
     # The whole chunks at once, then the last partial one (T need not be a multiple of C).
     T = q.shape[-2]
     s = _zeros_state(xp, q, v) if s is None else s
@@ -139,15 +140,15 @@ def _chunk(xp, q, k, v, a, s, scale, chunk):
     for c0, c1, c in ((0, full, chunk), (full, T, T - full)):
         if c1 > c0:
             o, s = _chunks(xp, q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :],
-                           a[..., c0:c1, :], s, c)
+                           a[..., c0:c1, :], s, c, scale, constant)
             outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
-    return scale * xp.concat(outs, axis=-2), s
+    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), s
 
 
-def _chunks(xp, q, k, v, a, s, c):
-    """The chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``), unscaled.
+def _chunks(xp, q, k, v, a, s, c, scale, constant):
+    """The chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``).
 
     Batched over groups of chunks whose ``c x c`` scores fill about
     :data:`GROUP_ELEMENTS` (one batch of every chunk would make each temporary a trip
@@ -155,29 +156,50 @@ def _chunks(xp, q, k, v, a, s, c):
     (:func:`~attn_ref.recurrent.common.decayed_scores`), each chunk's contribution to
     the state and the read of the state entering each chunk are batched GEMMs; the
     hand-overs ``S <- exp(B) S + dS`` between chunks are the only sequential steps.
+
+    ``constant``: the log decay is the same at every step (retention), so every chunk
+    has the same running sums ``b``, decay matrix and scalings: they are computed once
+    (``c^2`` exponentials per head instead of ``c^2`` per chunk), with ``scale`` folded
+    into the two that multiply the output. Otherwise ``scale`` multiplies each group's
+    ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
+    main memory and a fresh array's page faults.
     """
     mt = xp.matrix_transpose
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
     n = qc.shape[-3]
     per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * max(c, qc.shape[-1])))
+
+    def gates(a_g):
+        b = xp.cumulative_sum(a_g, axis=-2)  # b_i - b_start, anchored at each chunk's start
+        last = b[..., -1:, :]  # the chunk's total log decay B
+        # exp(b) scales q (the read of the entering state), exp(B - b) scales k (its
+        # contribution to the next one), exp(B) the state itself: all exponents <= 0.
+        return b, xp.exp(b), xp.exp(last - b), xp.exp(last[..., 0, :])[..., :, None]
+
+    if constant:
+        b, head, tail, decay = gates(ac[..., :1, :, :])
+        dmat, head = scale * scalar_decay_matrix(xp, b), scale * head
     outs = []
     for g0 in range(0, n, per):
         cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
-        b = xp.cumulative_sum(ac[cut], axis=-2)  # b_i - b_start, anchored at each chunk's start
-        last = b[..., -1:, :]  # the chunk's total log decay B
-        inc = mt(kg * xp.exp(last - b)) @ vg  # (..., per, dk, dv)
-        decay = xp.exp(last[..., 0, :])[..., :, None]  # (..., per, e, 1)
+        if constant:
+            scores = (qg @ mt(kg)) * dmat
+        else:
+            # scale on q here, in cache, rather than a pass over the whole output after
+            qg = scale * qg
+            b, head, tail, decay = gates(ac[cut])
+            scores = decayed_scores(xp, qg, kg, b)
+        inc = mt(kg * tail) @ vg  # (..., per, dk, dv)
         entering = []
         for i in range(qg.shape[-3]):
             entering.append(s)
-            s = decay[..., i, :, :] * s + inc[..., i, :, :]
-        outs.append(decayed_scores(xp, qg, kg, b) @ vg
-                    + (qg * xp.exp(b)) @ xp.stack(entering, axis=-3))
+            s = decay[..., 0 if constant else i, :, :] * s + inc[..., i, :, :]
+        outs.append(scores @ vg + (qg * head) @ xp.stack(entering, axis=-3))
     return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
 
 
-def _run(inp, a, s0):
+def _run(inp, a, s0, constant):
     xp, form = inp.xp, inp.form
 
     def one(q, k, v, steps, s):
@@ -185,16 +207,16 @@ def _run(inp, a, s0):
             return _recurrent(xp, q, k, v, steps["a"], s, inp.scale)
         if form == "parallel":
             return _parallel(xp, q, k, v, steps["a"], s, inp.scale)
-        return _chunk(xp, q, k, v, steps["a"], s, inp.scale, inp.chunk_size)
+        return _chunk(xp, q, k, v, steps["a"], s, inp.scale, inp.chunk_size, constant)
 
     return one
 
 
-def _decayed(inp, q, a, initial_state, cu_seqlens):
+def _decayed(inp, q, a, initial_state, cu_seqlens, constant=False):
     cu = check_cu_seqlens(cu_seqlens, inp)
     s0 = check_state("initial_state", initial_state, inp, None if cu is None else len(cu) - 1,
                      like=q)
-    o, s = packed(_run(inp, a, s0), inp, {"a": a}, s0, cu)
+    o, s = packed(_run(inp, a, s0, constant), inp, {"a": a}, s0, cu)
     return finish(inp, o, s)
 
 
@@ -316,7 +338,8 @@ def retention(q, k, v, /, *, gamma, scale=None, initial_state=None, output_final
     """
     inp = _gate_inputs("retention", q, k, v, scale, form, chunk_size, output_final_state, causal,
                        xp)
-    return _decayed(inp, q, retention_log_decay(inp, gamma, q), initial_state, cu_seqlens)
+    return _decayed(inp, q, retention_log_decay(inp, gamma, q), initial_state, cu_seqlens,
+                    constant=True)
 
 
 def retention_weights(q, k, /, *, gamma, scale=None, form="chunk", chunk_size=64, causal=True, xp=None):

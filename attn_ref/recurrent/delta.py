@@ -49,6 +49,7 @@ from .common import (
     forward_substitution,
     from_chunks,
     packed,
+    scalar_decay_matrix,
     segment_sums,
     to_chunks,
 )
@@ -190,7 +191,7 @@ def _parallel(xp, q, k, v, g, beta, s0, scale):
     return scale * o, s + xp.matrix_transpose(k) @ u
 
 
-def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
+def _chunk(xp, q, k, v, g, beta, s, scale, chunk, l2norm=False):
     # The whole chunks in batches, then the last partial one (T need not be a multiple of C).
     T = q.shape[-2]
     s = _zeros_state(xp, k, v) if s is None else s
@@ -200,15 +201,15 @@ def _chunk(xp, q, k, v, g, beta, s, scale, chunk):
         if c1 > c0:
             gc = None if g is None else g[..., c0:c1]
             o, s = _chunks(xp, q[..., c0:c1, :], k[..., c0:c1, :], v[..., c0:c1, :], gc,
-                           beta[..., c0:c1], s, c)
+                           beta[..., c0:c1], s, c, scale, l2norm)
             outs.append(o)
     if not outs:
         return xp.zeros_like(v), s
-    return scale * xp.concat(outs, axis=-2), s
+    return (outs[0] if len(outs) == 1 else xp.concat(outs, axis=-2)), s
 
 
-def _chunks(xp, q, k, v, g, beta, s, c):
-    """The WY/UT chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``), unscaled.
+def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
+    """The WY/UT chunk form on ``n`` whole chunks of ``c`` steps (``T = n c``).
 
     Batched over groups of chunks (about :data:`GROUP_ELEMENTS` elements of ``c x c``
     matrices at once): the decay matrices, ``K K^T``, ``Q K^T``, the UT transform
@@ -216,6 +217,11 @@ def _chunks(xp, q, k, v, g, beta, s, c):
     the outputs. Sequential
     over the chunks: only ``U - W S``, the values written given the state entering the
     chunk, and the state's hand-over.
+
+    ``scale`` (and with ``l2norm`` the normalisation of ``q`` and ``k``,
+    :func:`l2_normalize`) is applied to each group's rows as it is read, in cache: a
+    pass over the whole of ``q``, ``k`` or the output would cost a trip through main
+    memory and a fresh array's page faults.
     """
     mt = xp.matrix_transpose
     dev = array_api_compat.device(q)
@@ -230,20 +236,22 @@ def _chunks(xp, q, k, v, g, beta, s, c):
     for g0 in range(0, n, per):
         cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
         qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
+        if l2norm:
+            qg, kg = l2_normalize(qg, xp=xp), l2_normalize(kg, xp=xp)
+        qg = scale * qg
         kk, qk = kg @ mt(kg), qg @ mt(kg)
         if ac is None:
-            qk = xp.where(lower, qk, xp.zeros_like(qk))
+            qk = xp.where(lower, qk, 0.0)
             kd = kg
         else:
             b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
-            # exp(b_i - b_j), masked to -inf before exp where j > i (positive exponents)
-            diff = b - mt(b)
-            d = xp.exp(xp.where(lower, diff, xp.full_like(diff, -xp.inf)))
+            d = scalar_decay_matrix(xp, b)  # exp(b_i - b_j), j <= i: masked before exp
             kk, qk = kk * d, qk * d
             head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
             decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
             kd = head * kg
-        system = xp.where(strict, bg * kk, xp.zeros_like(kk)) + eye
+        # I + strict lower part of diag(beta) (K K^T * D): the identity is the else branch.
+        system = xp.where(strict, bg * kk, eye)
         # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
         wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
         u_c, w_c = wu[..., :dv], wu[..., dv:]
@@ -266,7 +274,8 @@ def _delta(fn, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu
     inp = check_inputs(fn, q, k, v, scale=scale, form=form, chunk_size=chunk_size,
                        output_final_state=output_final_state, causal=causal, xp=xp)
     xp = inp.xp
-    if check_flag("qk_l2norm", qk_l2norm):
+    l2norm = check_flag("qk_l2norm", qk_l2norm)
+    if l2norm and inp.form != "chunk":  # the chunk form normalises group by group
         inp.q, inp.k = l2_normalize(inp.q, xp=xp), l2_normalize(inp.k, xp=xp)
     steps = {"beta": check_step_input("beta", beta, inp, (), "(..., T)", like=q)}
     if g is not None:
@@ -281,7 +290,7 @@ def _delta(fn, q, k, v, g, beta, *, scale, initial_state, output_final_state, cu
             return _recurrent(*args)
         if inp.form == "parallel":
             return _parallel(*args)
-        return _chunk(*args, inp.chunk_size)
+        return _chunk(*args, inp.chunk_size, l2norm)
 
     o, s = packed(one, inp, steps, s0, cu)
     return finish(inp, o, s)
