@@ -118,6 +118,34 @@ def xp(backend):
     return backend.xp
 
 
+def pytest_collection_modifyitems(config, items):
+    """On JAX, a sweep marked ``jax_subset(*params)`` keeps one case (the first collected)
+    per distinct value of ``params`` (no params: one case in all); the others are
+    deselected, and pytest counts them as such.
+
+    Eager JAX compiles every operation it meets at a new shape or with new static
+    arguments: one delta-rule backward of 7 tokens compiles 267 XLA programs (9 s of
+    its 15 s). A sweep over chunkings, groupings or options runs the same array-API code
+    on every backend; what JAX can get wrong on its own (immutability, dtype promotion,
+    its indexing) shows in one case. The marked tests are sweeps whose every case still
+    runs on NumPy, array-api-strict and PyTorch, and whose JAX case is kept per variant
+    where the variants take different code.
+    """
+    seen, kept, dropped = set(), [], []
+    for item in items:
+        marker = item.get_closest_marker("jax_subset")
+        spec = getattr(item, "callspec", None)
+        if marker is None or spec is None or spec.params.get("backend") != "jax":
+            kept.append(item)
+            continue
+        key = (item.originalname, item.path) + tuple(spec.params[p] for p in marker.args)
+        (dropped if key in seen else kept).append(item)
+        seen.add(key)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_report_header(config):
     lines = []
     for name, b in B.available().items():

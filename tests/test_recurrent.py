@@ -148,6 +148,7 @@ def test_qk_l2norm_is_normalising_first(backend, name, monkeypatch):
                 assert_close(got, want, backend, rtol=1e-10, atol=1e-10 * np.abs(want).max())
 
 
+@pytest.mark.jax_subset()
 @pytest.mark.parametrize("name", sorted(FNS))
 def test_groups_of_chunks_are_the_whole_batch(backend, name, monkeypatch):
     # The chunk form batches groups of chunks (GROUP_ELEMENTS); one chunk per group,
@@ -300,6 +301,7 @@ def test_delta_rule_with_orthonormal_keys_stores_the_values(backend):
 # ------------------------------------------------------------------- numerics
 
 
+@pytest.mark.jax_subset()
 @pytest.mark.parametrize("name", ["gla", "ssd", "gated_deltanet"])
 def test_long_sequence_with_strong_decay_stays_finite(backend, name):
     # T = 4096 steps of g = -5: b_T = -20480, exp(-b_T) overflows every float type; the
