@@ -173,9 +173,10 @@ def online_forward(pb, block_q, block_k):
     (:func:`attn_ref._common.pool_helps`: NumPy) cuts each query block into one row
     range per CPU and runs the elementwise steps of the ranges on a thread pool, while
     the GEMMs stay in the calling thread with BLAS's own threads: the two kinds of
-    thread never compete for the cores. Each row's result is computed by the same
-    operations whichever thread runs it and however the rows are cut, so the result
-    does not depend on the scheduling or on the number of CPUs.
+    thread never compete for the cores. Each range is computed by the same operations
+    whichever thread runs it, so the result does not depend on the scheduling and
+    repeats bit for bit; the cut follows the number of CPUs, and a GEMM over fewer rows
+    may round differently, so two machines may differ in the last bits.
     """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
@@ -255,11 +256,14 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
 
     Speed (``docs/comparison.md``, ``tools/targets.py softmax``): the scale multiplies
     ``q`` once instead of every tile when no logit can overflow (otherwise each tile's
-    logits are clamped as in :func:`softmax_attention`), and a call with at least
-    ``POOL_MIN_LOGITS`` logits runs its query blocks, and its heads when no mask, bias,
-    ALiBi, lengths or dropout array is given, on a pool of one thread per CPU. The
-    result does not depend on the thread scheduling. NumPy's BLAS starts threads of
-    its own: ``OPENBLAS_NUM_THREADS=1`` avoids oversubscribing the cores.
+    logits are clamped as in :func:`softmax_attention`). Each ``(..., block_q,
+    block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
+    it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
+    column (``[V | 1]``). Tiles of all heads at once keep the GEMMs large enough for the
+    library's threads. On NumPy (one thread per ufunc) a call with at least
+    ``POOL_MIN_LOGITS`` logits runs those three passes for one row range per CPU on a
+    thread pool, while the GEMMs stay in the calling thread with BLAS's threads; the
+    result does not depend on the thread scheduling (``online_forward``).
 
     Examples
     --------
