@@ -251,8 +251,8 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     Notes
     -----
     ``O(Nq Nk (d + dv))`` time; ``O(block_q block_k)`` extra memory per batch entry
-    (per head and worker thread on the pooled path) plus ``O(Nq dv)`` for the output,
-    never ``O(Nq Nk)``.
+    (the logits and ``P`` of one tile) plus ``O(Nq dv)`` for the output and
+    ``O(Nk (d + dv))`` for the transposed keys and ``[V | 1]``, never ``O(Nq Nk)``.
 
     Speed (``docs/comparison.md``, ``tools/targets.py softmax``): the scale multiplies
     ``q`` once instead of every tile when no logit can overflow (otherwise each tile's
