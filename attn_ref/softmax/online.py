@@ -29,9 +29,13 @@ __all__ = [
     "online_forward",
 ]
 
-# Below this many logits (all heads) one thread does the whole call: a pool costs more
-# than it saves on small problems.
-POOL_MIN_LOGITS = 1 << 22
+# From this many logits (all heads) on, a NumPy call runs its elementwise passes on a
+# thread pool (``online_forward``). Off by default: at N = 4096, 8 heads, on the shared
+# 2-core machine (load average 4.5, ``tools/targets.py softmax --reps 3``) the pooled form
+# took 8.05 s against 1.79 s without the pool, OpenBLAS's own threads being the ones
+# that keep the GEMMs fast. Set it (e.g. ``1 << 22``) to use the pool, with BLAS on one
+# thread for instance (1.01 s in that run).
+POOL_MIN_LOGITS = float("inf")
 
 
 def _folded_scale(xp, pb, dtype):
@@ -261,9 +265,10 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
     column (``[V | 1]``). Tiles of all heads at once keep the GEMMs large enough for the
     library's threads. On NumPy (one thread per ufunc) a call with at least
-    ``POOL_MIN_LOGITS`` logits runs those three passes for one row range per CPU on a
-    thread pool, while the GEMMs stay in the calling thread with BLAS's threads; the
-    result does not depend on the thread scheduling (``online_forward``).
+    ``POOL_MIN_LOGITS`` logits (off by default: slower than BLAS's own threads in every
+    run measured) runs those three passes for one row range per CPU on a thread pool,
+    while the GEMMs stay in the calling thread; the result does not depend on the
+    thread scheduling (``online_forward``).
 
     Examples
     --------
