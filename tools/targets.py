@@ -30,8 +30,8 @@ arrays against PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)`
 math), every row with time / SDPA-default and time / roofline (``online_softmax``'s
 least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
 run). The calls are interleaved, one of each per repetition, and the medians reported
-with ``/proc/loadavg`` before and after. The NumPy form is also timed without its pool
-(``no pool``: the elementwise passes on one thread) and, with ``--tiles``, both forms at
+with ``/proc/loadavg`` before and after. The NumPy form is also timed with its pool of
+elementwise passes (``pool``; off by default) and, with ``--tiles``, both forms at
 other tile sizes; ``--passes`` times each operation of the tile loop (logits GEMM, row
 maximum, shift, ``exp``, ``P [V | 1]`` GEMM) summed over the tiles, next to its share
 of the roofline.
@@ -456,15 +456,19 @@ def softmax(args):
     }
     from attn_ref.softmax import online
 
-    def unpooled():
-        # The NumPy form without the pool: the elementwise passes on one thread.
-        saved, online.POOL_MIN_LOGITS = online.POOL_MIN_LOGITS, float("inf")
+    # The NumPy form the other way round from the default: with the pool of its
+    # elementwise passes when the default has none, and without it when it has one.
+    pool_on = online.POOL_MIN_LOGITS == float("inf")
+
+    def other_pool():
+        saved = online.POOL_MIN_LOGITS
+        online.POOL_MIN_LOGITS = 1 << 22 if pool_on else float("inf")
         try:
             online_softmax_attention(q, k, v, **blocks, xp=xnp)
         finally:
             online.POOL_MIN_LOGITS = saved
 
-    calls["online softmax, NumPy, no pool"] = unpooled
+    calls["online softmax, NumPy, " + ("pool" if pool_on else "no pool")] = other_pool
     for tiles in filter(None, args.tiles.split(",")):
         bq, bk = (int(x) for x in tiles.split("x"))
         calls[f"online softmax, torch, {bq}x{bk}"] = (
