@@ -4,7 +4,8 @@
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
-    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
+    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 1024 --block-k 1024]
+                                     [--tiles 1024x1024,...] [--passes]
     python tools/targets.py roofline [--n 65536] [--reps 1] [--variants a,b] [--backend numpy]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
@@ -30,7 +31,11 @@ arrays against PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)`
 math), every row with time / SDPA-default and time / roofline (``online_softmax``'s
 least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
 run). The calls are interleaved, one of each per repetition, and the medians reported
-with ``/proc/loadavg`` before and after.
+with ``/proc/loadavg`` before and after. The NumPy form is also timed with its pool of
+elementwise passes (``pool``; off by default) and, with ``--tiles``, both forms at
+other tile sizes; ``--passes`` times each operation of the tile loop (logits GEMM, row
+maximum, shift, ``exp``, ``P [V | 1]`` GEMM) summed over the tiles, next to its share
+of the roofline.
 
 ``roofline``: every registered variant whose cost under its benchmark configuration
 is below ``N^2`` (``asv_benches/_common.py``, ``BENCH_CONFIGS``; the same inputs and
@@ -479,6 +484,27 @@ def softmax(args):
         "online softmax, torch": lambda: online_softmax_attention(tq, tk, tv, **blocks),
         "online softmax, NumPy": lambda: online_softmax_attention(q, k, v, **blocks, xp=xnp),
     }
+    from attn_ref.softmax import online
+
+    # The NumPy form the other way round from the default: with the pool of its
+    # elementwise passes when the default has none, and without it when it has one.
+    pool_on = online.POOL_MIN_LOGITS == float("inf")
+
+    def other_pool():
+        saved = online.POOL_MIN_LOGITS
+        online.POOL_MIN_LOGITS = 1 << 22 if pool_on else float("inf")
+        try:
+            online_softmax_attention(q, k, v, **blocks, xp=xnp)
+        finally:
+            online.POOL_MIN_LOGITS = saved
+
+    calls["online softmax, NumPy, " + ("pool" if pool_on else "no pool")] = other_pool
+    for tiles in filter(None, args.tiles.split(",")):
+        bq, bk = (int(x) for x in tiles.split("x"))
+        calls[f"online softmax, torch, {bq}x{bk}"] = (
+            lambda bq=bq, bk=bk: online_softmax_attention(tq, tk, tv, block_q=bq, block_k=bk))
+        calls[f"online softmax, NumPy, {bq}x{bk}"] = (
+            lambda bq=bq, bk=bk: online_softmax_attention(q, k, v, block_q=bq, block_k=bk, xp=xnp))
     try:
         from threadpoolctl import threadpool_limits
 
@@ -499,7 +525,61 @@ def softmax(args):
         b = "numpy" if "NumPy" in name else "torch"
         print(f"  {name:38s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
               f"/roofline({b}) {t / roof[b]:5.2f}")
+    if args.passes:
+        with torch.no_grad():
+            for name, arrays, xp in (("torch", (tq, tk, tv), None), ("numpy", (q, k, v), xnp)):
+                _softmax_passes(name, *arrays, args.block_q, args.block_k, rates[name], xp)
     print(f"load after: {_loadavg()}")
+
+
+def _softmax_passes(name, q, k, v, block_q, block_k, rate, xp=None):
+    """Time each operation of the online softmax's tile loop, summed over the tiles, on
+    one thread of control (no pool): the same operations as
+    ``attn_ref.softmax.online._query_block`` on the default path (scale folded, no mask,
+    ``[V | 1]``), each against its share of the roofline at ``rate``."""
+    import array_api_compat
+
+    xp = xp or array_api_compat.array_namespace(q)
+    h, n, d = q.shape
+    q = q * (d ** -0.5)
+    kt = xp.matrix_transpose(k)
+    kt = xp.reshape(xp.reshape(kt, (-1,)), kt.shape)
+    v1 = xp.concat((v, xp.ones((h, n, 1), dtype=v.dtype)), axis=-1)
+    spent = dict.fromkeys(("logits GEMM", "row max", "shift (in place)", "exp", "P [V|1] GEMM",
+                           "rescale acc"), 0.0)
+
+    clock = time.perf_counter
+    for q0 in range(0, n, block_q):
+        qb, m, acc = q[:, q0:q0 + block_q, :], None, None
+        for k0 in range(0, n, block_k):
+            t0 = clock()
+            s = qb @ kt[..., k0:k0 + block_k]
+            t1 = clock()
+            bm = xp.max(s, axis=-1, keepdims=True)
+            mn = bm if m is None else xp.maximum(m, bm)
+            t2 = clock()
+            s -= mn
+            t3 = clock()
+            p = xp.exp(s)
+            del s
+            t4 = clock()
+            pv = p @ v1[:, k0:k0 + block_k, :]
+            t5 = clock()
+            acc = pv if m is None else acc * xp.exp(m - mn) + pv
+            m = mn
+            t6 = clock()
+            for key, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
+                spent[key] += dt
+    pairs = h * n * n
+    roof = {"logits GEMM": 2 * pairs * d / rate["gemm_flops"],
+            "P [V|1] GEMM": 2 * pairs * d / rate["gemm_flops"],
+            "row max": pairs / rate["elementwise"], "shift (in place)": pairs / rate["elementwise"],
+            "exp": pairs / rate["exp"], "rescale acc": 0.0}
+    total = sum(spent.values())
+    print(f"  {name}: passes of the tile loop, {block_q}x{block_k} tiles, one thread of control "
+          f"(total {total * 1e3:.1f} ms; roofline {sum(roof.values()) * 1e3:.1f} ms)")
+    for key, t in spent.items():
+        print(f"    {key:18s} {t * 1e3:8.1f} ms | roofline share {roof[key] * 1e3:7.1f} ms")
 
 
 def roofline(args):
@@ -575,8 +655,10 @@ def main(argv=None):
     sm = sub.add_parser("softmax", help="issue 15: online softmax against SDPA-4D and its roofline")
     sm.add_argument("--n", type=int, default=4096)
     sm.add_argument("--reps", type=int, default=5)
-    sm.add_argument("--block-q", type=int, default=512)
+    sm.add_argument("--block-q", type=int, default=1024)
     sm.add_argument("--block-k", type=int, default=1024)
+    sm.add_argument("--tiles", default="", help="more tile sizes to time, e.g. 1024x1024,256x512")
+    sm.add_argument("--passes", action="store_true", help="time each operation of the tile loop")
     rf = sub.add_parser("roofline", help="issue 15: each sub-quadratic variant against its roofline")
     rf.add_argument("--n", type=int, default=65536)
     rf.add_argument("--reps", type=int, default=1)

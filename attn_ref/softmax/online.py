@@ -1,5 +1,5 @@
 """The online softmax (Rabe & Staats 2021; Dao et al. 2022, FlashAttention): key blocks
-with a running maximum and normaliser (:func:`attn_ref._common.online_step`), never more
+with a running maximum and normaliser (the recurrence of :func:`attn_ref._common.online_step`), never more
 than one ``block_q x block_k`` tile of logits. ``docs/online_softmax.md`` shows why the
 recurrence is exact.
 """
@@ -13,10 +13,10 @@ import array_api_compat
 
 from .._checks import check_positive_int
 from .._common import (
-    batch_rows,
+    cpu_count,
     finish_partial,
+    finite_max,
     is_lazy,
-    online_step,
     parallel_map,
     partial_lse,
     pool_helps,
@@ -29,9 +29,13 @@ __all__ = [
     "online_forward",
 ]
 
-# Below this many logits (all heads) one thread does the whole call: a pool costs more
-# than it saves on small problems.
-POOL_MIN_LOGITS = 1 << 22
+# From this many logits (all heads) on, a NumPy call runs its elementwise passes on a
+# thread pool (``online_forward``). Off by default: at N = 4096, 8 heads, on the shared
+# 2-core machine (load average 4.5, ``tools/targets.py softmax --reps 3``) the pooled form
+# took 8.05 s against 1.79 s without the pool, OpenBLAS's own threads being the ones
+# that keep the GEMMs fast. Set it (e.g. ``1 << 22``) to use the pool, with BLAS on one
+# thread for instance (1.01 s in that run).
+POOL_MIN_LOGITS = float("inf")
 
 
 def _folded_scale(xp, pb, dtype):
@@ -63,40 +67,94 @@ def _folded_scale(xp, pb, dtype):
     return spec.scale if safe else None
 
 
-def _split_heads(pb):
-    """The number of leading batch rows the call can be cut along (q, k, v of one batch
-    shape, no per-pair array in the spec), else 1."""
-    spec = pb.spec
-    arrays = (spec.mask, spec.bias, spec.alibi, spec.len_q, spec.len_k, spec.keep)
-    if any(a is not None for a in arrays):
-        return 1
-    return batch_rows((pb.q, pb.k, pb.v))
+def _overwritable(x):
+    """Whether the fresh logits tile ``x`` may be updated in place (``x -= m``).
+
+    Always on arrays that record no autograd graph (on JAX ``-=`` rebinds the name, which
+    is as good). A torch tensor that requires grad keeps the out-of-place form:
+    ``max``'s backward reads the tile it took the maximum of.
+    """
+    return not (array_api_compat.is_torch_array(x) and x.requires_grad)
 
 
-def _query_block(xp, spec, q, kt, v, q0, block_k, dtype):
-    """``(out, lse)`` of the query rows ``q`` (the tile's first is ``q0``) against all keys."""
+def _fold_tile(xp, s, m, with_sum):
+    """One online-softmax step on the logits tile ``s (..., tq, tk)`` (a fresh array,
+    overwritten when :func:`_overwritable`): ``(m_new, p, alpha, rowsum)``.
+
+    ``p = exp(s - m_new)``; ``alpha = exp(m - m_new)`` rescales the running state (None
+    on the first tile, ``m = None``); ``rowsum`` is ``p``'s row sum when ``with_sum``,
+    else None (the caller gets it from the ``P V`` product). The same operations as
+    :func:`attn_ref._common.online_step`, with the shift done in place: two passes over
+    the tile (max, shift-and-exp in two ufuncs) instead of four.
+    """
+    block_max = xp.max(s, axis=-1, keepdims=True)
+    m_new = block_max if m is None else xp.maximum(m, block_max)
+    m_safe = finite_max(xp, m_new)
+    if _overwritable(s):
+        s -= m_safe
+        p = xp.exp(s)
+    else:
+        p = xp.exp(s - m_safe)
+    alpha = None if m is None else xp.exp(m - m_safe)
+    return m_new, p, alpha, (xp.sum(p, axis=-1, keepdims=True) if with_sum else None)
+
+
+def _row_parts(rows, count):
+    """``count`` near-equal ``[a, b)`` ranges covering ``range(rows)`` (fewer if rows < count)."""
+    count = max(1, min(count, rows))
+    cuts = [rows * i // count for i in range(count + 1)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
+    """``(out, lse)`` of the query rows ``q`` (the block's first is ``q0``) against all keys.
+
+    ``parts`` cut the block's rows into ranges whose elementwise work runs on
+    :func:`parallel_map`'s pool when there are several; the two GEMMs of each tile run
+    in this thread, where the library's own threads (BLAS's) have the cores to
+    themselves. ``ones_column``: ``v`` ends with a column of ones, so that ``P V``
+    carries the normaliser ``l`` in its last column.
+    """
     q1, nk = q0 + q.shape[-2], spec.nk
-    m = l = acc = None
+    state = [(None, None, None) for _ in parts]  # (m, l, acc) per part
     for k0 in range(0, nk, block_k):
         k1 = min(k0 + block_k, nk)
         if tile_coverage(spec, q0, q1, k0, k1) == "none":
             continue
-        s, _ = tile_logits(xp, q, kt[..., k0:k1], spec, q0, k0)
-        # The normaliser counts dropped weights too (dropout acts after the softmax).
-        m, l, p, alpha = online_step(xp, m, l, s)
-        pv = keep_tile(xp, p, spec, q0, k0)
-        pv = (pv if pv.dtype == v.dtype else xp.astype(pv, v.dtype)) @ v[..., k0:k1, :]
-        if alpha is None:  # the first tile: 0 * 0 + pv is pv
-            acc = pv if pv.dtype == dtype else xp.astype(pv, dtype)
-        else:
-            acc = acc * alpha + pv
-    if m is None:  # every key hidden: no tile visited
-        shape = tuple(q.shape[:-2]) + (q1 - q0, 1)
-        device = array_api_compat.device(q)
-        m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
-        l = xp.zeros(shape, dtype=dtype, device=device)
-        acc = xp.zeros(tuple(q.shape[:-2]) + (q1 - q0, v.shape[-1]), dtype=dtype, device=device)
-    return finish_partial(xp, l, acc), partial_lse(xp, m, l)[..., 0]
+        kt_j, v_j = kt[..., k0:k1], v[..., k0:k1, :]
+        work = [(tile_logits(xp, q[..., a:b, :], kt_j, spec, q0 + a, k0)[0], m)
+                for (a, b), (m, _, _) in zip(parts, state)]
+        steps = parallel_map(lambda sm: _fold_tile(xp, *sm, not ones_column), work,
+                             pooled=len(parts) > 1)
+        del work  # the logits die here; only P lives on into the P V product
+        new_state = []
+        for (a, _), (_, l, acc), (m_new, p, alpha, rowsum) in zip(parts, state, steps):
+            # The normaliser counts dropped weights too (dropout acts after the softmax).
+            p = keep_tile(xp, p, spec, q0 + a, k0)
+            pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
+            if pv.dtype != dtype:
+                pv = xp.astype(pv, dtype)
+            if alpha is None:  # the first tile: 0 * 0 + pv is pv
+                acc, l = pv, rowsum
+            else:
+                acc = acc * alpha + pv
+                l = None if rowsum is None else l * alpha + rowsum
+            new_state.append((m_new, l, acc))
+        state = new_state
+    outs, lses = [], []
+    for (a, b), (m, l, acc) in zip(parts, state):
+        if m is None:  # every key hidden: no tile visited
+            shape = tuple(q.shape[:-2]) + (b - a, 1)
+            device = array_api_compat.device(q)
+            m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
+            l = xp.zeros(shape, dtype=dtype, device=device)
+            acc = xp.zeros(tuple(q.shape[:-2]) + (b - a, v.shape[-1]), dtype=dtype, device=device)
+        if ones_column:
+            dv = v.shape[-1] - 1
+            acc, l = acc[..., :dv], acc[..., dv:]
+        outs.append(finish_partial(xp, l, acc))
+        lses.append(partial_lse(xp, m, l)[..., 0])
+    return _join(xp, outs, -2), _join(xp, lses, -1)
 
 
 def online_forward(pb, block_q, block_k):
@@ -108,11 +166,21 @@ def online_forward(pb, block_q, block_k):
     The forward discards it (a few ``O(Nq)`` operations). ``out`` has q's dtype; ``lse``
     and the running statistics are in :func:`logit_dtype` (float32 for float16).
 
-    The query blocks (and, without per-pair arrays in the spec, the heads) are
-    independent problems; a large call runs them on a thread pool (NumPy's ufuncs and
-    BLAS, PyTorch's operators release the GIL). Every block is computed by the same
-    operations whichever thread runs it, and the blocks are joined in order, so the
-    result does not depend on the scheduling.
+    Per tile, all heads at once: the logits GEMM, the row maximum, the shift (in place)
+    and ``exp``, and the ``P V`` GEMM, whose extra column of ones gives the row sums
+    (``[V | 1]``: no separate pass for them), so three passes over each tile besides
+    the GEMMs' (:func:`_fold_tile`). The sum stays a separate pass with dropout (the
+    normaliser counts the dropped weights) and when ``P`` is rounded to a narrower
+    ``V`` (float16) before the product.
+
+    A large call on arrays whose library does not thread its elementwise operations
+    (:func:`attn_ref._common.pool_helps`: NumPy) cuts each query block into one row
+    range per CPU and runs the elementwise steps of the ranges on a thread pool, while
+    the GEMMs stay in the calling thread with BLAS's own threads: the two kinds of
+    thread never compete for the cores. Each range is computed by the same operations
+    whichever thread runs it, so the result does not depend on the scheduling and
+    repeats bit for bit; the cut follows the number of CPUs, and a GEMM over fewer rows
+    may round differently, so two machines may differ in the last bits.
     """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
@@ -127,32 +195,22 @@ def online_forward(pb, block_q, block_k):
     if folded is not None:
         q, spec = q * folded, dataclasses.replace(spec, scale=1.0)
     v = pb.v
-    lead = tuple(pb.batch_g)
-    big = math.prod(lead) * nq * nk >= POOL_MIN_LOGITS and pool_helps(q)
-    rows = _split_heads(pb) if big else 1
-    if rows > 1:
-        q, kt, v = (xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, kt, v))
-    q_blocks = [(q0, min(q0 + block_q, nq)) for q0 in range(0, nq, block_q)]
-    tasks = [(r, q0, q1) for r in range(rows) for q0, q1 in q_blocks]
-
-    def run(task):
-        r, q0, q1 = task
-        if rows > 1:
-            return _query_block(xp, spec, q[r:r + 1, q0:q1, :], kt[r:r + 1, ...], v[r:r + 1, ...],
-                                q0, block_k, dtype)
-        return _query_block(xp, spec, q[..., q0:q1, :], kt, v, q0, block_k, dtype)
-
-    results = parallel_map(run, tasks, pooled=big)
-    outs = [o if o.dtype == pb.q.dtype else xp.astype(o, pb.q.dtype) for o, _ in results]
-    lses = [s for _, s in results]
-    per_row = len(q_blocks)
-    if rows > 1:
-        outs = [_join(xp, outs[r * per_row:(r + 1) * per_row], -2) for r in range(rows)]
-        lses = [_join(xp, lses[r * per_row:(r + 1) * per_row], -1) for r in range(rows)]
-        out = xp.reshape(_join(xp, outs, 0), lead + (nq, dv))
-        lse = xp.reshape(_join(xp, lses, 0), lead + (nq,))
-    else:
-        out, lse = _join(xp, outs, -2), _join(xp, lses, -1)
+    # P V's extra column of ones sums P's rows: not with dropout (the sum is taken
+    # before the keep-mask) nor when P is rounded to V's narrower dtype first.
+    ones_column = spec.keep is None and v.dtype == dtype
+    if ones_column:
+        ones = xp.ones(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=device)
+        v = xp.concat((v, ones), axis=-1)
+    big = math.prod(tuple(pb.batch_g)) * nq * nk >= POOL_MIN_LOGITS and pool_helps(q)
+    outs, lses = [], []
+    for q0 in range(0, nq, block_q):
+        q1 = min(q0 + block_q, nq)
+        parts = _row_parts(q1 - q0, cpu_count() if big else 1)
+        out, lse = _query_block(xp, spec, q[..., q0:q1, :], kt, v, q0, block_k, dtype, parts,
+                                ones_column)
+        outs.append(out if out.dtype == pb.q.dtype else xp.astype(out, pb.q.dtype))
+        lses.append(lse)
+    out, lse = _join(xp, outs, -2), _join(xp, lses, -1)
     drop = dropout_scale(spec)
     return (out * drop if drop != 1.0 else out), lse
 
@@ -164,7 +222,7 @@ def _join(xp, parts, axis):
 def online_softmax_attention(
     q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
-    gqa=False, block_q=512, block_k=1024, xp=None,
+    gqa=False, block_q=1024, block_k=1024, xp=None,
 ):
     """Exact softmax attention by the online-softmax recurrence over key blocks.
 
@@ -187,7 +245,11 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
         Tile sizes. Sequence lengths need not be multiples of them. Tiles that the
         causal mask or the window hide entirely are skipped (bounds that depend on
         ``seqlens_q``/``seqlens_k`` are only known at run time and skip nothing). With
-        ``gqa=True`` the ``g`` query heads of a group share each key/value tile.
+        ``gqa=True`` the ``g`` query heads of a group share each key/value tile. The default
+        1024 x 1024 was faster than 512 x 1024 in both runs measured on the shared
+        2-core machine (torch tensors, N = 4096, 8 heads: 1.92 s against 2.70 s at load
+        4.5; 12.2 against 17.1 s at load 15; ``tools/targets.py softmax --tiles``): fewer,
+        larger operations, each of which waits for all of the library's threads.
 
     Returns
     -------
@@ -197,16 +259,20 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     Notes
     -----
     ``O(Nq Nk (d + dv))`` time; ``O(block_q block_k)`` extra memory per batch entry
-    (per head and worker thread on the pooled path) plus ``O(Nq dv)`` for the output,
-    never ``O(Nq Nk)``.
+    (the logits and ``P`` of one tile) plus ``O(Nq dv)`` for the output and
+    ``O(Nk (d + dv))`` for the transposed keys and ``[V | 1]``, never ``O(Nq Nk)``.
 
     Speed (``docs/comparison.md``, ``tools/targets.py softmax``): the scale multiplies
     ``q`` once instead of every tile when no logit can overflow (otherwise each tile's
-    logits are clamped as in :func:`softmax_attention`), and a call with at least
-    ``POOL_MIN_LOGITS`` logits runs its query blocks, and its heads when no mask, bias,
-    ALiBi, lengths or dropout array is given, on a pool of one thread per CPU. The
-    result does not depend on the thread scheduling. NumPy's BLAS starts threads of
-    its own: ``OPENBLAS_NUM_THREADS=1`` avoids oversubscribing the cores.
+    logits are clamped as in :func:`softmax_attention`). Each ``(..., block_q,
+    block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
+    it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
+    column (``[V | 1]``). Tiles of all heads at once keep the GEMMs large enough for the
+    library's threads. On NumPy (one thread per ufunc) a call with at least
+    ``POOL_MIN_LOGITS`` logits (off by default: slower than BLAS's own threads in every
+    run measured) runs those three passes for one row range per CPU on a thread pool,
+    while the GEMMs stay in the calling thread; the result does not depend on the
+    thread scheduling (``online_forward``).
 
     Examples
     --------
