@@ -352,6 +352,10 @@ def test_fla_naive_references_pass_in_float32_and_in_float64_in_the_input_dtype(
     for seed in range(SEEDS):
         for dtype, compute in (("float32", "float32"), ("float64", "input")):
             rep = _fla_verify(name, dtype, compute, seed)
+            for r in rep.results:
+                if r.verdict != "n/a":
+                    print(f"CALIBRATION fla-{name} {r.output} {dtype} seed={seed} "
+                          f"ratio={r.ratio:.4f} case={r.case}")
             assert rep.passed, f"seed {seed}\n" + rep.table()
             rows = {r.output for r in rep.results if r.verdict == "pass"}
             assert rows == ({"out"} if name == "retention" else {"out", "final_state"}), rep.table()
