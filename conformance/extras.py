@@ -701,6 +701,13 @@ def _state_candidates(prep, golden):
                     f"chunk's alone, from S = 0",
                     lambda c=c: _per_sequence(prep, "float64", [(lo + c * ((hi - lo - 1) // c), hi)
                                                                  for lo, hi in segs], initial=False)))
+    if "beta" in prep.params:
+        from .diagnose import without_wy, wy_chunks
+
+        for c in wy_chunks(prep):
+            out.append((f"the WY correction dropped (chunks of {c}): each chunk writes U = T beta V "
+                        f"instead of U - W S, its corrections computed as if it started from S = 0",
+                        lambda c=c: without_wy(prep, c)[1]))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:
