@@ -458,3 +458,34 @@ def test_other_mistakes_are_not_named_as_the_dropped_wy_correction(name):
         assert not rep.passed, rep.table()
         assert not [r for r in rep.results if "WY" in r.diagnosis], rep.table()
     assert _run(variant_kernel(name), name, ("float32",), few).passed
+
+
+# ------------------------------------------------------------------- the JAX reference
+
+
+def test_the_jax_reference_compiles_with_the_recurrent_options_and_passes():
+    """The built-in job's JAX kernel of a recurrent variant is compiled with
+    :data:`conformance.cli.JAX_RECURRENT_OPTIONS` (the legacy fusion emitters: 3-4x less
+    compilation at T = 1000) and still passes both rows of a chunk-boundary case."""
+    jax = pytest.importorskip("jax")
+    from conformance import backends as B
+    from conformance.cli import JAX_COMPILER_OPTIONS, JAX_RECURRENT_OPTIONS, reference_kernel
+
+    seen = []
+    real = jax.jit
+
+    def spy(fn, **kw):
+        seen.append(kw.get("compiler_options"))
+        return real(fn, **kw)
+
+    jax.jit = spy
+    try:
+        kernel = reference_kernel(get("gla"), B.load("jax"))
+        case = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"]
+        rep = verify(kernel, "gla", backend="jax", dtypes=("float32",), cases=case, progress=False)
+        reference_kernel(get("softmax"), B.load("jax"))(*(jax.numpy.ones((1, 2, 2)),) * 3)
+    finally:
+        jax.jit = real
+    assert rep.passed and {r.output for r in rep.results} == {"out", "final_state"}, rep.table()
+    assert seen[0] == {**JAX_COMPILER_OPTIONS, **JAX_RECURRENT_OPTIONS}
+    assert seen[-1] == JAX_COMPILER_OPTIONS  # the other families keep theirs
