@@ -591,8 +591,8 @@ def _delta_without_wy(q, k, v, kw):
     """The delta rule's chunk form with the WY correction dropped: the values written in a
     chunk are ``U = T_c V`` instead of ``U - W S``, as if each chunk started from ``S = 0``
     when it corrects, while the queries still read the carried state
-    (:func:`conformance.diagnose.delta_rule_without_wy`)."""
-    from .diagnose import delta_rule_without_wy
+    (:func:`conformance.extras.delta_rule_without_wy`)."""
+    from .extras import delta_rule_without_wy
 
     def one(q, k, v, beta, g, S, kw):
         scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])

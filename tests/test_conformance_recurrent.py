@@ -424,7 +424,7 @@ def test_the_dropped_wy_correction_is_named_on_both_rows(name):
 def test_the_wy_hypothesis_is_the_chunk_form_less_its_correction():
     """Without an initial state the correction ``W S`` of the first chunk is zero: in one
     chunk the hypothesis is the delta rule itself; split in chunks of 16 it is not."""
-    from conformance.diagnose import without_wy, wy_chunks
+    from conformance.extras import without_wy, wy_chunks
 
     case = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"][0]
     prep = prepare(case, "gated_deltanet", "float64")
