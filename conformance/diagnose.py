@@ -524,12 +524,27 @@ def _recurrent_sigs(prep):
         yield f"the state is not carried across chunks of {c} (reset to 0 at each chunk)", out
 
 
+def _wy_sigs(prep):
+    """The delta rule's chunk form without the WY correction
+    (:func:`conformance.extras.delta_rule_without_wy`), at the chunk sizes of
+    :func:`conformance.extras.wy_chunks`."""
+    if prep.variant.family != "recurrent" or "beta" not in prep.params:
+        return
+    from .extras import without_wy, wy_chunks
+
+    for c in wy_chunks(prep):
+        yield (f"the WY correction dropped (chunks of {c}): each chunk writes U = T beta V instead "
+               f"of U - W S, its delta-rule corrections computed as if it started from S = 0 "
+               f"while its queries read the carried state", without_wy(prep, c)[0])
+
+
 for _sig in (
     Signature("window", _window_sigs),
     Signature("gqa", _gqa_sigs),
     Signature("softcap", _softcap_sigs),
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
+    Signature("wy", _wy_sigs),
 ):
     register_signature(_sig)
 

@@ -87,7 +87,8 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "split_outputs",
            "extra_results", "lse_golden", "lse_tolerance", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
-           "diagnose_final_state", "STATE_FUDGE"]
+           "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
+           "wy_chunks", "WY_CHUNKS"]
 
 #: The factor over the derived per-row bound (module docstring).
 LSE_FUDGE = 4.0
@@ -701,6 +702,11 @@ def _state_candidates(prep, golden):
                     f"chunk's alone, from S = 0",
                     lambda c=c: _per_sequence(prep, "float64", [(lo + c * ((hi - lo - 1) // c), hi)
                                                                  for lo, hi in segs], initial=False)))
+    if "beta" in prep.params:
+        for c in wy_chunks(prep):
+            out.append((f"the WY correction dropped (chunks of {c}): each chunk writes U = T beta V "
+                        f"instead of U - W S, its corrections computed as if it started from S = 0",
+                        lambda c=c: without_wy(prep, c)[1]))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:
@@ -724,6 +730,85 @@ def _state_candidates(prep, golden):
         out.append((f"the carried state not decayed over the last chunk (chunks of {c}): the decay "
                     f"of the last chunk not applied to the state it starts from", undecayed))
     return out
+
+
+# The delta rule without its WY correction: a mistake named on the output
+# (conformance.diagnose) and on the final state (below), and planted by conformance.mutants.
+
+
+def delta_rule_without_wy(q, k, v, beta, g, s0, *, chunk, scale):
+    """The (gated) delta rule's chunk form with the WY correction dropped, on host float64.
+
+    One sequence: ``q, k (..., T, d_k)``, ``v (..., T, d_v)``, ``beta, g (..., T)`` (log
+    decays, zeros for DeltaNet), ``s0 (..., d_k, d_v)``. Each chunk of ``chunk`` steps
+    writes the values ``U = (I + A)^{-1} (beta V)`` (``A`` the strictly lower
+    ``beta_i k_i . k_j`` decayed) instead of ``U - W S``: its corrections are computed as
+    if the chunk started from ``S = 0``, while its queries still read the carried ``S``
+    and the state is handed on with these ``U``. Returns ``(o (..., T, d_v), S_T)``.
+    ``O(T C (d_k + d_v) + T d_k d_v)`` time. The mistake of
+    the mutant ``"WY correction dropped"`` of :mod:`conformance.mutants`; see :doc:`/recurrent`.
+    """
+    T = q.shape[-2]
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    S = s0
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(c0 + chunk, T))
+        qc, kc, vc, bc = q[..., sl, :], k[..., sl, :], v[..., sl, :], beta[..., sl]
+        b = np.cumsum(g[..., sl], axis=-1)
+        n = qc.shape[-2]
+        low = np.tril(np.ones((n, n), dtype=bool))
+        with np.errstate(over="ignore"):  # masked to -inf before exp: nothing overflows
+            d = np.exp(np.where(low, b[..., :, None] - b[..., None, :], -np.inf))
+        a = np.tril(bc[..., :, None] * (kc @ np.swapaxes(kc, -1, -2)) * d, -1)
+        u = np.linalg.solve(np.eye(n) + a, bc[..., :, None] * vc)  # no "- W S"
+        out[..., sl, :] = scale * (((qc @ np.swapaxes(kc, -1, -2)) * d) @ u
+                                   + np.exp(b)[..., None] * (qc @ S))
+        S = np.exp(b[..., -1:, None]) * S + np.swapaxes(
+            kc * np.exp(b[..., -1:] - b)[..., None], -1, -2) @ u
+    return out, S
+
+
+def without_wy(prep, chunk):
+    """:func:`delta_rule_without_wy` on ``prep``'s rounded inputs, each packed sequence from
+    its own initial state: ``(output (B, H, T, d_v), final states (N, H, d_k, d_v))``."""
+    from attn_ref.recurrent.delta import L2NORM_EPS
+
+    a, p = prep.arrays, prep.params
+    q, k, v = a["q"], a["k"], a["v"]
+    if {**prep.options, **prep.kwargs}.get("qk_l2norm"):
+        q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS) for x in (q, k))
+    beta = np.broadcast_to(np.asarray(p["beta"], dtype=np.float64), q.shape[:-1])
+    g = np.broadcast_to(np.asarray(p.get("g", 0.0), dtype=np.float64), q.shape[:-1])
+    cu, s0 = prep.kwargs.get("cu_seqlens"), a.get("initial_state")
+    segs = list(zip(cu, cu[1:])) if cu is not None else [(0, prep.case.nq)]
+    rows = [s0] if cu is None else [None if s0 is None else s0[i:i + 1] for i in range(len(segs))]
+    outs, finals = [], []
+    for (lo, hi), s in zip(segs, rows):
+        s = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1])) if s is None else s
+        o, s = delta_rule_without_wy(q[..., lo:hi, :], k[..., lo:hi, :], v[..., lo:hi, :],
+                                     beta[..., lo:hi], g[..., lo:hi], s, chunk=chunk,
+                                     scale=prep.scale)
+        outs.append(o)
+        finals.append(s)
+    return np.concatenate(outs, axis=-2), np.concatenate(finals, axis=0)
+
+
+#: chunk sizes a dropped WY correction is tried at: fla's kernels' and the usual tiles
+WY_CHUNKS = (16, 32, 64)
+
+
+def wy_chunks(prep):
+    """The chunk sizes at which dropping the WY correction changes ``prep``'s case: the
+    correction ``W S`` is zero in a chunk entered with ``S = 0``, so a case needs a chunk
+    after the first of a sequence, or an initial state."""
+    cu = prep.kwargs.get("cu_seqlens")
+    longest = int(max(np.diff(cu))) if cu is not None else prep.case.nq
+    first = prep.options.get("chunk_size")
+    sizes = list(dict.fromkeys(([first] if first else []) + list(WY_CHUNKS)))
+    split = [c for c in sizes if longest > c]
+    # every size that holds each sequence in one chunk gives the same output: one of them
+    whole = [c for c in sizes if longest <= c][:1] if "initial_state" in prep.arrays else []
+    return split + whole
 
 
 def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:

@@ -590,26 +590,14 @@ def final_state_mutants(variant: str) -> list:
 def _delta_without_wy(q, k, v, kw):
     """The delta rule's chunk form with the WY correction dropped: the values written in a
     chunk are ``U = T_c V`` instead of ``U - W S``, as if each chunk started from ``S = 0``
-    when it corrects, while the queries still read the carried state."""
+    when it corrects, while the queries still read the carried state
+    (:func:`conformance.extras.delta_rule_without_wy`)."""
+    from .extras import delta_rule_without_wy
 
     def one(q, k, v, beta, g, S, kw):
         scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
-        C, T = kw.get("chunk_size", 64), q.shape[-2]
-        out = np.zeros(q.shape[:-1] + (v.shape[-1],))
-        for c0 in range(0, T, C):
-            sl = slice(c0, min(c0 + C, T))
-            qc, kc, vc, bc, b = q[..., sl, :], k[..., sl, :], v[..., sl, :], beta[..., sl], \
-                np.cumsum(g[..., sl], axis=-1)
-            n = qc.shape[-2]
-            low = np.tril(np.ones((n, n), dtype=bool))
-            d = np.exp(np.where(low, b[..., :, None] - b[..., None, :], -np.inf))
-            a = np.tril(bc[..., :, None] * (kc @ np.swapaxes(kc, -1, -2)) * d, -1)
-            u = np.linalg.solve(np.eye(n) + a, bc[..., :, None] * vc)  # no "- W S"
-            out[..., sl, :] = scale * (((qc @ np.swapaxes(kc, -1, -2)) * d) @ u
-                                       + np.exp(b)[..., None] * (qc @ S))
-            S = np.exp(b[..., -1:, None]) * S + np.swapaxes(
-                kc * np.exp(b[..., -1:] - b)[..., None], -1, -2) @ u
-        return out, S
+        return delta_rule_without_wy(q, k, v, beta, g, S, chunk=kw.get("chunk_size", 64),
+                                     scale=scale)
 
     def run(fn, q, k, v, kw):
         out_dtype = q.dtype

@@ -12,7 +12,13 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
   their own names;
 * ``golden`` - float64, the expected output in the same layout (rows excluded by
   ``fully_masked="excluded"`` are NaN);
-* ``compare`` - bool, which golden elements are compared.
+* ``compare`` - bool, which golden elements are compared;
+* for the recurrent variants (``retention``, ``gla``, ``ssd``, ``deltanet``,
+  ``gated_deltanet``): ``initial_state`` (kernel dtype, ``(N, H, d_k, d_v)``) when the
+  case has one, ``golden_final_state`` - float64 ``(N, H, d_k, d_v)`` (``(d_k, d_v)``
+  for layout ``nd``; N the batch, or the number of packed sequences of
+  ``options.cu_seqlens``), the reference's final state, and ``tol_final_state`` - its
+  per-element bound, same shape (:func:`check_final_state`).
 
 Manifest schema, version 1
 --------------------------
@@ -79,7 +85,12 @@ Each entry of ``cases``:
     ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``, plus
     ``"golden_lse"`` (float64 ``(B, H, Nq)``, ``(Nq,)`` for ``nd``; ``-inf`` on rows
     that see no key) for the cases of ``suite="long"``, whose golden is computed once
-    on Dask with its log-sum-exp (:mod:`conformance.long`).
+    on Dask with its log-sum-exp (:mod:`conformance.long`), plus
+    ``"golden_final_state"`` for the recurrent variants: a kernel called with
+    ``output_final_state=True`` returns its final state ``S_T`` (fla's layout, ``S[i, j]``
+    pairing key dim ``i`` with value dim ``j``), in float32 or the input's float64, and
+    passes when ``|S_T - golden_final_state| <= tol_final_state`` at every element (a
+    bound per element: :func:`conformance.extras.final_state_tolerance`, the oracle's own).
 ``tol_max_abs``, ``tol_rms`` (float)
     The bounds a kernel's max-abs and RMS errors over compared elements of the
     output must stay under; ``baseline_max_abs`` / ``baseline_rms`` (float or
@@ -110,14 +121,15 @@ import os
 import numpy as np
 
 from .catalogue import cases as _cases
+from .extras import RECURRENT, final_state_golden, final_state_tolerance
 from .features import NotApplicable
 from .judging import parse_semantics, prepare, with_options
 from .layouts import to_layout
 from .report import jsonable
 from .tolerance import DEFAULTS, bf16_round
 
-__all__ = ["export_vectors", "load_vectors", "FORMAT", "VERSION", "READABLE_VERSIONS",
-           "ENTRY_FIELDS"]
+__all__ = ["export_vectors", "load_vectors", "check_final_state", "FORMAT", "VERSION",
+           "READABLE_VERSIONS", "ENTRY_FIELDS"]
 
 FORMAT, VERSION = "attn-ref-vectors", 1
 
@@ -174,6 +186,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             outputs, grad_tols = ["golden"], {}
             if grads:
                 outputs, grad_tols = _add_grads(prep, arrays, layout, dt)
+            if variant.name in RECURRENT:
+                outputs = outputs + _add_final_state(prep, arrays, layout)
             if "lse" in prep.golden_extras:
                 # a long case's row log-sum-exp came with its golden (one Dask run): kept
                 lse = prep.golden_extras["lse"]
@@ -221,6 +235,42 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
         json.dump(manifest, f, indent=1)
         f.write("\n")
     return manifest
+
+
+def _add_final_state(prep, arrays, layout):
+    """``golden_final_state`` and its per-element bound ``tol_final_state`` (both float64,
+    ``(N, H, d_k, d_v)``, ``(d_k, d_v)`` for ``nd``) into ``arrays``: the final state
+    judged as :func:`conformance.extras.final_state_tolerance` judges it, for a kernel
+    that returns its state in float32 (fla's convention) or its float64 input dtype."""
+    golden = final_state_golden(prep)
+    tol = final_state_tolerance(prep, golden)
+    for name, x in (("golden_final_state", golden), ("tol_final_state", tol)):
+        arrays[name] = np.ascontiguousarray(x[0, 0] if layout == "nd" else x, dtype=np.float64)
+    return ["golden_final_state"]
+
+
+def check_final_state(entry, arrays, state):
+    """Judge a kernel's final state against an exported case: ``(passed, max_err, ratio)``.
+
+    ``entry, arrays`` as :func:`load_vectors` yields them; ``state`` the kernel's final
+    state, ``(N, H, d_k, d_v)`` (``(d_k, d_v)`` for layout ``nd``), N the batch or the
+    number of packed sequences (``options.cu_seqlens``). It passes when every element is
+    finite and within its own bound: ``|state - golden_final_state| <= tol_final_state``
+    elementwise; ``ratio`` is the largest ``error / bound``. A state of another shape (a
+    transposed ``d_v x d_k`` one) is a ``ValueError`` naming both shapes.
+    """
+    if "golden_final_state" not in arrays:
+        raise ValueError(f"case {entry.get('id')!r} has no final-state golden (only the recurrent "
+                         f"variants' vectors do; outputs: {entry.get('outputs')})")
+    golden, tol = arrays["golden_final_state"], arrays["tol_final_state"]
+    state = np.asarray(state, dtype=np.float64)
+    if state.shape != golden.shape:
+        raise ValueError(f"final state of case {entry.get('id')!r}: expected shape {golden.shape} "
+                         f"(N, H, d_k, d_v), got {state.shape}")
+    finite = np.isfinite(state)
+    err = np.where(finite, np.abs(state - golden), np.inf)
+    ratio = float(np.max(err / np.maximum(tol, np.finfo(float).tiny), initial=0.0))
+    return bool(np.all(finite) and ratio <= 1.0), float(np.max(err, initial=0.0)), ratio
 
 
 def _add_grads(prep, arrays, layout, dtype):

@@ -35,6 +35,7 @@ from conformance.mutants import (
     final_state_mutants,
     first_failure,
     variant_kernel,
+    variant_mutants,
 )
 from conformance.tolerance import ulp
 from tests.helpers import FLA_NAIVE, fla_naive_module, fla_naive_path
@@ -352,6 +353,10 @@ def test_fla_naive_references_pass_in_float32_and_in_float64_in_the_input_dtype(
     for seed in range(SEEDS):
         for dtype, compute in (("float32", "float32"), ("float64", "input")):
             rep = _fla_verify(name, dtype, compute, seed)
+            for r in rep.results:
+                if r.verdict != "n/a":
+                    print(f"CALIBRATION fla-{name} {r.output} {dtype} seed={seed} "
+                          f"ratio={r.ratio:.4f} case={r.case}")
             assert rep.passed, f"seed {seed}\n" + rep.table()
             rows = {r.output for r in rep.results if r.verdict == "pass"}
             assert rows == ({"out"} if name == "retention" else {"out", "final_state"}), rep.table()
@@ -391,3 +396,96 @@ def test_the_input_dtype_option_replaces_every_downcast():
                                                  output_final_state=True)
     b = fla_naive_kernel("gla")(q.float(), k.float(), v.float(), **f32, output_final_state=True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------ WY correction dropped
+
+
+def _wy_mutant(name):
+    return [m for m in variant_mutants(name) if "WY" in m.name][0]
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_the_dropped_wy_correction_is_named_on_both_rows(name):
+    """On chunks of 16 without an initial state (T = 33) and on one step from an initial
+    state, both rows fail and both diagnoses name the dropped WY correction (for
+    DeltaNet's one-step state, the initial state not decayed gives the same state)."""
+    chunks = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"]
+    start = [c for c in RECURRENT if c.tag == "initial-state" and c.nq == 1]
+    for case_list, state_words in ((chunks, "WY correction dropped"),
+                                   (start, "WY" if name == "gated_deltanet" else "initial state")):
+        rep = _run(_wy_mutant(name).kernel, name, ("float32",), case_list)
+        rows = {r.output: r for r in rep.results}
+        assert {r.verdict for r in rows.values()} == {"fail"}, rep.table()
+        assert "WY correction dropped (chunks of 16)" in rows["out"].diagnosis, rep.table()
+        assert state_words in rows["final_state"].diagnosis, rep.table()
+
+
+def test_the_wy_hypothesis_is_the_chunk_form_less_its_correction():
+    """Without an initial state the correction ``W S`` of the first chunk is zero: in one
+    chunk the hypothesis is the delta rule itself; split in chunks of 16 it is not."""
+    from conformance.extras import without_wy, wy_chunks
+
+    case = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"][0]
+    prep = prepare(case, "gated_deltanet", "float64")
+    np.testing.assert_allclose(without_wy(prep, 64)[0], prep.golden, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(without_wy(prep, 64)[1], final_state_golden(prep), rtol=0, atol=1e-12)
+    assert np.abs(without_wy(prep, 16)[0] - prep.golden).max() > 1e-3
+    assert wy_chunks(prep) == [16, 32]  # T = 33 is one chunk of 64: no correction to drop
+    one = prepare([c for c in RECURRENT if c.tag == "initial-state" and c.nq == 1][0], "deltanet",
+                  "float64")
+    assert wy_chunks(one) == [16]  # one step: every chunk size is the same mistake
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_other_mistakes_are_not_named_as_the_dropped_wy_correction(name):
+    """The other delta-rule mutants and an output off by 1e-4 keep their own diagnoses; a
+    correct kernel passes (no diagnosis at all)."""
+    from conformance.mutants import variant_kernel
+
+    def slightly_off(q, k, v, kw):
+        def run(fn, q, k, v, kw):
+            ret = fn(q, k, v, **kw)
+            return (ret[0] * (1 + 1e-4), ret[1]) if isinstance(ret, tuple) else ret * (1 + 1e-4)
+
+        return q, k, v, kw, run
+
+    others = [m.kernel for m in variant_mutants(name) if "WY" not in m.name]
+    few = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"] + _cases_needing(
+        "initial_state")[-1:] + _cases_needing("cu_seqlens")[-1:]
+    for kernel in others + [variant_kernel(name, slightly_off)]:
+        rep = _run(kernel, name, ("float32",), few)
+        assert not rep.passed, rep.table()
+        assert not [r for r in rep.results if "WY" in r.diagnosis], rep.table()
+    assert _run(variant_kernel(name), name, ("float32",), few).passed
+
+
+# ------------------------------------------------------------------- the JAX reference
+
+
+def test_the_jax_reference_compiles_with_the_recurrent_options_and_passes():
+    """The built-in job's JAX kernel of a recurrent variant is compiled with
+    :data:`conformance.cli.JAX_RECURRENT_OPTIONS` (the legacy fusion emitters: 3-4x less
+    compilation at T = 1000) and still passes both rows of a chunk-boundary case."""
+    jax = pytest.importorskip("jax")
+    from conformance import backends as B
+    from conformance.cli import JAX_COMPILER_OPTIONS, JAX_RECURRENT_OPTIONS, reference_kernel
+
+    seen = []
+    real = jax.jit
+
+    def spy(fn, **kw):
+        seen.append(kw.get("compiler_options"))
+        return real(fn, **kw)
+
+    jax.jit = spy
+    try:
+        kernel = reference_kernel(get("gla"), B.load("jax"))
+        case = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"]
+        rep = verify(kernel, "gla", backend="jax", dtypes=("float32",), cases=case, progress=False)
+        reference_kernel(get("softmax"), B.load("jax"))(*(jax.numpy.ones((1, 2, 2)),) * 3)
+    finally:
+        jax.jit = real
+    assert rep.passed and {r.output for r in rep.results} == {"out", "final_state"}, rep.table()
+    assert seen[0] == {**JAX_COMPILER_OPTIONS, **JAX_RECURRENT_OPTIONS}
+    assert seen[-1] == JAX_COMPILER_OPTIONS  # the other families keep theirs
