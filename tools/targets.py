@@ -4,7 +4,7 @@
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
-    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 1024 --block-k 1024]
+    python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
                                      [--tiles 1024x1024,...] [--passes]
     python tools/targets.py roofline [--n 65536] [--reps 1] [--variants a,b] [--backend numpy]
 
@@ -655,7 +655,7 @@ def main(argv=None):
     sm = sub.add_parser("softmax", help="issue 15: online softmax against SDPA-4D and its roofline")
     sm.add_argument("--n", type=int, default=4096)
     sm.add_argument("--reps", type=int, default=5)
-    sm.add_argument("--block-q", type=int, default=1024)
+    sm.add_argument("--block-q", type=int, default=512)
     sm.add_argument("--block-k", type=int, default=1024)
     sm.add_argument("--tiles", default="", help="more tile sizes to time, e.g. 1024x1024,256x512")
     sm.add_argument("--passes", action="store_true", help="time each operation of the tile loop")

@@ -222,7 +222,7 @@ def _join(xp, parts, axis):
 def online_softmax_attention(
     q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
-    gqa=False, block_q=1024, block_k=1024, xp=None,
+    gqa=False, block_q=512, block_k=1024, xp=None,
 ):
     """Exact softmax attention by the online-softmax recurrence over key blocks.
 
@@ -246,10 +246,10 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
         causal mask or the window hide entirely are skipped (bounds that depend on
         ``seqlens_q``/``seqlens_k`` are only known at run time and skip nothing). With
         ``gqa=True`` the ``g`` query heads of a group share each key/value tile. The default
-        1024 x 1024 was faster than 512 x 1024 in both runs measured on the shared
-        2-core machine (torch tensors, N = 4096, 8 heads: 1.92 s against 2.70 s at load
-        4.5; 12.2 against 17.1 s at load 15; ``tools/targets.py softmax --tiles``): fewer,
-        larger operations, each of which waits for all of the library's threads.
+        512 x 1024 was faster than 1024 x 1024 on the quiet 2-core machine (N = 4096,
+        8 heads, ``tools/targets.py softmax --tiles``, one interleaved run: torch tensors
+        645 against 943 ms, NumPy 647 against 741 ms): an all-heads 1024 x 1024 float32
+        tile is 32 MiB, more than the cache; under heavy load the larger tile had won.
 
     Returns
     -------
