@@ -148,6 +148,9 @@ def test_builtin_job_on_jax_fails_a_reference_that_does_not_trace(broken_variant
     from conformance import backends
 
     monkeypatch.setattr(backends, "BACKENDS", ("numpy", "jax"))
+    # CI requires four backends by name; with only two known, that list is not valid here
+    # (and tests/conftest.py reads it again while it reports this test).
+    monkeypatch.delenv("ATTN_REF_REQUIRE_BACKENDS", raising=False)
     code = cli.main(["verify", "--variant", "softmax", "--variant", broken_variant,
                      "--jobs", "1"])
     out = capsys.readouterr().out
