@@ -23,6 +23,8 @@ GROUPS = {  # column title -> registry families (peers: the series that are not 
     "fewer keys or queries": ("lowrank", "compressed", "reduced"),
     "kernelised: linear, Performer": ("linear", "performer"),
     "sparse patterns": ("sparse",),
+    "hashing, routing, sorting, synthesised": ("hashing", "routing", "sorting", "synthesizer"),
+    "recurrent (chunk forms)": ("recurrent",),
 }
 
 
@@ -42,7 +44,7 @@ def points(s, kind):
     return list(zip(*pts)) if pts else None
 
 
-fig, axes = plt.subplots(2, len(GROUPS), figsize=(13, 6.2), sharex=True, sharey="row")
+fig, axes = plt.subplots(2, len(GROUPS), figsize=(19, 6.2), sharex=True, sharey="row")
 reference = {kind: next((s for s in results.series if s.name == "softmax" and s.kind == kind), None)
              for kind in ("time", "peakmem")}
 for col, (title, families) in enumerate(GROUPS.items()):
