@@ -984,6 +984,8 @@ def main(argv=None):
         return 0 if all(rows for _, _, rows in table) else 1
     suite = argv[0] if argv else "quick"
     seeds = int(argv[1]) if len(argv) > 1 else 1
+    if seeds < 1:
+        raise SystemExit(f"SEEDS is how many seeds to run (0..SEEDS-1), at least 1; got {seeds}")
     totals = [0, 0, 0]
     for seed in range(seeds):
         for i, x in enumerate(catch_rate(suite, seed)):
