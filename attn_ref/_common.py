@@ -127,7 +127,7 @@ def merge_partials(xp, a, b):
     return m, la * ea + lb * eb, acca * ea + accb * eb
 
 
-def online_step(xp, m, l, s):
+def online_step(xp, m, l, s, *, with_sum=True, overwrite=False):
     """Fold one block of logits ``s (..., N, n)`` into the running ``(m, l)``.
 
     Returns ``(m_new, l_new, p, alpha)``: ``p = exp(s - m_new)``, the block's
@@ -136,16 +136,26 @@ def online_step(xp, m, l, s):
     ``l = 0``; ``m = None`` (and ``l = None``) marks the first block, which needs no
     ``alpha`` (returned as None) and gives the same bits as starting from ``-inf``
     and 0 (``0 * 0 + x`` is ``x``).
+
+    ``with_sum=False`` leaves the row sums to the caller (``l_new`` is None): the online
+    softmax gets them from ``P [V | 1]``, saving a pass over the block. ``overwrite=True``
+    shifts ``s`` in place (``s`` must be the caller's own fresh array, and on a torch
+    tensor one that records no autograd graph: ``max``'s backward reads it), one pass
+    and one block-sized allocation fewer; on JAX it rebinds the local name only.
     """
     block_max = xp.max(s, axis=-1, keepdims=True)
-    if m is None:
-        p = xp.exp(s - finite_max(xp, block_max))
-        return block_max, xp.sum(p, axis=-1, keepdims=True), p, None
-    m_new = xp.maximum(m, block_max)
+    m_new = block_max if m is None else xp.maximum(m, block_max)
     m_safe = finite_max(xp, m_new)
-    p = xp.exp(s - m_safe)
-    alpha = xp.exp(m - m_safe)
-    return m_new, l * alpha + xp.sum(p, axis=-1, keepdims=True), p, alpha
+    if overwrite:
+        s -= m_safe
+        p = xp.exp(s)
+    else:
+        p = xp.exp(s - m_safe)
+    alpha = None if m is None else xp.exp(m - m_safe)
+    if not with_sum:
+        return m_new, None, p, alpha
+    rowsum = xp.sum(p, axis=-1, keepdims=True)
+    return m_new, (rowsum if alpha is None else l * alpha + rowsum), p, alpha
 
 
 def finish_partial(xp, l, acc):

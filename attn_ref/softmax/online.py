@@ -1,5 +1,5 @@
 """The online softmax (Rabe & Staats 2021; Dao et al. 2022, FlashAttention): key blocks
-with a running maximum and normaliser (the recurrence of :func:`attn_ref._common.online_step`), never more
+with a running maximum and normaliser (:func:`attn_ref._common.online_step`), never more
 than one ``block_q x block_k`` tile of logits. ``docs/online_softmax.md`` shows why the
 recurrence is exact.
 """
@@ -15,8 +15,8 @@ from .._checks import check_positive_int
 from .._common import (
     cpu_count,
     finish_partial,
-    finite_max,
     is_lazy,
+    online_step,
     parallel_map,
     partial_lse,
     pool_helps,
@@ -68,35 +68,14 @@ def _folded_scale(xp, pb, dtype):
 
 
 def _overwritable(x):
-    """Whether the fresh logits tile ``x`` may be updated in place (``x -= m``).
+    """Whether the fresh logits tile ``x`` may be shifted in place by
+    :func:`attn_ref._common.online_step` (``overwrite=True``).
 
     Always on arrays that record no autograd graph (on JAX ``-=`` rebinds the name, which
     is as good). A torch tensor that requires grad keeps the out-of-place form:
     ``max``'s backward reads the tile it took the maximum of.
     """
     return not (array_api_compat.is_torch_array(x) and x.requires_grad)
-
-
-def _fold_tile(xp, s, m, with_sum):
-    """One online-softmax step on the logits tile ``s (..., tq, tk)`` (a fresh array,
-    overwritten when :func:`_overwritable`): ``(m_new, p, alpha, rowsum)``.
-
-    ``p = exp(s - m_new)``; ``alpha = exp(m - m_new)`` rescales the running state (None
-    on the first tile, ``m = None``); ``rowsum`` is ``p``'s row sum when ``with_sum``,
-    else None (the caller gets it from the ``P V`` product). The same operations as
-    :func:`attn_ref._common.online_step`, with the shift done in place: two passes over
-    the tile (max, shift-and-exp in two ufuncs) instead of four.
-    """
-    block_max = xp.max(s, axis=-1, keepdims=True)
-    m_new = block_max if m is None else xp.maximum(m, block_max)
-    m_safe = finite_max(xp, m_new)
-    if _overwritable(s):
-        s -= m_safe
-        p = xp.exp(s)
-    else:
-        p = xp.exp(s - m_safe)
-    alpha = None if m is None else xp.exp(m - m_safe)
-    return m_new, p, alpha, (xp.sum(p, axis=-1, keepdims=True) if with_sum else None)
 
 
 def _row_parts(rows, count):
@@ -122,23 +101,23 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
         if tile_coverage(spec, q0, q1, k0, k1) == "none":
             continue
         kt_j, v_j = kt[..., k0:k1], v[..., k0:k1, :]
-        work = [(tile_logits(xp, q[..., a:b, :], kt_j, spec, q0 + a, k0)[0], m)
-                for (a, b), (m, _, _) in zip(parts, state)]
-        steps = parallel_map(lambda sm: _fold_tile(xp, *sm, not ones_column), work,
-                             pooled=len(parts) > 1)
+        work = [(tile_logits(xp, q[..., a:b, :], kt_j, spec, q0 + a, k0)[0], m, l)
+                for (a, b), (m, l, _) in zip(parts, state)]
+        # Three passes over each tile: max, the shift (in place), exp; the row sums come
+        # from P [V | 1] when ones_column.
+        steps = parallel_map(lambda sml: online_step(xp, sml[1], sml[2], sml[0],
+                                                     with_sum=not ones_column,
+                                                     overwrite=_overwritable(sml[0])),
+                             work, pooled=len(parts) > 1)
         del work  # the logits die here; only P lives on into the P V product
         new_state = []
-        for (a, _), (_, l, acc), (m_new, p, alpha, rowsum) in zip(parts, state, steps):
+        for (a, _), (_, _, acc), (m_new, l, p, alpha) in zip(parts, state, steps):
             # The normaliser counts dropped weights too (dropout acts after the softmax).
             p = keep_tile(xp, p, spec, q0 + a, k0)
             pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
             if pv.dtype != dtype:
                 pv = xp.astype(pv, dtype)
-            if alpha is None:  # the first tile: 0 * 0 + pv is pv
-                acc, l = pv, rowsum
-            else:
-                acc = acc * alpha + pv
-                l = None if rowsum is None else l * alpha + rowsum
+            acc = pv if alpha is None else acc * alpha + pv  # the first tile: 0 * 0 + pv is pv
             new_state.append((m_new, l, acc))
         state = new_state
     outs, lses = [], []
@@ -169,9 +148,9 @@ def online_forward(pb, block_q, block_k):
     Per tile, all heads at once: the logits GEMM, the row maximum, the shift (in place)
     and ``exp``, and the ``P V`` GEMM, whose extra column of ones gives the row sums
     (``[V | 1]``: no separate pass for them), so three passes over each tile besides
-    the GEMMs' (:func:`_fold_tile`). The sum stays a separate pass with dropout (the
-    normaliser counts the dropped weights) and when ``P`` is rounded to a narrower
-    ``V`` (float16) before the product.
+    the GEMMs' (:func:`attn_ref._common.online_step`). The sum stays a separate pass
+    with dropout (the normaliser counts the dropped weights) and when ``P`` is rounded
+    to a narrower ``V`` (float16) before the product.
 
     A large call on arrays whose library does not thread its elementwise operations
     (:func:`attn_ref._common.pool_helps`: NumPy) cuts each query block into one row
