@@ -328,10 +328,17 @@ def causal_visible(xp, nq, nk, alignment, device):
 
 def _similarities(xp, fq, fk, alignment):
     """``A = phi(Q) phi(K)^T``, zero where the causal ``alignment`` (None: none) hides a key."""
-    a = fq @ xp.matrix_transpose(fk)
+    return _hide(xp, fq @ xp.matrix_transpose(fk), alignment)
+
+
+def _hide(xp, a, alignment):
+    """``a (..., Nq, Nk)`` with zeros where the causal ``alignment`` (None: none) hides a key.
+
+    ``where``, not a product with the mask: a non-finite value at a hidden position must
+    not reach the output (``inf * 0`` is NaN)."""
     if alignment is None:
         return a
-    vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, array_api_compat.device(fq))
+    vis = causal_visible(xp, a.shape[-2], a.shape[-1], alignment, array_api_compat.device(a))
     return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
 
 
@@ -426,10 +433,7 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    a = qc @ kt
-    vis = causal_visible(xp, c, c, TOP_LEFT, array_api_compat.device(a))
-    a = xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
-    out = qc @ prefix[..., :-1, :, :] + a @ vc
+    out = qc @ prefix[..., :-1, :, :] + _hide(xp, qc @ kt, TOP_LEFT) @ vc
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 

@@ -539,11 +539,12 @@ def _softmax_passes(name, q, k, v, block_q, block_k, rate, xp=None):
     ``[V | 1]``), each against its share of the roofline at ``rate``."""
     import array_api_compat
 
+    from attn_ref.softmax.tiles import transposed_copy
+
     xp = xp or array_api_compat.array_namespace(q)
     h, n, d = q.shape
     q = q * (d ** -0.5)
-    kt = xp.matrix_transpose(k)
-    kt = xp.reshape(xp.reshape(kt, (-1,)), kt.shape)
+    kt = transposed_copy(xp, k)
     v1 = xp.concat((v, xp.ones((h, n, 1), dtype=v.dtype)), axis=-1)
     spent = dict.fromkeys(("logits GEMM", "row max", "shift (in place)", "exp", "P [V|1] GEMM",
                            "rescale acc"), 0.0)
