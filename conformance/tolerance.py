@@ -312,11 +312,17 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None)
 
 def as_dtype(x, dtype):
     """Host float64 data as the NumPy array type that computes in ``dtype``."""
-    if not isinstance(x, np.ndarray) or x.dtype == np.bool_:
+    if not isinstance(x, np.ndarray):
         return x
     if dtype in LOW_PRECISION:
+        if x.dtype.kind in "biu":
+            # a mask or sequence lengths: the same library as the float inputs (the
+            # references refuse arrays of another library), values untouched
+            return x.view(LOW_PRECISION[dtype])
         # float32 arithmetic rounded to the dtype after every operation: fp32 accumulation
         return lp_array(x, dtype)
+    if x.dtype.kind in "biu":
+        return x
     if dtype == "longdouble":
         return x.astype(np.longdouble)
     return x.astype(np.dtype(dtype))

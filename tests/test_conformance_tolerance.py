@@ -244,6 +244,44 @@ def test_float16_accumulation_of_either_sum_fails_the_standard_suite_at_n_1000(s
     assert rep.passed, rep.table()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_baselines_take_masks_and_sequence_lengths(dtype):
+    # The float16/bfloat16 baseline runs the reference on the oracle's low-precision
+    # arrays; a boolean mask or dropout mask left a plain ndarray, or sequence lengths
+    # made a plain ndarray by the reference, were refused as another library's, and
+    # every such case fell back to 16 ulps of its largest output (0.27 in bfloat16, 1.06
+    # on the combined case): ten times the fp32-accumulating baseline's error.
+    ran = set()
+    for case in cases("softmax", "standard"):
+        if not {"mask", "dropout_mask", "seqlens_q", "seqlens_k"} & case.needs:
+            continue
+        try:
+            prep = prepare(case, "softmax", dtype)
+        except NotApplicable:
+            continue
+        assert prep.baseline_note == "", (case.id, prep.baseline_note)
+        ran |= {"mask", "dropout_mask", "seqlens_q", "seqlens_k"} & case.needs
+    assert ran == {"mask", "dropout_mask", "seqlens_q", "seqlens_k"}, ran
+
+
+def test_float16_kernel_off_by_a_few_ulps_on_masked_rows_fails():
+    # fp32-accumulating, then its output moved by 4 ulps of float16 where a mask is
+    # given: inside the old 16-ulp fallback of masked cases, twice the baseline's error
+    def kernel(q, k, v, *, mask=None, causal=False, scale=None):
+        out = fp32_accumulating_kernel(q, k, v, mask=mask, causal=causal, scale=scale)
+        return out if mask is None else (out.astype(np.float32) * (1 + 2.0**-8)).astype(out.dtype)
+
+    masked = [c for c in cases("softmax", "standard")
+              if c.needs == {"mask"} and c.batch[0] * c.batch[1] * c.nq >= 32]
+    assert len(masked) >= 3
+    rep = verify(kernel, "softmax", backend="numpy", dtypes=("float16",), cases=masked,
+                 progress=False, diagnose=False)
+    assert all(r.verdict == "fail" for r in rep.results), rep.table()
+    rep = verify(fp32_accumulating_kernel, "softmax", backend="numpy", dtypes=("float16",),
+                 cases=masked, progress=False, diagnose=False)
+    assert rep.passed, rep.table()
+
+
 def test_low_precision_rms_floor_is_a_minimum_not_an_addend():
     t = DEFAULTS["float16"]
     # an exact baseline: the floor alone; a large baseline: the fudge alone

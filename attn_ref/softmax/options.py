@@ -129,12 +129,16 @@ def check_seqlens(xp, name, lens, batch, n, device=None, *, like):
     if lens is None:
         return None
     if isinstance(lens, (list, tuple)) and all(is_integer(x) for x in lens):
+        # made here, so of like's namespace by construction: not checked as a user's array
+        # (a NumPy subclass such as the oracle's low-precision arrays is a library of its
+        # own to check_array, and xp.asarray of a list gives a plain ndarray)
         lens = xp.asarray([operator.index(x) for x in lens], dtype=xp.int64, device=device)
-    if not array_api_compat.is_array_api_obj(lens):
+    elif not array_api_compat.is_array_api_obj(lens):
         raise TypeError(
             f"{name} must be an integer array or a sequence of ints, got {type(lens).__name__}"
         )
-    check_array(name, lens, like=like, kind="integral")
+    else:
+        check_array(name, lens, like=like, kind="integral")
     shape = tuple(lens.shape)
     if lens.ndim < 1 or not _fits_batch(name, shape + (1,), batch):
         raise ValueError(
