@@ -217,7 +217,8 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
     (:func:`~attn_ref.recurrent.common.forward_substitution` on ``[V, exp(b) K]``) and
     the outputs. Sequential
     over the chunks: only ``U - W S``, the values written given the state entering the
-    chunk, and the state's hand-over.
+    chunk, and the state's hand-over (on lazy arrays, one group and a scan of depth
+    ``log2 n`` instead: :func:`_affine_hand_over`).
 
     ``scale`` (and with ``l2norm`` the normalisation of ``q`` and ``k``,
     :func:`l2_normalize`) is applied to each group's rows as it is read, in cache: a
