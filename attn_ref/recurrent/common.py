@@ -379,7 +379,7 @@ def chunk_states(xp, decay, inc, s, *, scan=None):
     Eager arrays run the loop: ``n`` steps, the least work. A lazy graph (``jax.jit``,
     Dask) gets a scan of depth ``log2 n`` (Hillis-Steele) instead, because XLA fuses an
     elementwise chain into every fusion that reads one of its links: the loop's
-    ``n`` states compile to about ``n^2 / 2`` multiplies (62 chunks: 2034 for SSD), and
+    ``n`` states compile to about ``n^2 / 2`` multiplies (62 chunks: 2026 for SSD), and
     the compile time grows with them. Step ``m = 1, 2, 4, ...`` folds in the chunk ``m``
     places back, ``X_i <- X_i + D_i X_{i-m}`` and ``D_i <- D_i D_{i-m}`` (slices and a
     concatenation): afterwards ``X_i = sum_{j <= i} (prod_{j < l <= i} decay_l) inc_j``
