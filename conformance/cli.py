@@ -104,14 +104,17 @@ def reference_kernel(variant, backend):
 JAX_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
                         "xla_llvm_disable_expensive_passes": True}
 
-#: XLA options added for the recurrent family. Their chunk forms hand the state over
-#: chunk to chunk in a Python loop, and XLA's CPU fusion recomputes that chain of
-#: elementwise steps inside every fusion that reads one of its states: ~n^2/2 steps for
-#: n chunks (1975 multiplies for GLA at T = 1000, 62 chunks of 16), which the default
-#: fusion emitters compile slowly. The legacy emitters compile the same graph 3-4x
-#: faster (T = 1000 float32, CPU seconds of compilation at load ~11: retention 2.0 ->
-#: 0.55, GLA 3.9 -> 1.2, SSD 2.1 -> 0.7, DeltaNet 5.1 -> 1.0, Gated DeltaNet 8.5 -> 2.4),
-#: same results (max error against the float64 reference unchanged).
+#: XLA options added for the recurrent family: the legacy fusion emitters. Their chunk
+#: forms once handed the state over in a loop that XLA's CPU fusion recomputed in every
+#: fusion reading a state (~n^2/2 multiplies for n chunks); under jax.jit they now scan
+#: (attn_ref.recurrent.common.chunk_states, the delta rule's affine maps), with no such
+#: chain. The option still cuts compile time 3-5x: CPU seconds to compile at T = 1000
+#: (C = 16, H = 2, d = 16, float32) with JAX_COMPILER_OPTIONS alone -> with this added,
+#: load ~10 on 2 cores: retention 0.48 -> 0.14, GLA 0.89 -> 0.19, SSD 0.52 -> 0.17,
+#: DeltaNet 1.40 -> 0.28, Gated DeltaNet 1.60 -> 0.33 (the loop's code: 2.1 -> 0.70,
+#: 3.5 -> 1.4, 3.3 -> 1.2, 5.0 -> 1.3, 10.2 -> 3.0). The compiled code runs 1.2-2.5x
+#: slower (a few ms at T = 1000), which a reference run a few times per shape does not
+#: notice (the test of this option checks that a GLA case still passes).
 JAX_RECURRENT_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
 
 

@@ -465,8 +465,10 @@ def test_other_mistakes_are_not_named_as_the_dropped_wy_correction(name):
 
 def test_the_jax_reference_compiles_with_the_recurrent_options_and_passes():
     """The built-in job's JAX kernel of a recurrent variant is compiled with
-    :data:`conformance.cli.JAX_RECURRENT_OPTIONS` (the legacy fusion emitters: 3-4x less
-    compilation at T = 1000) and still passes both rows of a chunk-boundary case."""
+    :data:`conformance.cli.JAX_RECURRENT_OPTIONS` (the legacy fusion emitters: 3-5x less
+    compilation at T = 1000) and still passes both rows of a chunk-boundary case. That the
+    chunk forms compile without the quadratic hand-over chain the option once worked
+    around is tests/test_recurrent.py's test_compiled_hand_over_grows_linearly_with_the_chunks."""
     jax = pytest.importorskip("jax")
     from conformance import backends as B
     from conformance.cli import JAX_COMPILER_OPTIONS, JAX_RECURRENT_OPTIONS, reference_kernel

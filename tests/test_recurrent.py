@@ -559,6 +559,74 @@ def test_unit_triangular_solve_is_the_solve(backend):
         xm, xr = from_numpy(m, backend), from_numpy(rhs, backend)
         assert_close(forward_substitution(backend.xp, xm, xr), want, backend, rtol=1e-12, atol=1e-12)
 
+def test_chunk_states_scan_is_the_loop(backend):
+    # The hand-over both ways (the loop eager arrays run, the log-depth scan lazy graphs
+    # run) against a plain host loop: chunk counts that are and are not powers of two,
+    # per-key, scalar and one shared decay. A scan step folding in the wrong chunk (i - m
+    # off by one) or a D_i not composed would not agree.
+    from attn_ref.recurrent.common import chunk_states
+
+    rng = np.random.default_rng(5)
+    for n in (1, 2, 3, 5, 8, 9):
+        for e, nd in ((3, n), (1, n), (1, 1)):
+            decay = np.exp(-rng.uniform(0, 2, (2, nd, e, 1)))
+            inc, s0 = rng.standard_normal((2, n, 3, 4)), rng.standard_normal((2, 3, 4))
+            want, s = [], s0
+            for i in range(n):
+                want.append(s)
+                s = decay[:, i if nd > 1 else 0] * s + inc[:, i]
+            args = [from_numpy(a, backend) for a in (decay, inc, s0)]
+            for scan in (False, True):
+                got, final = chunk_states(backend.xp, *args, scan=scan)
+                assert_close(got, np.stack(want, axis=1), backend, rtol=1e-12, atol=1e-12)
+                assert_close(final, s, backend, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_chunk_form_under_jit_over_many_chunks(name):
+    # Under jax.jit the chunk forms hand the state over by a scan over all chunks (the
+    # decay family's common.chunk_states, the delta rule's composed affine maps): 12
+    # chunks, with an initial state, against the token loop.
+    jax = pytest.importorskip("jax")
+    from conformance import backends as B
+
+    backend = B.load("jax")
+    (qh, kh, vh), steps_h, s0h = _host_inputs(name, 24, batch=(2,))
+    want_o, want_s = _plain(name, qh, kh, vh, steps_h, s0h)
+    q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
+    steps = _to(backend, steps_h)
+    arrays = {n: x for n, x in steps.items() if not isinstance(x, float)}
+    rest = {n: x for n, x in steps.items() if isinstance(x, float)}
+    run = jax.jit(lambda q, k, v, s0, a: FNS[name](q, k, v, initial_state=s0, chunk_size=2,
+                                                   output_final_state=True, **a, **rest))
+    o, s = run(q, k, v, s0, arrays)
+    for got, want in ((o, want_o), (s, want_s)):
+        assert_close(got, want, backend, rtol=1e-10, atol=1e-10 * np.abs(want).max())
+
+
+def test_compiled_hand_over_grows_linearly_with_the_chunks():
+    # The hand-over written as a Python loop, S <- exp(B) S + dS, is an elementwise chain
+    # that XLA's CPU fusion copies into every fusion reading one of its states: the
+    # compiled HLO then holds about n^2 / 2 multiplies for n chunks (GLA at T = 1000,
+    # 62 chunks: 2049), and compile time follows. Four times the chunks may add at most
+    # one multiply per added chunk here (the loop adds 496: 8 -> 32 chunks of 2).
+    jax = pytest.importorskip("jax")
+    import re
+
+    from conformance import backends as B
+
+    backend = B.load("jax")
+    counts = []
+    for T in (16, 64):
+        (qh, kh, vh), steps_h, _ = _host_inputs("gla", T, batch=(1,))
+        args = [from_numpy(a, backend, "float32") for a in (qh, kh, vh)]
+        steps = _to(backend, steps_h, "float32")
+        hlo = jax.jit(lambda q, k, v, a: gated_linear_attention(q, k, v, chunk_size=2, **a)).lower(
+            *args, steps).compile().as_text()
+        counts.append(len(re.findall(r"= \S+ multiply\(", hlo)))
+    assert counts[1] - counts[0] <= 32 - 8, counts
+
+
 # ------------------------------------------------------------------------- asv cases
 
 

@@ -39,6 +39,7 @@ from .._checks import (
     default_scale,
     is_integer,
 )
+from .._common import is_lazy
 
 __all__ = [
     "FORMS",
@@ -57,6 +58,7 @@ __all__ = [
     "scalar_decay_matrix",
     "decayed_scores",
     "forward_substitution",
+    "chunk_states",
 ]
 
 #: The three forms of every variant, in the order of the docs.
@@ -363,3 +365,43 @@ def forward_substitution(xp, m, rhs):
     x1 = forward_substitution(xp, m[..., :h, :h], rhs[..., :h, :])
     x2 = forward_substitution(xp, m[..., h:, h:], rhs[..., h:, :] - m[..., h:, :h] @ x1)
     return xp.concat([x1, x2], axis=-2)
+
+
+def chunk_states(xp, decay, inc, s, *, scan=None):
+    """The states entering ``n`` consecutive chunks, and the state leaving the last.
+
+    The hand-over ``S_{i+1} = decay_i S_i + inc_i`` with ``decay (..., n, e, 1)``, each
+    chunk's total decay ``exp(B_i)`` per key dimension (``e = dk``) or scalar
+    (``e = 1``; ``n = 1`` means the same for every chunk), ``inc (..., n, dk, dv)`` each
+    chunk's own contribution and ``s (..., dk, dv)`` the state entering chunk 0.
+    Returns ``(entering (..., n, dk, dv), S_n (..., dk, dv))``.
+
+    Eager arrays run the loop: ``n`` steps, the least work. A lazy graph (``jax.jit``,
+    Dask) gets a scan of depth ``log2 n`` (Hillis-Steele) instead, because XLA fuses an
+    elementwise chain into every fusion that reads one of its links: the loop's
+    ``n`` states compile to about ``n^2 / 2`` multiplies (62 chunks: 2026 for SSD), and
+    the compile time grows with them. Step ``m = 1, 2, 4, ...`` folds in the chunk ``m``
+    places back, ``X_i <- X_i + D_i X_{i-m}`` and ``D_i <- D_i D_{i-m}`` (slices and a
+    concatenation): afterwards ``X_i = sum_{j <= i} (prod_{j < l <= i} decay_l) inc_j``
+    and ``D_i = prod_{l <= i} decay_l``, so the state after chunk ``i`` is
+    ``X_i + D_i s``. Every ``D`` is a product of decays ``<= 1``: nothing overflows.
+    ``O(n log n)`` state updates (on NumPy at ``T = 16384``, 8 heads, ``d = C = 64``:
+    105 ms against the loop's 16; see :doc:`/recurrent`, Cost). ``scan``: True or False
+    chooses; None (default) scans lazy arrays only.
+    """
+    n = inc.shape[-3]
+    if not (is_lazy(inc, decay, s) if scan is None else scan):
+        entering = []
+        for i in range(n):
+            entering.append(s)
+            s = decay[..., i if decay.shape[-3] > 1 else 0, :, :] * s + inc[..., i, :, :]
+        return xp.stack(entering, axis=-3), s
+    d = xp.broadcast_to(decay, tuple(inc.shape[:-3]) + (n,) + tuple(decay.shape[-2:]))
+    x, m = inc, 1
+    while m < n:
+        x = xp.concat([x[..., :m, :, :], x[..., m:, :, :] + d[..., m:, :, :] * x[..., :-m, :, :]],
+                      axis=-3)
+        d = xp.concat([d[..., :m, :, :], d[..., m:, :, :] * d[..., :-m, :, :]], axis=-3)
+        m *= 2
+    after = x + d * s[..., None, :, :]
+    return xp.concat([s[..., None, :, :], after[..., :-1, :, :]], axis=-3), after[..., -1, :, :]

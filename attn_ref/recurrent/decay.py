@@ -42,12 +42,14 @@ import math
 import array_api_compat
 
 from .._checks import check_array, check_real
+from .._common import is_lazy
 from .common import (
     causal_decay,
     check_cu_seqlens,
     check_inputs,
     check_state,
     check_step_input,
+    chunk_states,
     decayed_scores,
     finish,
     from_chunks,
@@ -155,7 +157,9 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     through main memory): per group, the in-chunk scores
     (:func:`~attn_ref.recurrent.common.decayed_scores`), each chunk's contribution to
     the state and the read of the state entering each chunk are batched GEMMs; the
-    hand-overs ``S <- exp(B) S + dS`` between chunks are the only sequential steps.
+    hand-overs ``S <- exp(B) S + dS`` between chunks are the only sequential steps
+    (:func:`~attn_ref.recurrent.common.chunk_states`; a scan of depth ``log2 n`` over
+    all chunks, one group, when the arrays are lazy).
 
     ``constant``: the log decay is the same at every step (retention), so every chunk
     has the same running sums ``b``, decay matrix and scalings: they are computed once
@@ -168,6 +172,10 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
     n = qc.shape[-3]
     per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * max(c, qc.shape[-1])))
+    if is_lazy(q):
+        # One group: a compiler schedules the memory itself, and the hand-over between
+        # groups would be a sequential chain again (see chunk_states).
+        per = n
 
     def gates(a_g):
         b = xp.cumulative_sum(a_g, axis=-2)  # b_i - b_start, anchored at each chunk's start
@@ -190,12 +198,8 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
             qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             scores = decayed_scores(xp, qg, kg, b)
-        inc = mt(kg * tail) @ vg  # (..., per, dk, dv)
-        entering = []
-        for i in range(qg.shape[-3]):
-            entering.append(s)
-            s = decay[..., 0 if constant else i, :, :] * s + inc[..., i, :, :]
-        outs.append(scores @ vg + (qg * head) @ xp.stack(entering, axis=-3))
+        entering, s = chunk_states(xp, decay, mt(kg * tail) @ vg, s)
+        outs.append(scores @ vg + (qg * head) @ entering)
     return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
 
 
