@@ -224,7 +224,9 @@ class Case:
         if self.mask is not None:
             arrays["mask"] = _mask(self, rng)
         if self.bias:
-            arrays["bias"] = rng.standard_normal((1, h, self.nq, self.nk))
+            # (1, H, Nq, Nk) unless the case asks for one bias per batch entry
+            # (param "bias_batch" = B): a kernel must read the bias's batch index too
+            arrays["bias"] = rng.standard_normal((self.param("bias_batch", 1), h, self.nq, self.nk))
         if self.causal is not None:
             kwargs["causal"] = self.causal
         if self.scale is not None:
@@ -350,7 +352,9 @@ def _ranges():
     out = [
         C("range", bh, 37, 37, 16, 16),
         C("range", bh, 37, 37, 16, 16, mask="random"),
-        C("range", bh, 37, 37, 16, 16, bias=True),
+        # a bias of its own per batch entry (B, H, Nq, Nk): a kernel that reads batch 0's
+        # bias for every entry (a zero batch stride) passes every (1, H) bias
+        C("range", bh, 37, 37, 16, 16, bias=True, params=(("bias_batch", bh[0]),)),
         C("range", bh, 37, 37, 16, 16, scale=0.5),
         C("range", bh, 37, 37, 16, 16, causal="top-left"),
         # Nq != Nk, or bottom-right would be the same mask as top-left
@@ -410,6 +414,12 @@ def _modern_standard():
         C("softcap", (1, 2), 65, 65, 64, 64, params=(("softcap", 5.0),), features=("softcap",)),
         C("softcap", (1, 2), 64, 64, 64, 64, dist="large_logits", params=(("softcap", 50.0),),
           features=("softcap",)),
+        # the cap comes before the bias and ALiBi: without them in the same case, a kernel
+        # that caps the biased logits computes the same function
+        C("softcap", (2, 2), 65, 65, 32, 32, bias=True, params=(("softcap", 5.0),),
+          features=("softcap",)),
+        C("softcap", (1, 4), 65, 65, 32, 32, causal="bottom-right", params=(("softcap", 5.0),),
+          features=("softcap", "alibi")),
         # ALiBi
         C("alibi", (1, 4), 65, 129, 32, 32, features=("alibi",)),
         C("alibi", (2, 4), 65, 65, 32, 32, causal="bottom-right", features=("alibi",)),

@@ -1,0 +1,85 @@
+"""False passes found by an outside audit of the oracle, each pinned by the planted kernel
+that passed before its fix (it must fail now, named where a diagnosis exists) and by a
+correct kernel that must still pass the same cases.
+
+The kernels are NumPy, written from the definitions rather than through ``attn_ref``'s
+forms, so each check reads as an outside kernel author's would; each runs on the few
+cases that reveal its mistake, not the whole suite.
+"""
+
+import numpy as np
+
+from attn_ref import softmax_attention
+from conformance import cases, verify
+
+
+def _case(variant, pred):
+    found = [c for c in cases(variant, "standard") if pred(c)]
+    assert found, f"no {variant} case matches"
+    return found
+
+
+def _softmax(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None,
+             cap_after_bias=False):
+    """Softmax attention from its definition (FlashAttention's order: scale, cap, then bias
+    and ALiBi); ``cap_after_bias`` caps the biased logits instead."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    add = np.zeros_like(s)
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    if bias is not None:
+        add = add + bias
+    if alibi_slopes is not None:
+        add = add - alibi_slopes.reshape(1, -1, 1, 1) * np.abs(i + nk - nq - j).astype(q.dtype)
+    if softcap is not None and not cap_after_bias:
+        s = softcap * np.tanh(s / softcap)
+    s = s + add
+    if softcap is not None and cap_after_bias:
+        s = softcap * np.tanh(s / softcap)
+    if causal:
+        off = nk - nq if causal == "bottom-right" else 0
+        s = np.where(j <= i + off, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _cap_kernel(cap_after_bias):
+    def kernel(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None):
+        return _softmax(q, k, v, bias=bias, causal=causal, scale=scale, softcap=softcap,
+                        alibi_slopes=alibi_slopes, cap_after_bias=cap_after_bias)
+    return kernel
+
+
+def test_softcap_after_the_bias_or_alibi_fails_where_it_passed_before():
+    # Before: the soft-cap cases had neither a bias nor ALiBi, so capping the biased logits
+    # was the same function there, and passed the standard suite in float32 and float64.
+    capped = _case("softmax", lambda c: c.tag == "softcap")
+    both = [c for c in capped if c.bias or "alibi" in c.needs]
+    assert len(both) == 2
+    for dtype in ("float32", "float64"):
+        good = verify(_cap_kernel(False), "softmax", backend="numpy", dtypes=(dtype,),
+                      cases=capped, causal="both", progress=False)
+        assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+        bad = verify(_cap_kernel(True), "softmax", backend="numpy", dtypes=(dtype,), cases=both,
+                     causal="both", progress=False)
+        rows = [r for r in bad.results if r.output == "out"]
+        assert [r.verdict for r in rows] == ["fail", "fail"], bad.table()
+        assert all("soft-cap is applied after the bias/ALiBi" in r.diagnosis for r in rows)
+
+
+def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():
+    # Before: every case's bias was (1, H, Nq, Nk), so a kernel with a zero batch stride
+    # for the bias (batch 0's bias for every entry) passed the standard suite.
+    full = _case("softmax", lambda c: c.bias and c.param("bias_batch", 1) > 1)
+
+    def stride0(q, k, v, *, bias=None, scale=None):
+        return softmax_attention(q, k, v, bias=None if bias is None else bias[:1], scale=scale)
+
+    def right(q, k, v, *, bias=None, scale=None):
+        return softmax_attention(q, k, v, bias=bias, scale=scale)
+
+    assert verify(right, "softmax", backend="numpy", cases=full, progress=False).passed
+    rep = verify(stride0, "softmax", backend="numpy", cases=full, progress=False)
+    (row,) = rep.results
+    assert row.verdict == "fail" and "batch entries 1..2 (of B = 3)" in row.diagnosis, rep.table()
