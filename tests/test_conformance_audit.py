@@ -83,3 +83,53 @@ def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():
     rep = verify(stride0, "softmax", backend="numpy", cases=full, progress=False)
     (row,) = rep.results
     assert row.verdict == "fail" and "batch entries 1..2 (of B = 3)" in row.diagnosis, rep.table()
+
+
+def _delta_kernel(eps):
+    """DeltaNet normalising q and k itself, ``x / sqrt(|x|^2 + eps)`` (fla's eps is 1e-6)."""
+    from attn_ref.recurrent import delta_rule
+
+    def kernel(q, k, v, *, beta, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps) for x in (q, k))
+        return delta_rule(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          form="recurrent")
+    return kernel
+
+
+def test_an_l2_normalisation_with_another_eps_fails_in_float32():
+    # Before: q and k were N(0, 1), |k|^2 ~ d, where eps = 0 or 1e-12 instead of 1e-6 moves
+    # the normalised keys by ~1e-8, below float32's resolution: both passed in float32.
+    small = _case("deltanet", lambda c: c.dist == "small_qk")
+    ok = verify(_delta_kernel(1e-6), "deltanet", backend="numpy", cases=small, progress=False,
+                supports={"causal": "always"})
+    assert ok.passed, ok.table()
+    for eps in (0.0, 1e-12):
+        rep = verify(_delta_kernel(eps), "deltanet", backend="numpy", cases=small,
+                     progress=False, supports={"causal": "always"})
+        assert {r.verdict for r in rep.results} == {"fail"}, (eps, rep.table())
+
+
+def _linear_kernel(eps_added):
+    """Non-causal linear attention with ``elu+1`` features, quadratic order; the normaliser
+    ``den`` as it is (the reference, for ``den >= 1e-6``) or ``den + 1e-6``."""
+    def kernel(q, k, v, *, scale=None):
+        scale = 1.0 if scale is None else scale
+        fq, fk = (np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))) for x in (q, k))
+        a = np.asarray(scale, dtype=q.dtype) * (fq @ np.swapaxes(fk, -1, -2))
+        den = a.sum(-1, keepdims=True)
+        return (a @ v) / (den + np.asarray(1e-6, dtype=q.dtype) if eps_added else den)
+    return kernel
+
+
+def test_linear_attention_with_eps_added_to_the_denominator_fails_in_float32():
+    # Before: den ~ N d on every case, and den + 1e-6 (Katharopoulos et al.'s form) passed
+    # the standard suite in float32 (it failed in float64 only).
+    small = _case("linear", lambda c: c.tag == "small-denominator")
+    ok = verify(_linear_kernel(False), "linear", backend="numpy", cases=small, progress=False)
+    assert ok.passed, ok.table()
+    rep = verify(_linear_kernel(True), "linear", backend="numpy", cases=small, progress=False)
+    (row,) = rep.results
+    assert row.verdict == "fail" and row.ratio > 20, rep.table()
