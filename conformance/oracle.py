@@ -46,6 +46,7 @@ from .calling import (
     KernelSpec,
     applicable,
     call_kernel,
+    aliased_input,
     changed_input,
     check_container,
     check_time_limit,
@@ -141,6 +142,10 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         out, extras, problems = split_outputs(ret, ctx.variant, expected_outputs(ctx), prep,
                                               ctx.layout)
         problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
+        if not problem:
+            name = aliased_input(out, {**inputs, **kw})
+            problem = name and (f"the output is the kernel's input {name!r} or a view of it "
+                                "(it shares its memory): return a new array")
         if problem:
             return problem, None
         side = {}

@@ -133,3 +133,25 @@ def test_linear_attention_with_eps_added_to_the_denominator_fails_in_float32():
     rep = verify(_linear_kernel(True), "linear", backend="numpy", cases=small, progress=False)
     (row,) = rep.results
     assert row.verdict == "fail" and row.ratio > 20, rep.table()
+
+
+def test_a_kernel_returning_its_input_fails():
+    # Before: a kernel that returned v itself where every row attends one key (the exact
+    # values) passed: its output aliased its input.
+    one = _case("softmax", lambda c: c.nk == 1)
+
+    def shortcut(q, k, v, *, scale=None):
+        if k.shape[-2] == 1 and q.shape[-2] == 1:
+            return v
+        return softmax_attention(q, k, v, scale=scale)
+
+    def viewed(q, k, v, *, scale=None):
+        return softmax_attention(q, k, v, scale=scale) if k.shape[-2] > 1 else v[..., :, :]
+
+    for kernel in (shortcut, viewed):
+        rep = verify(kernel, "softmax", backend="numpy", cases=one, progress=False)
+        (row,) = rep.results
+        assert row.verdict == "fail" and "input 'v' or a view of it" in row.diagnosis, rep.table()
+    good = verify(lambda q, k, v: softmax_attention(q, k, v), "softmax", backend="numpy",
+                  cases=one, progress=False)
+    assert good.passed, good.table()
