@@ -44,9 +44,9 @@ import numpy as np
 from . import backends as B
 from .calling import (
     KernelSpec,
+    aliased_input,
     applicable,
     call_kernel,
-    aliased_input,
     changed_input,
     check_container,
     check_time_limit,
