@@ -453,6 +453,17 @@ def _modern_standard():
           params=(("kv_heads", 2), ("softcap", 30.0), ("window", (16, -1))),
           features=("gqa", "softcap", "window")),
     ]
+    # a window and ALiBi measured from each sequence's own end (query i at key position
+    # i + Lk - Lq of its sequence): without lengths in the same case, a kernel that takes
+    # the batch's Nk - Nq there computes the same function (the window bounded on both
+    # sides, so that either side off by one shows). Not causal:
+    # under a causal mask ALiBi's -slope (i + Lk - Lq - j) differs from any other offset's
+    # by a constant per row, which the softmax cancels.
+    out += [C("seqlens", (2, 4), 4, 200, 32, 32, params=(("seqlens_k", (200, 77)),
+                                                          ("window", (16, 1))),
+              features=("seqlens_k", "window")),
+            C("seqlens", (2, 4), 4, 200, 32, 32, params=(("seqlens_k", (200, 77)),),
+              features=("seqlens_k", "alibi"))]
     # KV-cache decoding: Nq = 1..16 new queries against caches of different lengths
     for nq in (1, 2, 5, 16):
         out.append(C("decode", (2, 8), nq, 1000, 64, 64, causal="bottom-right",

@@ -155,3 +155,31 @@ def test_a_kernel_returning_its_input_fails():
     good = verify(lambda q, k, v: softmax_attention(q, k, v), "softmax", backend="numpy",
                   cases=one, progress=False)
     assert good.passed, good.table()
+
+
+def _padded(per_sequence):
+    """A KV-cache kernel with a window and ALiBi: per sequence (the reference's own
+    ``seqlens_k``), or by masking the keys past each length in one padded call, which
+    measures the window and ALiBi from the padded end ``Nk - Nq`` instead."""
+    def kernel(q, k, v, *, causal=False, window=None, alibi_slopes=None, seqlens_k=None):
+        kw = dict(causal=causal, window=window, alibi_slopes=alibi_slopes)
+        if per_sequence:
+            return softmax_attention(q, k, v, seqlens_k=seqlens_k, **kw)
+        keep = np.arange(k.shape[-2]) < np.asarray(seqlens_k).reshape(-1, 1, 1, 1)
+        return softmax_attention(q, k, v, mask=keep, **kw)
+    return kernel
+
+
+def test_window_and_alibi_from_the_padded_end_fail():
+    # Before: no case had a window or ALiBi together with per-sequence lengths, and a kernel
+    # that measured them from the padded end passed the standard suite.
+    both = _case("softmax", lambda c: c.param("seqlens_k") and c.needs & {"window", "alibi"}
+                 and "gqa" not in c.needs)
+    assert len(both) == 2
+    good = verify(_padded(True), "softmax", backend="numpy", cases=both, causal="both",
+                  progress=False)
+    assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+    bad = verify(_padded(False), "softmax", backend="numpy", cases=both, causal="both",
+                 supports={"mask": False}, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail", "fail"], bad.table()
+    assert all("wrong only on batch entry 1 (of B = 2)" in r.diagnosis for r in bad.results)
