@@ -59,7 +59,8 @@ from .layouts import pair_layout
 __all__ = ["KernelSpec", "Declaration", "DECLARATIONS", "ALWAYS", "reference_features",
            "kernel_kwargs", "applicable", "snapshot", "same", "library_name", "check_container",
            "first_output", "load_kernel", "KernelNotFound", "parse_supports", "parse_options",
-           "KernelTimeout", "Watchdog", "Call", "call_kernel", "check_time_limit", "changed_input"]
+           "KernelTimeout", "Watchdog", "Call", "call_kernel", "check_time_limit", "changed_input",
+           "aliased_input"]
 
 #: ``supports={feature: ALWAYS}``: the kernel applies the feature by construction.
 ALWAYS = "always"
@@ -322,6 +323,32 @@ def changed_input(ctx, arrays: dict, snaps: dict) -> str:
     for n, x in arrays.items():
         if n in snaps and not same(snapshot(ctx, x), snaps[n]):
             return n
+    return ""
+
+
+def aliased_input(out, arrays: dict) -> str:
+    """The name of the first of ``arrays`` whose memory ``out`` shares (``''``: none).
+
+    A kernel that returns one of its inputs, or a view of one (``v`` itself when every
+    row attends one key, ``q.view(...)`` after writing into ``q``), hands its caller an
+    output that changes when the input does, and an input that changes when the output
+    is written (``out += residual``). Checked for the object itself in any library, and for
+    shared memory in NumPy (``np.may_share_memory``: separate allocations never overlap)
+    and PyTorch (the same storage); JAX arrays are immutable, so sharing is harmless there.
+    """
+    for n, x in arrays.items():
+        if x is out:
+            return n
+    mod = library_name(out)
+    for n, x in arrays.items():
+        if not hasattr(x, "shape") or library_name(x) != mod:
+            continue
+        if mod == "numpy" and isinstance(out, np.ndarray) and np.may_share_memory(out, x):
+            return n
+        if mod == "torch":
+            so, sx = out.untyped_storage(), x.untyped_storage()
+            if so.nbytes() and so.data_ptr() == sx.data_ptr():
+                return n
     return ""
 
 

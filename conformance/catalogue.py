@@ -55,7 +55,11 @@ SUITES = ("quick", "standard", "exhaustive")
 # offset_values: query size (logits ~ N(0, 0.01): weights within a few % of uniform), the
 # values' common offset and spread
 _OFFSET_Q, _OFFSET_V, _OFFSET_SPREAD = 0.1, 4.0, 0.5
-DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values")
+# small_qk: the size of q and k (norms ~3e-3 at d = 16..64, where an l2 normalisation's
+# eps of 1e-6 moves the result by a few per cent)
+_SMALL_QK = 1e-3
+DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values",
+                 "small_qk")
 MASKS = (None, "padding", "random", "fully_masked_rows")
 ALIGNMENTS = (None, "top-left", "bottom-right")
 
@@ -75,7 +79,9 @@ class Case:
         ~1e4, ~1e3 in float16: overflow without max-subtraction), ``"near_ties"``,
         ``"one_hot"`` (peaked rows), ``"constant_keys"`` (uniform rows),
         ``"offset_values"`` (near-uniform rows over values with a common offset: where a
-        low-precision accumulator of ``P V`` or of the row sum shows).
+        low-precision accumulator of ``P V`` or of the row sum shows), ``"small_qk"``
+        (``q`` and ``k`` of norm ~1e-3 sqrt(d), one key and one query exactly zero: where
+        the eps of an l2 normalisation shows, and ``x / |x|`` without one is NaN).
     mask : None, "padding", "random" or "fully_masked_rows"
     causal : None, "top-left" or "bottom-right"
     bias : bool
@@ -219,12 +225,21 @@ class Case:
             # dtype rounds at the sum's ulp, not the output's, once per key block.
             q = q * _OFFSET_Q
             v = _OFFSET_V + v * _OFFSET_SPREAD
+        elif self.dist == "small_qk":
+            # fla's l2norm is x / sqrt(|x|^2 + 1e-6): on rows of norm ~1e-3 sqrt(d) a kernel
+            # with another eps (or none: 0 / 0 on the zero rows) computes another function,
+            # where on N(0, 1) rows the difference is below float32's resolution
+            q, k = q * _SMALL_QK, k * _SMALL_QK
+            k[..., 0, :] = 0.0
+            q[..., min(1, self.nq - 1), :] = 0.0
         arrays = {"q": q, "k": k, "v": v}
         kwargs: dict[str, Any] = {}
         if self.mask is not None:
             arrays["mask"] = _mask(self, rng)
         if self.bias:
-            arrays["bias"] = rng.standard_normal((1, h, self.nq, self.nk))
+            # (1, H, Nq, Nk) unless the case asks for one bias per batch entry
+            # (param "bias_batch" = B): a kernel must read the bias's batch index too
+            arrays["bias"] = rng.standard_normal((self.param("bias_batch", 1), h, self.nq, self.nk))
         if self.causal is not None:
             kwargs["causal"] = self.causal
         if self.scale is not None:
@@ -350,7 +365,9 @@ def _ranges():
     out = [
         C("range", bh, 37, 37, 16, 16),
         C("range", bh, 37, 37, 16, 16, mask="random"),
-        C("range", bh, 37, 37, 16, 16, bias=True),
+        # a bias of its own per batch entry (B, H, Nq, Nk): a kernel that reads batch 0's
+        # bias for every entry (a zero batch stride) passes every (1, H) bias
+        C("range", bh, 37, 37, 16, 16, bias=True, params=(("bias_batch", bh[0]),)),
         C("range", bh, 37, 37, 16, 16, scale=0.5),
         C("range", bh, 37, 37, 16, 16, causal="top-left"),
         # Nq != Nk, or bottom-right would be the same mask as top-left
@@ -410,6 +427,12 @@ def _modern_standard():
         C("softcap", (1, 2), 65, 65, 64, 64, params=(("softcap", 5.0),), features=("softcap",)),
         C("softcap", (1, 2), 64, 64, 64, 64, dist="large_logits", params=(("softcap", 50.0),),
           features=("softcap",)),
+        # the cap comes before the bias and ALiBi: without them in the same case, a kernel
+        # that caps the biased logits computes the same function
+        C("softcap", (2, 2), 65, 65, 32, 32, bias=True, params=(("softcap", 5.0),),
+          features=("softcap",)),
+        C("softcap", (1, 4), 65, 65, 32, 32, causal="bottom-right", params=(("softcap", 5.0),),
+          features=("softcap", "alibi")),
         # ALiBi
         C("alibi", (1, 4), 65, 129, 32, 32, features=("alibi",)),
         C("alibi", (2, 4), 65, 65, 32, 32, causal="bottom-right", features=("alibi",)),
@@ -430,6 +453,17 @@ def _modern_standard():
           params=(("kv_heads", 2), ("softcap", 30.0), ("window", (16, -1))),
           features=("gqa", "softcap", "window")),
     ]
+    # a window and ALiBi measured from each sequence's own end (query i at key position
+    # i + Lk - Lq of its sequence): without lengths in the same case, a kernel that takes
+    # the batch's Nk - Nq there computes the same function (the window bounded on both
+    # sides, so that either side off by one shows). Not causal:
+    # under a causal mask ALiBi's -slope (i + Lk - Lq - j) differs from any other offset's
+    # by a constant per row, which the softmax cancels.
+    out += [C("seqlens", (2, 4), 4, 200, 32, 32, params=(("seqlens_k", (200, 77)),
+                                                          ("window", (16, 1))),
+              features=("seqlens_k", "window")),
+            C("seqlens", (2, 4), 4, 200, 32, 32, params=(("seqlens_k", (200, 77)),),
+              features=("seqlens_k", "alibi"))]
     # KV-cache decoding: Nq = 1..16 new queries against caches of different lengths
     for nq in (1, 2, 5, 16):
         out.append(C("decode", (2, 8), nq, 1000, 64, 64, causal="bottom-right",
@@ -473,6 +507,9 @@ def _recurrent():
     out = [C("chunks", (2, 2), n, n, 32, 32, causal=tl, family=fam)
            for n in (1, 15, 33, 63, 65, 100)]
     out.append(C("chunks", (1, 2), 37, 37, 16, 24, causal=tl, family=fam))
+    # q and k of norm ~3e-3, a zero key and a zero query: the delta rules' l2
+    # normalisation's eps (fla's 1e-6) is a few per cent of |k|^2 here
+    out.append(C("small-qk", (1, 2), 33, 33, 32, 32, dist="small_qk", causal=tl, family=fam))
     out += [C("initial-state", (2, 2), n, n, 32, 32, causal=tl, family=fam, features=init)
             for n in (1, 15, 100)]
     out += [
@@ -487,6 +524,26 @@ def _recurrent():
           params=(("cu_seqlens", (0, 15, 16, 81, 100)),), features=cu + init),
     ]
     return out
+
+
+def _linear():
+    """Cases of linear attention (``Case.family == "linear"``): small denominators.
+
+    With the default scale the normaliser ``den_i = scale phi(q_i) . sum_j phi(k_j)`` is
+    ~N d, so an ``eps`` added to it (Katharopoulos et al.'s ``den + eps``, where the
+    reference uses ``den`` itself whenever ``|den| >= eps``) moves the output by ~1e-9, below
+    float32's resolution. A scale of 1e-5 brings ``den`` to ~1e-3 with ``elu+1`` features
+    (still far above the default eps 1e-6, so the reference's floor is not what is tested):
+    there ``den + 1e-6`` is off by ~1e-4 relative. Not causal: flash-linear-attention's
+    causal kernels divide by ``den + 1e-10`` - the same difference, a convention of theirs
+    that a causal case at this scale shows (ratio 2.1 with ``identity`` features, whose
+    signed denominators come near 0) and that ``attn_ref.linear`` has no option for.
+    """
+    return [Case("small-denominator", (1, 2), 33, 33, 16, 16, scale=1e-5, family="linear")]
+
+
+CATALOGUE["standard"] += _linear()
+CATALOGUE["exhaustive"] += _linear()
 
 
 # 4096 steps: exhaustive only. In the standard suite it took the built-in job
@@ -541,6 +598,11 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
     return out
 
 
+# the search draws the distributions every variant's cases use (small_qk is the recurrent
+# family's; leaving it out also keeps the search's draws what they were)
+_SEARCHED = tuple(d for d in DISTRIBUTIONS if d != "small_qk")
+
+
 def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128)):
     """A hypothesis strategy over small-to-medium :class:`Case` objects.
 
@@ -556,7 +618,7 @@ def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128))
             "search", (b, h), nq, nk, d, dv, dist=dist, mask=mask, causal=causal, bias=bias),
         st.integers(1, max_n), st.integers(1, max_n), st.sampled_from(head_dims),
         st.sampled_from(head_dims), st.integers(1, 4), st.integers(1, 8),
-        st.sampled_from(DISTRIBUTIONS), st.sampled_from(MASKS), st.sampled_from(ALIGNMENTS),
+        st.sampled_from(_SEARCHED), st.sampled_from(MASKS), st.sampled_from(ALIGNMENTS),
         st.booleans(),
     )
 

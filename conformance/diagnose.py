@@ -451,6 +451,28 @@ def _softcap_sigs(prep):
     yield "the soft-cap is ignored", _ref(prep, softcap=None)
     yield "the scale is applied again after the soft-cap", _ref(prep, softcap=c * s, scale=s * s)
     yield "the soft-cap is applied before the scale", _ref(prep, softcap=c * s)
+    if "bias" in prep.arrays or "alibi_slopes" in prep.arrays:
+        yield ("the soft-cap is applied after the bias/ALiBi (it caps the biased logits)",
+               _capped_after_bias(prep, c, s))
+
+
+def _capped_after_bias(prep, c, s):
+    """The output of ``c tanh((s q.k + bias + alibi) / c)``: the reference fed, with no
+    cap and no slopes, the bias that turns its ``s q.k + bias`` into those logits."""
+    a = dict(prep.arrays)
+    q, k = a["q"], a["k"]
+    if prep.kwargs.get("gqa"):
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    z = s * (q @ np.swapaxes(k, -1, -2))
+    add = a.get("bias", 0.0)
+    slopes = a.pop("alibi_slopes", None)
+    if slopes is not None:
+        lq, lk = sequence_lengths(prep.case, prep.kwargs)
+        i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
+        add = add - np.asarray(slopes, dtype=np.float64).reshape(1, -1, 1, 1) * np.abs(i + lk - lq - j)
+    a["bias"] = c * np.tanh((z + add) / c) - z
+    kwargs = {n: x for n, x in prep.kwargs.items() if n != "softcap"}
+    return prep.reference("float64", arrays=a, kwargs=kwargs)
 
 
 def _varlen_sigs(prep):

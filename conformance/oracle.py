@@ -44,6 +44,7 @@ import numpy as np
 from . import backends as B
 from .calling import (
     KernelSpec,
+    aliased_input,
     applicable,
     call_kernel,
     changed_input,
@@ -141,6 +142,10 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         out, extras, problems = split_outputs(ret, ctx.variant, expected_outputs(ctx), prep,
                                               ctx.layout)
         problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
+        if not problem:
+            name = aliased_input(out, {**inputs, **kw})
+            problem = name and (f"the output is the kernel's input {name!r} or a view of it "
+                                "(it shares its memory): return a new array")
         if problem:
             return problem, None
         side = {}

@@ -1,0 +1,185 @@
+"""False passes found by an outside audit of the oracle, each pinned by the planted kernel
+that passed before its fix (it must fail now, named where a diagnosis exists) and by a
+correct kernel that must still pass the same cases.
+
+The kernels are NumPy, written from the definitions rather than through ``attn_ref``'s
+forms, so each check reads as an outside kernel author's would; each runs on the few
+cases that reveal its mistake, not the whole suite.
+"""
+
+import numpy as np
+
+from attn_ref import softmax_attention
+from conformance import cases, verify
+
+
+def _case(variant, pred):
+    found = [c for c in cases(variant, "standard") if pred(c)]
+    assert found, f"no {variant} case matches"
+    return found
+
+
+def _softmax(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None,
+             cap_after_bias=False):
+    """Softmax attention from its definition (FlashAttention's order: scale, cap, then bias
+    and ALiBi); ``cap_after_bias`` caps the biased logits instead."""
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
+    s = scale * (q @ np.swapaxes(k, -1, -2))
+    add = np.zeros_like(s)
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    if bias is not None:
+        add = add + bias
+    if alibi_slopes is not None:
+        add = add - alibi_slopes.reshape(1, -1, 1, 1) * np.abs(i + nk - nq - j).astype(q.dtype)
+    if softcap is not None and not cap_after_bias:
+        s = softcap * np.tanh(s / softcap)
+    s = s + add
+    if softcap is not None and cap_after_bias:
+        s = softcap * np.tanh(s / softcap)
+    if causal:
+        off = nk - nq if causal == "bottom-right" else 0
+        s = np.where(j <= i + off, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+
+
+def _cap_kernel(cap_after_bias):
+    def kernel(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None):
+        return _softmax(q, k, v, bias=bias, causal=causal, scale=scale, softcap=softcap,
+                        alibi_slopes=alibi_slopes, cap_after_bias=cap_after_bias)
+    return kernel
+
+
+def test_softcap_after_the_bias_or_alibi_fails_where_it_passed_before():
+    # Before: the soft-cap cases had neither a bias nor ALiBi, so capping the biased logits
+    # was the same function there, and passed the standard suite in float32 and float64.
+    capped = _case("softmax", lambda c: c.tag == "softcap")
+    both = [c for c in capped if c.bias or "alibi" in c.needs]
+    assert len(both) == 2
+    for dtype in ("float32", "float64"):
+        good = verify(_cap_kernel(False), "softmax", backend="numpy", dtypes=(dtype,),
+                      cases=capped, causal="both", progress=False)
+        assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+        bad = verify(_cap_kernel(True), "softmax", backend="numpy", dtypes=(dtype,), cases=both,
+                     causal="both", progress=False)
+        rows = [r for r in bad.results if r.output == "out"]
+        assert [r.verdict for r in rows] == ["fail", "fail"], bad.table()
+        assert all("soft-cap is applied after the bias/ALiBi" in r.diagnosis for r in rows)
+
+
+def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():
+    # Before: every case's bias was (1, H, Nq, Nk), so a kernel with a zero batch stride
+    # for the bias (batch 0's bias for every entry) passed the standard suite.
+    full = _case("softmax", lambda c: c.bias and c.param("bias_batch", 1) > 1)
+
+    def stride0(q, k, v, *, bias=None, scale=None):
+        return softmax_attention(q, k, v, bias=None if bias is None else bias[:1], scale=scale)
+
+    def right(q, k, v, *, bias=None, scale=None):
+        return softmax_attention(q, k, v, bias=bias, scale=scale)
+
+    assert verify(right, "softmax", backend="numpy", cases=full, progress=False).passed
+    rep = verify(stride0, "softmax", backend="numpy", cases=full, progress=False)
+    (row,) = rep.results
+    assert row.verdict == "fail" and "batch entries 1..2 (of B = 3)" in row.diagnosis, rep.table()
+
+
+def _delta_kernel(eps):
+    """DeltaNet normalising q and k itself, ``x / sqrt(|x|^2 + eps)`` (fla's eps is 1e-6)."""
+    from attn_ref.recurrent import delta_rule
+
+    def kernel(q, k, v, *, beta, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q, k = (x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps) for x in (q, k))
+        return delta_rule(q, k, v, beta=beta, scale=scale, initial_state=initial_state,
+                          output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                          form="recurrent")
+    return kernel
+
+
+def test_an_l2_normalisation_with_another_eps_fails_in_float32():
+    # Before: q and k were N(0, 1), |k|^2 ~ d, where eps = 0 or 1e-12 instead of 1e-6 moves
+    # the normalised keys by ~1e-8, below float32's resolution: both passed in float32.
+    small = _case("deltanet", lambda c: c.dist == "small_qk")
+    ok = verify(_delta_kernel(1e-6), "deltanet", backend="numpy", cases=small, progress=False,
+                supports={"causal": "always"})
+    assert ok.passed, ok.table()
+    for eps in (0.0, 1e-12):
+        rep = verify(_delta_kernel(eps), "deltanet", backend="numpy", cases=small,
+                     progress=False, supports={"causal": "always"})
+        assert {r.verdict for r in rep.results} == {"fail"}, (eps, rep.table())
+
+
+def _linear_kernel(eps_added):
+    """Non-causal linear attention with ``elu+1`` features, quadratic order; the normaliser
+    ``den`` as it is (the reference, for ``den >= 1e-6``) or ``den + 1e-6``."""
+    def kernel(q, k, v, *, scale=None):
+        scale = 1.0 if scale is None else scale
+        fq, fk = (np.where(x > 0, x + 1, np.exp(np.minimum(x, 0))) for x in (q, k))
+        a = np.asarray(scale, dtype=q.dtype) * (fq @ np.swapaxes(fk, -1, -2))
+        den = a.sum(-1, keepdims=True)
+        return (a @ v) / (den + np.asarray(1e-6, dtype=q.dtype) if eps_added else den)
+    return kernel
+
+
+def test_linear_attention_with_eps_added_to_the_denominator_fails_in_float32():
+    # Before: den ~ N d on every case, and den + 1e-6 (Katharopoulos et al.'s form) passed
+    # the standard suite in float32 (it failed in float64 only).
+    small = _case("linear", lambda c: c.tag == "small-denominator")
+    ok = verify(_linear_kernel(False), "linear", backend="numpy", cases=small, progress=False)
+    assert ok.passed, ok.table()
+    rep = verify(_linear_kernel(True), "linear", backend="numpy", cases=small, progress=False)
+    (row,) = rep.results
+    assert row.verdict == "fail" and row.ratio > 20, rep.table()
+
+
+def test_a_kernel_returning_its_input_fails():
+    # Before: a kernel that returned v itself where every row attends one key (the exact
+    # values) passed: its output aliased its input.
+    one = _case("softmax", lambda c: c.nk == 1)
+
+    def shortcut(q, k, v, *, scale=None):
+        if k.shape[-2] == 1 and q.shape[-2] == 1:
+            return v
+        return softmax_attention(q, k, v, scale=scale)
+
+    def viewed(q, k, v, *, scale=None):
+        return softmax_attention(q, k, v, scale=scale) if k.shape[-2] > 1 else v[..., :, :]
+
+    for kernel in (shortcut, viewed):
+        rep = verify(kernel, "softmax", backend="numpy", cases=one, progress=False)
+        (row,) = rep.results
+        assert row.verdict == "fail" and "input 'v' or a view of it" in row.diagnosis, rep.table()
+    good = verify(lambda q, k, v: softmax_attention(q, k, v), "softmax", backend="numpy",
+                  cases=one, progress=False)
+    assert good.passed, good.table()
+
+
+def _padded(per_sequence):
+    """A KV-cache kernel with a window and ALiBi: per sequence (the reference's own
+    ``seqlens_k``), or by masking the keys past each length in one padded call, which
+    measures the window and ALiBi from the padded end ``Nk - Nq`` instead."""
+    def kernel(q, k, v, *, causal=False, window=None, alibi_slopes=None, seqlens_k=None):
+        kw = dict(causal=causal, window=window, alibi_slopes=alibi_slopes)
+        if per_sequence:
+            return softmax_attention(q, k, v, seqlens_k=seqlens_k, **kw)
+        keep = np.arange(k.shape[-2]) < np.asarray(seqlens_k).reshape(-1, 1, 1, 1)
+        return softmax_attention(q, k, v, mask=keep, **kw)
+    return kernel
+
+
+def test_window_and_alibi_from_the_padded_end_fail():
+    # Before: no case had a window or ALiBi together with per-sequence lengths, and a kernel
+    # that measured them from the padded end passed the standard suite.
+    both = _case("softmax", lambda c: c.param("seqlens_k") and c.needs & {"window", "alibi"}
+                 and "gqa" not in c.needs)
+    assert len(both) == 2
+    good = verify(_padded(True), "softmax", backend="numpy", cases=both, causal="both",
+                  progress=False)
+    assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+    bad = verify(_padded(False), "softmax", backend="numpy", cases=both, causal="both",
+                 supports={"mask": False}, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail", "fail"], bad.table()
+    assert all("wrong only on batch entry 1 (of B = 2)" in r.diagnosis for r in bad.results)
