@@ -75,6 +75,7 @@ from ._common import (
     ceil_div,
     cpu_count,
     is_lazy,
+    owned_writeable,
     parallel_map,
     pool_helps,
 )
@@ -140,7 +141,12 @@ def _elu_plus_one(xp, x):
     # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
     # so it cannot overflow (and its derivative stays finite for the VJP).
     zero = xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
-    return xp.maximum(x, zero) + xp.exp(xp.minimum(x, zero))
+    f = xp.exp(xp.minimum(x, zero))
+    if owned_writeable(f):
+        # In place: one fresh array fewer per call, the same sums (addition commutes).
+        f += xp.maximum(x, zero)
+        return f
+    return xp.maximum(x, zero) + f
 
 
 def _relu(xp, x):
@@ -475,9 +481,49 @@ def _value_rows(xp, v, lo, hi, n):
 
 
 def _fold(xp, state, fk, v1):
-    """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in."""
+    """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in
+    (in place when the library allows: ``state`` is always this code's own array)."""
     ds = xp.matrix_transpose(fk) @ v1
-    return ds if state is None else state + ds
+    if state is None:
+        return ds
+    if owned_writeable(state):
+        state += ds
+        return state
+    return state + ds
+
+
+def _read(xp, out, normalize, eps):
+    """:func:`readout` of a fresh ``[num, den]`` block, dividing in place where allowed."""
+    num, den = split_num_den(xp, out)
+    if not (normalize and owned_writeable(out)):
+        return readout(xp, num, den, normalize, eps)
+    num /= safe_denominator(xp, den, eps)
+    return num
+
+
+class _OnesColumn:
+    """:func:`with_ones` of successive row blocks of ``v``, at most ``rows`` rows each.
+
+    Where the library allows writes, every block is copied into one ``[V, 1]`` buffer
+    made once (its ones column written once), instead of a fresh concatenation per
+    block; else (JAX, lazy or autograd-recording arrays) :func:`with_ones` each time.
+    The block returned is only valid until the next ``put``.
+    """
+
+    def __init__(self, xp, v, rows):
+        self.xp, self.buf = xp, None
+        if is_lazy(v) or (array_api_compat.is_torch_array(v) and v.requires_grad):
+            return  # a copy into the buffer would be traced or recorded
+        shape = tuple(v.shape[:-2]) + (rows, v.shape[-1] + 1)
+        buf = xp.ones(shape, dtype=v.dtype, device=array_api_compat.device(v))
+        self.buf = buf if owned_writeable(buf) else None
+
+    def put(self, block):
+        if self.buf is None:
+            return with_ones(self.xp, block)
+        n = block.shape[-2]
+        self.buf[..., :n, :-1] = block
+        return self.buf[..., :n, :]
 
 
 class _Rows:
@@ -526,13 +572,17 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     outs = _Rows(xp, nq)
     if alignment is None:
         state = None
+        ones = _OnesColumn(xp, v, min(block_size, nk))
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            state = _fold(xp, state, phi_k(k[..., lo:hi, :]), with_ones(xp, v[..., lo:hi, :]))
+            fk = phi_k(k[..., lo:hi, :])
+            state = _fold(xp, state, fk, ones.put(v[..., lo:hi, :]))
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
-            num, den = split_num_den(xp, phi_q(q[..., lo:hi, :]) @ state)
-            outs.put(lo, readout(xp, num, den, normalize, eps))
+            # Named, so that a block's arrays are freed only once the next block's exist.
+            fq = phi_q(q[..., lo:hi, :])
+            out = fq @ state
+            outs.put(lo, _read(xp, out, normalize, eps))
         return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
