@@ -439,7 +439,12 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    out = qc @ prefix[..., :-1, :, :] + _hide(xp, qc @ kt, TOP_LEFT) @ vc
+    intra = _hide(xp, qc @ kt, TOP_LEFT) @ vc
+    out = qc @ prefix[..., :-1, :, :]
+    if owned_writeable(out) and out.shape == intra.shape:  # the same sum, without a fresh array
+        out += intra
+    else:
+        out = out + intra
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 
@@ -460,7 +465,12 @@ def _exclusive_prefix(xp, s, state):
     lower = xp.astype(rows[:, None] > rows[None, :n], s.dtype)
     flat = xp.reshape(s, tuple(s.shape[:-3]) + (n, d1 * d2))
     prefix = xp.reshape(lower @ flat, tuple(s.shape[:-3]) + (n + 1, d1, d2))
-    return prefix if state is None else prefix + state[..., None, :, :]
+    if state is None:
+        return prefix
+    if owned_writeable(prefix) and tuple(state.shape[:-2]) == tuple(prefix.shape[:-3]):
+        prefix += state[..., None, :, :]
+        return prefix
+    return prefix + state[..., None, :, :]
 
 
 def _feature_rows(xp, phi, x, lo, hi, n):
@@ -589,10 +599,11 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     c = min(chunk_size, length)
     block = ceil_div(block_size, c) * c  # whole chunks per block
     state = None
+    ones = _OnesColumn(xp, v, min(block, length))
     for lo in range(0, length, block):
         hi = min(lo + block, length)
         fk = _feature_rows(xp, phi_k, k, lo - p_k, hi - p_k, keep)
-        v1 = with_ones(xp, _value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
+        v1 = ones.put(_value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
         fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
         if fq is None:  # keys before the first query: only the summary grows
             if fk is not None:
@@ -605,8 +616,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
         else:  # no key visible yet; zeros of the batch every other block has
             out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
-        num, den = split_num_den(xp, out[..., max(p_q - lo, 0):, :])
-        outs.put(max(lo - p_q, 0), readout(xp, num, den, normalize, eps))
+        outs.put(max(lo - p_q, 0), _read(xp, out[..., max(p_q - lo, 0):, :], normalize, eps))
     return outs.result()
 
 
