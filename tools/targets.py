@@ -202,7 +202,7 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
     h, n, d = q.shape
     zero = np.float32(0)
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
-             "phi(Q): + max", "read GEMM", "readout (divide)", "output write")
+             "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
     runs = []
     for _ in range(reps):
         spent, faults = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
@@ -241,10 +241,10 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
             tick(names[5])
             o = fq @ state
             tick(names[6])
-            num = o[..., :d]
-            num /= safe_denominator(xp, o[..., d:], 1e-6)
+            out[:, lo:hi] = o[..., :d]
             tick(names[7])
-            out[:, lo:hi] = num
+            rows = out[:, lo:hi]
+            rows /= safe_denominator(xp, o[..., d:], 1e-6)
             tick(names[8])
         runs.append((spent, faults))
         f0, t0 = _minor_faults(), clock()
@@ -257,7 +257,7 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
              names[4]: elems / rates["elementwise"] + elems / rates["exp"],
              names[5]: elems / rates["elementwise"],
              names[6]: 2 * pairs * (d + 1) / rates["gemm_flops"],
-             names[7]: elems / rates["elementwise"], names[8]: 0.0}
+             names[7]: 0.0, names[8]: elems / rates["elementwise"]}
     roof = variant_work("linear", n, {}, d=d, heads=h).seconds(rates)
     med = {name: float(np.median([r[0][name] for r in runs])) for name in names}
     print(f"phases of non-causal linear_attention at N={n}, blocks of {block} rows, medians of {reps} "

@@ -17,6 +17,7 @@ from .._common import (
     finish_partial,
     is_lazy,
     online_step,
+    owned_writeable,
     parallel_map,
     partial_lse,
     pool_helps,
@@ -117,7 +118,13 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
             pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
             if pv.dtype != dtype:
                 pv = xp.astype(pv, dtype)
-            acc = pv if alpha is None else acc * alpha + pv  # the first tile: 0 * 0 + pv is pv
+            if alpha is None:  # the first tile: 0 * 0 + pv is pv
+                acc = pv
+            elif owned_writeable(acc):  # the same products and sums, without two fresh arrays
+                acc *= alpha
+                acc += pv
+            else:
+                acc = acc * alpha + pv
             new_state.append((m_new, l, acc))
         state = new_state
     outs, lses = [], []
