@@ -22,11 +22,13 @@ NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive pref
 and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
-``--phases`` times each phase of the non-causal block loop at the largest N (feature
-maps, the ``[V | 1]`` copy, the fold and read GEMMs, the division, the output write)
-summed over the blocks, with the page faults each took (on NumPy a fresh block-sized
-array often costs more in page faults than in arithmetic), next to the whole call and
-each phase's share of the roofline.
+``--pool`` times the largest N with and without the heads split among the CPUs
+(``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved. ``--phases`` times
+each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
+copy, the fold and read GEMMs, the output write, the division) summed over the blocks,
+with the page faults each took (on NumPy a fresh block-sized array often costs more in
+page faults than in arithmetic), next to the whole call and each phase's share of the
+roofline.
 
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
@@ -175,9 +177,33 @@ def linear(args):
     print(f"peak extra memory, causal, N={n}: {peak / 2**20:.1f} MiB (output "
           f"{n * H * D * 4 / 2**20:.0f} MiB; naive prefix sum N H d dv floats: "
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
+    if args.pool:
+        _linear_pool(q, k, v, args.reps)
     if args.phases:
         _linear_phases(q, k, v, args.block_size, args.reps, rates, clock)
     print(f"load after: {_loadavg()}")
+
+
+def _linear_pool(q, k, v, reps):
+    """``linear_attention`` with and without its heads split among the CPUs
+    (``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved, wall-clock medians."""
+    from attn_ref import linear, linear_attention
+
+    def pooled(causal):
+        def run():
+            saved, linear.POOL_MIN_ROWS = linear.POOL_MIN_ROWS, 1
+            try:
+                linear_attention(q, k, v, causal=causal)
+            finally:
+                linear.POOL_MIN_ROWS = saved
+        return run
+
+    med = _interleaved({"non-causal": lambda: linear_attention(q, k, v),
+                        "non-causal, heads on the pool": pooled(False),
+                        "causal": lambda: linear_attention(q, k, v, causal=True),
+                        "causal, heads on the pool": pooled(True)}, reps)
+    print(f"N={q.shape[-2]}, interleaved, medians of {reps} (wall): "
+          + " | ".join(f"{name} {t * 1e3:.1f} ms" for name, t in med.items()))
 
 
 def _minor_faults():
@@ -735,6 +761,8 @@ def main(argv=None):
     lin.add_argument("--fla", metavar="NAIVE_PY", help="path of fla/ops/linear_attn/naive.py")
     lin.add_argument("--cpu", action="store_true", help="CPU seconds of this process instead of wall "
                      "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
+    lin.add_argument("--pool", action="store_true", help="also time the largest N with the heads "
+                     "split among the CPUs (attn_ref.linear.POOL_MIN_ROWS), interleaved")
     lin.add_argument("--phases", action="store_true", help="time each phase of the non-causal "
                      "block loop at the largest N, with its page faults")
     lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
