@@ -131,6 +131,8 @@ DEFAULT_BLOCK_SIZE = 512
 # faster only at N = 4096 non-causal (20 against 26 ms) and slower at N = 4096 causal (62
 # against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
 # own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
+# Those runs predate the in-place block loop (when the loop still faulted its memory back
+# in, and page faults serialise threads); ``tools/targets.py linear --pool`` re-checks.
 POOL_MIN_ROWS = 1 << 62
 
 
