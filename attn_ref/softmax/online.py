@@ -110,7 +110,10 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
                                                      with_sum=not ones_column,
                                                      overwrite=_overwritable(sml[0])),
                              work, pooled=len(parts) > 1)
-        del work  # the logits die here; only P lives on into the P V product
+        # The logits stay named until the next tile's exist (no ``del``): the allocator
+        # then reuses their memory instead of returning it to the system and faulting it
+        # in again (N = 4096, 8 heads, 512 x 1024 tiles, NumPy: 19K page faults per call
+        # against 12K), at the same peak (three tiles: the last P, these logits, this P).
         new_state = []
         for (a, _), (_, _, acc), (m_new, l, p, alpha) in zip(parts, state, steps):
             # The normaliser counts dropped weights too (dropout acts after the softmax).
