@@ -32,6 +32,7 @@ __all__ = [
     "batch_rows",
     "is_lazy",
     "pool_helps",
+    "owned_writeable",
 ]
 
 TOP_LEFT = "top-left"
@@ -228,3 +229,18 @@ def is_lazy(*arrays):
     """Whether any of ``arrays`` is lazy (a ``jax.jit`` tracer, a Dask array): its values
     cannot be read, and threads gain nothing on it."""
     return any(array_api_compat.is_lazy_array(x) for x in arrays)
+
+
+def owned_writeable(x):
+    """Whether ``x``, an array the caller made itself, may be updated in place
+    (``x += y``, ``x[..., i] = y``): a writeable array (NumPy, PyTorch, CuPy,
+    array-api-strict; not JAX), not lazy, and not a torch tensor that records an
+    autograd graph (the backward of the operation that made it may read it).
+
+    Updating in place saves a fresh array per operation; on NumPy a fresh block-sized
+    array often costs page faults (the allocator returns freed memory to the system and
+    takes it back), more than the arithmetic itself.
+    """
+    if not array_api_compat.is_writeable_array(x) or is_lazy(x):
+        return False
+    return not (array_api_compat.is_torch_array(x) and x.requires_grad)

@@ -75,6 +75,7 @@ from ._common import (
     ceil_div,
     cpu_count,
     is_lazy,
+    owned_writeable,
     parallel_map,
     pool_helps,
 )
@@ -130,6 +131,8 @@ DEFAULT_BLOCK_SIZE = 512
 # faster only at N = 4096 non-causal (20 against 26 ms) and slower at N = 4096 causal (62
 # against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
 # own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
+# Those runs predate the in-place block loop (when the loop still faulted its memory back
+# in, and page faults serialise threads); ``tools/targets.py linear --pool`` re-checks.
 POOL_MIN_ROWS = 1 << 62
 
 
@@ -140,7 +143,12 @@ def _elu_plus_one(xp, x):
     # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
     # so it cannot overflow (and its derivative stays finite for the VJP).
     zero = xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
-    return xp.maximum(x, zero) + xp.exp(xp.minimum(x, zero))
+    f = xp.exp(xp.minimum(x, zero))
+    if owned_writeable(f):
+        # In place: one fresh array fewer per call, the same sums (addition commutes).
+        f += xp.maximum(x, zero)
+        return f
+    return xp.maximum(x, zero) + f
 
 
 def _relu(xp, x):
@@ -433,7 +441,12 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    out = qc @ prefix[..., :-1, :, :] + _hide(xp, qc @ kt, TOP_LEFT) @ vc
+    intra = _hide(xp, qc @ kt, TOP_LEFT) @ vc
+    out = qc @ prefix[..., :-1, :, :]
+    if owned_writeable(out) and out.shape == intra.shape:  # the same sum, without a fresh array
+        out += intra
+    else:
+        out = out + intra
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 
@@ -454,7 +467,12 @@ def _exclusive_prefix(xp, s, state):
     lower = xp.astype(rows[:, None] > rows[None, :n], s.dtype)
     flat = xp.reshape(s, tuple(s.shape[:-3]) + (n, d1 * d2))
     prefix = xp.reshape(lower @ flat, tuple(s.shape[:-3]) + (n + 1, d1, d2))
-    return prefix if state is None else prefix + state[..., None, :, :]
+    if state is None:
+        return prefix
+    if owned_writeable(prefix) and tuple(state.shape[:-2]) == tuple(prefix.shape[:-3]):
+        prefix += state[..., None, :, :]
+        return prefix
+    return prefix + state[..., None, :, :]
 
 
 def _feature_rows(xp, phi, x, lo, hi, n):
@@ -475,9 +493,47 @@ def _value_rows(xp, v, lo, hi, n):
 
 
 def _fold(xp, state, fk, v1):
-    """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in."""
+    """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in
+    (in place when the library allows: ``state`` is always this code's own array)."""
     ds = xp.matrix_transpose(fk) @ v1
-    return ds if state is None else state + ds
+    if state is None:
+        return ds
+    if owned_writeable(state):
+        state += ds
+        return state
+    return state + ds
+
+
+def _read(xp, out, normalize, eps):
+    """``(num, den)`` of a ``[num, den]`` block for :meth:`_Rows.put`: ``den`` is the
+    safe denominator (:func:`readout`), None when ``normalize`` is off."""
+    num, den = split_num_den(xp, out)
+    return num, (safe_denominator(xp, den, eps) if normalize else None)
+
+
+class _OnesColumn:
+    """:func:`with_ones` of successive row blocks of ``v``, at most ``rows`` rows each.
+
+    Where the library allows writes, every block is copied into one ``[V, 1]`` buffer
+    made once (its ones column written once), instead of a fresh concatenation per
+    block; else (JAX, lazy or autograd-recording arrays) :func:`with_ones` each time.
+    The block returned is only valid until the next ``put``.
+    """
+
+    def __init__(self, xp, v, rows):
+        self.xp, self.buf = xp, None
+        if is_lazy(v) or (array_api_compat.is_torch_array(v) and v.requires_grad):
+            return  # a copy into the buffer would be traced or recorded
+        shape = tuple(v.shape[:-2]) + (rows, v.shape[-1] + 1)
+        buf = xp.ones(shape, dtype=v.dtype, device=array_api_compat.device(v))
+        self.buf = buf if owned_writeable(buf) else None
+
+    def put(self, block):
+        if self.buf is None:
+            return with_ones(self.xp, block)
+        n = block.shape[-2]
+        self.buf[..., :n, :-1] = block
+        return self.buf[..., :n, :]
 
 
 class _Rows:
@@ -494,15 +550,27 @@ class _Rows:
     def __init__(self, xp, n):
         self.xp, self.n, self.parts, self.out = xp, n, [], None
 
-    def put(self, lo, block):
+    def put(self, lo, block, den=None):
+        """Rows ``lo:lo + B`` of the output: ``block (..., B, dv)``, divided by ``den
+        (..., B, 1)`` when given."""
         if (self.out is None and not self.parts and block.shape[-2] < self.n
                 and array_api_compat.is_writeable_array(block) and not is_lazy(block)):
             shape = tuple(block.shape[:-2]) + (self.n, block.shape[-1])
             self.out = self.xp.empty(shape, dtype=block.dtype, device=array_api_compat.device(block))
         if self.out is None:
-            self.parts.append(block)
-        else:
-            self.out[..., lo:lo + block.shape[-2], :] = block
+            self.parts.append(block if den is None else block / den)
+            return
+        hi = lo + block.shape[-2]
+        if den is not None and not owned_writeable(block):
+            block = block / den  # autograd records the division
+            den = None
+        self.out[..., lo:hi, :] = block
+        if den is not None:
+            # Divided where it lies: on the output's contiguous rows the division is about
+            # a third faster than on the strided numerator columns of [num, den] (NumPy,
+            # (8, 512, 64) float32 blocks, the same quotients).
+            rows = self.out[..., lo:hi, :]
+            rows /= den
 
     def result(self):
         if self.out is not None:
@@ -526,23 +594,28 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     outs = _Rows(xp, nq)
     if alignment is None:
         state = None
+        ones = _OnesColumn(xp, v, min(block_size, nk))
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            state = _fold(xp, state, phi_k(k[..., lo:hi, :]), with_ones(xp, v[..., lo:hi, :]))
+            fk = phi_k(k[..., lo:hi, :])
+            state = _fold(xp, state, fk, ones.put(v[..., lo:hi, :]))
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
-            num, den = split_num_den(xp, phi_q(q[..., lo:hi, :]) @ state)
-            outs.put(lo, readout(xp, num, den, normalize, eps))
+            # Named, so that a block's arrays are freed only once the next block's exist.
+            fq = phi_q(q[..., lo:hi, :])
+            out = fq @ state
+            outs.put(lo, *_read(xp, out, normalize, eps))
         return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
     c = min(chunk_size, length)
     block = ceil_div(block_size, c) * c  # whole chunks per block
     state = None
+    ones = _OnesColumn(xp, v, min(block, length))
     for lo in range(0, length, block):
         hi = min(lo + block, length)
         fk = _feature_rows(xp, phi_k, k, lo - p_k, hi - p_k, keep)
-        v1 = with_ones(xp, _value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
+        v1 = ones.put(_value_rows(xp, v, lo - p_k, hi - p_k, keep)) if fk is not None else None
         fq = _feature_rows(xp, phi_q, q, lo - p_q, hi - p_q, nq)
         if fq is None:  # keys before the first query: only the summary grows
             if fk is not None:
@@ -555,8 +628,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
         else:  # no key visible yet; zeros of the batch every other block has
             out = xp.zeros(batch + (hi - lo, v.shape[-1] + 1), dtype=v.dtype,
                            device=array_api_compat.device(v))
-        num, den = split_num_den(xp, out[..., max(p_q - lo, 0):, :])
-        outs.put(max(lo - p_q, 0), readout(xp, num, den, normalize, eps))
+        outs.put(max(lo - p_q, 0), *_read(xp, out[..., max(p_q - lo, 0):, :], normalize, eps))
     return outs.result()
 
 

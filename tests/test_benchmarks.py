@@ -635,3 +635,19 @@ def test_targets_measure_the_roofline_rates(tmp_path):
     assert all(0 < r < 1e14 for r in rates.values()), rates
     with pytest.raises(ValueError, match="backends must be among"):
         targets.roofline_rates(("tpu",))
+
+
+def test_targets_linear_phases_name_every_phase(capsys):
+    # The phase table of ``tools/targets.py linear --phases`` re-spells the block loop of
+    # attn_ref.linear; every phase must be timed, and the pool row must run.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "tools", "targets.py"))
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    targets.main(["linear", "--ns", "600", "--reps", "1", "--phases", "--block-size", "256", "--pool"])
+    out = capsys.readouterr().out
+    for phase in ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
+                  "phi(Q): + max", "read GEMM", "output write", "divide (in place)"):
+        assert f"    {phase} " in out, phase
+    assert "blocks of 256 rows" in out and "causal, heads on the pool" in out

@@ -461,3 +461,16 @@ def test_a_callable_feature_map_stays_on_the_calling_thread(backend, monkeypatch
     linear_attention(q, q, q, feature_map=phi, causal=True, chunk_size=2, block_size=4)
     linear_attention(q, q, q, feature_map=phi)
     assert seen == {threading.get_ident()}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_autograd_flows_through_the_blocks(causal):
+    # The linear order updates its own arrays in place (features, summary, readout) to
+    # save fresh ones; on tensors that record a graph it must not, or torch's backward
+    # finds a tensor it needs overwritten. Several blocks with a ragged tail, fold and read.
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 11, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: linear_attention(q, k, v, causal=causal, chunk_size=2, block_size=4), (q, k, v))

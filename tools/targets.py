@@ -22,6 +22,14 @@ NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive pref
 and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
+``--pool`` times the largest N with and without the heads split among the CPUs
+(``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved. ``--phases`` times
+each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
+copy, the fold and read GEMMs, the output write, the division) summed over the blocks,
+with the page faults each took (on NumPy a fresh block-sized array often costs more in
+page faults than in arithmetic), next to the whole call and each phase's share of the
+roofline.
+
 ``backward``: the blockwise softmax backward on NumPy against PyTorch's CPU SDPA
 backward, and the peak extra memory of the backward at ``--mem-n``.
 
@@ -169,7 +177,124 @@ def linear(args):
     print(f"peak extra memory, causal, N={n}: {peak / 2**20:.1f} MiB (output "
           f"{n * H * D * 4 / 2**20:.0f} MiB; naive prefix sum N H d dv floats: "
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
+    if args.pool:
+        _linear_pool(q, k, v, args.reps)
+    if args.phases:
+        _linear_phases(q, k, v, args.block_size, args.reps, rates, clock)
     print(f"load after: {_loadavg()}")
+
+
+def _linear_pool(q, k, v, reps):
+    """``linear_attention`` with and without its heads split among the CPUs
+    (``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved, wall-clock medians."""
+    from attn_ref import linear, linear_attention
+
+    def pooled(causal):
+        def run():
+            saved, linear.POOL_MIN_ROWS = linear.POOL_MIN_ROWS, 1
+            try:
+                linear_attention(q, k, v, causal=causal)
+            finally:
+                linear.POOL_MIN_ROWS = saved
+        return run
+
+    med = _interleaved({"non-causal": lambda: linear_attention(q, k, v),
+                        "non-causal, heads on the pool": pooled(False),
+                        "causal": lambda: linear_attention(q, k, v, causal=True),
+                        "causal, heads on the pool": pooled(True)}, reps)
+    print(f"N={q.shape[-2]}, interleaved, medians of {reps} (wall): "
+          + " | ".join(f"{name} {t * 1e3:.1f} ms" for name, t in med.items()))
+
+
+def _minor_faults():
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _linear_phases(q, k, v, block, reps, rates, clock):
+    """Time each phase of non-causal ``linear_attention`` (elu+1) summed over the blocks,
+    with the page faults each takes: the operations of ``attn_ref.linear``'s block loop
+    (``_stream``), re-spelled here with NumPy so that each can be timed; the medians of
+    ``reps`` runs, next to the whole call's, and each phase's share of the roofline."""
+    import array_api_compat.numpy as xp
+
+    from asv_benches.costs import variant_work
+    from attn_ref import linear_attention
+    from attn_ref.linear import safe_denominator
+
+    h, n, d = q.shape
+    zero = np.float32(0)
+    names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
+             "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
+    runs = []
+    for _ in range(reps):
+        spent, faults = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        last = [clock(), _minor_faults()]
+
+        def tick(name, spent=spent, faults=faults, last=last):
+            t, f = clock(), _minor_faults()
+            spent[name] += t - last[0]
+            faults[name] += f - last[1]
+            last[:] = [t, f]
+
+        v1 = np.ones((h, block, d + 1), dtype=v.dtype)
+        state = None
+        last[:] = [clock(), _minor_faults()]
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            fk = np.exp(np.minimum(k[:, lo:hi], zero))
+            tick(names[0])
+            fk += np.maximum(k[:, lo:hi], zero)
+            tick(names[1])
+            v1[:, :hi - lo, :d] = v[:, lo:hi]
+            tick(names[2])
+            ds = np.matrix_transpose(fk) @ v1[:, :hi - lo]
+            if state is None:
+                state = ds
+            else:
+                state += ds
+            tick(names[3])
+        out = np.empty((h, n, d), dtype=v.dtype)
+        last[:] = [clock(), _minor_faults()]
+        for lo in range(0, n, block):
+            hi = min(lo + block, n)
+            fq = np.exp(np.minimum(q[:, lo:hi], zero))
+            tick(names[4])
+            fq += np.maximum(q[:, lo:hi], zero)
+            tick(names[5])
+            o = fq @ state
+            tick(names[6])
+            out[:, lo:hi] = o[..., :d]
+            tick(names[7])
+            rows = out[:, lo:hi]
+            rows /= safe_denominator(xp, o[..., d:], 1e-6)
+            tick(names[8])
+        runs.append((spent, faults))
+        f0, t0 = _minor_faults(), clock()
+        linear_attention(q, k, v, block_size=block)
+        runs[-1] += (clock() - t0, _minor_faults() - f0)
+    pairs, elems = h * n * d, h * n * d
+    share = {names[0]: elems / rates["elementwise"] + elems / rates["exp"],
+             names[1]: elems / rates["elementwise"], names[2]: 0.0,
+             names[3]: 2 * pairs * (d + 1) / rates["gemm_flops"],
+             names[4]: elems / rates["elementwise"] + elems / rates["exp"],
+             names[5]: elems / rates["elementwise"],
+             names[6]: 2 * pairs * (d + 1) / rates["gemm_flops"],
+             names[7]: 0.0, names[8]: elems / rates["elementwise"]}
+    roof = variant_work("linear", n, {}, d=d, heads=h).seconds(rates)
+    med = {name: float(np.median([r[0][name] for r in runs])) for name in names}
+    print(f"phases of non-causal linear_attention at N={n}, blocks of {block} rows, medians of {reps} "
+          f"(total {sum(med.values()) * 1e3:.1f} ms; the call itself "
+          f"{np.median([r[2] for r in runs]) * 1e3:.1f} ms, {int(np.median([r[3] for r in runs]))} "
+          f"page faults; roofline {roof * 1e3:.1f} ms, of which memory alone "
+          f"{4 * pairs * 4 / rates['bandwidth'] * 1e3:.1f} ms)")
+    for name in names:
+        fl = int(np.median([r[1][name] for r in runs]))
+        print(f"    {name:18s} {med[name] * 1e3:8.1f} ms | page faults {fl:7d} | roofline share "
+              f"{share[name] * 1e3:6.1f} ms")
 
 
 def backward(args):
@@ -636,6 +761,11 @@ def main(argv=None):
     lin.add_argument("--fla", metavar="NAIVE_PY", help="path of fla/ops/linear_attn/naive.py")
     lin.add_argument("--cpu", action="store_true", help="CPU seconds of this process instead of wall "
                      "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
+    lin.add_argument("--pool", action="store_true", help="also time the largest N with the heads "
+                     "split among the CPUs (attn_ref.linear.POOL_MIN_ROWS), interleaved")
+    lin.add_argument("--phases", action="store_true", help="time each phase of the non-causal "
+                     "block loop at the largest N, with its page faults")
+    lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
     bwd = sub.add_parser("backward", help="issue 8: blockwise backward against torch SDPA")
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)

@@ -17,6 +17,7 @@ from .._common import (
     finish_partial,
     is_lazy,
     online_step,
+    owned_writeable,
     parallel_map,
     partial_lse,
     pool_helps,
@@ -109,7 +110,10 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
                                                      with_sum=not ones_column,
                                                      overwrite=_overwritable(sml[0])),
                              work, pooled=len(parts) > 1)
-        del work  # the logits die here; only P lives on into the P V product
+        # The logits stay named until the next tile's exist (no ``del``): the allocator
+        # then reuses their memory instead of returning it to the system and faulting it
+        # in again (N = 4096, 8 heads, 512 x 1024 tiles, NumPy: 19K page faults per call
+        # against 12K), at the same peak (three tiles: the last P, these logits, this P).
         new_state = []
         for (a, _), (_, _, acc), (m_new, l, p, alpha) in zip(parts, state, steps):
             # The normaliser counts dropped weights too (dropout acts after the softmax).
@@ -117,7 +121,13 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
             pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
             if pv.dtype != dtype:
                 pv = xp.astype(pv, dtype)
-            acc = pv if alpha is None else acc * alpha + pv  # the first tile: 0 * 0 + pv is pv
+            if alpha is None:  # the first tile: 0 * 0 + pv is pv
+                acc = pv
+            elif owned_writeable(acc):  # the same products and sums, without two fresh arrays
+                acc *= alpha
+                acc += pv
+            else:
+                acc = acc * alpha + pv
             new_state.append((m_new, l, acc))
         state = new_state
     outs, lses = [], []
