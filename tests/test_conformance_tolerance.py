@@ -264,6 +264,26 @@ def test_low_precision_baselines_take_masks_and_sequence_lengths(dtype):
     assert ran == {"mask", "dropout_mask", "seqlens_q", "seqlens_k"}, ran
 
 
+@pytest.mark.parametrize("name", VARIANTS)
+def test_low_precision_baselines_run_on_every_variant(name):
+    # The same refusal inside a variant: compressed, pooled and routing build a causal
+    # mask from the low-precision q (a plain ndarray) and handed it to a check that took
+    # the subclass for another library; every causal case fell back to 16 ulps. Only a
+    # baseline that overflows (float16 linear attention, Performer) may fall back.
+    ran = 0
+    for case in _sample(name, 3):
+        if case.nq * case.nk > 130 * 130:
+            continue
+        try:
+            prep = prepare(case, name, "bfloat16")
+        except NotApplicable:
+            continue
+        ran += 1
+        assert prep.baseline_note == "" or "non-finite" in prep.baseline_note, (
+            case.id, prep.baseline_note)
+    assert ran >= 4, ran
+
+
 def test_float16_kernel_off_by_a_few_ulps_on_masked_rows_fails():
     # fp32-accumulating, then its output moved by 4 ulps of float16 where a mask is
     # given: inside the old 16-ulp fallback of masked cases, twice the baseline's error
