@@ -6,6 +6,7 @@ packed sequences; the limits where a variant becomes something simpler; long seq
 with strong decay; half-precision inputs; bad input.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -174,6 +175,13 @@ def test_per_key_scores_are_the_pairwise_sum(backend):
     # finite where the pairwise exponents span far more than float32's range.
     from attn_ref.recurrent.common import decayed_scores
 
+    scores = functools.partial(decayed_scores, backend.xp)
+    if backend.name == "jax":
+        # one compilation per block size and dtype instead of one per operation and
+        # shape of the recursion (326 op-by-op compilations, 13 of the test's 23 s)
+        import jax
+
+        scores = jax.jit(scores)
     rng = np.random.default_rng(3)
     for c in (1, 2, 7, 16, 24):
         q, k = rng.standard_normal((2, c, DK)), rng.standard_normal((2, c, DK))
@@ -182,7 +190,7 @@ def test_per_key_scores_are_the_pairwise_sum(backend):
                          np.exp(np.minimum(b[..., :, None, :] - b[..., None, :, :], 0)))
         want = want * np.tril(np.ones((c, c)))
         for dtype in ("float64", "float32"):
-            got = decayed_scores(backend.xp, *(from_numpy(x, backend, dtype) for x in (q, k, b)))
+            got = scores(*(from_numpy(x, backend, dtype) for x in (q, k, b)))
             tol = 1e-12 if dtype == "float64" else 1e-5
             assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol)
 
@@ -306,10 +314,9 @@ def test_delta_rule_with_orthonormal_keys_stores_the_values(backend):
 def test_long_sequence_with_strong_decay_stays_finite(backend, name):
     # T = 4096 steps of g = -5: b_T = -20480, exp(-b_T) overflows every float type; the
     # forms never form it. With this decay the output is the current token's term. JAX
-    # runs eagerly here (an unrolled 4096-step program takes minutes to compile) and
-    # compiles each op for each new block shape: it gets T = 256, where exp(-b_T) =
-    # exp(1280) already overflows float64.
-    T = 256 if backend.name == "jax" else 4096
+    # runs each form under jit: one compilation each (eagerly, every operation compiled
+    # for each new block shape took 9 s at T = 256).
+    T = 4096
     rng = np.random.default_rng(2)
     qh, kh = rng.standard_normal((T, 2)), rng.standard_normal((T, 2))
     kh = kh / np.linalg.norm(kh, axis=-1, keepdims=True)
@@ -323,7 +330,12 @@ def test_long_sequence_with_strong_decay_stays_finite(backend, name):
     # the delta rule's parallel form solves a T x T system: checked at T = 1024
     forms = ("chunk",) if name == "gated_deltanet" else ("chunk", "parallel")
     for form in forms:
-        got = FNS[name](q, k, v, form=form, **st)
+        fn = functools.partial(FNS[name], form=form)
+        if backend.name == "jax":
+            import jax
+
+            fn = jax.jit(fn)
+        got = fn(q, k, v, **st)
         assert np.all(np.isfinite(host(got))), f"{form}: non-finite values"
         assert_close(got, want, backend, dtype="float32", rtol=1e-5, atol=1e-5)
     if name == "gated_deltanet":
