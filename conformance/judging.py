@@ -599,6 +599,37 @@ def _recurrent_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=No
     return xp.stack(outs, axis=-2)
 
 
+def _sequential_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=None,
+                       normalize=True, eps=None, xp=None, **_orders):
+    """Linear attention in the quadratic order, ``A V`` and ``rowsum A`` summed key by key.
+
+    The same function as every other order. Its sums over the keys are sequential, whose
+    rounding grows like ``sqrt(Nk)`` times the terms' ulp, where NumPy's BLAS and the
+    chunked orders sum in blocks (pairwise); a plain kernel may sum either way, and one
+    with torch's float64 ``(A V) / rowsum A`` over 4096 keys errs by 3.2 to 4x the
+    blocked orders' RMS error (measured on ``long:b1h1-q64k4096-d32``): a false fail
+    against those orders alone. Summing ``phi(K)^T V`` key by key instead (the recurrent
+    form) does not reach it: the ``d'`` features' errors average out in ``phi(q)^T S``.
+    """
+    from attn_ref.linear import DEFAULT_EPS, causal_visible, feature_map_features, readout
+
+    fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
+    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
+    if scale is not None and scale != 1.0:
+        fq = fq * scale
+    a = fq @ xp.matrix_transpose(fk)
+    if causal:
+        alignment = causal if isinstance(causal, str) else "top-left"
+        vis = causal_visible(xp, q.shape[-2], k.shape[-2], alignment, "cpu")
+        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype))  # where: inf * 0 would be NaN
+    num = xp.zeros(a.shape[:-1] + (v.shape[-1],), dtype=a.dtype)
+    den = xp.zeros(a.shape[:-1] + (1,), dtype=a.dtype)
+    for j in range(k.shape[-2]):
+        num = num + a[..., j:j + 1] * v[..., j:j + 1, :]
+        den = den + a[..., j:j + 1]
+    return readout(xp, num, den, normalize, DEFAULT_EPS if eps is None else eps)
+
+
 #: flash-linear-attention's default chunk size: its Triton chunk kernels store each
 #: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
 #: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``)
@@ -747,6 +778,8 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
                     (("order", "linear"), ("chunk_size", 64), ("block_size", _ONE))),
                Form("recurrent, token by token", fn=_recurrent_linear, blockwise=True,
                     applies=_causal_square),
+               Form("quadratic order, keys summed one by one", fn=_sequential_linear,
+                    blockwise=True),
                PERTURBED)
 # the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
 # kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
