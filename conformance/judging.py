@@ -630,6 +630,25 @@ def _sequential_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=N
     return readout(xp, num, den, normalize, DEFAULT_EPS if eps is None else eps)
 
 
+def _elu_as_written(x):
+    """``elu(x) + 1`` as torch and fla write it, ``expm1(x) + 1`` for ``x < 0``: the sum
+    cancels, so a feature ``e^x`` far below 1 keeps only an absolute error of ``u / 2``,
+    where attn_ref's ``max(x, 0) + exp(min(x, 0))`` keeps a relative one. On rows whose
+    features are all that small (large negative inputs) the output is a ratio of them:
+    a plain torch kernel erred 31x attn_ref's own orders on ``large-logits`` (float64)."""
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(x)
+    zero = xp.zeros((), dtype=x.dtype)
+    return xp.where(x > 0, x, xp.expm1(xp.minimum(x, zero))) + 1.0
+
+
+def _elu_plus_one(prep):
+    """The default feature map, float32/float64 (calibrated there only)."""
+    return (prep.options.get("feature_map", "elu+1") == "elu+1"
+            and prep.dtype in ("float32", "float64"))
+
+
 #: flash-linear-attention's default chunk size: its Triton chunk kernels store each
 #: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
 #: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``)
@@ -780,6 +799,9 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
                     applies=_causal_square),
                Form("quadratic order, keys summed one by one", fn=_sequential_linear,
                     blockwise=True),
+               Form("quadratic order, elu(x) + 1 as written", (("order", "quadratic"),
+                                                               ("feature_map", _elu_as_written)),
+                    applies=_elu_plus_one),
                PERTURBED)
 # the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
 # kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
