@@ -22,8 +22,11 @@ When a case fails, :func:`diagnose` tries, in order:
    float16/bfloat16 implementation's; for a float16/bfloat16 kernel, an error well past
    a plain fp32-accumulating implementation's in its dtype (the ``precision`` column)
    that matches one accumulating ``P V`` and the row sum in the dtype a few keys at a
-   time, or grows with ``N`` faster than the plain one's (the kernel is re-run on the
-   same case at ``N/4``): "accumulates in low precision".
+   time, or (the recurrent family) one holding its state in the dtype or in bfloat16,
+   rounded at every step, or grows with ``N`` faster than the plain one's (the kernel
+   is re-run on the same case at ``N/4``): "accumulates in low precision". For the
+   recurrent family in float16/bfloat16 this comes before (3): a state held in the
+   dtype errs most on the heads of longest memory, which (3) would report alone.
 
 The rule: a diagnosis names a mistake only when the mistake reproduces what the kernel
 did. For a signature (2) that is: the mistake changes the output on this case (its
