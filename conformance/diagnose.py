@@ -22,8 +22,11 @@ When a case fails, :func:`diagnose` tries, in order:
    float16/bfloat16 implementation's; for a float16/bfloat16 kernel, an error well past
    a plain fp32-accumulating implementation's in its dtype (the ``precision`` column)
    that matches one accumulating ``P V`` and the row sum in the dtype a few keys at a
-   time, or grows with ``N`` faster than the plain one's (the kernel is re-run on the
-   same case at ``N/4``): "accumulates in low precision".
+   time, or (the recurrent family) one holding its state in the dtype or in bfloat16,
+   rounded at every step, or grows with ``N`` faster than the plain one's (the kernel
+   is re-run on the same case at ``N/4``): "accumulates in low precision". For the
+   recurrent family in float16/bfloat16 this comes before (3): a state held in the
+   dtype errs most on the heads of longest memory, which (3) would report alone.
 
 The rule: a diagnosis names a mistake only when the mistake reproduces what the kernel
 did. For a signature (2) that is: the mistake changes the output on this case (its
@@ -55,6 +58,7 @@ import numpy as np
 
 from .calling import reference_features
 from .features import allowed_matrix, sequence_lengths
+from .judging import FLA_CHUNK, RECURRENT, fp32_state_form
 from .tolerance import LOW_PRECISION, host_dtype, measure
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
@@ -754,6 +758,8 @@ def _low_precision_accumulation(prep, res, rerun):
     words = None
     head = (f"the kernel accumulates in low precision: its error is {res.precision:.3g}x that "
             f"of a plain {dt} implementation accumulating in float32")
+    if prep.variant.name in RECURRENT:
+        words = _low_precision_state(prep, res, head)
     if prep.variant.exact:
         best = None
         # (smaller blocks cost seconds per key block on N = 4096 rows in emulated float16)
@@ -777,6 +783,30 @@ def _low_precision_accumulation(prep, res, rerun):
                 f"({grown[0]:.3g}x at Nk={grown[1]}, {res.precision:.3g}x at Nk={prep.case.nk})")
         words = f"{words}; {more}" if words else f"{head}; {more}"
     return words
+
+
+def _low_precision_state(prep, res, head):
+    """A recurrent kernel whose error is the size of one that stores its state in a half
+    dtype and rounds it at every step (within a factor of 3), where the baseline's
+    implementations keep it in float32 or store it once per chunk of ``FLA_CHUNK``."""
+    dt = prep.dtype
+    best = None
+    for store in dict.fromkeys((dt, "bfloat16")):
+        try:
+            with np.errstate(all="ignore"):
+                cand = prep.apply_semantics(prep.reference(
+                    dt, fn=fp32_state_form(prep.variant.name, 1, store)))
+        except Exception:
+            continue
+        be = measure(cand, prep.golden, prep.keep).max_err
+        off = abs(math.log(res.max_err / be)) if be > 0 and res.max_err > 0 else math.inf
+        if off <= math.log(3.0) and (best is None or off < best[0]):
+            best = (off, store, be)
+    if best is None:
+        return None
+    return (f"{head}, the size ({best[2]:.2g}) of one that keeps its recurrent state in "
+            f"{best[1]}, rounded at every step (accumulate the state in float32; fla's chunk "
+            f"kernels store it in the dtype only between chunks of {FLA_CHUNK})")
 
 
 def _at_quarter_length(prep, rerun, metric):
@@ -878,7 +908,12 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
             return best[1]
         return (" - or ".join([best[1]] + same[:2])
                 + " (these mistakes give the same output on this case)")
-    for fn in (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun)):
+    order = (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun))
+    if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
+        # a state kept in the dtype errs most on the heads of longest memory: "wrong only
+        # on heads 1..7" would be a true measurement that names no mistake
+        order = order[::-1]
+    for fn in order:
         words = fn()
         if words:
             return words

@@ -48,18 +48,21 @@ from .tolerance import (
     DEFAULTS,
     LOW_PRECISION,
     MANTISSA_BITS,
+    LowPrecisionArray,
     Metrics,
     Tolerance,
     as_dtype,
     compared_count,
     elementwise_ulp_rms,
     measure,
+    plain_array,
     round_to,
     ulp,
 )
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
+           "fp32_state_form", "FLA_CHUNK", "RECURRENT",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
 
@@ -599,6 +602,149 @@ def _recurrent_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=No
     return xp.stack(outs, axis=-2)
 
 
+def _sequential_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=None,
+                       normalize=True, eps=None, xp=None, **_orders):
+    """Linear attention in the quadratic order, ``A V`` and ``rowsum A`` summed key by key.
+
+    The same function as every other order. Its sums over the keys are sequential, whose
+    rounding grows like ``sqrt(Nk)`` times the terms' ulp, where NumPy's BLAS and the
+    chunked orders sum in blocks (pairwise); a plain kernel may sum either way, and one
+    with torch's float64 ``(A V) / rowsum A`` over 4096 keys errs by 3.2 to 4x the
+    blocked orders' RMS error (measured on ``long:b1h1-q64k4096-d32``): a false fail
+    against those orders alone. Summing ``phi(K)^T V`` key by key instead (the recurrent
+    form) does not reach it: the ``d'`` features' errors average out in ``phi(q)^T S``.
+    """
+    from attn_ref.linear import DEFAULT_EPS, causal_visible, feature_map_features, readout
+
+    fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
+    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
+    if scale is not None and scale != 1.0:
+        fq = fq * scale
+    a = fq @ xp.matrix_transpose(fk)
+    if causal:
+        alignment = causal if isinstance(causal, str) else "top-left"
+        vis = causal_visible(xp, q.shape[-2], k.shape[-2], alignment, "cpu")
+        a = xp.where(vis, a, xp.zeros((), dtype=a.dtype))  # where: inf * 0 would be NaN
+    num = xp.zeros(a.shape[:-1] + (v.shape[-1],), dtype=a.dtype)
+    den = xp.zeros(a.shape[:-1] + (1,), dtype=a.dtype)
+    for j in range(k.shape[-2]):
+        num = num + a[..., j:j + 1] * v[..., j:j + 1, :]
+        den = den + a[..., j:j + 1]
+    return readout(xp, num, den, normalize, DEFAULT_EPS if eps is None else eps)
+
+
+def _elu_as_written(x):
+    """``elu(x) + 1`` as torch and fla write it, ``expm1(x) + 1`` for ``x < 0``: the sum
+    cancels, so a feature ``e^x`` far below 1 keeps only an absolute error of ``u / 2``,
+    where attn_ref's ``max(x, 0) + exp(min(x, 0))`` keeps a relative one. On rows whose
+    features are all that small (large negative inputs) the output is a ratio of them:
+    a plain torch kernel erred 31x attn_ref's own orders on ``large-logits`` (float64)."""
+    import array_api_compat
+
+    xp = array_api_compat.array_namespace(x)
+    zero = xp.zeros((), dtype=x.dtype)
+    return xp.where(x > 0, x, xp.expm1(xp.minimum(x, zero))) + 1.0
+
+
+def _elu_plus_one(prep):
+    """The default feature map, float32/float64 (calibrated there only)."""
+    return (prep.options.get("feature_map", "elu+1") == "elu+1"
+            and prep.dtype in ("float32", "float64"))
+
+
+#: flash-linear-attention's default chunk size: its Triton chunk kernels store each
+#: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
+#: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``)
+FLA_CHUNK = 64
+#: the variants of :mod:`attn_ref.recurrent`
+RECURRENT = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
+
+
+def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_dtype=False):
+    """The recurrent variant ``name`` as a plain fp32-accumulating kernel in half precision.
+
+    Parameters
+    ----------
+    name : str
+        A variant of :mod:`attn_ref.recurrent` (``"retention"``, ``"gla"``...).
+    store_every : int, optional
+        Also round the state to the dtype at every ``store_every``-th step, as fla's chunk
+        kernels store it between chunks (``FLA_CHUNK``); 1 is a kernel whose state is
+        held in the dtype (the mistake :mod:`conformance.diagnose` names).
+    store_dtype : str, optional
+        The dtype the state is stored in (``"bfloat16"``, ``"float16"``); by default the
+        inputs' own.
+    normalized_in_dtype : bool
+        With ``qk_l2norm=True``: normalise ``q`` and ``k`` in float32 and store them in the
+        dtype before the recurrence, as a model that calls fla's ``l2norm`` (float32
+        inside, output in the input dtype) before the kernel does.
+
+    Returns
+    -------
+    callable
+        A function with the reference's signature. On :class:`LowPrecisionArray` inputs
+        (``q, k, v``, gates, ``beta``, the initial state, as the dtype holds them) it
+        computes the chunk form (chunks of ``FLA_CHUNK``) with the state and products in
+        float32 and rounds the output to the dtype once: what ``attn_ref.recurrent``
+        computes for half inputs, and fla's kernels. Every setting computes the
+        variant's function in exact arithmetic; on other arrays (float64) nothing is
+        rounded. ``O(T / C)`` reference calls per sequence (``C = store_every``).
+    """
+
+    def form(q, k, v, /, *, xp=None, cu_seqlens=None, initial_state=None, **kw):
+        from attn_ref.registry import get
+
+        fn = get(name).fn
+        cls = type(q) if isinstance(q, LowPrecisionArray) else None
+        rnd = (lambda x: x) if cls is None else cls.round
+        store = rnd if store_dtype is None or cls is None else LOW_PRECISION[store_dtype].round
+        q, k, v, initial_state, cu_seqlens = (plain_array(x) for x in (q, k, v, initial_state,
+                                                                         cu_seqlens))
+        kw = {n: plain_array(x) for n, x in kw.items()}
+        kw.update(form="chunk", chunk_size=FLA_CHUNK, output_final_state=True, xp=xp)
+        if normalized_in_dtype and kw.get("qk_l2norm"):
+            from attn_ref.recurrent.delta import l2_normalize
+
+            q, k = (rnd(np.asarray(l2_normalize(x, xp=xp))) for x in (q, k))
+            kw["qk_l2norm"] = False
+        nb, steps = q.ndim - 2, q.shape[-2]  # the time axis follows the batch axes
+
+        def cut(x, a, b):
+            per_step = isinstance(x, np.ndarray) and x.ndim > nb and x.shape[nb] == steps
+            return x[(slice(None),) * nb + (slice(a, b),)] if per_step else x
+
+        def run(a, b, s):
+            """Steps ``a:b`` of one sequence from the state ``s``: its output."""
+            outs = []
+            step = store_every or b - a
+            for c in range(a, b, step):
+                e = min(c + step, b)
+                o, s = fn(cut(q, c, e), cut(k, c, e), cut(v, c, e), initial_state=s,
+                          **{n: cut(x, c, e) for n, x in kw.items()})
+                s = store(np.asarray(s))
+                outs.append(o)
+            return np.concatenate(outs, axis=-2)
+
+        bounds = [0, q.shape[-2]] if cu_seqlens is None else [int(t) for t in cu_seqlens]
+        outs = []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if a == b:
+                continue
+            if initial_state is None:  # q is (1, ...) with packed sequences: one state each
+                s0 = np.zeros(q.shape[:nb] + (k.shape[-1], v.shape[-1]), dtype=q.dtype)
+            else:
+                s0 = initial_state if cu_seqlens is None else initial_state[i:i + 1]
+            outs.append(run(a, b, s0))
+        if not outs:
+            return xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        out = rnd(np.concatenate(outs, axis=-2))
+        return out if cls is None else out.view(cls)
+
+    form.__name__ = f"{name}_fp32_state" + ("" if store_every is None else
+                                            f"_stored_every_{store_every}")
+    return form
+
+
 def _reformer_dense(q, k, v, /, **kw):
     """Reformer as its defining form: the union-mask softmax matrix times ``v``."""
     from attn_ref.hashing import reformer_weights
@@ -654,15 +800,33 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
                     (("order", "linear"), ("chunk_size", 64), ("block_size", _ONE))),
                Form("recurrent, token by token", fn=_recurrent_linear, blockwise=True,
                     applies=_causal_square),
+               Form("quadratic order, keys summed one by one", fn=_sequential_linear,
+                    blockwise=True),
+               Form("quadratic order, elu(x) + 1 as written", (("order", "quadratic"),
+                                                               ("feature_map", _elu_as_written)),
+                    applies=_elu_plus_one),
                PERTURBED)
 # the recurrent family (attn_ref.recurrent): its three forms are one function; a chunked
 # kernel rounds like the chunk form at its own chunk size, a recurrent one like the loop.
-# The state is float32 for half inputs in every form, so none is blockwise.
-for _name in ("retention", "gla", "ssd", "deltanet", "gated_deltanet"):
-    register_forms(_name, AS_REGISTERED,
-                   Form("recurrent, token by token", (("form", "recurrent"),)),
-                   Form("parallel, masked T x T", (("form", "parallel"),)),
-                   Form("chunks of 64", (("chunk_size", 64),)),
+# In float16/bfloat16 these forms would run on LowPrecisionArray, which rounds the state
+# at every step (attn_ref keeps it in float32 by the input dtype, which those arrays
+# hide): a baseline off by 8.2 where a float32-state kernel is off by 0.031 (8 retention
+# heads, T = 1000, float16), loose enough to pass a kernel whose state is bfloat16. There
+# the baseline is the two fp32-accumulating implementations real kernels are instead.
+_FULL = lambda prep: prep.dtype in ("float32", "float64")  # noqa: E731
+_HALF = lambda prep: prep.dtype in LOW_PRECISION  # noqa: E731
+for _name in RECURRENT:
+    register_forms(_name,
+                   Form("float32 state", fn=fp32_state_form(_name), applies=_HALF),
+                   Form(f"float32 state stored in the dtype every {FLA_CHUNK} steps",
+                        fn=fp32_state_form(_name, FLA_CHUNK), applies=_HALF),
+                   *((Form("q, k normalised in float32, stored in the dtype",
+                           fn=fp32_state_form(_name, normalized_in_dtype=True),
+                           applies=_HALF),) if _name in ("deltanet", "gated_deltanet") else ()),
+                   Form("as registered", applies=_FULL),
+                   Form("recurrent, token by token", (("form", "recurrent"),), applies=_FULL),
+                   Form("parallel, masked T x T", (("form", "parallel"),), applies=_FULL),
+                   Form("chunks of 64", (("chunk_size", 64),), applies=_FULL),
                    PERTURBED)
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),

@@ -53,6 +53,7 @@ __all__ = [
     "F16Array",
     "LOW_PRECISION",
     "lp_array",
+    "plain_array",
     "as_dtype",
     "Metrics",
     "measure",
@@ -264,6 +265,12 @@ def lp_array(x: np.ndarray, dtype: str) -> LowPrecisionArray:
     """``x`` rounded to ``dtype`` (``"bfloat16"`` or ``"float16"``) as a :class:`LowPrecisionArray`."""
     cls = LOW_PRECISION[dtype]
     return cls.round(np.asarray(x, dtype=np.float32)).view(cls)
+
+
+def plain_array(x):
+    """``x`` as a plain ndarray when it is a :class:`LowPrecisionArray` (same data; its
+    operations no longer round), else ``x`` itself."""
+    return _plain(x)
 
 
 def bf16_array(x: np.ndarray) -> BF16Array:

@@ -25,9 +25,9 @@ import pytest
 
 from attn_ref.registry import get
 from conformance import verify
-from conformance.catalogue import cases
+from conformance.catalogue import Case, cases
 from conformance.extras import EXTRAS, final_state_golden, final_state_tolerance
-from conformance.judging import prepare
+from conformance.judging import FLA_CHUNK, FORMS, prepare
 from conformance.mutants import (
     FINAL_STATE_CHANGES,
     RECURRENT_CHANGES,
@@ -255,7 +255,8 @@ def fla_naive_kernel(name, *, compute="float32"):
     * layout: ``[B, T, H, K]`` for the files that take it (q, k, v, gates, ``beta``
       transposed in and the output back), ``[B, H, T, K]`` for the others;
     * ``qk_l2norm=True`` (DeltaNet as registered): q and k normalised by fla's ``l2norm``
-      (``x / sqrt(|x|^2 + 1e-6)``) before the loop, as ``use_qk_l2norm_in_kernel`` does;
+      (``x / sqrt(|x|^2 + 1e-6)``, in float32 for half inputs and stored in the input
+      dtype, as ``fla/modules/norm/l2norm.py`` does) before the loop;
     * retention's decays ``1 - 2^(-5 - h)`` are built in (the registered ``gamma``), and
       the file takes neither an initial state nor returns a final state;
     * ``cu_seqlens``: one naive call per packed sequence, with its own initial state (as
@@ -294,7 +295,10 @@ def fla_naive_kernel(name, *, compute="float32"):
                qk_l2norm=False, **steps):
         steps = {n: x for n, x in steps.items() if n in ("g", "beta")}
         if qk_l2norm:
-            q, k = (x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+            # as fla's l2norm kernel: float32 inside for half inputs, output in the input dtype
+            w = {torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(q.dtype, q.dtype)
+            q, k = ((x.to(w) / torch.sqrt((x.to(w) ** 2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+                    for x in (q, k))
         bounds = list(cu_seqlens) if cu_seqlens is not None else [0, q.shape[-2]]
         outs, finals = [], []
         for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
@@ -491,3 +495,79 @@ def test_the_jax_reference_compiles_with_the_recurrent_options_and_passes():
     assert rep.passed and {r.output for r in rep.results} == {"out", "final_state"}, rep.table()
     assert seen[0] == {**JAX_COMPILER_OPTIONS, **JAX_RECURRENT_OPTIONS}
     assert seen[-1] == JAX_COMPILER_OPTIONS  # the other families keep theirs
+
+
+# ------------------------------------------- float16/bfloat16: the state is float32
+
+
+def _torch_retention(store_every=None, store_dtype=None):
+    """Retention from its recurrence in torch (``S_t = gamma S_{t-1} + k_t^T v_t``,
+    ``o_t = scale q_t S_t``): the inputs as given, state and products in float32 for half
+    inputs, the output in the input dtype. ``store_every=n``: the state is rounded to
+    ``store_dtype`` (default the input dtype) after every ``n``-th step - 64 is fla's
+    chunk kernels (the state stored between chunks), 1 a state held in that dtype."""
+    import torch
+
+    def kernel(q, k, v, *, gamma, scale=None):
+        dt = q.dtype
+        w = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q, k, v, g = q.to(w), k.to(w), v.to(w), gamma.to(w)[..., None, None]
+        s = torch.zeros(q.shape[:-2] + (k.shape[-1], v.shape[-1]), dtype=w)
+        outs = []
+        for t in range(q.shape[-2]):
+            s = g * s + k[..., t, :, None] * v[..., t, None, :]
+            if store_every and (t + 1) % store_every == 0:
+                s = s.to(store_dtype or dt).to(w)
+            outs.append(scale * (q[..., t, None, :] @ s)[..., 0, :])
+        return torch.stack(outs, dim=-2).to(dt)
+
+    return kernel
+
+
+# 8 retention heads, decays up to 1 - 2^-12: a memory of thousands of steps
+_LONG_MEMORY = Case("long-memory", (1, 8), 500, 500, 16, 16, causal="top-left", family="recurrent")
+
+
+def _verify_retention(kernel, dtype):
+    pytest.importorskip("torch")
+    return verify(kernel, "retention", backend="torch", dtypes=(dtype,), cases=[_LONG_MEMORY],
+                  supports={"causal": "always"}, progress=False).results[0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_state_kept_in_bfloat16_fails_the_output_named(dtype):
+    """The output's float16/bfloat16 baseline keeps the state in float32 (or stores it in
+    the dtype once per chunk of 64, as fla's chunk kernels do), not rounded every step:
+    a kernel whose state is bfloat16 fails the output row (it passed when the baseline's
+    state was rounded every step: 4.5 against a tolerance of 16.5 in float16 at T = 1000)."""
+    import torch
+
+    r = _verify_retention(_torch_retention(1, torch.bfloat16), dtype)
+    assert r.verdict == "fail" and r.output == "out", (r.ratio, r.diagnosis)
+    assert "keeps its recurrent state in bfloat16, rounded at every step" in r.diagnosis, r.diagnosis
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("store_every", [None, 64])
+def test_a_float32_state_and_one_stored_per_chunk_pass(dtype, store_every):
+    r = _verify_retention(_torch_retention(store_every), dtype)
+    assert r.verdict == "pass", (r.ratio, r.diagnosis)
+
+
+@pytest.mark.parametrize("name", RECURRENT_VARIANTS)
+def test_the_low_precision_forms_compute_the_variants_function(name):
+    """The float16/bfloat16 forms (float32 state, stored per chunk, q and k normalised
+    first) on packed sequences with initial states: in float64, nothing is rounded and
+    each agrees with the golden to float64 rounding."""
+    todo = [c for c in cases(name, "standard") if c.family == "recurrent"
+            and {"cu_seqlens", "initial_state"} <= c.needs and c.nq > FLA_CHUNK]
+    todo += [c for c in cases(name, "standard") if c.id.startswith("chunks:") and c.nq > FLA_CHUNK]
+    assert todo
+    for case in todo:
+        prep = prepare(case, name, "float64")
+        half = [f for f in FORMS[name] if f.applies is not None and not f.applies(prep)]
+        assert len(half) >= 2
+        for f in half:
+            err = float(np.max(np.abs(f.run(prep, "float64") - prep.golden)))
+            assert err <= 1e-9 * float(np.max(np.abs(prep.golden))), (f.name, case.id, err)

@@ -442,3 +442,76 @@ def _torch_lp_accumulating(q, k, v, *, is_causal=False, scale=None, block=16):
     for j0 in range(0, k.shape[-2], block):  # P V accumulated in the kernel's own dtype
         acc = (acc.float() + p[..., j0:j0 + block].to(dt).float() @ v[..., j0:j0 + block, :].float()).to(dt)
     return (acc.float() / p.sum(-1, keepdim=True)).to(dt)
+
+
+# ------------------------------------- linear attention: another summation order over keys
+
+
+def _torch_linear(q, k, v, *, causal=False, scale=None, off_by=0.0, den_dtype=None):
+    """elu+1 linear attention in plain torch, quadratic order: ``(A V) / rowsum A``.
+    ``off_by``: the output scaled by ``1 + off_by``; ``den_dtype``: the row sums rounded to
+    that dtype (slightly wrong kernels)."""
+    import torch
+    import torch.nn.functional as F
+
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    a = (1.0 if scale is None else scale) * fq @ fk.transpose(-1, -2)
+    if causal:
+        nq, nk = q.shape[-2], k.shape[-2]
+        off = nk - nq if causal == "bottom-right" else 0
+        a = a.masked_fill(torch.arange(nk)[None] > torch.arange(nq)[:, None] + off, 0.0)
+    # rows that see no key: 0, as attn_ref's eps = 1e-6 floor gives (elu+1 is positive)
+    den = a.sum(-1, keepdim=True).clamp_min(1e-6)
+    if den_dtype is not None:
+        den = den.to(getattr(torch, den_dtype)).to(a.dtype)
+    return (a @ v) / den * (1 + off_by)
+
+
+_LINEAR_4096 = [c for c in cases("linear", "standard") if c.nk == 4096]
+
+
+def _verify_linear(kernel, dtypes, seeds, todo=_LINEAR_4096):
+    pytest.importorskip("torch")
+    return [verify(kernel, "linear", backend="torch", dtypes=dtypes, cases=todo, seed=seed,
+                   causal="both", progress=False, diagnose=False) for seed in seeds]
+
+
+def test_calibration_plain_torch_linear_attention_passes():
+    """torch's float64 sums over 4096 keys err up to 4x NumPy's blocked ones (RMS): seed 2
+    of ``long:b1h1-q64k4096-d32`` failed at 1.056 before the baseline took a form that sums
+    the keys one by one. CI: seeds 1 and 2 on the 4096-key rows and the large-logits one
+    (below); full calibration (ATTN_REF_CALIBRATION_SEEDS=20): the standard suite."""
+    todo = cases("linear", "standard") if SEEDS else _LINEAR_4096 + [
+        c for c in cases("linear", "standard") if c.id == _ELU_CASE]
+    for seed, rep in zip(range(SEEDS) if SEEDS else (1, 2), _verify_linear(
+            _torch_linear, ("float64", "float32"), range(SEEDS) if SEEDS else (1, 2), todo)):
+        rep.results = [r for r in rep.results if (seed, r.case, r.dtype) not in _ILL_FOR_TORCH]
+        assert rep.passed, rep.table()
+        assert rep.counts["pass"] >= len(todo), rep.summary()
+
+
+# torch's elu(x) + 1 is expm1(x) + 1, which keeps e^x << 1 only to an absolute u/2: on
+# large negative inputs the output is a ratio of such features. The form "elu(x) + 1 as
+# written" is in the baseline for it (seed 1 of this case failed at 1.95 in float64
+# without it); at seed 14 in float32 the plain torch kernel errs 0.54 on outputs of size
+# 0.80 and that form 0.19 (just under the 1/4 of max|golden| that makes a case
+# ill-conditioned): two samples of quantised features, which the RMS bound (3x the
+# form's) misses by 5 %. Left out of the 20-seed calibration, named here.
+_ELU_CASE = "large-logits:b1h2-q16k16-d8-large_logits"
+_ILL_FOR_TORCH = {(14, _ELU_CASE, "float32")}
+
+
+@pytest.mark.parametrize("wrong", [dict(off_by=1e-13), dict(den_dtype="float32")])
+def test_a_linear_kernel_slightly_off_fails_at_4096_keys(wrong):
+    """The summed-one-by-one baseline is no blanket: an output 1e-13 too large, or row
+    sums rounded to float32, fail the float64 rows it made pass."""
+    rep, = _verify_linear(functools.partial(_torch_linear, **wrong), ("float64",), (2,))
+    assert all(r.verdict == "fail" for r in rep.results), rep.table()
+
+
+def test_the_sequential_linear_form_is_in_the_baseline():
+    """float64 at 4096 keys: the baseline is the largest of the forms, the keys summed one
+    by one among them (about 4x the blocked orders' RMS error, measured)."""
+    prep = prepare(_LINEAR_4096[0], "linear", "float64", 2)
+    names = [f.name for f in forms(prep, "float64")]
+    assert "quadratic order, keys summed one by one" in names
