@@ -55,6 +55,7 @@ import numpy as np
 
 from .features import FEATURES, NotApplicable
 from .layouts import pair_layout
+from .tolerance import param_dtype
 
 __all__ = ["KernelSpec", "Declaration", "DECLARATIONS", "ALWAYS", "reference_features",
            "kernel_kwargs", "applicable", "snapshot", "same", "library_name", "check_container",
@@ -286,7 +287,7 @@ def kernel_kwargs(ctx, prep, convert):
         if pname is not None:
             kw[pname] = val
     for name, val in prep.params.items():
-        kw[name] = convert(val) if isinstance(val, np.ndarray) else val
+        kw[name] = convert(val, param_dtype(name, prep.dtype)) if isinstance(val, np.ndarray) else val
     for name, val in prep.options.items():
         if name in ctx.kernel.accepts:
             kw[name] = val

@@ -34,7 +34,7 @@ from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, to_layout
 from .report import CaseResult
-from .tolerance import Tolerance, measure, round_to, ulp
+from .tolerance import Tolerance, measure, param_dtype, round_to, ulp
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS"]
 
@@ -68,7 +68,7 @@ def _cotangent(prep) -> np.ndarray:
 
 def _reference_grads(prep, do, dtype, vjp=None):
     a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
-    p = {n: as_dtype(x, dtype) for n, x in prep.params.items()}
+    p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in prep.params.items()}
     g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
                    **{n: x for n, x in a.items() if n not in BASE_KEYS},
                    **prep.kwargs, **p, **prep.options, xp=_np())

@@ -55,6 +55,7 @@ from .tolerance import (
     compared_count,
     elementwise_ulp_rms,
     measure,
+    param_dtype,
     plain_array,
     round_to,
     ulp,
@@ -166,7 +167,7 @@ class Prepared:
         options = self.options if options is None else options
         fn = self.variant.fn if fn is None else fn
         a = {n: as_dtype(x, dtype) for n, x in arrays.items()}
-        p = {n: as_dtype(x, dtype) for n, x in self.params.items()}
+        p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in self.params.items()}
         out = fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in BASE_KEYS},
                  **kwargs, **p, **options, xp=_np_compat())
         return np.asarray(out, dtype=np.float64) if dtype != "longdouble" else np.asarray(out)
@@ -442,7 +443,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
-        params = {n: round_to(np.asarray(x), dtype) if hasattr(x, "shape") else x
+        params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
     allowed = allowed_matrix(case, arrays, kwargs)

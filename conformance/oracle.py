@@ -122,8 +122,8 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), **base)]
 
-    def convert(a):
-        return ctx.to_kernel(a, dtype)
+    def convert(a, dt=None):
+        return ctx.to_kernel(a, dtype if dt is None else dt)
 
     try:
         kw = kernel_kwargs(ctx, prep, convert)

@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 __all__ = [
+    "FLOAT32_PARAMS",
+    "param_dtype",
     "Tolerance",
     "DEFAULTS",
     "MANTISSA_BITS",
@@ -315,6 +317,22 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None)
         golden_nonfinite=golden_bad,
         compared=n,
     )
+
+
+#: Variant parameters that kernels keep in float32 whatever the activations' dtype:
+#: retention's per-head decays ``gamma_h = 1 - 2^(-5-h)``, which RetNet and
+#: flash-linear-attention compute in float32 (fla's retention kernels build them in,
+#: torchscale makes them with ``dtype=torch.float``). Rounded to bfloat16 they are
+#: another function: ``1 - 2^-9`` and beyond are not bfloat16 numbers, and from
+#: ``h = 4`` on the rounded decay is 1 (no decay) or ``1 - 2^-8``.
+FLOAT32_PARAMS = frozenset({"gamma"})
+
+
+def param_dtype(name: str, dtype: str) -> str:
+    """The dtype a variant parameter ``name`` is rounded to, computed in and passed to the
+    kernel in, for a case in ``dtype``: float32 for :data:`FLOAT32_PARAMS` in float16 and
+    bfloat16, else ``dtype`` itself."""
+    return "float32" if name in FLOAT32_PARAMS and dtype in LOW_PRECISION else dtype
 
 
 def as_dtype(x, dtype):

@@ -126,7 +126,7 @@ from .features import NotApplicable
 from .judging import parse_semantics, prepare, with_options
 from .layouts import to_layout
 from .report import jsonable
-from .tolerance import DEFAULTS, bf16_round
+from .tolerance import DEFAULTS, bf16_round, param_dtype
 
 __all__ = ["export_vectors", "load_vectors", "check_final_state", "FORMAT", "VERSION",
            "READABLE_VERSIONS", "ENTRY_FIELDS"]
@@ -178,7 +178,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                                    else (a[0, 0] if layout == "nd" else a), dt)
             for n, a in prep.params.items():
                 if isinstance(a, np.ndarray):
-                    arrays[n] = _store(a, dt)
+                    arrays[n] = _store(a, param_dtype(n, dt))
             keep = np.ones(prep.golden.shape, bool) if prep.keep is None else np.array(prep.keep)
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))

@@ -556,6 +556,40 @@ def test_a_float32_state_and_one_stored_per_chunk_pass(dtype, store_every):
     assert r.verdict == "pass", (r.ratio, r.diagnosis)
 
 
+def _built_in_decays(round_to=None):
+    """Retention with its decays ``1 - 2^(-5 - h)`` built in, in float32, as RetNet
+    (torchscale) and flash-linear-attention's retention kernels make them; ``gamma`` is
+    taken and checked to arrive in float32, and not used. ``round_to``: the decays
+    rounded to that dtype first (the mistake)."""
+    import torch
+
+    inner = _torch_retention()
+
+    def kernel(q, k, v, *, gamma, scale=None):
+        assert gamma.dtype == torch.float32, gamma.dtype
+        h = torch.arange(q.shape[-3], dtype=torch.float32)
+        own = 1 - torch.exp2(-5 - h)
+        if round_to is not None:
+            own = own.to(round_to).to(torch.float32)
+        return inner(q, k, v, gamma=own, scale=scale)
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_retention_decays_are_float32_in_half_precision(dtype):
+    """``gamma`` is passed, rounded and used by the golden in float32 in float16/bfloat16
+    (conformance.tolerance.FLOAT32_PARAMS): a kernel with fla's built-in float32 decays
+    passes. Rounded to bfloat16 the decays are another function (``1 - 2^-9`` and beyond
+    are not bfloat16 numbers): such a kernel fails, as fla's naive retention failed
+    every bfloat16 case of more than four heads when the oracle rounded ``gamma``."""
+    import torch
+
+    assert _verify_retention(_built_in_decays(), dtype).verdict == "pass"
+    r = _verify_retention(_built_in_decays(torch.bfloat16), dtype)
+    assert r.verdict == "fail" and r.output == "out", (r.ratio, r.diagnosis)
+
+
 @pytest.mark.parametrize("name", RECURRENT_VARIANTS)
 def test_the_low_precision_forms_compute_the_variants_function(name):
     """The float16/bfloat16 forms (float32 state, stored per chunk, q and k normalised
