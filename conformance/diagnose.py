@@ -57,8 +57,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .calling import reference_features
+from .extras import RECURRENT
 from .features import allowed_matrix, sequence_lengths
-from .judging import FLA_CHUNK, RECURRENT, fp32_state_form
+from .judging import FLA_CHUNK, fp32_state_form
 from .tolerance import LOW_PRECISION, host_dtype, measure
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
@@ -761,22 +762,13 @@ def _low_precision_accumulation(prep, res, rerun):
     if prep.variant.name in RECURRENT:
         words = _low_precision_state(prep, res, head)
     if prep.variant.exact:
-        best = None
         # (smaller blocks cost seconds per key block on N = 4096 rows in emulated float16)
-        for block in (16, 64, 256):
-            try:
-                with np.errstate(all="ignore"):
-                    cand = prep.apply_semantics(prep.reference(dt, fn=_lp_accumulator(block),
-                                                               options={}))
-            except Exception:
-                break
-            be = measure(cand, prep.golden, prep.keep).max_err
-            off = abs(math.log(res.max_err / be)) if be > 0 and res.max_err > 0 else math.inf
-            if off <= math.log(3.0) and (best is None or off < best[0]):
-                best = (off, block, be)
+        best = _nearest_within_3x(prep, res.max_err, (
+            (block, lambda block=block: prep.reference(dt, fn=_lp_accumulator(block), options={}))
+            for block in (16, 64, 256)), stop_at_error=True)
         if best is not None:
-            words = (f"{head}, the size ({best[2]:.2g}) of one whose P V and row sum are "
-                     f"accumulated in {dt} {best[1]} key(s) at a time")
+            words = (f"{head}, the size ({best[1]:.2g}) of one whose P V and row sum are "
+                     f"accumulated in {dt} {best[0]} key(s) at a time")
     grown = _at_quarter_length(prep, rerun, "precision")
     if grown is not None and res.precision / grown[0] > 1.25:
         more = (f"its error grows with N faster than a plain implementation's "
@@ -790,23 +782,38 @@ def _low_precision_state(prep, res, head):
     dtype and rounds it at every step (within a factor of 3), where the baseline's
     implementations keep it in float32 or store it once per chunk of ``FLA_CHUNK``."""
     dt = prep.dtype
-    best = None
-    for store in dict.fromkeys((dt, "bfloat16")):
-        try:
-            with np.errstate(all="ignore"):
-                cand = prep.apply_semantics(prep.reference(
-                    dt, fn=fp32_state_form(prep.variant.name, 1, store)))
-        except Exception:
-            continue
-        be = measure(cand, prep.golden, prep.keep).max_err
-        off = abs(math.log(res.max_err / be)) if be > 0 and res.max_err > 0 else math.inf
-        if off <= math.log(3.0) and (best is None or off < best[0]):
-            best = (off, store, be)
+    best = _nearest_within_3x(prep, res.max_err, (
+        (store, lambda store=store: prep.reference(dt, fn=fp32_state_form(prep.variant.name, 1,
+                                                                         store)))
+        for store in dict.fromkeys((dt, "bfloat16"))), stop_at_error=False)
     if best is None:
         return None
-    return (f"{head}, the size ({best[2]:.2g}) of one that keeps its recurrent state in "
-            f"{best[1]}, rounded at every step (accumulate the state in float32; fla's chunk "
+    return (f"{head}, the size ({best[1]:.2g}) of one that keeps its recurrent state in "
+            f"{best[0]}, rounded at every step (accumulate the state in float32; fla's chunk "
             f"kernels store it in the dtype only between chunks of {FLA_CHUNK})")
+
+
+def _nearest_within_3x(prep, err, tries, *, stop_at_error):
+    """``(label, its max error)`` of the candidate implementation whose maximum error is
+    nearest the kernel's ``err`` (log scale), if within a factor of 3; else None.
+
+    ``tries``: ``(label, run)`` pairs, ``run()`` the candidate's output on ``prep``. A
+    candidate that raises is skipped, or ends the search with ``stop_at_error``.
+    """
+    best = None
+    for label, run in tries:
+        try:
+            with np.errstate(all="ignore"):
+                cand = prep.apply_semantics(run())
+        except Exception:
+            if stop_at_error:
+                break
+            continue
+        be = measure(cand, prep.golden, prep.keep).max_err
+        off = abs(math.log(err / be)) if be > 0 and err > 0 else math.inf
+        if off <= math.log(3.0) and (best is None or off < best[0]):
+            best = (off, label, be)
+    return None if best is None else best[1:]
 
 
 def _at_quarter_length(prep, rerun, metric):

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .calling import reference_features
+from .extras import RECURRENT
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
@@ -63,7 +64,7 @@ from .tolerance import (
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
-           "fp32_state_form", "FLA_CHUNK", "RECURRENT",
+           "fp32_state_form", "FLA_CHUNK",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
 
@@ -615,6 +616,7 @@ def _sequential_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=N
     against those orders alone. Summing ``phi(K)^T V`` key by key instead (the recurrent
     form) does not reach it: the ``d'`` features' errors average out in ``phi(q)^T S``.
     """
+    from attn_ref._common import causal_alignment
     from attn_ref.linear import DEFAULT_EPS, causal_visible, feature_map_features, readout
 
     fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
@@ -622,8 +624,8 @@ def _sequential_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=N
     if scale is not None and scale != 1.0:
         fq = fq * scale
     a = fq @ xp.matrix_transpose(fk)
-    if causal:
-        alignment = causal if isinstance(causal, str) else "top-left"
+    alignment = causal_alignment(causal)
+    if alignment is not None:
         vis = causal_visible(xp, q.shape[-2], k.shape[-2], alignment, "cpu")
         a = xp.where(vis, a, xp.zeros((), dtype=a.dtype))  # where: inf * 0 would be NaN
     num = xp.zeros(a.shape[:-1] + (v.shape[-1],), dtype=a.dtype)
@@ -657,8 +659,6 @@ def _elu_plus_one(prep):
 #: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
 #: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``)
 FLA_CHUNK = 64
-#: the variants of :mod:`attn_ref.recurrent`
-RECURRENT = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
 
 
 def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_dtype=False):
