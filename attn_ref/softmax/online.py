@@ -68,17 +68,6 @@ def _folded_scale(xp, pb, dtype):
     return spec.scale if safe else None
 
 
-def _overwritable(x):
-    """Whether the fresh logits tile ``x`` may be shifted in place by
-    :func:`attn_ref._common.online_step` (``overwrite=True``).
-
-    Always on arrays that record no autograd graph (on JAX ``-=`` rebinds the name, which
-    is as good). A torch tensor that requires grad keeps the out-of-place form:
-    ``max``'s backward reads the tile it took the maximum of.
-    """
-    return not (array_api_compat.is_torch_array(x) and x.requires_grad)
-
-
 def _row_parts(rows, count):
     """``count`` near-equal ``[a, b)`` ranges covering ``range(rows)`` (fewer if rows < count)."""
     count = max(1, min(count, rows))
@@ -108,7 +97,7 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
         # from P [V | 1] when ones_column.
         steps = parallel_map(lambda sml: online_step(xp, sml[1], sml[2], sml[0],
                                                      with_sum=not ones_column,
-                                                     overwrite=_overwritable(sml[0])),
+                                                     overwrite=owned_writeable(sml[0])),
                              work, pooled=len(parts) > 1)
         # The logits stay named until the next tile's exist (no ``del``): the allocator
         # then reuses their memory instead of returning it to the system and faulting it
