@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .extras import RECURRENT
+
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
            "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "routing_kernel",
            "synthesizer_kernel", "variant_kernel", "variant_mutants", "first_failure",
@@ -881,7 +883,8 @@ RECURRENT_CHANGES = (
      "sequence)", _not_reset_at_boundaries),
     ("initial state ignored", _drop("initial_state")),
 )
-RECURRENT_VARIANTS = ("retention", "gla", "ssd", "deltanet", "gated_deltanet")
+#: The recurrent family, as the oracle lists it (:data:`conformance.extras.RECURRENT`).
+RECURRENT_VARIANTS = RECURRENT
 
 
 def variant_mutants(variant: str) -> list[Mutant]:
