@@ -55,6 +55,7 @@ __all__ = [
     "causal_decay",
     "to_chunks",
     "from_chunks",
+    "row_major_transpose",
     "scalar_decay_matrix",
     "decayed_scores",
     "forward_substitution",
@@ -281,6 +282,20 @@ def to_chunks(xp, x, c):
 def from_chunks(xp, x):
     """``(..., n, c, e) -> (..., n c, e)``, the inverse of :func:`to_chunks`."""
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+
+def row_major_transpose(xp, x):
+    """``matrix_transpose(x)`` as a fresh row-major array, so that ``a @ x^T`` is a plain GEMM.
+
+    NumPy passes ``a @ matrix_transpose(x)`` to BLAS as a transposed operand, and
+    OpenBLAS (0.3.31, single thread) ran those products of ``64 x 64`` blocks at about
+    half the rate of untransposed ones: ``Q K^T`` over ``(8, 256, 64, 64)`` chunks took
+    33.8 ms against 17.9 with ``K^T`` copied first (the copy is ``c d`` moves per block,
+    the GEMM ``2 c^2 d`` flops; see :doc:`/recurrent`, Cost). A lazy array keeps the view:
+    its compiler chooses the layouts.
+    """
+    t = xp.matrix_transpose(x)
+    return t if is_lazy(x) else xp.reshape(t, tuple(t.shape), copy=True)
 
 
 def scalar_decay_matrix(xp, b):

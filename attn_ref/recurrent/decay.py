@@ -42,7 +42,7 @@ import math
 import array_api_compat
 
 from .._checks import check_array, check_real
-from .._common import is_lazy
+from .._common import is_lazy, owned_writeable
 from .common import (
     causal_decay,
     check_cu_seqlens,
@@ -54,6 +54,7 @@ from .common import (
     finish,
     from_chunks,
     packed,
+    row_major_transpose,
     scalar_decay_matrix,
     segment_sums,
     to_chunks,
@@ -186,21 +187,57 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
 
     if constant:
         b, head, tail, decay = gates(ac[..., :1, :, :])
-        dmat, head = scale * scalar_decay_matrix(xp, b), scale * head
-    outs = []
+        dmat, head, tail = scale * scalar_decay_matrix(xp, b), scale * head, mt(tail)
+    out, inplace = None, False
     for g0 in range(0, n, per):
-        cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
+        g1 = min(g0 + per, n)
+        cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
+        # K^T of the group in row-major order: Q K^T and (K^T * exp(B - b)) V are then
+        # untransposed GEMMs (row_major_transpose), and the copy is ours to scale in place.
+        kt = row_major_transpose(xp, kg)
+        if g0 == 0:
+            inplace = owned_writeable(kt)
         if constant:
-            scores = (qg @ mt(kg)) * dmat
+            scores = _times(xp, qg @ kt, dmat, inplace)
         else:
             # scale on q here, in cache, rather than a pass over the whole output after
             qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
-            scores = decayed_scores(xp, qg, kg, b)
-        entering, s = chunk_states(xp, decay, mt(kg * tail) @ vg, s)
-        outs.append(scores @ vg + (qg * head) @ entering)
-    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
+            tail = mt(tail)
+            if b.shape[-1] == 1:
+                scores = _times(xp, qg @ kt, scalar_decay_matrix(xp, b), inplace)
+            else:
+                scores = decayed_scores(xp, qg, kg, b)
+        entering, s = chunk_states(xp, decay, _times(xp, kt, tail, inplace) @ vg, s)
+        o = scores @ vg
+        read = (qg * head) @ entering
+        if inplace:
+            o += read
+        else:
+            o = o + read
+        if g0 == 0 and g1 == n:
+            return from_chunks(xp, o), s
+        if out is None:
+            # The groups' outputs are written into one array as they are made, while in
+            # cache; collected and concatenated, they would make a second trip through
+            # memory. Arrays that cannot be written (JAX) are concatenated.
+            shape = tuple(qc.shape[:-1]) + (vc.shape[-1],)
+            out = xp.empty(shape, dtype=o.dtype, device=array_api_compat.device(o)) \
+                if inplace else []
+        if inplace:
+            out[cut] = o
+        else:
+            out.append(o)
+    return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+
+
+def _times(xp, x, y, inplace):
+    """``x * y``, written into ``x`` (a fresh array of this module's) where it may be."""
+    if inplace:
+        x *= y
+        return x
+    return x * y
 
 
 def _run(inp, a, s0, constant):
