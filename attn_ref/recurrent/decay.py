@@ -55,6 +55,7 @@ from .common import (
     from_chunks,
     packed,
     row_major_transpose,
+    scalar_decay_in_place,
     scalar_decay_matrix,
     segment_sums,
     to_chunks,
@@ -205,8 +206,10 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
             qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             tail = mt(tail)
-            if b.shape[-1] == 1:
-                scores = _times(xp, qg @ kt, scalar_decay_matrix(xp, b), inplace)
+            if b.shape[-1] == 1 and inplace:
+                scores = scalar_decay_in_place(xp, qg @ kt, b)
+            elif b.shape[-1] == 1:
+                scores = (qg @ kt) * scalar_decay_matrix(xp, b)
             else:
                 scores = decayed_scores(xp, qg, kg, b)
         entering, s = chunk_states(xp, decay, _times(xp, kt, tail, inplace) @ vg, s)
