@@ -319,10 +319,11 @@ def scalar_decay_matrix(xp, b):
 DECAY_LEAF = 64
 
 
-def scalar_decay_in_place(xp, s, b, lo=0, hi=None):
+def scalar_decay_in_place(xp, s, b, lo=0, hi=None, *, upper=True):
     """``s *= exp(b_i - b_j)`` for ``j <= i``, ``s = 0`` above, on the block ``lo:hi``
     of ``s (..., c, c)``, in place (``s`` must be writeable), for running sums ``b (...,
-    c, 1)`` of scalar log decays.
+    c, 1)`` of scalar log decays. ``upper=False`` leaves the upper quarters of halved
+    blocks alone (a caller that never reads them need not have written them).
 
     The same as :func:`scalar_decay_matrix` (``c^2 / 2`` exponentials, all ``<= 0``)
     with fewer exponentials: a block of more than :data:`DECAY_LEAF` steps is halved,
@@ -342,9 +343,10 @@ def scalar_decay_in_place(xp, s, b, lo=0, hi=None):
     r = b[..., m - 1:m, :]
     s[..., m:hi, lo:m] *= xp.exp(b[..., m:hi, :] - r) * xp.matrix_transpose(
         xp.exp(r - b[..., lo:m, :]))
-    s[..., lo:m, m:hi] = 0
-    scalar_decay_in_place(xp, s, b, lo, m)
-    return scalar_decay_in_place(xp, s, b, m, hi)
+    if upper:
+        s[..., lo:m, m:hi] = 0
+    scalar_decay_in_place(xp, s, b, lo, m, upper=upper)
+    return scalar_decay_in_place(xp, s, b, m, hi, upper=upper)
 
 
 def decayed_scores(xp, q, k, b):

@@ -44,6 +44,7 @@ import array_api_compat
 from .._checks import check_array, check_real
 from .._common import is_lazy, owned_writeable
 from .common import (
+    DECAY_LEAF,
     causal_decay,
     check_cu_seqlens,
     check_inputs,
@@ -212,14 +213,18 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
             qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             tail = mt(tail)
-            if b.shape[-1] == 1 and inplace:
+            if b.shape[-1] == 1 and inplace and _block_rows_fit(c):
+                scores = None
+                o = _causal_block_rows(xp, qg, kt, vg, b)
+            elif b.shape[-1] == 1 and inplace:
                 scores = scalar_decay_in_place(xp, qg @ kt, b)
             elif b.shape[-1] == 1:
                 scores = (qg @ kt) * scalar_decay_matrix(xp, b)
             else:
                 scores = decayed_scores(xp, qg, kg, b)
         entering, s = chunk_states(xp, decay, _times(xp, kt, tail, inplace) @ vg, s)
-        o = scores @ vg
+        if scores is not None:
+            o = scores @ vg
         read = (qg * head) @ entering
         if inplace:
             o += read
@@ -239,6 +244,35 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         else:
             out.append(o)
     return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+
+
+def _block_rows_fit(c):
+    # C = DECAY_LEAF * 2^j, j >= 1: the halving of scalar_decay_in_place then splits at
+    # block-row boundaries, so it reads only blocks _causal_block_rows wrote.
+    j = c // DECAY_LEAF
+    return c % DECAY_LEAF == 0 and j > 1 and j & (j - 1) == 0
+
+
+def _causal_block_rows(xp, q, kt, v, b):
+    """``(Q K^T * D) V`` for a chunk of ``C = 64 * 2^j`` steps, without the blocks above
+    the diagonal: rows in blocks of ``L =`` :data:`DECAY_LEAF`, block row ``I`` against
+    the keys ``0 .. (I + 1) L`` in both GEMMs, the decay multiplied in place
+    (:func:`~attn_ref.recurrent.common.scalar_decay_in_place`). ``(C/L + 1) / (2 C/L)``
+    of the two whole ``C x C`` products (5/8 at Mamba-2's ``C = 256``), each block row
+    one GEMM batched over heads and chunks. ``kt`` is ``K^T`` row-major (untransposed
+    GEMMs on its column slices).
+    """
+    c, lead = q.shape[-2], tuple(q.shape[:-2])
+    dev = array_api_compat.device(q)
+    rows = [(r0, r0 + DECAY_LEAF) for r0 in range(0, c, DECAY_LEAF)]
+    scores = xp.empty(lead + (c, c), dtype=q.dtype, device=dev)
+    for r0, r1 in rows:
+        scores[..., r0:r1, :r1] = q[..., r0:r1, :] @ kt[..., :r1]
+    scalar_decay_in_place(xp, scores, b, upper=False)
+    o = xp.empty(lead + (c, v.shape[-1]), dtype=q.dtype, device=dev)
+    for r0, r1 in rows:
+        o[..., r0:r1, :] = scores[..., r0:r1, :r1] @ v[..., :r1, :]
+    return o
 
 
 def _times(xp, x, y, inplace):
