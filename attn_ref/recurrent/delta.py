@@ -276,13 +276,18 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             us, entering = [], []
             for i in range(g1 - g0):
                 entering.append(s)
-                u = u_c[..., i, :, :] - w_c[..., i, :, :] @ s  # the values written in chunk i
-                us.append(u)
-                if ac is None:
-                    s = s + kt[..., i, :, :] @ u
+                # the values written in chunk i, U - W S (into u_c's rows where it may be:
+                # then u_c is the stack of them)
+                if inplace:
+                    u_c[..., i, :, :] -= w_c[..., i, :, :] @ s
+                    u = u_c[..., i, :, :]
                 else:
-                    s = decay[..., i, :, :] * s + kt[..., i, :, :] @ u
-            us, entering = xp.stack(us, axis=-3), xp.stack(entering, axis=-3)
+                    u = u_c[..., i, :, :] - w_c[..., i, :, :] @ s
+                    us.append(u)
+                upd = kt[..., i, :, :] @ u
+                s = s + upd if ac is None else decay[..., i, :, :] * s + upd
+            us = u_c if inplace else xp.stack(us, axis=-3)
+            entering = xp.stack(entering, axis=-3)
         qs = qg @ entering
         o = qk @ us
         read = qs if ac is None else _times(xp, qs, head, inplace)
