@@ -170,6 +170,16 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     into the two that multiply the output. Otherwise ``scale`` multiplies each group's
     ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
     main memory and a fresh array's page faults.
+
+    Every GEMM is untransposed: ``K^T`` is copied row-major once per group
+    (:func:`~attn_ref.recurrent.common.row_major_transpose`) and scaled in place by
+    ``exp(B - b)`` for the state's update. A scalar decay is multiplied into the scores
+    in place (:func:`~attn_ref.recurrent.common.scalar_decay_in_place`), and at
+    ``c = 64 * 2^j`` both ``c x c`` products skip the blocks above the diagonal
+    (``_causal_block_rows``). Where the library allows writes
+    (``attn_ref._common.owned_writeable``), products go into the arrays this loop
+    made and the groups' outputs into one array; elsewhere (JAX) they are new arrays
+    and a concatenation. See :doc:`/recurrent` (Cost).
     """
     mt = xp.matrix_transpose
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
