@@ -440,8 +440,8 @@ def unit_lower_inverse(xp, m):
     ``c - 1`` GEMMs of mostly tiny blocks (one array call per block, one BLAS call per
     block and matrix): on ``(8, 256, 64, 64)`` float32 systems with a ``64 x 128``
     right-hand side, in groups of 2 to 32 chunks, the inverse and one GEMM took 63 to 91
-    ms of CPU against 105 to 147 for the substitution (single-threaded OpenBLAS, load 5
-    to 8; see :doc:`/recurrent`, Cost). As accurate on the delta rule's systems
+    ms of CPU against 105 to 147 for the substitution (single-threaded OpenBLAS, load
+    about 5; see :doc:`/recurrent`, Cost). As accurate on the delta rule's systems
     (``beta`` in (0, 1), unit keys): float64 and float32 chunk forms within 25% of the
     substitution's error against a long-double token loop; with unnormalised keys whose
     state grows to ``10^51`` up to twice its error (``5.1e-14`` against ``3.8e-14``).
