@@ -39,7 +39,7 @@ from .._checks import (
     default_scale,
     is_integer,
 )
-from .._common import is_lazy
+from .._common import is_lazy, owned_writeable
 
 __all__ = [
     "FORMS",
@@ -432,11 +432,11 @@ def unit_lower_inverse(xp, m):
     two ``h x h`` GEMMs per block, batched over every block of every matrix at once:
     ``log2 c`` levels of about ten array calls each, ``c^3 / 3`` multiply-adds per
     matrix in all (the blocks are multiplied as dense ones; a triangular inverse needs
-    ``c^3 / 6``). The blocks ``C`` are read in
-    place, as the diagonal of a blocked view (``linalg.diagonal``), and each level's
-    quarters are written into one fresh array where the library allows it (a
-    concatenation makes two more). Forward substitution (:func:`forward_substitution`)
-    does ``c^2 / 2`` multiply-adds per right-hand column instead, the least work, but in
+    ``c^3 / 6``). The blocks ``C`` are read in place, as the diagonal of a blocked view
+    (``linalg.diagonal``), and each level's quarters are written into one fresh array
+    where the library allows it (``owned_writeable``; a concatenation makes two more).
+    Forward substitution (:func:`forward_substitution`) does ``c^2 / 2`` multiply-adds
+    per right-hand column instead, the least work, but in
     ``c - 1`` GEMMs of mostly tiny blocks (one array call per block, one BLAS call per
     block and matrix): on ``(8, 256, 64, 64)`` float32 systems with a ``64 x 128``
     right-hand side, in groups of 2 to 32 chunks, the inverse and one GEMM took 63 to 91
@@ -471,7 +471,7 @@ def unit_lower_inverse(xp, m):
         a_inv, d_inv = pair[..., 0, :, :], pair[..., 1, :, :]
         # The diagonal of a unit triangular inverse is 1: at h = 1, -D^{-1} C A^{-1} = -C.
         low = -cb if h == 1 else -((d_inv @ cb) @ a_inv)
-        if is_lazy(m) or not array_api_compat.is_writeable_array(low):
+        if not owned_writeable(low):
             zero = xp.zeros(tuple(low.shape), dtype=m.dtype, device=dev)
             inv = xp.concat([xp.concat([a_inv, zero], axis=-1), xp.concat([low, d_inv], axis=-1)],
                             axis=-2)
