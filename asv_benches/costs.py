@@ -227,21 +227,33 @@ def _decayed(n, d, c, per_dim, constant=False):
       average, ``2 d`` flops each: ``n C d`` apiece), the read of the entering state
       ``(q exp(b)) S`` and the state's update ``(k exp(B - b))^T V`` (``2 n d^2`` each).
     * exponentials: a scalar decay (SSD) multiplies ``Q K^T`` by the causal half of
-      ``exp(b_i - b_j)``, ``n C / 2``; a per-key-dimension decay (GLA) does not
-      factor out of the dot product, and the least work that never exponentiates a
-      positive number is the halving of ``decayed_scores``: at each of the ``log2 C``
-      levels every row of ``q`` or ``k`` is scaled once relative to a reference point,
-      ``n d log2 C`` (the pairwise ``(C, C, d)`` form would take ``n C d / 2``). Then
-      ``exp(b)`` and ``exp(B - b)`` for ``q`` and ``k``, ``n e`` each (``e = 1`` or ``d``).
+      ``exp(b_i - b_j)``; taken pairwise that is ``n C / 2`` exponentials, but the block
+      of rows ``i >= m > j`` of a halved chunk factors through the reference point
+      ``r = b_{m-1}``, ``exp(b_i - r) exp(r - b_j)``, both exponents ``<= 0``: halving
+      down to single steps, each of the ``log2 C`` levels takes one exponential per
+      step, ``n log2 C`` (the product that forms each entry is elementwise work, below).
+      A per-key-dimension decay (GLA) does not factor out of the dot product, and the
+      least work that never exponentiates a positive number is the same halving applied
+      to ``q`` and ``k`` (``decayed_scores``): at each of the ``log2 C`` levels every row
+      of ``q`` or ``k`` is scaled once relative to a reference point, ``n d log2 C`` (the
+      pairwise ``(C, C, d)`` form would take ``n C d / 2``). Then ``exp(b)`` and
+      ``exp(B - b)`` for ``q`` and ``k``, ``n e`` each (``e = 1`` or ``d``).
       ``constant`` (retention: the same decay every step): every chunk has the same
       ``b``, so the decay matrix and the two scalings are computed once per head,
       ``C^2 / 2 + 2 C`` exponentials and no gates read.
-    * elementwise: the decay's product with the scores (``n C / 2``) or the
-      subtraction and product of each halving level (``2 n d log2 C``), the scaling of
-      ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the gates read once.
-      The hand-over ``S <- diag(exp(B)) S + dS`` is free with a scalar decay (a GEMM's
-      ``C <- alpha A B + beta C`` with ``beta = exp(B)``) and ``d^2`` products per chunk
-      with GLA's per-dimension one (``n d^2 / C``).
+    * elementwise: the decay's product with the scores (``n C / 2``; forming the
+      factored entries takes as many again, left out: scaling the operands of a
+      block's GEMM instead costs ``C d`` per level, and a lower bound need not choose)
+      or the subtraction and product of each halving level (``2 n d log2 C``), the
+      scaling of ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the gates
+      read once. The hand-over ``S <- diag(exp(B)) S + dS`` is free with a scalar decay
+      (a GEMM's ``C <- alpha A B + beta C`` with ``beta = exp(B)``) and ``d^2`` products
+      per chunk with GLA's per-dimension one (``n d^2 / C``).
+
+    Left out, as work an implementation can avoid: the scale (folded into ``exp(b)``
+    and the decay), passes over whole arrays (tiles stay in cache), and the upper
+    halves of the ``C x C`` products (``attn_ref`` computes them whole, ``2 n C d``
+    more flops).
     """
     C = min(c["chunk_size"], n)
     gemm = Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0)
@@ -251,7 +263,7 @@ def _decayed(n, d, c, per_dim, constant=False):
     elif constant:
         e, scores = 1, Work(0.0, C * C / 2, n * C / 2, 0.0)
     else:
-        e, scores = 1, Work(0.0, n * C / 2, n * C / 2, 0.0)
+        e, scores = 1, Work(0.0, n * math.log2(C), n * C / 2, 0.0)
     if constant:
         gates = Work(0.0, 2 * C, 2 * n * d + C, 0.0)
     else:
@@ -263,18 +275,25 @@ def _delta(n, d, c, gated):
     """The chunked WY/UT form of the (gated) delta rule at chunk size ``C``.
 
     The decayed form's work (with a scalar decay, or none) plus, per chunk: ``K K^T``'s
-    strict causal half (``n C d``); the UT transform, ``M^{-1} diag(beta) [V, exp(b) K]``
-    for the unit lower-triangular ``M``, by forward substitution (``C^2 / 2``
-    multiply-adds per column of the ``C x 2d`` right-hand side: ``2 n C d``; forming
-    ``M^{-1}`` first would add ``n C^2 / 3``); the corrected values ``U - W S``
-    (``2 n d^2``). Elementwise: ``beta`` times ``K K^T * D`` (``n C / 2``) and the
-    right-hand side (``2 n d``); with ``qk_l2norm`` the normalisation of ``q`` and ``k``
-    (square, sum, divide: ``6 n d``, and ``2 n`` square roots); ``beta`` read once.
+    strict causal half (``n C d``); the values written, ``U = M^{-1} diag(beta) (V -
+    exp(b) K S)`` for the unit lower-triangular ``M = I + tril(diag(beta) (K K^T * D),
+    -1)`` and the state ``S`` entering the chunk: ``exp(b) K S`` (``2 n d^2``) and a
+    triangular solve with the ``C x d`` right-hand side (``C^2 / 2`` multiply-adds per
+    column: ``n C d``). The WY/UT form that fla's kernels and this package use
+    computes ``W = M^{-1} diag(beta) exp(b) K`` and ``M^{-1} diag(beta) V`` for every
+    chunk at once and ``U - W S`` in the sequence: ``2 n C d`` for the solve on the
+    ``C x 2d`` right-hand side, ``n C d`` more than the count, which takes the least
+    (the implementation forms ``M^{-1}`` by doubling and multiplies dense ``C x C``
+    blocks: ``n (2 C^2 / 3 + 4 C d)`` flops, 2.3 times the count's ``n C d`` at
+    ``C = d = 64``). Elementwise: ``beta`` times ``K K^T * D`` (``n C / 2``), ``exp(b)
+    K`` and ``beta`` times the right-hand side (``2 n d``); with ``qk_l2norm`` the
+    normalisation of ``q`` and ``k`` (square, sum, divide: ``6 n d``, and ``2 n``
+    square roots); ``beta`` read once.
     """
     C = min(c["chunk_size"], n)
     base = _decayed(n, d, c, False) if gated else (
         Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0) + _io(n, d))
-    ut = Work(n * C * d + 2 * n * C * d + 2 * n * d * d, 0.0, n * C / 2 + 2 * n * d, n * _F32)
+    ut = Work(n * C * d + n * C * d + 2 * n * d * d, 0.0, n * C / 2 + 2 * n * d, n * _F32)
     norm = Work(0.0, 0.0, 6 * n * d + 2 * n, 0.0) if c.get("qk_l2norm") else Work(0.0, 0.0, 0.0, 0.0)
     return base + ut + norm
 

@@ -668,11 +668,90 @@ def test_asv_recurrent_cases_run(name):
 def test_retention_roofline_counts_its_decay_matrix_once():
     # Retention's decay is the same at every step, so the chunk form computes its C x C
     # decay matrix once per head: the roofline's exponentials do not grow with T, while
-    # SSD's (a data-dependent decay per step) grow as T C / 2.
+    # SSD's (a data-dependent decay per step) grow as T log2 C (halved through
+    # reference points).
     from asv_benches.costs import variant_work
 
     def exps(name, T):
         return variant_work(name, T, {"chunk_size": 64}, d=64, heads=1).transcendentals
 
     assert exps("retention", 4096) == exps("retention", 16384) == 64 * 64 / 2 + 2 * 64
-    assert exps("ssd", 16384) == 16384 * 64 / 2 + 2 * 16384
+    assert exps("ssd", 16384) == 16384 * math.log2(64) + 2 * 16384
+
+
+# ------------------------------------------------- the chunk forms' kernels (performance)
+
+
+def test_unit_lower_inverse_reads_only_the_strict_lower_part(backend):
+    # The UT transform's (I + L)^{-1} by doubling against LAPACK's inverse, for sizes that
+    # are and are not powers of two (padded), with a diagonal and an upper triangle full
+    # of other values that must not be read. A level that swapped A^{-1} and D^{-1},
+    # dropped the sign, or read C from the wrong block would not agree.
+    from attn_ref.recurrent.common import unit_lower_inverse
+
+    rng = np.random.default_rng(6)
+    for c in (1, 2, 3, 5, 8, 13, 16, 64):
+        m = 0.3 * rng.standard_normal((2, 3, c, c))
+        want = np.linalg.inv(np.tril(m, -1) + np.eye(c))
+        got = call(backend, unit_lower_inverse, backend.xp, from_numpy(m, backend))
+        assert_close(got, want, backend, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_scalar_decay_in_place_is_the_pairwise_decay(backend):
+    # The scalar decay multiplied into scores in place, blocks over 64 steps halved
+    # through reference points, against the pairwise masked exp(b_i - b_j) on the host:
+    # leaves, odd halves, several levels; decays strong enough that exp(b_j - b_i) would
+    # overflow float32 and float64 (sums down to -3000), which must stay finite.
+    from attn_ref._common import owned_writeable
+    from attn_ref.recurrent.common import scalar_decay_in_place
+
+    rng = np.random.default_rng(7)
+    for c in (1, 64, 65, 100, 128, 256):
+        s = rng.standard_normal((2, c, c))
+        b = np.cumsum(-rng.uniform(0, 12, (2, c, 1)), axis=-2)
+        for dtype in ("float64", "float32"):
+            # against the pairwise decay of the b it is given (rounded to float32, b_i -
+            # b_j near -3000 carries float32's absolute error of 2^-13: that is b's, not
+            # this function's)
+            bd = b.astype(dtype).astype(np.float64)
+            want = s * np.where(np.tril(np.ones((c, c))) > 0,
+                                np.exp(np.minimum(bd - np.swapaxes(bd, -1, -2), 0)), 0)
+            xs = from_numpy(s.copy(), backend, dtype)  # it may share s's memory: written
+            if not owned_writeable(xs):
+                pytest.skip(f"{backend.name} arrays are not written in place")
+            got = scalar_decay_in_place(backend.xp, xs, from_numpy(bd, backend, dtype))
+            tol = 1e-12 if dtype == "float64" else 1e-5
+            assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
+def test_row_major_transpose_is_a_copy(backend):
+    # The chunk forms scale this copy of K^T in place: it must hold the transpose and
+    # share no memory with the input (else the caller's k would be scaled).
+    import array_api_compat
+
+    from attn_ref.recurrent.common import row_major_transpose
+
+    x = np.arange(24.0).reshape(2, 3, 4)
+    xb = from_numpy(x, backend)
+    t = row_major_transpose(backend.xp, xb)
+    assert_close(t, np.swapaxes(x, -1, -2), backend, rtol=0, atol=0)
+    if array_api_compat.is_writeable_array(t):
+        t *= 0
+        assert_close(xb, x, backend, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(FNS))
+def test_long_chunks_are_the_token_loop(name):
+    # Chunks longer than the 64-step leaves: SSD's block rows (C = 128, 256), the
+    # halved decay, the doubling inverse of a 256-step UT transform, a chunk of 200
+    # (not a power of two: padded inverse, full-square scores) and a last partial chunk.
+    (qh, kh, vh), steps, s0 = _host_inputs(name, 600, batch=(2,))
+    steps = {n: (x if np.isscalar(x) else 0.2 * x if n == "g" else x) for n, x in steps.items()}
+    want_o, want_s = FNS[name](qh, kh, vh, form="recurrent", initial_state=s0,
+                               output_final_state=True, **steps)
+    for C in (128, 200, 256):
+        o, s = FNS[name](qh, kh, vh, chunk_size=C, initial_state=s0, output_final_state=True,
+                         **steps)
+        for got, want in ((o, want_o), (s, want_s)):
+            np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max(),
+                                       err_msg=f"chunk_size={C}")

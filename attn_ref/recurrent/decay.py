@@ -42,8 +42,9 @@ import math
 import array_api_compat
 
 from .._checks import check_array, check_real
-from .._common import is_lazy
+from .._common import is_lazy, owned_writeable
 from .common import (
+    DECAY_LEAF,
     causal_decay,
     check_cu_seqlens,
     check_inputs,
@@ -54,6 +55,8 @@ from .common import (
     finish,
     from_chunks,
     packed,
+    row_major_transpose,
+    scalar_decay_in_place,
     scalar_decay_matrix,
     segment_sums,
     to_chunks,
@@ -167,6 +170,16 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     into the two that multiply the output. Otherwise ``scale`` multiplies each group's
     ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
     main memory and a fresh array's page faults.
+
+    Every GEMM is untransposed: ``K^T`` is copied row-major once per group
+    (:func:`~attn_ref.recurrent.common.row_major_transpose`) and scaled in place by
+    ``exp(B - b)`` for the state's update. A scalar decay is multiplied into the scores
+    in place (:func:`~attn_ref.recurrent.common.scalar_decay_in_place`), and at
+    ``c = 64 * 2^j`` both ``c x c`` products skip the blocks above the diagonal
+    (``_causal_block_rows``). Where the library allows writes
+    (``attn_ref._common.owned_writeable``), products go into the arrays this loop
+    made and the groups' outputs into one array; elsewhere (JAX) they are new arrays
+    and a concatenation. See :doc:`/recurrent` (Cost).
     """
     mt = xp.matrix_transpose
     qc, kc, vc, ac = (to_chunks(xp, x, c) for x in (q, k, v, a))
@@ -177,8 +190,14 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         # groups would be a sequential chain again (see chunk_states).
         per = n
 
+    # GLA's running sums of (c, dk) gates as one GEMM with the lower-triangular ones:
+    # NumPy's cumulative sum along a non-last axis ran at a third of its rate (measured).
+    ones = xp.astype(xp.arange(c)[None, :] <= xp.arange(c)[:, None], a.dtype) \
+        if a.shape[-1] > 1 else None
+
     def gates(a_g):
-        b = xp.cumulative_sum(a_g, axis=-2)  # b_i - b_start, anchored at each chunk's start
+        # b_i - b_start, anchored at each chunk's start
+        b = xp.cumulative_sum(a_g, axis=-2) if ones is None else ones @ a_g
         last = b[..., -1:, :]  # the chunk's total log decay B
         # exp(b) scales q (the read of the entering state), exp(B - b) scales k (its
         # contribution to the next one), exp(B) the state itself: all exponents <= 0.
@@ -186,21 +205,92 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
 
     if constant:
         b, head, tail, decay = gates(ac[..., :1, :, :])
-        dmat, head = scale * scalar_decay_matrix(xp, b), scale * head
-    outs = []
+        dmat, head, tail = scale * scalar_decay_matrix(xp, b), scale * head, mt(tail)
+    out, inplace = None, False
     for g0 in range(0, n, per):
-        cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
+        g1 = min(g0 + per, n)
+        cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
+        # K^T of the group in row-major order: Q K^T and (K^T * exp(B - b)) V are then
+        # untransposed GEMMs (row_major_transpose), and the copy is ours to scale in place.
+        kt = row_major_transpose(xp, kg)
+        if g0 == 0:
+            inplace = owned_writeable(kt)
         if constant:
-            scores = (qg @ mt(kg)) * dmat
+            scores = _times(xp, qg @ kt, dmat, inplace)
         else:
             # scale on q here, in cache, rather than a pass over the whole output after
             qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
-            scores = decayed_scores(xp, qg, kg, b)
-        entering, s = chunk_states(xp, decay, mt(kg * tail) @ vg, s)
-        outs.append(scores @ vg + (qg * head) @ entering)
-    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
+            tail = mt(tail)
+            if b.shape[-1] == 1 and inplace and _block_rows_fit(c):
+                scores = None
+                o = _causal_block_rows(xp, qg, kt, vg, b)
+            elif b.shape[-1] == 1 and inplace:
+                scores = scalar_decay_in_place(xp, qg @ kt, b)
+            elif b.shape[-1] == 1:
+                scores = (qg @ kt) * scalar_decay_matrix(xp, b)
+            else:
+                scores = decayed_scores(xp, qg, kg, b)
+        entering, s = chunk_states(xp, decay, _times(xp, kt, tail, inplace) @ vg, s)
+        if scores is not None:
+            o = scores @ vg
+        read = (qg * head) @ entering
+        if inplace:
+            o += read
+        else:
+            o = o + read
+        if g0 == 0 and g1 == n:
+            return from_chunks(xp, o), s
+        if out is None:
+            # The groups' outputs are written into one array as they are made, while in
+            # cache; collected and concatenated, they would make a second trip through
+            # memory. Arrays that cannot be written (JAX) are concatenated.
+            shape = tuple(qc.shape[:-1]) + (vc.shape[-1],)
+            out = xp.empty(shape, dtype=o.dtype, device=array_api_compat.device(o)) \
+                if inplace else []
+        if inplace:
+            out[cut] = o
+        else:
+            out.append(o)
+    return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+
+
+def _block_rows_fit(c):
+    # C = DECAY_LEAF * 2^j, j >= 1: the halving of scalar_decay_in_place then splits at
+    # block-row boundaries, so it reads only blocks _causal_block_rows wrote.
+    j = c // DECAY_LEAF
+    return c % DECAY_LEAF == 0 and j > 1 and j & (j - 1) == 0
+
+
+def _causal_block_rows(xp, q, kt, v, b):
+    """``(Q K^T * D) V`` for a chunk of ``C = 64 * 2^j`` steps, without the blocks above
+    the diagonal: rows in blocks of ``L =`` :data:`DECAY_LEAF`, block row ``I`` against
+    the keys ``0 .. (I + 1) L`` in both GEMMs, the decay multiplied in place
+    (:func:`~attn_ref.recurrent.common.scalar_decay_in_place`). ``(C/L + 1) / (2 C/L)``
+    of the two whole ``C x C`` products (5/8 at Mamba-2's ``C = 256``), each block row
+    one GEMM batched over heads and chunks. ``kt`` is ``K^T`` row-major (untransposed
+    GEMMs on its column slices).
+    """
+    c, lead = q.shape[-2], tuple(q.shape[:-2])
+    dev = array_api_compat.device(q)
+    rows = [(r0, r0 + DECAY_LEAF) for r0 in range(0, c, DECAY_LEAF)]
+    scores = xp.empty(lead + (c, c), dtype=q.dtype, device=dev)
+    for r0, r1 in rows:
+        scores[..., r0:r1, :r1] = q[..., r0:r1, :] @ kt[..., :r1]
+    scalar_decay_in_place(xp, scores, b, upper=False)
+    o = xp.empty(lead + (c, v.shape[-1]), dtype=q.dtype, device=dev)
+    for r0, r1 in rows:
+        o[..., r0:r1, :] = scores[..., r0:r1, :r1] @ v[..., :r1, :]
+    return o
+
+
+def _times(xp, x, y, inplace):
+    """``x * y``, written into ``x`` (a fresh array of this module's) where it may be."""
+    if inplace:
+        x *= y
+        return x
+    return x * y
 
 
 def _run(inp, a, s0, constant):

@@ -39,7 +39,7 @@ import math
 import array_api_compat
 
 from .._checks import check_flag
-from .._common import is_lazy
+from .._common import is_lazy, owned_writeable
 from .common import (
     causal_decay,
     check_cu_seqlens,
@@ -47,12 +47,13 @@ from .common import (
     check_state,
     check_step_input,
     finish,
-    forward_substitution,
     from_chunks,
     packed,
+    row_major_transpose,
     scalar_decay_matrix,
     segment_sums,
     to_chunks,
+    unit_lower_inverse,
 )
 
 __all__ = [
@@ -214,69 +215,106 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
 
     Batched over groups of chunks (about :data:`GROUP_ELEMENTS` elements of ``c x c``
     matrices at once): the decay matrices, ``K K^T``, ``Q K^T``, the UT transform
-    (:func:`~attn_ref.recurrent.common.forward_substitution` on ``[V, exp(b) K]``) and
-    the outputs. Sequential
-    over the chunks: only ``U - W S``, the values written given the state entering the
-    chunk, and the state's hand-over (on lazy arrays, one group and a scan of depth
-    ``log2 n`` instead: :func:`_affine_hand_over`).
+    ``T_c = (I + L)^{-1} diag(beta)`` (the inverse by doubling,
+    :func:`~attn_ref.recurrent.common.unit_lower_inverse`), ``U = T_c V``,
+    ``W = T_c (exp(b) K)`` and the outputs. Sequential over the chunks: only
+    ``U - W S``, the values written given the state entering the chunk, and the
+    state's hand-over (on lazy arrays, one group and a scan of depth ``log2 n``
+    instead: :func:`_affine_hand_over`).
 
     ``scale`` (and with ``l2norm`` the normalisation of ``q`` and ``k``,
     :func:`l2_normalize`) is applied to each group's rows as it is read, in cache: a
     pass over the whole of ``q``, ``k`` or the output would cost a trip through main
-    memory and a fresh array's page faults.
+    memory and a fresh array's page faults. Products with masks, decays and ``beta``
+    are written into the group's own fresh arrays where the library allows it.
     """
     mt = xp.matrix_transpose
     dev = array_api_compat.device(q)
     qc, kc, vc = (to_chunks(xp, x, c) for x in (q, k, v))
     bc = to_chunks(xp, beta[..., None], c)  # (..., n, c, 1)
     ac = None if g is None else to_chunks(xp, g[..., None], c)
-    n, dk, dv = qc.shape[-3], kc.shape[-1], vc.shape[-1]
-    per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * max(c, dk + dv)))
+    n, dv = qc.shape[-3], vc.shape[-1]
+    per = max(1, GROUP_ELEMENTS // (math.prod(qc.shape[:-3]) * c * c))
     lazy = is_lazy(q)
     if lazy:
         per = n  # one group: a compiler schedules the memory itself
-    lower, strict = _tril(xp, c, c, 0, dev), _tril(xp, c, c, -1, dev)
-    eye = xp.eye(c, dtype=q.dtype, device=dev)
-    outs = []
+    # the causal mask (diagonal included) as 0 / 1, to multiply Q K^T by
+    lower = xp.astype(_tril(xp, c, c, 0, dev), q.dtype)
+    out, inplace = None, False
     for g0 in range(0, n, per):
-        cut = (..., slice(g0, min(g0 + per, n)), slice(None), slice(None))
+        g1 = min(g0 + per, n)
+        cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
         if l2norm:
             qg, kg = l2_normalize(qg, xp=xp), l2_normalize(kg, xp=xp)
         qg = scale * qg
-        kk, qk = kg @ mt(kg), qg @ mt(kg)
+        # K^T in row-major order: K K^T, Q K^T and the state's update are untransposed
+        # GEMMs (common.row_major_transpose), and the copy is ours to scale in place.
+        kt = row_major_transpose(xp, kg)
+        if g0 == 0:
+            inplace = owned_writeable(kt)
+        kk, qk = kg @ kt, qg @ kt
         if ac is None:
-            qk = xp.where(lower, qk, 0.0)
+            qk = _times(xp, qk, lower, inplace)
             kd = kg
         else:
             b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
             d = scalar_decay_matrix(xp, b)  # exp(b_i - b_j), j <= i: masked before exp
-            kk, qk = kk * d, qk * d
+            kk, qk = _times(xp, kk, d, inplace), _times(xp, qk, d, inplace)
             head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
             decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
             kd = head * kg
-        # I + strict lower part of diag(beta) (K K^T * D): the identity is the else branch.
-        system = xp.where(strict, bg * kk, eye)
-        # The UT transform: T_c = (I + L)^{-1} diag(beta); U = T_c V, W = T_c (exp(b) K).
-        wu = forward_substitution(xp, system, bg * xp.concat([vg, kd], axis=-1))
-        u_c, w_c = wu[..., :dv], wu[..., dv:]
+            kt = _times(xp, kt, mt(tail), inplace)  # (e^{B - b} K)^T, the state's update
+        # The UT transform T_c = (I + L)^{-1} diag(beta), L the strict lower part of
+        # diag(beta) (K K^T * D): the inverse reads only that part of beta * kk.
+        tc = unit_lower_inverse(xp, _times(xp, kk, bg, inplace))
+        tc = _times(xp, tc, mt(bg), inplace)
+        u_c, w_c = tc @ vg, tc @ kd
         if lazy:
-            us, entering, s = _affine_hand_over(xp, u_c, w_c, mt(kg if ac is None else tail * kg),
-                                                None if ac is None else decay, s)
+            us, entering, s = _affine_hand_over(xp, u_c, w_c, kt, None if ac is None else decay, s)
         else:
             us, entering = [], []
-            for i in range(qg.shape[-3]):
+            for i in range(g1 - g0):
                 entering.append(s)
-                u = u_c[..., i, :, :] - w_c[..., i, :, :] @ s  # the values written in chunk i
-                us.append(u)
-                if ac is None:
-                    s = s + mt(kg[..., i, :, :]) @ u
+                # the values written in chunk i, U - W S (into u_c's rows where it may be:
+                # then u_c is the stack of them)
+                if inplace:
+                    u_c[..., i, :, :] -= w_c[..., i, :, :] @ s
+                    u = u_c[..., i, :, :]
                 else:
-                    s = decay[..., i, :, :] * s + mt(tail[..., i, :, :] * kg[..., i, :, :]) @ u
-            us, entering = xp.stack(us, axis=-3), xp.stack(entering, axis=-3)
+                    u = u_c[..., i, :, :] - w_c[..., i, :, :] @ s
+                    us.append(u)
+                upd = kt[..., i, :, :] @ u
+                s = s + upd if ac is None else decay[..., i, :, :] * s + upd
+            us = u_c if inplace else xp.stack(us, axis=-3)
+            entering = xp.stack(entering, axis=-3)
         qs = qg @ entering
-        outs.append(qk @ us + (qs if ac is None else head * qs))
-    return from_chunks(xp, outs[0] if len(outs) == 1 else xp.concat(outs, axis=-3)), s
+        o = qk @ us
+        read = qs if ac is None else _times(xp, qs, head, inplace)
+        if inplace:
+            o += read
+        else:
+            o = o + read
+        if g0 == 0 and g1 == n:
+            return from_chunks(xp, o), s
+        if out is None:
+            # The groups' outputs are written into one array as they are made, while in
+            # cache; arrays that cannot be written (JAX) are concatenated.
+            shape = tuple(qc.shape[:-1]) + (dv,)
+            out = xp.empty(shape, dtype=o.dtype, device=dev) if inplace else []
+        if inplace:
+            out[cut] = o
+        else:
+            out.append(o)
+    return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+
+
+def _times(xp, x, y, inplace):
+    """``x * y``, written into ``x`` (a fresh array of this module's) where it may be."""
+    if inplace:
+        x *= y
+        return x
+    return x * y
 
 
 def _affine_hand_over(xp, u_c, w_c, kt, decay, s):
