@@ -25,7 +25,8 @@ flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16
 ``--pool`` times the largest N with and without the heads split among the CPUs
 (``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved. ``--phases`` times
 each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
-copy, the fold and read GEMMs, the output write, the division) summed over the blocks,
+copy, the fold and read GEMMs in ``attn_ref.linear.GEMM_ROWS``-row chunks as the library
+takes them, the output write, the division) summed over the blocks,
 with the page faults each took (on NumPy a fresh block-sized array often costs more in
 page faults than in arithmetic), next to the whole call and each phase's share of the
 roofline.
@@ -223,12 +224,18 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
 
     from asv_benches.costs import variant_work
     from attn_ref import linear_attention
-    from attn_ref.linear import DEFAULT_EPS, safe_denominator
+    from attn_ref.linear import DEFAULT_EPS, GEMM_ROWS, safe_denominator
 
     h, n, d = q.shape
     zero = np.float32(0)
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
              "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
+    # As the library: GEMM_ROWS-row chunks of each block (at d = dv = 64 the rows are
+    # GEMM_ROWS itself), the fold transposed ([V | 1]^T phi(K)) and summed over the chunks.
+    crows = GEMM_ROWS if block > GEMM_ROWS and block % GEMM_ROWS == 0 else None
+
+    def chunks(x):
+        return x if crows is None else x.reshape(x.shape[:-2] + (x.shape[-2] // crows, crows, x.shape[-1]))
     runs = []
     for _ in range(reps):
         spent, faults = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
@@ -257,18 +264,25 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
             fk = phi(k, lo, hi, 0)
             v1[:, :hi - lo, :d] = v[:, lo:hi]
             tick(names[2])
-            ds = np.matrix_transpose(fk) @ v1[:, :hi - lo]
+            if crows is not None and hi - lo == block:
+                ds = np.sum(np.matrix_transpose(chunks(v1)) @ chunks(fk), axis=-3)
+            else:
+                ds = np.matrix_transpose(v1[:, :hi - lo]) @ fk
             if state is None:
                 state = ds
             else:
                 state += ds
             tick(names[3])
+        state = np.ascontiguousarray(np.matrix_transpose(state))
         out = np.empty((h, n, d), dtype=v.dtype)
         last[:] = [clock(), _minor_faults()]
         for lo in range(0, n, block):
             hi = min(lo + block, n)
             fq = phi(q, lo, hi, 4)
-            o = fq @ state
+            if crows is not None and hi - lo == block:
+                o = (chunks(fq) @ state[:, None]).reshape(h, hi - lo, d + 1)
+            else:
+                o = fq @ state
             tick(names[6])
             out[:, lo:hi] = o[..., :d]
             tick(names[7])
