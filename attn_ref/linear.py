@@ -132,7 +132,9 @@ DEFAULT_BLOCK_SIZE = 512
 # against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
 # own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
 # Those runs predate the in-place block loop (when the loop still faulted its memory back
-# in, and page faults serialise threads); ``tools/targets.py linear --pool`` re-checks.
+# in, and page faults serialise threads) and the one-thread GEMM chunks (GEMM_ROWS), which
+# leave the second core idle without the pool; ``tools/targets.py linear --pool``
+# re-checks (under load 6-7 the pool still lost: 447 against 399 ms non-causal).
 POOL_MIN_ROWS = 1 << 62
 # Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
 # products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
