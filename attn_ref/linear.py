@@ -143,9 +143,10 @@ POOL_MIN_ROWS = 1 << 62
 # kernel: one thread, no packing. One GEMM over a 512-row block (2.1M) takes its threaded
 # path instead, whose two threads synchronise per call: at N = 65536, 8 heads, d = 64 that
 # was slower than one thread even on the quiet machine (the fold GEMM 127 ms against 62 ms
-# for the read) and 4-10x slower than one thread on a loaded one (``docs/linear.md``,
-# "Cost"). The causal chunks (64 x 64 x 65) were always below the limit. Wider features
-# (Performer's d' = 256) take fewer rows per chunk, for the same GEMM size (:func:`_gemm_rows`).
+# for the read) and 4-10x slower than one thread on a loaded one (``docs/comparison.md``,
+# "The fold GEMM was OpenBLAS's threading"). The causal chunks (64 x 64 x 65) were always
+# below the limit. Wider features (Performer's d' = 256) take fewer rows per chunk, for the
+# same GEMM size (:func:`_gemm_rows`).
 GEMM_ROWS = 128
 
 
