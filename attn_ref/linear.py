@@ -132,8 +132,22 @@ DEFAULT_BLOCK_SIZE = 512
 # against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
 # own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
 # Those runs predate the in-place block loop (when the loop still faulted its memory back
-# in, and page faults serialise threads); ``tools/targets.py linear --pool`` re-checks.
+# in, and page faults serialise threads) and the one-thread GEMM chunks (GEMM_ROWS), which
+# leave the second core idle without the pool; ``tools/targets.py linear --pool``
+# re-checks (under load 6-7 the pool still lost: 447 against 399 ms non-causal).
 POOL_MIN_ROWS = 1 << 62
+# Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
+# products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
+# block. Each chunk's GEMM (GEMM_ROWS x d' x (dv + 1) = 532K multiply-adds at 128 x 64 x 65)
+# stays below 1M, where OpenBLAS (NumPy's BLAS here, SkylakeX kernels) runs its small-matrix
+# kernel: one thread, no packing. One GEMM over a 512-row block (2.1M) takes its threaded
+# path instead, whose two threads synchronise per call: at N = 65536, 8 heads, d = 64 that
+# was slower than one thread even on the quiet machine (the fold GEMM 127 ms against 62 ms
+# for the read) and 4-10x slower than one thread on a loaded one (``docs/comparison.md``,
+# "The fold GEMM was OpenBLAS's threading"). The causal chunks (64 x 64 x 65) were always
+# below the limit. Wider features (Performer's d' = 256) take fewer rows per chunk, for the
+# same GEMM size (:func:`_gemm_rows`).
+GEMM_ROWS = 128
 
 
 # ---------------------------------------------------------------- feature maps
@@ -504,6 +518,54 @@ def _fold(xp, state, fk, v1):
     return state + ds
 
 
+def _row_chunks(xp, x, rows):
+    """``x (..., B, n)`` as ``(..., B / rows, rows, n)`` (``rows`` divides ``B``)."""
+    return xp.reshape(x, tuple(x.shape[:-2]) + (x.shape[-2] // rows, rows, x.shape[-1]))
+
+
+def _gemm_rows(n, d_prime, dv1):
+    """Rows per chunk of a block of ``n`` rows with ``d'`` features and ``dv + 1`` value
+    columns: :data:`GEMM_ROWS` at ``d' = 64``, ``dv = 64``, halved until a chunk's GEMM is no
+    larger than that one; None (one GEMM over the block) when they do not divide ``n`` into
+    at least two chunks."""
+    rows = GEMM_ROWS
+    while rows > 1 and rows * d_prime * dv1 > GEMM_ROWS * 64 * 65:
+        rows //= 2
+    return rows if n > rows and n % rows == 0 else None
+
+
+def _fold_transposed(xp, state_t, fk, v1):
+    """``state_t + [V, 1]^T phi(K)``: the transposed summary ``[S, z]^T``, ``(..., dv + 1,
+    d')``, with one more block of keys folded in, chunk by chunk (:func:`_gemm_rows`).
+
+    The chunks' summaries are summed over the chunk axis: the same products as one
+    GEMM over the block, added in another order. Transposed, because OpenBLAS runs
+    ``[V, 1]^T phi(K)`` (a ``(dv + 1) x B`` left operand) faster than ``phi(K)^T [V, 1]``
+    when a product does take its threaded path (a ragged last block)."""
+    rows = _gemm_rows(fk.shape[-2], fk.shape[-1], v1.shape[-1])
+    if rows is not None:
+        ds = xp.sum(xp.matrix_transpose(_row_chunks(xp, v1, rows)) @ _row_chunks(xp, fk, rows), axis=-3)
+    else:
+        ds = xp.matrix_transpose(v1) @ fk
+    if state_t is None:
+        return ds
+    if owned_writeable(state_t) and state_t.shape == ds.shape:
+        state_t += ds
+        return state_t
+    return state_t + ds
+
+
+def _read_summary(xp, fq, state):
+    """``phi(Q) [S, z]`` of a block, ``(..., B, dv + 1)``, chunk by chunk (:func:`_gemm_rows`):
+    each output row is the same dot products as in one GEMM over the block."""
+    n = fq.shape[-2]
+    rows = _gemm_rows(n, fq.shape[-1], state.shape[-1])
+    if rows is None:
+        return fq @ state
+    out = _row_chunks(xp, fq, rows) @ state[..., None, :, :]
+    return xp.reshape(out, tuple(out.shape[:-3]) + (n, out.shape[-1]))
+
+
 def _read(xp, out, normalize, eps):
     """``(num, den)`` of a ``[num, den]`` block for :meth:`_Rows.put`: ``den`` is the
     safe denominator (:func:`readout`), None when ``normalize`` is off."""
@@ -593,17 +655,19 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     nq, nk = q.shape[-2], k.shape[-2]
     outs = _Rows(xp, nq)
     if alignment is None:
-        state = None
+        state_t = None
         ones = _OnesColumn(xp, v, min(block_size, nk))
         for lo in range(0, nk, block_size):
             hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
             fk = phi_k(k[..., lo:hi, :])
-            state = _fold(xp, state, fk, ones.put(v[..., lo:hi, :]))
+            state_t = _fold_transposed(xp, state_t, fk, ones.put(v[..., lo:hi, :]))
+        # [S, z] row-major again (d' (dv + 1) floats per head), the read's right operand.
+        state = transposed_copy(xp, state_t)
         for lo in range(0, nq, block_size):
             hi = min(lo + block_size, nq)
             # Named, so that a block's arrays are freed only once the next block's exist.
             fq = phi_q(q[..., lo:hi, :])
-            out = fq @ state
+            out = _read_summary(xp, fq, state)
             outs.put(lo, *_read(xp, out, normalize, eps))
         return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)

@@ -474,3 +474,65 @@ def test_torch_autograd_flows_through_the_blocks(causal):
                for _ in range(3))
     assert torch.autograd.gradcheck(
         lambda q, k, v: linear_attention(q, k, v, causal=causal, chunk_size=2, block_size=4), (q, k, v))
+
+
+# ---------------------------------------------------------------- GEMMs in row chunks
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_gemm_row_chunks_give_the_function_of_one_gemm_per_block(backend, monkeypatch, rows):
+    # The non-causal loop takes each block's fold ([V, 1]^T phi(K), summed over chunks) and
+    # read (phi(Q) [S, z]) as GEMM_ROWS-row chunks; a block that GEMM_ROWS does not divide
+    # (the ragged last one) is one product. Broadcast batch: the keys' summary is shared.
+    import attn_ref.linear as lin
+
+    monkeypatch.setattr(lin, "GEMM_ROWS", rows)
+    q, _ = randn(backend, (2, 3, 21, 4), seed=51)
+    k, _ = randn(backend, (1, 3, 27, 4), seed=52)
+    v, _ = randn(backend, (1, 3, 27, 5), seed=53)
+    want = host(linear_attention(q, k, v, order="quadratic"))
+    for block in (8, 12):  # chunked blocks, then a ragged tail of 5 queries and 3 keys
+        got = host(linear_attention(q, k, v, block_size=block))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    got = host(linear_attention(q, k, v, block_size=8, normalize=False))
+    np.testing.assert_allclose(got, host(linear_attention(q, k, v, order="quadratic", normalize=False)),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_default_gemm_rows_chunk_a_default_block(backend):
+    # The defaults themselves: 512-row blocks of 128-row GEMMs, and a ragged last block.
+    import attn_ref.linear as lin
+
+    assert lin.DEFAULT_BLOCK_SIZE % lin.GEMM_ROWS == 0 and lin.DEFAULT_BLOCK_SIZE > lin.GEMM_ROWS
+    q, _ = randn(backend, (2, 1100, 3), seed=54)
+    k, _ = randn(backend, (2, 1100, 3), seed=55)
+    v, _ = randn(backend, (2, 1100, 2), seed=56)
+    got = host(linear_attention(q, k, v))
+    np.testing.assert_allclose(got, host(linear_attention(q, k, v, order="quadratic")),
+                               rtol=1e-11, atol=1e-12)
+
+
+def test_torch_autograd_flows_through_gemm_row_chunks(monkeypatch):
+    # The chunked fold sums in place on its own arrays; on tensors recording a graph it must not.
+    torch = pytest.importorskip("torch")
+    import attn_ref.linear as lin
+
+    monkeypatch.setattr(lin, "GEMM_ROWS", 2)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 11, 3, generator=g, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    assert torch.autograd.gradcheck(lambda q, k, v: linear_attention(q, k, v, block_size=4), (q, k, v))
+
+
+def test_wide_features_take_smaller_gemm_chunks(backend):
+    # d' (dv + 1) = 96 x 65 is wider than 64 x 65: 64-row chunks of the 512-row blocks.
+    from attn_ref.linear import linear_from_features
+
+    xp = backend.xp
+    fq, _ = randn(backend, (2, 700, 96), seed=57)
+    fk, _ = randn(backend, (2, 700, 96), seed=58)
+    v, _ = randn(backend, (2, 700, 64), seed=59)
+    fq, fk = xp.abs(fq), xp.abs(fk)
+    got = host(linear_from_features(fq, fk, v))
+    np.testing.assert_allclose(got, host(linear_from_features(fq, fk, v, order="quadratic")),
+                               rtol=1e-11, atol=1e-12)

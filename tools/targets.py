@@ -1,6 +1,7 @@
 """The speed and memory figures the issues name, measured in one run on this machine.
 
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH] [--cpu]
+                                     [--pool] [--phases] [--gemm-rows 0,64,128]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
@@ -23,9 +24,12 @@ and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
 ``--pool`` times the largest N with and without the heads split among the CPUs
-(``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved. ``--phases`` times
+(``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved; ``--gemm-rows 0,64,128``
+times the non-causal call with ``attn_ref.linear.GEMM_ROWS`` at each (0: one GEMM per
+block), interleaved, wall and CPU seconds. ``--phases`` times
 each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
-copy, the fold and read GEMMs, the output write, the division) summed over the blocks,
+copy, the fold and read GEMMs in ``attn_ref.linear.GEMM_ROWS``-row chunks as the library
+takes them, the output write, the division) summed over the blocks,
 with the page faults each took (on NumPy a fresh block-sized array often costs more in
 page faults than in arithmetic), next to the whole call and each phase's share of the
 roofline.
@@ -179,6 +183,8 @@ def linear(args):
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
     if args.pool:
         _linear_pool(q, k, v, args.reps)
+    if args.gemm_rows:
+        _linear_gemm_rows(q, k, v, [int(r) for r in args.gemm_rows.split(",")], args.reps)
     if args.phases:
         _linear_phases(q, k, v, args.block_size, args.reps, rates, clock)
     print(f"load after: {_loadavg()}")
@@ -206,6 +212,37 @@ def _linear_pool(q, k, v, reps):
           + " | ".join(f"{name} {t * 1e3:.1f} ms" for name, t in med.items()))
 
 
+def _linear_gemm_rows(q, k, v, choices, reps):
+    """Non-causal ``linear_attention`` with ``attn_ref.linear.GEMM_ROWS`` set to each of
+    ``choices`` (0: one GEMM per block, as before the chunks), interleaved; medians of
+    wall and process CPU seconds (CPU counts BLAS's threads too, spinning included)."""
+    from attn_ref import linear, linear_attention
+
+    def with_rows(r):
+        def run():
+            saved, linear.GEMM_ROWS = linear.GEMM_ROWS, (r if r > 0 else q.shape[-2] + 1)
+            try:
+                linear_attention(q, k, v)
+            finally:
+                linear.GEMM_ROWS = saved
+        return run
+
+    calls = {r: with_rows(r) for r in choices}
+    for f in calls.values():
+        f()
+    wall, cpu = {r: [] for r in calls}, {r: [] for r in calls}
+    for _ in range(reps):
+        for r, f in calls.items():
+            t, c = time.perf_counter(), time.process_time()
+            f()
+            wall[r].append(time.perf_counter() - t)
+            cpu[r].append(time.process_time() - c)
+    print(f"N={q.shape[-2]} non-causal by GEMM rows per chunk (0: one GEMM per block), interleaved, "
+          f"medians of {reps}: " + " | ".join(
+              f"{r}: {np.median(wall[r]) * 1e3:.1f} ms wall, {np.median(cpu[r]) * 1e3:.1f} ms CPU"
+              for r in calls))
+
+
 def _minor_faults():
     try:
         import resource
@@ -223,12 +260,18 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
 
     from asv_benches.costs import variant_work
     from attn_ref import linear_attention
-    from attn_ref.linear import DEFAULT_EPS, safe_denominator
+    from attn_ref.linear import DEFAULT_EPS, GEMM_ROWS, safe_denominator
 
     h, n, d = q.shape
     zero = np.float32(0)
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
              "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
+    # As the library: GEMM_ROWS-row chunks of each block (at d = dv = 64 the rows are
+    # GEMM_ROWS itself), the fold transposed ([V | 1]^T phi(K)) and summed over the chunks.
+    crows = GEMM_ROWS if block > GEMM_ROWS and block % GEMM_ROWS == 0 else None
+
+    def chunks(x):
+        return x if crows is None else x.reshape(x.shape[:-2] + (x.shape[-2] // crows, crows, x.shape[-1]))
     runs = []
     for _ in range(reps):
         spent, faults = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
@@ -257,18 +300,25 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
             fk = phi(k, lo, hi, 0)
             v1[:, :hi - lo, :d] = v[:, lo:hi]
             tick(names[2])
-            ds = np.matrix_transpose(fk) @ v1[:, :hi - lo]
+            if crows is not None and hi - lo == block:
+                ds = np.sum(np.matrix_transpose(chunks(v1)) @ chunks(fk), axis=-3)
+            else:
+                ds = np.matrix_transpose(v1[:, :hi - lo]) @ fk
             if state is None:
                 state = ds
             else:
                 state += ds
             tick(names[3])
+        state = np.ascontiguousarray(np.matrix_transpose(state))
         out = np.empty((h, n, d), dtype=v.dtype)
         last[:] = [clock(), _minor_faults()]
         for lo in range(0, n, block):
             hi = min(lo + block, n)
             fq = phi(q, lo, hi, 4)
-            o = fq @ state
+            if crows is not None and hi - lo == block:
+                o = (chunks(fq) @ state[:, None]).reshape(h, hi - lo, d + 1)
+            else:
+                o = fq @ state
             tick(names[6])
             out[:, lo:hi] = o[..., :d]
             tick(names[7])
@@ -769,6 +819,8 @@ def main(argv=None):
     lin.add_argument("--phases", action="store_true", help="time each phase of the non-causal "
                      "block loop at the largest N, with its page faults")
     lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
+    lin.add_argument("--gemm-rows", default="", help="also time non-causal at the largest N with "
+                     "attn_ref.linear.GEMM_ROWS at each of these (0: one GEMM per block), e.g. 0,64,128")
     bwd = sub.add_parser("backward", help="issue 8: blockwise backward against torch SDPA")
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)
