@@ -46,7 +46,7 @@ from .report import CaseResult
 from .tolerance import LOW_PRECISION, Tolerance, measure, param_dtype, round_to, ulp
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
-           "grad_output", "state_cotangent"]
+           "JUDGED", "grad_output", "state_cotangent", "state_dtype"]
 
 #: Report row of each gradient: ``d`` + the name of the input, as the reference names it
 #: (:func:`grad_output` for inputs not listed: a variant's parameters such as Linformer's
@@ -265,8 +265,15 @@ def _term_magnitudes(prep, do):
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
     if prep.variant.name not in ("softmax", "online_softmax"):
         scale, qmax, kmax = max(abs(scale), 1.0), max(qmax, 1.0), max(kmax, 1.0)
-    return {"q": scale * dp * kmax, "k": scale * dp * qmax,
-            "v": float(np.max(np.abs(do))), "bias": dp}
+    terms = {"q": scale * dp * kmax, "k": scale * dp * qmax,
+             "v": float(np.max(np.abs(do))), "bias": dp}
+    if prep.variant.name in RECURRENT:
+        # log gates: dg_t sums q_s dq_s - k_s dk_s over the later steps (the reverse
+        # cumulative sum), terms of size |q| times a term of dq (|k| times one of dk);
+        # dS_0 sums the decayed scale q_t^T do_t
+        terms["g"] = max(qmax * terms["q"], kmax * terms["k"])
+        terms["initial_state"] = scale * qmax * float(np.max(np.abs(do)))
+    return terms
 
 
 def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
@@ -333,6 +340,16 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
 
 
 # ------------------------------------------------------------- the kernel's gradients
+
+
+#: The gradients judged besides ``q, k, v``: a bias the kernel takes, the recurrent
+#: family's gates, ``beta`` and initial state. The parameters of other variants
+#: (Linformer's ``e_proj``/``f_proj``, Performer's ``projection``, the compressed
+#: ``k_weight``/``v_weight``, Sinkhorn's ``sort_logits``, the Synthesizers' ``w1, b1, w2,
+#: b2`` and ``r``) have reference gradients, but no derived floor for their cancelling
+#: terms yet (Linformer's ``de_proj`` on large logits is ~1e-39 of rounding noise, 19
+#: times the own-magnitude floor): their rows read "not judged".
+JUDGED = ("bias", "initial_state", "g", "beta")
 
 
 def _kernel_names(ctx, prep, gold, kw) -> dict:
@@ -472,6 +489,12 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     handed = _kernel_names(ctx, prep, g, kw)
     declared = ctx.kernel.limits.get("grads")
     rows = []
+    for n in [n for n in handed if n not in JUDGED]:
+        rows.append(CaseResult.na(
+            reason=f"{grad_output(n)} not judged: no derived bound yet for the gradient of a "
+                   f"{prep.variant.name} parameter (conformance.grads.JUDGED)",
+            output=grad_output(n), **base))
+        handed.pop(n)
     if declared is not None:
         for n in [n for n in ("q", "k", "v", *handed) if n not in declared]:
             rows.append(CaseResult.na(

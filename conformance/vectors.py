@@ -275,7 +275,7 @@ def check_final_state(entry, arrays, state):
 
 def _add_grads(prep, arrays, layout, dtype):
     """``do`` (kernel dtype) and ``golden_dq``... (float64) into ``arrays``; their bounds."""
-    from .grads import grad_output, prepare_grads
+    from .grads import JUDGED, grad_output, prepare_grads
 
     try:
         # the recurrent family returns its final state (golden_final_state): its cotangent
@@ -293,7 +293,7 @@ def _add_grads(prep, arrays, layout, dtype):
     # (bias, initial_state: head-major; the variant's parameters: as generated)
     for n in [n for n in ("q", "k", "v") if n in g] + sorted(
             n for n in g if n not in ("q", "k", "v", "do", "dfinal_state")
-            and (n in prep.arrays or isinstance(prep.params.get(n), np.ndarray))):
+            and n in JUDGED and (n in prep.arrays or isinstance(prep.params.get(n), np.ndarray))):
         gold, keep, tmax, trms, bm = g[n]
         name = "golden_" + grad_output(n)
         gold = np.where(keep, gold, np.nan) if keep is not None else gold
