@@ -1,26 +1,36 @@
-"""Gradient checks: ``verify(..., grads=True)`` judges a kernel's ``dq``, ``dk``, ``dv``
-(and ``dbias`` when the case has a bias the kernel takes).
+"""Gradient checks: ``verify(..., grads=True)`` judges every gradient the reference VJP
+returns for an input the kernel is handed: ``dq``, ``dk``, ``dv``, ``dbias`` (a bias the
+kernel takes), and for the recurrent family ``dg`` (log gates), ``dbeta`` and
+``dinitial_state`` (:data:`JUDGED`; other variants' parameters read "not judged").
 
 For each case and dtype:
 
 1. an output cotangent ``do`` (standard normal, drawn from the seed and the case id,
    rounded to the kernel dtype; zero on rows with no key to attend to unless the kernel
    declared ``fully_masked="zeros"``, so a ``"mean"`` or ``"excluded"`` convention does
-   not leak into ``dk``/``dv``);
+   not leak into ``dk``/``dv``); when a recurrent kernel returns its final state, also
+   its cotangent ``dfinal_state`` (:func:`state_cotangent`);
 2. golden gradients: the reference VJP :data:`attn_ref.grad.VJPS` of the variant on the
-   rounded inputs, in float64 (longdouble for float64 kernels), exactly like the
-   forward golden;
-3. a baseline per gradient: the same VJP run in the kernel dtype; each gradient's
-   tolerance comes from :class:`conformance.tolerance.Tolerance` with its own baseline
-   and magnitude (override one with ``tolerance={"dq": Tolerance(...)}``);
+   rounded inputs (and ``dfinal_state``), in float64 (longdouble for float64 kernels),
+   exactly like the forward golden;
+3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
+   recurrent kernels: with a float32 state, each gradient rounded once to its input's
+   dtype, as the forward's baseline); each gradient's tolerance comes from
+   :class:`conformance.tolerance.Tolerance` with its own baseline and magnitude
+   (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
-   backend, ``jax.vjp`` on JAX) or from an explicit ``backward(q, k, v, do, **kw)``
-   returning ``(dq, dk, dv)`` or ``(dq, dk, dv, dbias)`` or a dict with those names
-   (what a raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
+   backend, ``jax.vjp`` on JAX, with ``(do, dfinal_state)`` when the kernel returns a
+   final state) or from an explicit ``backward(q, k, v, do, [dfinal_state=...,] **kw)``
+   returning ``(dq, dk, dv)``, ``(dq, dk, dv, dbias)`` or a dict keyed by the inputs'
+   reference names, ``d``-prefixed or not, or the kernel's own parameter names (what a
+   raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
 
-Each gradient is a report row of its own (``output`` ``dq``, ``dk``, ``dv``, ``dbias``).
-A failing softmax gradient is compared with the known backward mistakes
-(:data:`MISTAKES`) and the one that explains it is named.
+Each gradient is a report row of its own (``output`` :func:`grad_output`: ``dq``,
+``dg``, ``dinitial_state``...). A gradient the kernel does not return fails its row,
+unless the kernel declares the inputs it differentiates (``supports={"grads": ("q",
+"k", "v")}``): the others' rows then read "not judged" (n/a). A failing softmax
+gradient is compared with the known backward mistakes (:data:`MISTAKES`) and the one
+that explains it is named. ``docs/conformance.md``, "Gradients".
 """
 
 from __future__ import annotations

@@ -82,7 +82,9 @@ Each entry of ``cases``:
     ``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
 ``outputs`` (list of str)
     The expected outputs in the file: ``"golden"``, plus ``"golden_dq"``,
-    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``, plus
+    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``; ``"golden_dg"``,
+    ``"golden_dbeta"``, ``"golden_dinitial_state"`` for the recurrent family) with
+    ``grads=True``, plus
     ``"golden_lse"`` (float64 ``(B, H, Nq)``, ``(Nq,)`` for ``nd``; ``-inf`` on rows
     that see no key) for the cases of ``suite="long"``, whose golden is computed once
     on Dask with its log-sum-exp (:mod:`conformance.long`), plus
@@ -105,7 +107,10 @@ A kernel passes a case when both errors are within bounds and it produced no NaN
 where the golden is finite. With ``grads=True`` (CLI ``--grads``) each file also holds
 ``do`` (the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
 (``golden_dbias`` when the case has a bias; float64, ``dq`` rows excluded by
-``fully_masked="excluded"`` are NaN).
+``fully_masked="excluded"`` are NaN), and for the recurrent family ``golden_dg``,
+``golden_dbeta``, ``golden_dinitial_state`` as the case has them, plus
+``dfinal_state`` (float32 for float16/bfloat16 cases, float64 for float64), the final
+state's cotangent, which every golden gradient includes (:mod:`conformance.grads`).
 
 :func:`load_vectors` checks all of this before handing an array out: the format and
 version, every entry's required fields, every ``file`` inside the directory, and each
