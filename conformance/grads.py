@@ -405,6 +405,10 @@ def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k):
             kw[pname] = leaves[n]
         outs = outputs(ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw))
         cots = (do_k,) + ((ds_k.to(outs[1].dtype),) if len(outs) > 1 else ())
+        if len(outs) > 1 and not outs[1].requires_grad:
+            # a final state returned detached: dht reaches nothing (the gradients that
+            # depend on it then fail their rows); torch refuses an output without a graph
+            outs, cots = outs[:1], cots[:1]
         grads = torch.autograd.grad(outs, [leaves[n] for n in order], grad_outputs=cots,
                                     allow_unused=True)
         return dict(zip(order, grads))

@@ -114,6 +114,24 @@ def test_a_correct_torch_loop_passes_every_gradient_row(name):
                 assert (c.id, dt, out) in judged, (c.id, dt, out)
 
 
+def test_a_torch_kernel_whose_final_state_has_no_gradient_fails():
+    """The final state returned detached: autograd then ignores ``dht``, and the rows
+    that depend on it fail (``dq`` does not; ``dinitial_state`` gets ``dht`` through
+    every step's decay, exp(-20) to exp(-34) over these 33 GLA gates, below its bound)."""
+    pytest.importorskip("torch")
+    loop = torch_loop("gla")
+
+    def detached(q, k, v, **kw):
+        out = loop(q, k, v, **kw)
+        return (out[0], out[1].detach()) if isinstance(out, tuple) else out
+
+    detached.__signature__ = inspect.signature(loop)
+    rep = verify(detached, "gla", backend="torch", dtypes=("float32",),
+                 cases=_few("gla", "initial-state"), grads=True, progress=False)
+    assert {"dk", "dv", "dg"} <= _failing(rep), rep.table()
+    assert not {"out", "final_state", "dq"} & _failing(rep), rep.table()
+
+
 @pytest.mark.parametrize("name", ["gla", "gated_deltanet"])
 def test_a_float32_state_torch_loop_passes_in_half_precision(name):
     pytest.importorskip("torch")
