@@ -1,26 +1,36 @@
-"""Gradient checks: ``verify(..., grads=True)`` judges a kernel's ``dq``, ``dk``, ``dv``
-(and ``dbias`` when the case has a bias the kernel takes).
+"""Gradient checks: ``verify(..., grads=True)`` judges every gradient the reference VJP
+returns for an input the kernel is handed: ``dq``, ``dk``, ``dv``, ``dbias`` (a bias the
+kernel takes), and for the recurrent family ``dg`` (log gates), ``dbeta`` and
+``dinitial_state`` (:data:`JUDGED`; other variants' parameters read "not judged").
 
 For each case and dtype:
 
 1. an output cotangent ``do`` (standard normal, drawn from the seed and the case id,
    rounded to the kernel dtype; zero on rows with no key to attend to unless the kernel
    declared ``fully_masked="zeros"``, so a ``"mean"`` or ``"excluded"`` convention does
-   not leak into ``dk``/``dv``);
+   not leak into ``dk``/``dv``); when a recurrent kernel returns its final state, also
+   its cotangent ``dfinal_state`` (:func:`state_cotangent`);
 2. golden gradients: the reference VJP :data:`attn_ref.grad.VJPS` of the variant on the
-   rounded inputs, in float64 (longdouble for float64 kernels), exactly like the
-   forward golden;
-3. a baseline per gradient: the same VJP run in the kernel dtype; each gradient's
-   tolerance comes from :class:`conformance.tolerance.Tolerance` with its own baseline
-   and magnitude (override one with ``tolerance={"dq": Tolerance(...)}``);
+   rounded inputs (and ``dfinal_state``), in float64 (longdouble for float64 kernels),
+   exactly like the forward golden;
+3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
+   recurrent kernels: with a float32 state, each gradient rounded once to its input's
+   dtype, as the forward's baseline); each gradient's tolerance comes from
+   :class:`conformance.tolerance.Tolerance` with its own baseline and magnitude
+   (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
-   backend, ``jax.vjp`` on JAX) or from an explicit ``backward(q, k, v, do, **kw)``
-   returning ``(dq, dk, dv)`` or ``(dq, dk, dv, dbias)`` or a dict with those names
-   (what a raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
+   backend, ``jax.vjp`` on JAX, with ``(do, dfinal_state)`` when the kernel returns a
+   final state) or from an explicit ``backward(q, k, v, do, [dfinal_state=...,] **kw)``
+   returning ``(dq, dk, dv)``, ``(dq, dk, dv, dbias)`` or a dict keyed by the inputs'
+   reference names, ``d``-prefixed or not, or the kernel's own parameter names (what a
+   raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
 
-Each gradient is a report row of its own (``output`` ``dq``, ``dk``, ``dv``, ``dbias``).
-A failing softmax gradient is compared with the known backward mistakes
-(:data:`MISTAKES`) and the one that explains it is named.
+Each gradient is a report row of its own (``output`` :func:`grad_output`: ``dq``,
+``dg``, ``dinitial_state``...). A gradient the kernel does not return fails its row,
+unless the kernel declares the inputs it differentiates (``supports={"grads": ("q",
+"k", "v")}``): the others' rows then read "not judged" (n/a). A failing softmax
+gradient is compared with the known backward mistakes (:data:`MISTAKES`) and the one
+that explains it is named. ``docs/conformance.md``, "Gradients".
 """
 
 from __future__ import annotations
@@ -29,16 +39,57 @@ import zlib
 
 import numpy as np
 
-from .calling import call_kernel, changed_input, check_container, first_output, snapshot
+from .calling import (
+    DECLARATIONS,
+    Declaration,
+    call_kernel,
+    changed_input,
+    check_container,
+    first_output,
+    snapshot,
+)
+from .extras import RECURRENT, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
-from .layouts import from_layout, to_layout
+from .layouts import from_layout, pair_layout, to_layout
 from .report import CaseResult
-from .tolerance import Tolerance, measure, param_dtype, round_to, ulp
+from .tolerance import LOW_PRECISION, Tolerance, measure, param_dtype, round_to, ulp
 
-__all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS"]
+__all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
+           "JUDGED", "grad_output", "state_cotangent", "state_dtype"]
 
-GRAD_OUTPUTS = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias"}
+#: Report row of each gradient: ``d`` + the name of the input, as the reference names it
+#: (:func:`grad_output` for inputs not listed: a variant's parameters such as Linformer's
+#: ``e_proj`` give ``de_proj``).
+GRAD_OUTPUTS = {"q": "dq", "k": "dk", "v": "dv", "bias": "dbias", "g": "dg", "beta": "dbeta",
+                "initial_state": "dinitial_state"}
+
+
+def grad_output(name: str) -> str:
+    """The report row (``output``) of the gradient of input ``name``: ``"dq"``, ``"dg"``..."""
+    return GRAD_OUTPUTS.get(name, "d" + name)
+
+
+def _grad_names(name, value):
+    given = value
+    if isinstance(value, str):
+        value = [x for x in value.replace(",", " ").split() if x]
+    if not isinstance(value, (tuple, list, set, frozenset)) or not all(isinstance(x, str) for x in value):
+        raise TypeError(f"supports[{name!r}] must be the names of the inputs the kernel "
+                        f"differentiates, e.g. ('q', 'k', 'v') or 'q,k,v'; got {given!r}")
+    out = tuple(dict.fromkeys(x.removeprefix("d") if x.startswith("d") and x[1:] in GRAD_OUTPUTS
+                              else x for x in value))
+    if not {"q", "k", "v"} & set(out):
+        raise ValueError(f"supports[{name!r}] must name at least one of q, k, v; got {given!r}")
+    return out
+
+
+# supports={"grads": ("q", "k", "v")}: the inputs a kernel differentiates. Every other
+# gradient the reference returns is reported as a row "not judged" (n/a), never dropped.
+DECLARATIONS["grads"] = Declaration(
+    _grad_names, lambda case, names: "",
+    "the inputs the kernel differentiates, e.g. ('q', 'k', 'v'); the gradients of the "
+    "others (gates, beta, initial_state...) are reported as not judged")
 
 
 def _np():
@@ -66,14 +117,83 @@ def _cotangent(prep) -> np.ndarray:
     return round_to(do, prep.dtype)
 
 
-def _reference_grads(prep, do, dtype, vjp=None):
+def _state_shape(prep):
+    """The final state's canonical shape ``(N, H, d_k, d_v)`` (:mod:`conformance.extras`)."""
+    b, h = prep.golden.shape[:2]
+    cu = prep.kwargs.get("cu_seqlens")
+    return (len(cu) - 1 if cu is not None else b, h, prep.case.d, prep.case.dv)
+
+
+def state_dtype(prep, convention=None) -> str:
+    """The dtype the final state comes back in, and so its cotangent is handed in: float32
+    for float16/bfloat16 kernels (as fla returns its states), the kernel dtype under the
+    ``"input_dtype"`` convention and for float32/float64."""
+    return prep.dtype if convention == "input_dtype" or prep.dtype not in LOW_PRECISION \
+        else "float32"
+
+
+def state_cotangent(prep, convention=None) -> np.ndarray:
+    """``dfinal_state (N, H, d_k, d_v)``: the cotangent of the final state, standard normal
+    drawn from the seed and the case id as ``do`` is, rounded to :func:`state_dtype`."""
+    seed = zlib.crc32(f"{prep.case.id}/dfinal_state".encode()) ^ prep.seed
+    ds = np.random.default_rng(seed).standard_normal(_state_shape(prep))
+    return round_to(ds, state_dtype(prep, convention))
+
+
+def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None):
+    """The reference VJP on ``prep``'s inputs in ``dtype``: ``{input name: gradient}``,
+    every gradient it returns (float64, or longdouble values for ``"longdouble"``)."""
     a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
     p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in prep.params.items()}
+    extra = {} if dfinal_state is None else {
+        "dfinal_state": as_dtype(dfinal_state, dtype)}
     g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
                    **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                   **prep.kwargs, **p, **prep.options, xp=_np())
+                   **prep.kwargs, **p, **prep.options, **extra, xp=_np())
     return {n: np.asarray(x, dtype=np.float64) if dtype != "longdouble" else np.asarray(x)
-            for n, x in g.items() if n in GRAD_OUTPUTS}
+            for n, x in g.items()}
+
+
+def _fp32_state_grads(prep, do, dtype, dfinal_state=None, normalized_in_dtype=False):
+    """The recurrent VJP as a float16/bfloat16 kernel computes it: the inputs as the dtype
+    holds them, the state, its cotangent and every product in float32, each gradient
+    rounded once to its input's dtype - the backward of the forward's baseline
+    :func:`conformance.judging.fp32_state_form` (the one function, at float32 precision).
+
+    ``normalized_in_dtype``: with ``qk_l2norm=True``, ``q`` and ``k`` normalised in
+    float32 and stored in the dtype before the recurrence (fla's ``l2norm`` before the
+    kernel), the normalisation differentiated in float32.
+    """
+    if not (normalized_in_dtype and {**prep.options, **prep.kwargs}.get("qk_l2norm")):
+        g = _reference_grads(prep, do, "float32", dfinal_state=dfinal_state)
+    else:
+        from attn_ref.recurrent.delta import L2NORM_EPS
+
+        x32 = {n: np.asarray(prep.arrays[n], dtype=np.float32) for n in ("q", "k")}
+        rstd = {n: 1 / np.sqrt(np.sum(x * x, -1, keepdims=True) + np.float32(L2NORM_EPS))
+                for n, x in x32.items()}
+        normed = {n: np.asarray(round_to(x32[n] * rstd[n], dtype), dtype=np.float64)
+                  for n in x32}
+        sub = _with_arrays(prep, normed, qk_l2norm=False)
+        g = _reference_grads(sub, do, "float32", dfinal_state=dfinal_state)
+        for n in ("q", "k"):
+            # y = x r with r = (|x|^2 + eps)^-1/2, so dr/dx = -r^3 x: dx = r dy - r^3 x <x, dy>
+            dy, x, r = np.asarray(g[n], np.float32), x32[n], rstd[n]
+            g[n] = np.asarray(r * dy - x * r ** 3 * np.sum(x * dy, -1, keepdims=True), np.float64)
+    return {n: np.asarray(round_to(x, param_dtype(n, dtype)), dtype=np.float64)
+            for n, x in g.items()}
+
+
+def _with_arrays(prep, arrays, **options):
+    """A shallow copy of ``prep`` with some inputs and options replaced."""
+    import copy
+
+    sub = copy.copy(prep)
+    sub.__dict__.pop("_grads", None)
+    sub.arrays = {**prep.arrays, **arrays}
+    sub.options = {**prep.options, **{n: v for n, v in options.items() if n in prep.options}}
+    sub.kwargs = {**prep.kwargs, **{n: v for n, v in options.items() if n in prep.kwargs}}
+    return sub
 
 
 def _baselines(prep):
@@ -90,8 +210,18 @@ def _baselines(prep):
     """
     from attn_ref import grad
 
+    if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
+        # As for the forward (conformance.judging, the recurrent forms): the VJP on
+        # LowPrecisionArray would round the state and its cotangent to the dtype at every
+        # step (20 times the error of a float32 state on GLA's dg, bfloat16, T = 15); a
+        # real kernel keeps them in float32. The fp32-state forms are the baseline instead.
+        forms = [lambda prep, do, dtype, ds=None: _fp32_state_grads(prep, do, dtype, ds)]
+        if {**prep.options, **prep.kwargs}.get("qk_l2norm"):
+            forms.append(lambda prep, do, dtype, ds=None: _fp32_state_grads(
+                prep, do, dtype, ds, normalized_in_dtype=True))
+        return forms
     if prep.variant.name not in ("softmax", "online_softmax"):
-        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype)]
+        return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
     return [
         lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.softmax_attention),
         lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.online_softmax_attention),
@@ -145,19 +275,33 @@ def _term_magnitudes(prep, do):
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
     if prep.variant.name not in ("softmax", "online_softmax"):
         scale, qmax, kmax = max(abs(scale), 1.0), max(qmax, 1.0), max(kmax, 1.0)
-    return {"q": scale * dp * kmax, "k": scale * dp * qmax,
-            "v": float(np.max(np.abs(do))), "bias": dp}
+    terms = {"q": scale * dp * kmax, "k": scale * dp * qmax,
+             "v": float(np.max(np.abs(do))), "bias": dp}
+    if prep.variant.name in RECURRENT:
+        # log gates: dg_t sums q_s dq_s - k_s dk_s over the later steps (the reverse
+        # cumulative sum), terms of size |q| times a term of dq (|k| times one of dk);
+        # dS_0 sums the decayed scale q_t^T do_t
+        terms["g"] = max(qmax * terms["q"], kmax * terms["k"])
+        terms["initial_state"] = scale * qmax * float(np.max(np.abs(do)))
+    return terms
 
 
-def prepare_grads(prep, tolerance=None) -> dict:
-    """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``."""
+def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
+    """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``.
+
+    ``final_state``: the kernel returns the final state (True, or its convention
+    ``"input_dtype"``): then ``"dfinal_state"`` holds its cotangent
+    (:func:`state_cotangent`), which the goldens and baselines take.
+    """
     cache = prep.__dict__.setdefault("_grads", {})
-    key = repr(tolerance)
+    key = repr((tolerance, final_state))
     if key in cache:
         return cache[key]
     do = _cotangent(prep)
+    convention = final_state if isinstance(final_state, str) else None
+    ds = state_cotangent(prep, convention) if final_state else None
     try:
-        gold = _reference_grads(prep, do, prep.golden_dtype)
+        gold = _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds)
     except NotApplicable:
         raise
     except Exception as exc:
@@ -168,11 +312,15 @@ def prepare_grads(prep, tolerance=None) -> dict:
     for plain in _baselines(prep):
         try:
             with np.errstate(all="ignore"):
-                bases.append(plain(prep, do, prep.dtype))
+                bases.append(plain(prep, do, prep.dtype) if ds is None else
+                             plain(prep, do, prep.dtype, ds))
         except Exception:
             pass
     out = {"do": do}
+    if ds is not None:
+        out["dfinal_state"] = ds
     terms = _term_magnitudes(prep, do)
+    fp32_state = prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION
     for n, g in gold.items():
         keep = None
         if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
@@ -181,14 +329,21 @@ def prepare_grads(prep, tolerance=None) -> dict:
         ms = [measure(b[n], g, keep) for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
-        mag = max(float(np.max(np.abs(g))) if g.size else 0.0, terms.get(n, 0.0))
+        own = float(np.max(np.abs(g))) if g.size else 0.0
+        mag = own if fp32_state else max(own, terms.get(n, 0.0))
         tol = (GRAD_DEFAULTS[prep.dtype] if tolerance is None
-               else resolve_tolerance(tolerance, prep.dtype, GRAD_OUTPUTS[n]))
+               else resolve_tolerance(tolerance, prep.dtype, grad_output(n)))
         if bm is None:
             b_max = b_rms = 16 * ulp(mag, prep.dtype)
         else:
             b_max, b_rms = bm.max_err, bm.rms_err
         tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype)
+        if fp32_state and terms.get(n):
+            # the terms of a float32-state backward cancel in float32, its result is
+            # rounded to the dtype once: the terms' floor is in float32 ulps, the
+            # gradient's own in the dtype's (the dtype's ulp of a term, 8 to 16 in
+            # bfloat16 where |dq| ~ 6, would pass dq = 0)
+            tmax += tol.floor_ulps * ulp(terms[n], "float32")
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
     return out
@@ -197,58 +352,116 @@ def prepare_grads(prep, tolerance=None) -> dict:
 # ------------------------------------------------------------- the kernel's gradients
 
 
-def _autodiff(ctx, inputs, kw, bias_name, do_k):
-    """``{name: kernel-layout gradient}`` from the kernel's own framework."""
+#: The gradients judged besides ``q, k, v``: a bias the kernel takes, the recurrent
+#: family's gates, ``beta`` and initial state. The parameters of other variants
+#: (Linformer's ``e_proj``/``f_proj``, Performer's ``projection``, the compressed
+#: ``k_weight``/``v_weight``, Sinkhorn's ``sort_logits``, the Synthesizers' ``w1, b1, w2,
+#: b2`` and ``r``) have reference gradients, but no derived floor for their cancelling
+#: terms yet (Linformer's ``de_proj`` on large logits is ~1e-39 of rounding noise, 19
+#: times the own-magnitude floor): their rows read "not judged".
+JUDGED = ("bias", "initial_state", "g", "beta")
+
+
+def _kernel_names(ctx, prep, gold, kw) -> dict:
+    """``{reference name: kernel keyword}`` of the differentiable inputs besides ``q, k, v``
+    that the kernel is handed: a feature's array under the kernel's own parameter name
+    (``bias`` as ``attn_mask``, ``initial_state`` as ``h0``), a variant's parameter
+    (gates ``g``, ``beta``, projections) under its own."""
+    out = {}
+    for n in gold:
+        if n in BASE_KEYS or n in ("do", "dfinal_state"):
+            continue
+        pname = ctx.kernel.names.get(n) if n in prep.arrays else n
+        if pname is not None and pname in kw and hasattr(kw[pname], "shape"):
+            out[n] = pname
+    return out
+
+
+def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k):
+    """``{name: kernel-layout gradient}`` from the kernel's own framework.
+
+    ``names``: ``{reference name: kernel keyword}`` of the inputs to differentiate besides
+    ``q, k, v``; ``ds_k``: the final state's cotangent, or None (the output's alone).
+    """
     name = getattr(ctx.backend, "name", "custom")
-    names = ["q", "k", "v"] + (["bias"] if bias_name else [])
+    order = ["q", "k", "v", *names]
+    declared = expected_outputs(ctx)
+
+    def outputs(ret):
+        if ds_k is None:
+            return (first_output(ret),)
+        out, extras, _ = split_outputs(ret, ctx.variant, declared, prep, ctx.layout)
+        # a final state that did not come back fails its own forward row; here the
+        # gradients are then those of the output alone, and the goldens say otherwise
+        return (out,) if "final_state" not in extras else (out, extras["final_state"])
+
     if name == "torch":
         import torch
 
         leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
         kw = dict(kw)
-        if bias_name:
-            leaves["bias"] = kw[bias_name].detach().clone().requires_grad_(True)
-            kw[bias_name] = leaves["bias"]
-        out = ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw)
-        out = first_output(out)
-        grads = torch.autograd.grad(out, [leaves[n] for n in names], grad_outputs=do_k,
+        for n, pname in names.items():
+            leaves[n] = kw[pname].detach().clone().requires_grad_(True)
+            kw[pname] = leaves[n]
+        outs = outputs(ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw))
+        cots = (do_k,) + ((ds_k.to(outs[1].dtype),) if len(outs) > 1 else ())
+        if len(outs) > 1 and not outs[1].requires_grad:
+            # a final state returned detached: dht reaches nothing (the gradients that
+            # depend on it then fail their rows); torch refuses an output without a graph
+            outs, cots = outs[:1], cots[:1]
+        grads = torch.autograd.grad(outs, [leaves[n] for n in order], grad_outputs=cots,
                                     allow_unused=True)
-        return dict(zip(names, grads))
+        return dict(zip(order, grads))
     if name == "jax":
         import jax
 
         def f(*xs):
             kw2 = dict(kw)
-            if bias_name:
-                kw2[bias_name] = xs[3]
-            out = ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2)
-            return first_output(out)
+            for n, x in zip(order[3:], xs[3:]):
+                kw2[names[n]] = x
+            return outputs(ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2))
 
-        vals = [inputs["q"], inputs["k"], inputs["v"]] + ([kw[bias_name]] if bias_name else [])
+        vals = [inputs["q"], inputs["k"], inputs["v"]] + [kw[names[n]] for n in order[3:]]
 
         def vjp(*args):
-            return jax.vjp(f, *args[:-1])[1](args[-1])
+            outs, pull = jax.vjp(f, *args[:-2])
+            cots = (args[-2],) + ((args[-1].astype(outs[1].dtype),) if len(outs) > 1 else ())
+            return pull(cots)
 
         # One compilation of forward + backward instead of one per operation; a kernel
         # that cannot be traced runs eagerly.
         try:
-            grads = jax.jit(vjp)(*vals, do_k)
+            grads = jax.jit(vjp)(*vals, do_k, ds_k)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError):
-            grads = vjp(*vals, do_k)
-        return dict(zip(names, grads))
+            grads = vjp(*vals, do_k, ds_k)
+        return dict(zip(order, grads))
     raise NotApplicable(_NO_AUTODIFF.format(name=name))
 
 
 _NO_AUTODIFF = ("backend {name!r} has no automatic differentiation: pass "
-                "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv)")
+                "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv) or a dict")
 
 
-def _explicit(backward, inputs, kw, do_k, bias_name):
-    got = backward(inputs["q"], inputs["k"], inputs["v"], do_k, **kw)
+def _explicit(backward, inputs, kw, do_k, ds_k, known, aliases):
+    """``backward(q, k, v, do, [dfinal_state=...,] **kw)``'s gradients by reference name.
+
+    A dict may name each gradient by the input's reference name (``"g"``,
+    ``"initial_state"``), with a ``d`` prefix (``"dg"``, ``"dinitial_state"``), or by the
+    kernel's own parameter name (``"h0"`` or ``"dh0"``; ``aliases`` maps those back);
+    ``known`` holds the reference names.
+    """
+    extra = {} if ds_k is None else {"dfinal_state": ds_k}
+    got = backward(inputs["q"], inputs["k"], inputs["v"], do_k, **extra, **kw)
     if isinstance(got, dict):
-        return {n.removeprefix("d") if n.startswith("d") and n[1:] in GRAD_OUTPUTS else n: x
-                for n, x in got.items()}
+        out = {}
+        for n, x in got.items():
+            if n in aliases:
+                n = aliases[n]
+            elif n not in known and n.startswith("d") and n[1:] in known:
+                n = n[1:]
+            out[n] = x
+        return out
     names = ["q", "k", "v", "bias"]
     if not isinstance(got, (tuple, list)) or len(got) not in (3, 4):
         raise TypeError(f"backward must return (dq, dk, dv), (dq, dk, dv, dbias) or a dict, "
@@ -256,61 +469,96 @@ def _explicit(backward, inputs, kw, do_k, bias_name):
     return dict(zip(names, got))
 
 
+def _want_shape(ctx, n, gold):
+    """The shape the kernel's gradient of ``n`` has: its input's, as the kernel got it."""
+    if n in BASE_KEYS:
+        return to_layout(np.empty(gold.shape, dtype=np.int8), ctx.layout).shape
+    if n == "bias" or n == "initial_state":  # head-major features: (Nq, Nk) / (dk, dv) for nd
+        return gold.shape[2:] if ctx.layout == "nd" else gold.shape
+    return gold.shape  # a variant's parameter, passed as generated
+
+
+def _canonical(ctx, n, h):
+    if n in BASE_KEYS:
+        return from_layout(h, ctx.layout)
+    if n in ("bias", "initial_state"):
+        return h[None, None] if ctx.layout == "nd" else h
+    return h
+
+
 def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     """The gradient rows of one case (see the module docstring); never raises for a kernel's fault."""
     base = {"case": prep.case.id, "dtype": dtype}
+    state = expected_outputs(ctx).get("final_state") if prep.variant.name in RECURRENT else None
+    state = state if isinstance(state, str) else bool(state)
     try:
-        g = prepare_grads(prep, ctx.tolerance)
+        g = prepare_grads(prep, ctx.tolerance, state)
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), output="grads", **base)]
     do = g["do"]
-    bias_name = None
-    if "bias" in g and "bias" in prep.arrays:
-        pname = ctx.kernel.names.get("bias")
-        if pname in kw:
-            bias_name = pname
     backward = ctx.extra.get("backward")
     name = getattr(ctx.backend, "name", "custom")
     if backward is None and name not in ("torch", "jax"):
         return [CaseResult.na(reason=_NO_AUTODIFF.format(name=name), output="grads", **base)]
+    handed = _kernel_names(ctx, prep, g, kw)
+    declared = ctx.kernel.limits.get("grads")
+    rows = []
+    for n in [n for n in handed if n not in JUDGED]:
+        rows.append(CaseResult.na(
+            reason=f"{grad_output(n)} not judged: no derived bound yet for the gradient of a "
+                   f"{prep.variant.name} parameter (conformance.grads.JUDGED)",
+            output=grad_output(n), **base))
+        handed.pop(n)
+    if declared is not None:
+        for n in [n for n in ("q", "k", "v", *handed) if n not in declared]:
+            rows.append(CaseResult.na(
+                reason=f"{grad_output(n)} not judged: the kernel declares supports={{'grads': "
+                       f"{declared!r}}} ({n} not differentiated)", output=grad_output(n), **base))
+            handed.pop(n, None)
     do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
+    ds = g.get("dfinal_state")
+    ds_k = None if ds is None else ctx.to_kernel(pair_layout(ds, ctx.layout),
+                                                 state_dtype(prep, state if isinstance(state, str) else None))
     # what the backward is handed and must leave unchanged: q, k, v, do and the forward's
     # array arguments (autodiff differentiates copies, so only backward= can write)
-    given = {**inputs, "do": do_k, **kw}
+    given = {**inputs, "do": do_k, **kw, **({} if ds_k is None else {"dfinal_state": ds_k})}
     snaps = {n: snapshot(ctx, x) for n, x in given.items() if hasattr(x, "shape")}
     if backward is not None:
-        call = call_kernel(_explicit, backward, inputs, kw, do_k, bias_name,
+        aliases = {p: n for n, p in handed.items() if p != n}
+        aliases.update({"d" + p: n for p, n in list(aliases.items())})
+        call = call_kernel(_explicit, backward, inputs, kw, do_k, ds_k, {"q", "k", "v", *handed}, aliases,
                            time_limit=ctx.time_limit, what="kernel backward")
     else:
-        call = call_kernel(_autodiff, ctx, inputs, kw, bias_name, do_k,
+        call = call_kernel(_autodiff, ctx, prep, inputs, kw, handed, do_k, ds_k,
                            time_limit=ctx.time_limit, what="kernel backward")
     elapsed = call.elapsed
     if not call.ok:  # raised (an error) or stopped at the time limit (a failure)
-        return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
-                                 output="grads", time_s=elapsed, shapes=shapes, **base)]
+        return rows + [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
+                                        output="grads", time_s=elapsed, shapes=shapes, **base)]
     changed = changed_input(ctx, given, snaps)
     if changed:
-        return [CaseResult.error(f"the kernel backward modified its input {changed!r} in place",
-                                 verdict="fail", output="grads", time_s=elapsed, shapes=shapes,
-                                 **base)]
+        return rows + [CaseResult.error(f"the kernel backward modified its input {changed!r} in place",
+                                        verdict="fail", output="grads", time_s=elapsed,
+                                        shapes=shapes, **base)]
     got = call.value
-    rows = []
     hosts = {}
-    for n in ("q", "k", "v", "bias"):
-        if n not in g or (n == "bias" and bias_name is None):
+    for n in ("q", "k", "v", *handed):
+        if declared is not None and n not in declared:
             continue
         gold, keep, tmax, trms, bm = g[n]
-        out_name = GRAD_OUTPUTS[n]
+        out_name = grad_output(n)
         row = {"output": out_name, "time_s": elapsed, "shapes": shapes, **base}
         x = got.get(n)
         if x is None:
-            rows.append(CaseResult.error(f"the kernel returned no gradient for {n}", verdict="fail",
-                                         **row))
+            why = f"the kernel returned no gradient for {n}"
+            if n not in BASE_KEYS:
+                why += (f" (the reference differentiates it; a kernel that treats it as a "
+                        f"constant declares supports={{'grads': ('q', 'k', 'v', ...)}} without "
+                        f"{n!r}, and the row reads not judged)")
+            rows.append(CaseResult.error(why, verdict="fail", **row))
             continue
-        like = kw[bias_name] if n == "bias" else inputs[n]
-        want = (gold.shape[2:] if ctx.layout == "nd" else gold.shape) if n == "bias" else \
-            to_layout(np.empty(gold.shape, dtype=np.int8), ctx.layout).shape
-        problem = check_container(ctx, x, like, want, name=out_name)
+        like = inputs[n] if n in BASE_KEYS else kw[handed[n]]
+        problem = check_container(ctx, x, like, _want_shape(ctx, n, gold), name=out_name)
         h = None
         if not problem:
             try:
@@ -320,7 +568,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
         if problem:
             rows.append(CaseResult.error(problem, verdict="fail", **row))
             continue
-        h = (h[None, None] if ctx.layout == "nd" else h) if n == "bias" else from_layout(h, ctx.layout)
+        h = _canonical(ctx, n, h)
         if h.shape != gold.shape:
             rows.append(CaseResult.error(f"{out_name} has shape {h.shape}, expected {gold.shape}",
                                          verdict="fail", **row))

@@ -82,7 +82,9 @@ Each entry of ``cases``:
     ``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
 ``outputs`` (list of str)
     The expected outputs in the file: ``"golden"``, plus ``"golden_dq"``,
-    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``) with ``grads=True``, plus
+    ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``; ``"golden_dg"``,
+    ``"golden_dbeta"``, ``"golden_dinitial_state"`` for the recurrent family) with
+    ``grads=True``, plus
     ``"golden_lse"`` (float64 ``(B, H, Nq)``, ``(Nq,)`` for ``nd``; ``-inf`` on rows
     that see no key) for the cases of ``suite="long"``, whose golden is computed once
     on Dask with its log-sum-exp (:mod:`conformance.long`), plus
@@ -105,7 +107,10 @@ A kernel passes a case when both errors are within bounds and it produced no NaN
 where the golden is finite. With ``grads=True`` (CLI ``--grads``) each file also holds
 ``do`` (the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
 (``golden_dbias`` when the case has a bias; float64, ``dq`` rows excluded by
-``fully_masked="excluded"`` are NaN).
+``fully_masked="excluded"`` are NaN), and for the recurrent family ``golden_dg``,
+``golden_dbeta``, ``golden_dinitial_state`` as the case has them, plus
+``dfinal_state`` (float32 for float16/bfloat16 cases, float64 for float64), the final
+state's cotangent, which every golden gradient includes (:mod:`conformance.grads`).
 
 :func:`load_vectors` checks all of this before handing an array out: the format and
 version, every entry's required fields, every ``file`` inside the directory, and each
@@ -275,22 +280,32 @@ def check_final_state(entry, arrays, state):
 
 def _add_grads(prep, arrays, layout, dtype):
     """``do`` (kernel dtype) and ``golden_dq``... (float64) into ``arrays``; their bounds."""
-    from .grads import GRAD_OUTPUTS, prepare_grads
+    from .grads import JUDGED, grad_output, prepare_grads
 
     try:
-        g = prepare_grads(prep)
+        # the recurrent family returns its final state (golden_final_state): its cotangent
+        # dfinal_state is part of the backward, as fla's kernels take dht
+        g = prepare_grads(prep, final_state=prep.variant.name in RECURRENT)
     except NotApplicable:
         return ["golden"], {}
     arrays["do"] = _store(to_layout(g["do"], layout), dtype)
+    if "dfinal_state" in g:
+        ds = g["dfinal_state"]
+        arrays["dfinal_state"] = np.asarray(ds[0, 0] if layout == "nd" else ds,
+                                            dtype=np.float64 if dtype == "float64" else np.float32)
     outputs, tols = ["golden"], {}
-    for n in ("q", "k", "v", "bias"):
-        if n not in g:
-            continue
+    # every gradient the reference returns: q, k, v, then the other inputs in the file
+    # (bias, initial_state: head-major; the variant's parameters: as generated)
+    for n in [n for n in ("q", "k", "v") if n in g] + sorted(
+            n for n in g if n not in ("q", "k", "v", "do", "dfinal_state")
+            and n in JUDGED and (n in prep.arrays or isinstance(prep.params.get(n), np.ndarray))):
         gold, keep, tmax, trms, bm = g[n]
-        name = "golden_" + GRAD_OUTPUTS[n]
+        name = "golden_" + grad_output(n)
         gold = np.where(keep, gold, np.nan) if keep is not None else gold
+        head_major = n in prep.arrays and n not in ("q", "k", "v")
         arrays[name] = np.ascontiguousarray(
-            (gold[0, 0] if layout == "nd" else gold) if n == "bias" else to_layout(gold, layout))
+            (gold[0, 0] if layout == "nd" else gold) if head_major else
+            gold if n not in ("q", "k", "v") else to_layout(gold, layout))
         outputs.append(name)
         tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,
                       "baseline_max_abs": bm.max_err if bm else None,
