@@ -67,6 +67,18 @@ cumulative sum of log-gates)::
              + sqrt(T) u G_ij              (the cumulative log-gates behind each decay)
     tol_ij = 4 (that) + ulp(|S_ij|) in float32 (float64 for float64 kernels)
 
+With ``qk_l2norm`` in float16/bfloat16, ``q`` and ``k`` may reach the recurrence normalised
+and stored in the kernel's dtype (fla's ``l2norm``: float32 inside, output in the input
+dtype, before its chunk kernels): a kernel computing that function exactly is off the
+golden by what rounding the unit keys does to the state, which the bound above (float32
+accumulation of the keys as handed) does not hold. That is measured, not modelled: the
+reference in float64 on the keys so rounded, ``S'``, and per sequence and head::
+
+    tol_ij += 2 max_{i,j} |S'_ij - S_ij|
+
+(the maximum over the head's state, because a kernel normalising in float32 rounds an
+element the other way where float64 sits on a rounding boundary).
+
 Per element, absolute, ``T`` the length of the element's sequence. A transposed state,
 the state before the last token, an ignored initial state are off by ``O(|S|)``; a
 relative ``1e-4`` (float32) fails at ``T = 4096``.
@@ -451,11 +463,13 @@ def _state_shape_words(prep, layout, shape):
     return ""
 
 
-def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False, arrays=None):
+def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False, arrays=None,
+                 options=None):
     """The recurrent reference on tokens ``lo:hi`` of ``prep``'s inputs from the initial
     state ``s0`` (None: zeros), computed in ``dtype``, as host float64: its final state,
     or with ``output=True`` its output. ``cu``: packed sequences of the range;
-    ``arrays``: replacements of ``q``, ``k``, ``v``. An empty range's state is ``s0``."""
+    ``arrays``: replacements of ``q``, ``k``, ``v``; ``options``: replacements of the
+    variant's options. An empty range's state is ``s0``."""
     import array_api_compat.numpy as npx
 
     T = prep.case.nq
@@ -475,7 +489,8 @@ def reference_on(prep, dtype, lo, hi, s0, *, cu=None, sliced=True, output=False,
     if s0 is not None:
         params["initial_state"] = as_dtype(np.asarray(s0, dtype=np.float64), dtype)
     out = prep.variant.fn(*(as_dtype(arrays[n], dtype) for n in "qkv"), output_final_state=True,
-                          **kw, **params, **prep.options, xp=npx)[0 if output else 1]
+                          **kw, **params, **{**prep.options, **(options or {})},
+                          xp=npx)[0 if output else 1]
     return np.asarray(out, dtype=np.float64)
 
 
@@ -628,7 +643,29 @@ def final_state_tolerance(prep, golden, state_dtype=None):
     store = store if store in MANTISSA_BITS else _accumulation(prep.dtype)
     mag = np.abs(golden)
     ulps = np.vectorize(lambda x: ulp(x, store), otypes=[float])(mag) if mag.size else mag
-    return STATE_FUDGE * bound + ulps
+    # the convention's term is measured, not modelled: twice it leaves room for elements a
+    # float32 normalisation rounds the other way, and no more (fla's naive delta rules
+    # reproduce it: ratio 0.5)
+    return STATE_FUDGE * bound + 2 * _normalized_in_dtype(prep, golden) + ulps
+
+
+def _normalized_in_dtype(prep, golden):
+    """The module docstring's ``max |S' - S|`` per sequence and head, broadcast over the
+    state (0 unless ``qk_l2norm`` in float16/bfloat16): how far the function of ``q`` and
+    ``k`` normalised and stored in the kernel's dtype is from the golden's."""
+    if prep.dtype not in LOW_PRECISION or not prep.options.get("qk_l2norm") or not golden.size:
+        return 0.0
+    import array_api_compat.numpy as npx
+
+    from attn_ref.recurrent import l2_normalize
+
+    unit = {n: round_to(np.asarray(l2_normalize(np.asarray(prep.arrays[n], dtype=np.float64),
+                                                xp=npx)), prep.dtype) for n in "qk"}
+    rounded = reference_on(prep, prep.golden_dtype, 0, prep.case.nq,
+                           prep.arrays.get("initial_state"), cu=prep.kwargs.get("cu_seqlens"),
+                           sliced=False, arrays=unit, options={"qk_l2norm": False})
+    return np.broadcast_to(np.max(np.abs(rounded - golden), axis=(-2, -1), keepdims=True),
+                           golden.shape)
 
 
 def _state_judge(prep, got, *, dtype="float32", convention=None):

@@ -556,6 +556,36 @@ def test_a_float32_state_and_one_stored_per_chunk_pass(dtype, store_every):
     assert r.verdict == "pass", (r.ratio, r.diagnosis)
 
 
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_keys_normalised_in_the_dtype_pass_the_final_state_and_a_rounded_state_fails(name):
+    """fla's ``l2norm`` (float32 inside, output in the input dtype) before the delta rule
+    is a function of its own in half precision: fla's naive delta rules, which do that,
+    failed every float16/bfloat16 final-state row (ratios 17-940 on the standard cases)
+    when the state's bound took k as handed. The bound now holds what rounding the unit
+    keys does to the state (measured per head, ``conformance.extras``), and no more: the
+    same kernel returning its final state rounded to bfloat16 still fails in float16."""
+    pytest.importorskip("torch")
+    import torch
+
+    fla = fla_naive_kernel(name)
+
+    @functools.wraps(fla)
+    def rounded(*a, **kw):
+        o, s = fla(*a, **{**kw, "output_final_state": True})
+        s = s.to(torch.bfloat16).to(s.dtype)
+        return (o, s) if kw.get("output_final_state") else o
+
+    picked = [c for c in cases(name, "standard") if c.tag == "initial-state" and c.nq in (33, 37)]
+    assert picked
+    for dtype in ("bfloat16", "float16"):
+        rep = verify(fla, name, backend="torch", dtypes=(dtype,), cases=picked, progress=False,
+                     supports={"causal": "always"}, causal="top-left")
+        assert not rep.failures, rep.table()
+    rep = verify(rounded, name, backend="torch", dtypes=("float16",), cases=picked,
+                 progress=False, supports={"causal": "always"}, causal="top-left")
+    assert {r.output for r in rep.failures} == {"final_state"}, rep.table()
+
+
 def _built_in_decays(round_to=None):
     """Retention with its decays ``1 - 2^(-5 - h)`` built in, in float32, as RetNet
     (torchscale) and flash-linear-attention's retention kernels make them; ``gamma`` is
