@@ -200,7 +200,9 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "dtype": dt,
                 "storage": {n: str(a.dtype) for n, a in arrays.items()},
                 "shapes": {n: list(a.shape) for n, a in arrays.items()},
-                "causal": prep.kwargs.get("causal"),
+                # None for a case that is not causal, also where the reference is told
+                # causal=False explicitly (strided, fixed: causal by default)
+                "causal": prep.kwargs.get("causal") or None,
                 "scale": prep.scale,
                 "default_scale": prep.kwargs.get("scale") is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
