@@ -781,6 +781,28 @@ def _sinkhorn_dense(q, k, v, /, **kw):
     return sinkhorn_weights(q, k, **kw) @ v
 
 
+def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=None, **kw):
+    """Linformer with ``E K`` and ``F V`` summed key by key in the array dtype.
+
+    A plain kernel may project with a sequential sum over the ``Nk`` keys (a loop, or a
+    BLAS that sums that way: torch's float64 ``E @ K`` on CPU errs about 4x NumPy's
+    blocked sum at ``Nk = 4096``), whose rounding grows like ``sqrt(Nk)`` ulps of the
+    terms; the projected keys then enter every logit. The same function as the reference.
+    """
+    from attn_ref import softmax_attention
+
+    f_proj = e_proj if f_proj is None else f_proj
+
+    def project(p, x):
+        acc = np.zeros(np.broadcast_shapes(p.shape[:-2], x.shape[:-2]) + (p.shape[-2], x.shape[-1]),
+                       dtype=x.dtype)
+        for j in range(x.shape[-2]):
+            acc = acc + p[..., :, j:j + 1] * x[..., j:j + 1, :]
+        return acc
+
+    return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp, **kw)
+
+
 def _causal_square(prep):
     return bool(prep.kwargs.get("causal")) and prep.case.nq == prep.case.nk and prep.case.nq > 0
 
@@ -853,10 +875,15 @@ for _name in RECURRENT:
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)
-for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "clustered",
+for _name in ("compressed", "pooled", "query_reduced", "nystrom", "clustered",
               "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
     register_forms(_name, AS_REGISTERED, FOLD)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
+# Linformer: the projections E K and F V sum over all Nk keys, blocked (NumPy's BLAS) or
+# one by one (a loop, torch's float64 matmul on CPU); in float16/bfloat16 the plain
+# fp32-accumulating form already dominates
+register_forms("linformer", AS_REGISTERED, FOLD,
+               Form("projections summed key by key", fn=_linformer_key_by_key, applies=_FULL))
 # Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
 register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_reformer_dense))
 register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_sinkhorn_dense))

@@ -62,3 +62,47 @@ def test_strided_and_fixed_cases_that_are_not_causal_are_not_causal():
         verdicts = {r.case: r.verdict for r in bad.results}
         assert all(verdicts[c.id] == "fail" for c in chosen if c.causal is None), bad.table()
         assert all(verdicts[c.id] == "pass" for c in chosen if c.causal), bad.table()
+
+
+def _linformer_kernel(key_by_key=True, project_dtype=None):
+    """Linformer (Wang et al. 2020): ``softmax(scale Q (E K)^T) (F V)``, the projections
+    summed one key at a time (a loop, as torch's float64 CPU matmul rounds), or with ``@``;
+    ``project_dtype`` rounds the projected keys and values to another dtype (a planted
+    precision loss)."""
+    def project(p, x):
+        if not key_by_key:
+            return p @ x
+        acc = np.zeros(x.shape[:-2] + (p.shape[-2], x.shape[-1]), dtype=x.dtype)
+        for j in range(x.shape[-2]):
+            acc = acc + p[:, j:j + 1] * x[..., j:j + 1, :]
+        return acc
+
+    def kernel(q, k, v, *, e_proj, f_proj, scale=None):
+        kp, vp = project(e_proj, k), project(f_proj, v)
+        if project_dtype is not None:
+            kp, vp = (x.astype(project_dtype).astype(q.dtype) for x in (kp, vp))
+        scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
+        s = scale * (q @ np.swapaxes(kp, -1, -2))
+        p = np.exp(s - np.max(s, axis=-1, keepdims=True))
+        return (p / np.sum(p, axis=-1, keepdims=True)) @ vp
+    return kernel
+
+
+def test_linformer_projections_summed_key_by_key_pass_and_float32_projections_fail():
+    # Before: the baseline summed E K and F V as NumPy's BLAS does (blocked); a kernel
+    # projecting with a sequential sum - a loop, or torch's float64 matmul on CPU - failed
+    # long:b1h1-q64k4096-d32 in float64 (ratios 2.1, 1.1, 1.6 on seeds 0-2; torch's
+    # E @ K 2.3 and 1.3 on seeds 0 and 2, and 1.04 in float32 on seed 0). The baseline now
+    # includes that summation order, and the same kernel with its projections rounded to
+    # float32 still fails.
+    long = [c for c in cases("linformer", "standard") if c.id == "long:b1h1-q64k4096-d32"]
+    good = verify(_linformer_kernel(), "linformer", backend="numpy", dtypes=("float64",),
+                  cases=long, progress=False)
+    assert good.passed, good.table()
+    assert good.results[0].ratio < 0.5, good.table()
+    blocked = verify(_linformer_kernel(key_by_key=False), "linformer", backend="numpy",
+                     dtypes=("float64",), cases=long, progress=False)
+    assert blocked.passed, blocked.table()
+    bad = verify(_linformer_kernel(project_dtype=np.float32), "linformer", backend="numpy",
+                 dtypes=("float64",), cases=long, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"], bad.table()
