@@ -106,3 +106,67 @@ def test_linformer_projections_summed_key_by_key_pass_and_float32_projections_fa
     bad = verify(_linformer_kernel(project_dtype=np.float32), "linformer", backend="numpy",
                  dtypes=("float64",), cases=long, progress=False)
     assert [r.verdict for r in bad.results] == ["fail"], bad.table()
+
+
+def _consume(directory, kernel):
+    """The vectors loop of docs/conformance.md with NumPy and json only: verdict per case."""
+    import json
+    import os
+
+    man = json.load(open(os.path.join(directory, "manifest.json")))
+    verdicts = []
+    for c in man["cases"]:
+        z = np.load(os.path.join(directory, c["file"]))
+        out = kernel(z["q"], z["k"], z["v"], c, z)
+        e = np.abs(out - z["golden"])[z["compare"]]
+        verdicts.append(bool(e.max(initial=0) <= c["tol_max_abs"]
+                             and np.sqrt(np.mean(e ** 2)) <= c["tol_rms"]))
+    return verdicts
+
+
+def _bigbird_from_vectors(transpose=False):
+    def kernel(q, k, v, c, z):
+        lay = z["layout"].T if transpose else z["layout"]
+        blk = np.arange(q.shape[-2]) // c["params"]["block_size"]
+        return _masked_softmax(q, k, v, lay[blk[:, None], blk[None, :]], c["scale"])
+    return kernel
+
+
+def _clustered_from_vectors(first_rows=False):
+    """Vyas et al. (2020): Lloyd's k-means on the queries from the exported initial rows,
+    each centroid's softmax row shared by its members."""
+    def kernel(q, k, v, c, z):
+        n_c = c["params"]["num_clusters"]
+        cent = q[..., :n_c, :] if first_rows else q[..., z["init_rows"], :]
+
+        def assign(cent):
+            return np.argmin(np.sum(cent * cent, -1)[..., None, :]
+                             - 2 * q @ np.swapaxes(cent, -1, -2), axis=-1)
+
+        for _ in range(c["params"].get("iterations", 10)):
+            onehot = (assign(cent)[..., None] == np.arange(n_c)).astype(q.dtype)
+            count = onehot.sum(-2)[..., None]
+            cent = np.where(count > 0, np.swapaxes(onehot, -1, -2) @ q / np.maximum(count, 1), cent)
+        rows = _masked_softmax(cent, k, v, np.ones((n_c, k.shape[-2]), bool), c["scale"])
+        return np.take_along_axis(rows, assign(cent)[..., None], axis=-2)
+    return kernel
+
+
+def test_vectors_carry_the_seeded_bigbird_layout_and_kmeans_initial_rows(tmp_path):
+    # Before: bigbird's random blocks and the clustered variants' initial centroids were
+    # exported as a seed only - a function of numpy.random.default_rng(seed).permutation,
+    # which a C++/CUDA test cannot reproduce. The files now hold the layout and the
+    # initial rows; a consumer reading them passes, one that transposes the layout or
+    # starts k-means from the first rows fails.
+    from conformance import export_vectors
+
+    for variant, good, bad in (("bigbird", _bigbird_from_vectors(), _bigbird_from_vectors(True)),
+                               ("clustered", _clustered_from_vectors(),
+                                _clustered_from_vectors(first_rows=True))):
+        chosen = [c for c in cases(variant, "standard")
+                  if c.id.startswith(("basic:", "length:", "batch-heads:b3h5-q33k33-d16"))
+                  and c.nq == c.nk and not c.needs]
+        directory = str(tmp_path / variant)
+        export_vectors(directory, variant, dtypes=("float64",), cases=chosen)
+        assert all(_consume(directory, good))
+        assert not all(_consume(directory, bad))
