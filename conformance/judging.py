@@ -280,6 +280,29 @@ def _trial_params(v) -> dict:
                     xp=_np_compat())
 
 
+def _distinct_value_taps(raw, seed):
+    """Memory-compressed attention's value kernel with a different scalar per tap.
+
+    The registered parameters compress the values with the averaging kernel
+    ``W_v[t] = I / c``, which is what a kernel that mean-pools the values (or ignores
+    ``v_weight``) computes: it passed every case. ``W_v[t] = a_t I`` with
+    ``a_t = (1 + u_t) / c``, ``u_t`` uniform in ``[-1/2, 1/2]`` from the seed, keeps a
+    scalar per tap (so ``compressed_weights``, the implied matrix, is defined) and is
+    another function than the mean.
+    """
+    vw = raw.get("v_weight")
+    if vw is None or vw.ndim != 3:
+        return raw
+    c, dv = vw.shape[0], vw.shape[-1]
+    taps = (1.0 + np.random.default_rng(seed).uniform(-0.5, 0.5, c)) / c
+    return {**raw, "v_weight": taps[:, None, None] * np.eye(dv)}
+
+
+#: Changes the oracle makes to a variant's registered parameters, so that its cases can
+#: tell apart the mistakes a kernel makes: ``{variant: fn(params, seed) -> params}``.
+PARAM_CHANGES = {"compressed": _distinct_value_taps}
+
+
 def causal_by_default(v) -> bool:
     """Whether ``v``'s reference is causal when no ``causal=`` is given (``strided``,
     ``fixed``): then a case that is not causal passes ``causal=False`` to the reference
@@ -465,6 +488,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
+        raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)

@@ -170,3 +170,45 @@ def test_vectors_carry_the_seeded_bigbird_layout_and_kmeans_initial_rows(tmp_pat
         export_vectors(directory, variant, dtypes=("float64",), cases=chosen)
         assert all(_consume(directory, good))
         assert not all(_consume(directory, bad))
+
+
+def _compressed_kernel(mean_values=False):
+    """Liu et al. (2018): keys and values through a kernel-c stride-s convolution (windows
+    zero-padded past the end), then softmax; a block is visible to a causal query once its
+    last real position is in the past. ``mean_values`` sums each value window over ``c``
+    instead of applying ``v_weight`` (the planted mistake)."""
+    def kernel(q, k, v, *, k_weight, v_weight, stride=3, causal=False, scale=None):
+        c, nq, nk = k_weight.shape[0], q.shape[-2], k.shape[-2]
+        m = min(-(-max(nk - c, 0) // stride) + 1, -(-nk // stride))
+        if mean_values:
+            v_weight = np.stack([np.eye(v.shape[-1]) / c] * c)
+
+        def conv(x, w):
+            out = np.zeros(x.shape[:-2] + (m, w.shape[-1]))
+            for j in range(m):
+                for t in range(c):
+                    if j * stride + t < nk:
+                        out[..., j, :] += x[..., j * stride + t, :] @ w[t]
+            return out
+
+        allowed = np.ones((nq, m), bool)
+        if causal:
+            last = np.minimum(np.arange(m) * stride + c, nk) - 1
+            allowed = last[None, :] <= np.arange(nq)[:, None]
+        return _masked_softmax(q, conv(k, k_weight), conv(v, v_weight), allowed, scale)
+    return kernel
+
+
+def test_compressed_values_mean_pooled_instead_of_v_weight_fail():
+    # Before: the registered value kernel is the averaging one (W_v[t] = I / c), so a
+    # kernel that mean-pools the values, ignoring v_weight, passed all 54 standard cases
+    # in float64 and float32. The oracle now draws a different scalar per tap.
+    chosen = [c for c in cases("compressed", "standard")
+              if c.id.startswith(("basic:", "cross:", "batch-heads:b3h5"))
+              and (c.causal in (None, "top-left")) and not (c.needs - {"causal"})]
+    good = verify(_compressed_kernel(), "compressed", backend="numpy", dtypes=("float64",),
+                  cases=chosen, progress=False)
+    assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+    bad = verify(_compressed_kernel(True), "compressed", backend="numpy", dtypes=("float64",),
+                 cases=chosen, progress=False)
+    assert all(r.verdict == "fail" for r in bad.results), bad.table()
