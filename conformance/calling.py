@@ -286,6 +286,11 @@ def kernel_kwargs(ctx, prep, convert):
             val = feat.to_kernel(val, case, ctx.semantics)
         if pname is not None:
             kw[pname] = val
+    if "causal" not in case.needs and prep.kwargs.get("causal") is False \
+            and ctx.kernel.names.get("causal") and "causal" not in ctx.kernel.always:
+        # the reference is causal by default (strided, fixed), and so may a kernel written
+        # after it be: say that this case is not
+        kw[ctx.kernel.names["causal"]] = False
     for name, val in prep.params.items():
         kw[name] = convert(val, param_dtype(name, prep.dtype)) if isinstance(val, np.ndarray) else val
     for name, val in prep.options.items():

@@ -204,11 +204,16 @@ def verdict_of(m, tol_max, tol_rms, what="output"):
 
     A non-finite golden is an oracle error, never a pass; a kernel value that is NaN/Inf
     where the golden is finite fails whatever the bounds. ``ratio`` is
-    ``max(max_err / tol_max, rms_err / tol_rms)`` (infinite for non-finite values).
+    ``max(max_err / tol_max, rms_err / tol_rms)`` (infinite for non-finite values; 0 for
+    an error of exactly 0 against a bound of 0).
     ``what`` names the output in the message (``"output"``, ``"dq"``...).
     """
-    ratio = max(m.max_err / tol_max if tol_max > 0 else math.inf,
-                m.rms_err / tol_rms if tol_rms > 0 else math.inf)
+    def part(err, tol):
+        # a zero bound (a golden of exact zeros: every query of a causal compressed or
+        # pooled case before its first whole block) met exactly is a ratio of 0, not inf
+        return err / tol if tol > 0 else (0.0 if err == 0 else math.inf)
+
+    ratio = max(part(m.max_err, tol_max), part(m.rms_err, tol_rms))
     if m.golden_nonfinite:
         return "error", f"oracle: golden {what} has {m.golden_nonfinite} non-finite values", ratio
     if m.nonfinite:
@@ -273,6 +278,40 @@ def _trial_params(v) -> dict:
         return {}
     return v.params(0, _TRIAL_N, _TRIAL_N, _TRIAL_D, _TRIAL_D, dtype=np.float64, device="cpu",
                     xp=_np_compat())
+
+
+def _distinct_value_taps(raw, seed):
+    """Memory-compressed attention's value kernel with a different scalar per tap.
+
+    The registered parameters compress the values with the averaging kernel
+    ``W_v[t] = I / c``, which is what a kernel that mean-pools the values (or ignores
+    ``v_weight``) computes: it passed every case. ``W_v[t] = a_t I`` with
+    ``a_t = (1 + u_t) / c``, ``u_t`` uniform in ``[-1/2, 1/2]`` from the seed, keeps a
+    scalar per tap (so ``compressed_weights``, the implied matrix, is defined) and is
+    another function than the mean.
+    """
+    vw = raw.get("v_weight")
+    if vw is None or vw.ndim != 3:
+        return raw
+    c, dv = vw.shape[0], vw.shape[-1]
+    taps = (1.0 + np.random.default_rng(seed).uniform(-0.5, 0.5, c)) / c
+    return {**raw, "v_weight": taps[:, None, None] * np.eye(dv)}
+
+
+#: Changes the oracle makes to a variant's registered parameters, so that its cases can
+#: tell apart the mistakes a kernel makes: ``{variant: fn(params, seed) -> params}``.
+PARAM_CHANGES = {"compressed": _distinct_value_taps}
+
+
+def causal_by_default(v) -> bool:
+    """Whether ``v``'s reference is causal when no ``causal=`` is given (``strided``,
+    ``fixed``): then a case that is not causal passes ``causal=False`` to the reference
+    and to a kernel with a ``causal`` parameter."""
+    try:
+        p = inspect.signature(v.fn).parameters.get("causal")
+    except (TypeError, ValueError):
+        return False
+    return p is not None and p.default is not inspect.Parameter.empty and bool(p.default)
 
 
 def _case_keywords(v) -> set:
@@ -439,11 +478,17 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if missing:
         raise NotApplicable(f"the {v.name} reference does not take {sorted(missing)}")
     arrays, kwargs = case.inputs(seed, dtype)
+    if not kwargs.get("causal") and causal_by_default(v):
+        # strided and fixed default to the Sparse Transformer's autoregressive pattern: a
+        # case that is not causal must say so, or its golden is the causal one (a kernel
+        # computing the non-causal pattern, as told, failed every such case)
+        kwargs = {**kwargs, "causal": False}
     arrays = {n: round_to(a, dtype) for n, a in arrays.items()}
     params = {}
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
+        raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
@@ -760,6 +805,28 @@ def _sinkhorn_dense(q, k, v, /, **kw):
     return sinkhorn_weights(q, k, **kw) @ v
 
 
+def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=None, **kw):
+    """Linformer with ``E K`` and ``F V`` summed key by key in the array dtype.
+
+    A plain kernel may project with a sequential sum over the ``Nk`` keys (a loop, or a
+    BLAS that sums that way: torch's float64 ``E @ K`` on CPU errs about 4x NumPy's
+    blocked sum at ``Nk = 4096``), whose rounding grows like ``sqrt(Nk)`` ulps of the
+    terms; the projected keys then enter every logit. The same function as the reference.
+    """
+    from attn_ref import softmax_attention
+
+    f_proj = e_proj if f_proj is None else f_proj
+
+    def project(p, x):
+        acc = np.zeros(np.broadcast_shapes(p.shape[:-2], x.shape[:-2]) + (p.shape[-2], x.shape[-1]),
+                       dtype=x.dtype)
+        for j in range(x.shape[-2]):
+            acc = acc + p[..., :, j:j + 1] * x[..., j:j + 1, :]
+        return acc
+
+    return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp, **kw)
+
+
 def _causal_square(prep):
     return bool(prep.kwargs.get("causal")) and prep.case.nq == prep.case.nk and prep.case.nq > 0
 
@@ -832,10 +899,15 @@ for _name in RECURRENT:
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)
-for _name in ("compressed", "linformer", "pooled", "query_reduced", "nystrom", "clustered",
+for _name in ("compressed", "pooled", "query_reduced", "nystrom", "clustered",
               "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
     register_forms(_name, AS_REGISTERED, FOLD)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
+# Linformer: the projections E K and F V sum over all Nk keys, blocked (NumPy's BLAS) or
+# one by one (a loop, torch's float64 matmul on CPU); in float16/bfloat16 the plain
+# fp32-accumulating form already dominates
+register_forms("linformer", AS_REGISTERED, FOLD,
+               Form("projections summed key by key", fn=_linformer_key_by_key, applies=_FULL))
 # Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
 register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_reformer_dense))
 register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_sinkhorn_dense))

@@ -75,7 +75,9 @@ Each entry of ``cases``:
     (a kernel that takes no scale argument should then be called without one).
 ``params`` (object)
     The variant's plain parameters and options (arrays are in ``file`` under their
-    own names).
+    own names). Where a parameter is a ``seed`` that NumPy's generator turns into a
+    structure, the file also holds that structure (:func:`seeded_structures`): ``layout``
+    for ``bigbird``, ``init_rows`` for ``clustered`` and ``clustered_topk``.
 ``options`` (object)
     The case's feature options: ``gqa``, ``window`` ``[left, right]`` with -1
     unbounded, ``softcap``, ``dropout_p``, ``seqlens_q``/``seqlens_k``; the arrays
@@ -133,7 +135,7 @@ from .layouts import to_layout
 from .report import jsonable
 from .tolerance import DEFAULTS, bf16_round, param_dtype
 
-__all__ = ["export_vectors", "load_vectors", "check_final_state", "FORMAT", "VERSION",
+__all__ = ["export_vectors", "load_vectors", "check_final_state", "seeded_structures", "FORMAT", "VERSION",
            "READABLE_VERSIONS", "ENTRY_FIELDS"]
 
 FORMAT, VERSION = "attn-ref-vectors", 1
@@ -184,6 +186,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             for n, a in prep.params.items():
                 if isinstance(a, np.ndarray):
                     arrays[n] = _store(a, param_dtype(n, dt))
+            arrays.update(seeded_structures(prep))
             keep = np.ones(prep.golden.shape, bool) if prep.keep is None else np.array(prep.keep)
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
@@ -205,7 +208,9 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "dtype": dt,
                 "storage": {n: str(a.dtype) for n, a in arrays.items()},
                 "shapes": {n: list(a.shape) for n, a in arrays.items()},
-                "causal": prep.kwargs.get("causal"),
+                # None for a case that is not causal, also where the reference is told
+                # causal=False explicitly (strided, fixed: causal by default)
+                "causal": prep.kwargs.get("causal") or None,
                 "scale": prep.scale,
                 "default_scale": prep.kwargs.get("scale") is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
@@ -240,6 +245,33 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
         json.dump(manifest, f, indent=1)
         f.write("\n")
     return manifest
+
+
+def seeded_structures(prep) -> dict:
+    """The host-side structures a variant draws from its ``seed`` with NumPy's generator.
+
+    BigBird's random blocks and the clustered variants' initial k-means centroids are a
+    function of ``seed`` through ``numpy.random.default_rng(seed).permutation``, which a
+    C++/CUDA test cannot reproduce; the vectors carry what was drawn instead:
+    ``layout`` (bool ``(ceil(N / block_size),) * 2``, ``layout[a, b]``: query block ``a``
+    attends key block ``b``) for ``bigbird``, ``init_rows`` (int64 ``(num_clusters,)``:
+    the query rows that are the initial centroids, the same in every batch entry and
+    head) for ``clustered`` and ``clustered_topk``.
+    """
+    name, p = prep.variant.name, {**prep.params, **prep.options}
+    if name == "bigbird":
+        from attn_ref.sparse import bigbird_layout
+
+        nb = -(-prep.case.nk // p["block_size"])
+        return {"layout": np.array(bigbird_layout(
+            nb, window=p["window"], global_blocks=p["global_blocks"],
+            random_blocks=p["random_blocks"], seed=p["seed"]), dtype=bool).reshape(nb, nb)}
+    if name in ("clustered", "clustered_topk"):
+        from attn_ref.random import permutation
+
+        rows = permutation(prep.case.nq, seed=p.get("seed", 0))[:p["num_clusters"]]
+        return {"init_rows": np.asarray(rows, dtype=np.int64)}
+    return {}
 
 
 def _add_final_state(prep, arrays, layout):
