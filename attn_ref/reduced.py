@@ -59,6 +59,9 @@ __all__ = [
     "prepare_pooled",
     "prepare_query_reduced",
     "prepare_nystrom",
+    "check_pinv_init",
+    "pinv_norms",
+    "PINV_INITS",
     "assign_clusters",
     "prepare_clustered",
     "gather_rows",
@@ -280,16 +283,57 @@ def query_reduced_weights(q, k, /, *, num_segments, expand=True, causal=False, s
 
 # ---------------------------------------------------------------------- Nystromformer
 
-def iterative_pinv(a, /, *, iterations=6, xp=None):
+#: The two starts of :func:`iterative_pinv` (``pinv_init=``).
+PINV_INITS = ("matrix", "global")
+
+
+def check_pinv_init(pinv_init):
+    """``pinv_init`` must be one of :data:`PINV_INITS`."""
+    if not isinstance(pinv_init, str):
+        raise TypeError(f"pinv_init must be a str, one of {PINV_INITS}, got {pinv_init!r} "
+                        f"({type(pinv_init).__name__})")
+    if pinv_init not in PINV_INITS:
+        raise ValueError(f"pinv_init must be one of {PINV_INITS}, got {pinv_init!r}")
+
+
+def pinv_norms(xp, a, pinv_init):
+    """``(colsum, rowsum, norm1, norminf)`` of :func:`iterative_pinv`'s initial scale.
+
+    ``colsum (..., m)`` and ``rowsum (..., m)`` are the column and row sums of ``|A|``;
+    ``norm1``, ``norminf`` their maxima, per matrix ``(...)`` or, with
+    ``pinv_init="global"``, over the whole batch (0-D).
+    """
+    absa = xp.abs(a)
+    colsum, rowsum = xp.sum(absa, axis=-2), xp.sum(absa, axis=-1)
+    axis = -1 if pinv_init == "matrix" else None
+    return colsum, rowsum, xp.max(colsum, axis=axis), xp.max(rowsum, axis=axis)
+
+
+def iterative_pinv(a, /, *, iterations=6, pinv_init="matrix", xp=None):
     """Moore-Penrose pseudo-inverse of ``a (..., m, m)`` by Razavi et al.'s iteration.
 
     ``Z_{k+1} = Z_k (13 I - A Z_k (15 I - A Z_k (7 I - A Z_k))) / 4`` from
     ``Z_0 = A^T / (||A||_1 ||A||_inf)``, the initialisation of Razavi et al. (2014)
-    that Nystromformer uses. The norms are taken **per matrix** (over the last two
-    axes), not over the whole batch: a batch-global maximum would start small
-    matrices far too close to zero and leave them unconverged after a few iterations.
-    Since ``||A||_2^2 <= ||A||_1 ||A||_inf``, the iteration converges to ``pinv(A)``
-    for every ``A``; a zero matrix gives zeros.
+    that Nystromformer uses (Xiong et al. 2021, Lemma 1). Since
+    ``||A||_2^2 <= ||A||_1 ||A||_inf``, the iteration converges to ``pinv(A)`` for every
+    ``A``; a zero matrix gives zeros.
+
+    Two conventions differ in where the norms are taken. After a few iterations (6 in
+    Nystromformer) the iteration has not converged, so they are different functions:
+
+    * ``pinv_init="matrix"`` (default): per matrix, over the last two axes, as Lemma 1
+      states it for one matrix. HuggingFace ``transformers``' ``NystromformerSelfAttention``
+      with ``init_option`` other than ``"original"`` (``1 / max_j sum_i A_ij`` per
+      matrix) computes the same start for a softmax matrix, whose rows sum to 1
+      (``||A||_inf = 1`` up to rounding).
+    * ``pinv_init="global"``: one scale for the whole batch of matrices (all leading
+      axes), ``1 / (max_b ||A_b||_1 max_b ||A_b||_inf)``. This is lucidrains'
+      ``nystrom-attention`` (``moore_penrose_iter_pinv``: exactly this formula) and the
+      official Nystromformer code, HuggingFace's default ``init_option="original"``
+      (``1 / max`` of all column sums, equal to this for softmax matrices up to
+      rounding). The batch entries are then coupled: a matrix much smaller than the
+      largest of its batch starts too close to zero and stays far from its inverse
+      after a few iterations.
 
     For a singular ``A``, stop near convergence: once ``A Z`` is a projection, the
     step multiplies any component of ``Z`` on the null space of ``A^T`` by ``13/4``,
@@ -301,6 +345,8 @@ def iterative_pinv(a, /, *, iterations=6, xp=None):
     a : array, shape (..., m, m)
     iterations : int
         Number of iterations (6 in Nystromformer).
+    pinv_init : {"matrix", "global"}
+        Where the norms of ``Z_0``'s scale are taken: per matrix or over the batch.
 
     Returns
     -------
@@ -318,6 +364,10 @@ def iterative_pinv(a, /, *, iterations=6, xp=None):
     >>> a = xp.asarray([[2.0, 1.0], [1.0, 3.0]])
     >>> bool(xp.max(xp.abs(iterative_pinv(a, iterations=20) @ a - xp.eye(2))) < 1e-14)
     True
+    >>> b = xp.stack([a, a / 1000])  # one scale for both: the small one lags behind
+    >>> z = iterative_pinv(b, iterations=6, pinv_init="global")
+    >>> bool(xp.max(xp.abs(z[1, ...] @ b[1, ...] - xp.eye(2))) > 0.5)
+    True
     """
     xp = namespace(("a", a), xp=xp)
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
@@ -325,10 +375,9 @@ def iterative_pinv(a, /, *, iterations=6, xp=None):
     if not is_floating(xp, a.dtype):
         raise TypeError(f"a must have a real floating dtype, got {a.dtype}")
     check_nonnegative_int("iterations", iterations)
+    check_pinv_init(pinv_init)
     m = a.shape[-1]
-    absa = xp.abs(a)
-    norm1 = xp.max(xp.sum(absa, axis=-2), axis=-1)  # max column sum
-    norminf = xp.max(xp.sum(absa, axis=-1), axis=-1)  # max row sum
+    _, _, norm1, norminf = pinv_norms(xp, a, pinv_init)
     denom = norm1 * norminf
     denom = xp.where(denom > 0, denom, xp.ones_like(denom))
     z = xp.matrix_transpose(a) / denom[..., None, None]
@@ -339,7 +388,8 @@ def iterative_pinv(a, /, *, iterations=6, xp=None):
     return z
 
 
-def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn):
+def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn,
+                    pinv_init="matrix"):
     """Check the inputs of :func:`nystrom_attention`: ``(xp, scale)``."""
     _refuse_causal(fn, causal, "every landmark is a mean over the whole sequence")
     xp, batch = check_qkv(q, k, v, xp=xp)
@@ -348,14 +398,16 @@ def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, 
                  f"the sequence lengths min(Nq, Nk) = min({nq}, {nk})")
     if pinv_iterations is not None:
         check_positive_int("pinv_iterations", pinv_iterations)
+    check_pinv_init(pinv_init)
     return xp, default_scale(q.shape[-1], scale)
 
 
-def nystrom_kernels(xp, q, k, m, pinv_iterations, scale):
+def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix"):
     """Nystromformer's three kernels and the pseudo-inverse: ``(K1, K2, Z, K3)``.
 
     ``K1 = softmax(scale Q Kl^T) (..., Nq, m)``, ``K2 = softmax(scale Ql Kl^T) (..., m, m)``,
-    ``Z = pinv(K2)`` (iterative unless ``pinv_iterations`` is None) and
+    ``Z = pinv(K2)`` (iterative from ``pinv_init``'s start unless ``pinv_iterations`` is
+    None) and
     ``K3 = softmax(scale Ql K^T) (..., m, Nk)``, with ``Ql``, ``Kl`` the segment means of
     ``q``, ``k``. ``O((Nq + Nk) m d + m^3 pinv_iterations)`` time.
     """
@@ -369,12 +421,12 @@ def nystrom_kernels(xp, q, k, m, pinv_iterations, scale):
     if pinv_iterations is None:
         z = xp.linalg.pinv(k2)
     else:
-        z = iterative_pinv(k2, iterations=pinv_iterations, xp=xp)
+        z = iterative_pinv(k2, iterations=pinv_iterations, pinv_init=pinv_init, xp=xp)
     return k1, k2, z, k3
 
 
-def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
-                      xp=None):
+def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
+                      causal=False, scale=None, xp=None):
     """Nystromformer attention: ``softmax(Q Kl^T) pinv(softmax(Ql Kl^T)) softmax(Ql K^T) V``.
 
     Parameters
@@ -388,6 +440,12 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=Fa
     pinv_iterations : int or None
         Iterations of :func:`iterative_pinv` (6 in the paper); ``None`` uses the exact
         ``xp.linalg.pinv`` (needs the ``linalg`` extension).
+    pinv_init : {"matrix", "global"}
+        The iteration's start ``Z_0 = A^T / (||A||_1 ||A||_inf)`` with the norms per
+        landmark matrix (default, Razavi et al.'s start as Lemma 1 states it) or their
+        maxima over all batch entries and heads (``"global"``: HuggingFace's
+        ``init_option="original"``, lucidrains' ``nystrom-attention``); see
+        :func:`iterative_pinv`. Unused with ``pinv_iterations=None``.
     causal
         Not supported (landmarks average the whole sequence); raises ``ValueError``.
     scale : float, optional
@@ -417,20 +475,21 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, causal=Fa
     True
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention")
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+                                "nystrom_attention", pinv_init)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init)
     return k1 @ (z @ (k3 @ v))
 
 
-def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
-                    xp=None):
+def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
+                    causal=False, scale=None, xp=None):
     """The implied ``(..., Nq, Nk)`` matrix ``softmax(Q Kl^T) pinv(...) softmax(Ql K^T)``.
 
-    Rows sum to one only approximately, and entries may be negative.
+    Rows sum to one only approximately, and entries may be negative. The options are
+    those of :func:`nystrom_attention`.
     """
     xp, scale = prepare_nystrom(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_weights")
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale)
+                                "nystrom_weights", pinv_init)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init)
     return (k1 @ z) @ k3
 
 

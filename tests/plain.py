@@ -221,8 +221,12 @@ def pool_mask(nq, nk, m, causal):
     return np.array([[last[j] <= i + off for j in range(m)] for i in range(nq)])
 
 
-def naive_nystrom(qh, kh, vh, m, iterations):
-    """Nystromformer with segment-mean landmarks; ``iterations=None`` takes the exact pinv."""
+def naive_nystrom(qh, kh, vh, m, iterations, pinv_init="matrix"):
+    """Nystromformer with segment-mean landmarks; ``iterations=None`` takes the exact pinv.
+
+    ``pinv_init="global"`` starts the iteration as HuggingFace's ``iterative_inv`` with
+    ``init_option="original"``: ``Z_0 = K2^T / max`` of every column sum in the batch.
+    """
     qs = qh / np.sqrt(qh.shape[-1])
     ql, kl = naive_means(qs, m), naive_means(kh, m)
     k1 = naive_attention(qs, kl, vh[..., :m, :], scale=1.0)[1]
@@ -233,6 +237,8 @@ def naive_nystrom(qh, kh, vh, m, iterations):
     else:
         # Razavi et al. written out, Z_0 = A^T / (||A||_1 ||A||_inf) per matrix.
         norm = np.abs(k2).sum(-2).max(-1) * np.abs(k2).sum(-1).max(-1)
+        if pinv_init == "global":
+            norm = np.full(k2.shape[:-2], k2.sum(-2).max())
         z, eye = np.swapaxes(k2, -1, -2) / norm[..., None, None], np.eye(m)
         for _ in range(iterations):
             az = k2 @ z

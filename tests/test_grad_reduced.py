@@ -18,6 +18,8 @@ FORMS = {
     "nystrom": (R.nystrom_attention, grad.nystrom_attention, {"num_landmarks": 3}),
     "nystrom-exact-pinv": (R.nystrom_attention, grad.nystrom_attention,
                            {"num_landmarks": 3, "pinv_iterations": None}),
+    "nystrom-global-init": (R.nystrom_attention, grad.nystrom_attention,
+                            {"num_landmarks": 3, "pinv_init": "global"}),
 }
 
 
@@ -52,7 +54,7 @@ def test_query_reduced_without_expansion(backend):
                        backend, rtol=1e-7, atol=1e-8)
 
 
-@pytest.mark.parametrize("form", ["pooled-causal", "nystrom"])
+@pytest.mark.parametrize("form", ["pooled-causal", "nystrom", "nystrom-global-init"])
 def test_matches_torch_autograd_and_jax_vjp_of_the_forward(form):
     fwd, vjp, options = FORMS[form]
     args, do = _case(2, nq=8)
@@ -84,6 +86,33 @@ def test_pinv_vjps_match_finite_differences(backend):
         else:
             got = iterative_pinv_vjp(aa, gg, iterations=iters)
         np.testing.assert_allclose(host(got), want, rtol=1e-6, atol=1e-8)
+
+
+def test_global_pinv_init_couples_the_batch(backend):
+    # One start for both batch entries: a cotangent on entry 0 alone reaches the inputs
+    # of entry 1 through the batch-wide maximum (q's batch of 2, k's too), and the
+    # gradients are not those of the per-matrix start.
+    args, do = _case(5, nq=8)
+    args["q"][1] *= 3.0  # sharper softmaxes: entry 1 holds the batch's largest column sum
+    do[1] = 0.0
+    kw = {"num_landmarks": 4}  # 3 landmarks: the 6 steps converge, the coupling is ~1e-11
+    glob = run_vjp(backend, grad.nystrom_attention, args, do, {**kw, "pinv_init": "global"})
+    per = run_vjp(backend, grad.nystrom_attention, args, do, kw)
+    assert np.all(host(per["q"])[1] == 0.0) and np.all(host(per["k"])[1] == 0.0)
+    coupled = max(np.abs(host(glob["q"])[1]).max(), np.abs(host(glob["k"])[1]).max())
+    assert coupled > 1e-6
+    want = numeric_vjp(R.nystrom_attention, args, do, {**kw, "pinv_init": "global"})
+    assert_grads_close(glob, want, backend, rtol=1e-6, atol=1e-8)
+    rng = np.random.default_rng(3)
+    a = rng.random((2, 4, 4)) + np.eye(4)
+    a[1] *= 4.0
+    g = rng.standard_normal((2, 4, 4))
+
+    def f(x):
+        return np.asarray(R.iterative_pinv(x, iterations=3, pinv_init="global"))
+    got = iterative_pinv_vjp(from_numpy(a, backend), from_numpy(g, backend), iterations=3,
+                             pinv_init="global")
+    np.testing.assert_allclose(host(got), numeric_vjp(f, {"q": a}, g)["q"], rtol=1e-6, atol=1e-8)
 
 
 def test_landmarks_equal_n_with_exact_pinv_is_softmax(backend):

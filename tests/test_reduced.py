@@ -159,6 +159,50 @@ def test_iterative_pinv_initialises_per_matrix(backend):
         az = batch @ zg
         zg = 0.25 * zg @ (13 * eye - az @ (15 * eye - az @ (7 * eye - az)))
     assert _rel(zg[1], np.linalg.pinv(1e-3 * m)) > 0.5
+    # ... which is what pinv_init="global" computes.
+    zgot = host(call(backend, iterative_pinv, from_numpy(batch, backend), iterations=6,
+                     pinv_init="global"))
+    np.testing.assert_allclose(zgot, zg, rtol=1e-12, atol=0)
+
+
+def _softmax_batch(b=2, h=3, m=4, seed=7):
+    """Softmax matrices whose column sums differ across heads (logits scaled by head)."""
+    s = np.random.default_rng(seed).standard_normal((b, h, m, m))
+    s = s * np.arange(1, h + 1)[:, None, None]
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _newton_schulz(k, v, iterations=6):
+    """HuggingFace's ``iterative_inv`` loop from the start ``v``."""
+    eye = np.eye(k.shape[-1])
+    for _ in range(iterations):
+        kv = k @ v
+        v = (0.25 * v) @ (13 * eye - kv @ (15 * eye - kv @ (7 * eye - kv)))
+    return v
+
+
+def test_iterative_pinv_global_init_is_huggingface_original_and_lucidrains(backend):
+    # HuggingFace NystromformerSelfAttention.iterative_inv, init_option="original":
+    # V = 1 / torch.max(torch.sum(K, dim=-2)) * K^T, one maximum over the whole tensor;
+    # the other option: 1 / torch.max(torch.sum(K, dim=-2), dim=-1) per matrix.
+    k = _softmax_batch()
+    hf_original = _newton_schulz(k, np.swapaxes(k, -1, -2) / np.max(k.sum(-2)))
+    hf_exact = _newton_schulz(k, np.swapaxes(k, -1, -2) / k.sum(-2).max(-1)[..., None, None])
+    a = from_numpy(k, backend)
+    glob = host(call(backend, iterative_pinv, a, pinv_init="global"))
+    per = host(call(backend, iterative_pinv, a))
+    np.testing.assert_allclose(glob, hf_original, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(per, hf_exact, rtol=1e-12, atol=1e-12)
+    assert _rel(glob, per) > 1e-3  # after 6 steps the two starts are two functions
+    # lucidrains' moore_penrose_iter_pinv, also for matrices that are not softmax:
+    # z = x^T / (max(|x|.sum(-1)) * max(|x|.sum(-2))), maxima over the whole tensor.
+    x = np.random.default_rng(8).standard_normal((2, 3, 4, 4)) + 3 * np.eye(4)
+    x[1] *= 5.0
+    ax = np.abs(x)
+    want = _newton_schulz(x, np.swapaxes(x, -1, -2) / (ax.sum(-1).max() * ax.sum(-2).max()))
+    got = host(call(backend, iterative_pinv, from_numpy(x, backend), pinv_init="global"))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_iterative_pinv_bad_input(backend):
@@ -195,6 +239,22 @@ def test_nystrom_matches_plain_numpy(backend, iterations, nq):
         assert_close(w, want_w, backend, rtol=1e-11, atol=1e-11)
     # An approximation, not softmax: three landmarks cannot reproduce ten keys.
     assert np.abs(host(out) - naive_attention(qh, kh, vh)[0]).max() > 1e-3
+
+
+def test_nystrom_global_pinv_init_matches_plain_numpy(backend):
+    # b2h3: six landmark matrices share one start (HuggingFace's "original" formula in
+    # tests.plain), so each output depends on the other heads' inputs too.
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    out = call(backend, nystrom_attention, q, k, v, num_landmarks=3, pinv_init="global")
+    w = call(backend, nystrom_weights, q, k, num_landmarks=3, pinv_init="global")
+    want, want_w = naive_nystrom(qh, kh, vh, 3, 6, pinv_init="global")
+    assert_close(out, want, backend, rtol=1e-11, atol=1e-11)
+    assert_close(w, want_w, backend, rtol=1e-11, atol=1e-11)
+    assert np.abs(want - naive_nystrom(qh, kh, vh, 3, 6)[0]).max() > 1e-4
+    # the batch is coupled: scaling one head's logits changes another head's output
+    q2 = from_numpy(np.concatenate([qh[:1], 3 * qh[1:]]), backend)
+    out2 = host(call(backend, nystrom_attention, q2, k, v, num_landmarks=3, pinv_init="global"))
+    assert np.abs(out2[0] - host(out)[0]).max() > 1e-6
 
 
 def test_nystrom_float32(backend):
@@ -308,6 +368,15 @@ def test_bad_input(backend):
     # A non-integer count is a wrong type, not a wrong value.
     with pytest.raises(TypeError, match=r"pinv_iterations must be a positive integer, got 2\.5 \(float\)"):
         nystrom_attention(q, k, v, num_landmarks=2, pinv_iterations=2.5)
+    msg = r"pinv_init must be one of \('matrix', 'global'\), got 'batch'"
+    with pytest.raises(ValueError, match=msg):
+        nystrom_attention(q, k, v, num_landmarks=2, pinv_init="batch")
+    with pytest.raises(ValueError, match=msg):
+        nystrom_weights(q, k, num_landmarks=2, pinv_init="batch")
+    with pytest.raises(ValueError, match=msg):
+        iterative_pinv(q[..., :4, :], pinv_init="batch")
+    with pytest.raises(TypeError, match=r"pinv_init must be a str, .*got None \(NoneType\)"):
+        nystrom_attention(q, k, v, num_landmarks=2, pinv_init=None)
 
 
 # -------------------------------------------------------------------------- registry

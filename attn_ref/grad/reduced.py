@@ -9,9 +9,10 @@ so each VJP composes the VJPs of those steps:
   sum_{p in j} dx_p``;
 * the softmax attention VJP of :mod:`attn_ref.grad.softmax` and the row-softmax VJP;
 * Nystromformer's iterative pseudo-inverse, differentiated through every iteration
-  ``Z' = Z (13 I - AZ (15 I - AZ (7 I - AZ))) / 4`` and through its per-matrix
-  initialisation ``Z_0 = A^T / (||A||_1 ||A||_inf)`` (the norms' maxima pass their
-  gradient to the maximising column/row, split evenly between exact ties); the exact
+  ``Z' = Z (13 I - AZ (15 I - AZ (7 I - AZ))) / 4`` and through its initialisation
+  ``Z_0 = A^T / (||A||_1 ||A||_inf)``, norms per matrix or (``pinv_init="global"``)
+  maxima over the batch (the norms' maxima pass their gradient to the maximising
+  column/row, over the batch for the global one, split evenly between exact ties); the exact
   ``xp.linalg.pinv`` (``pinv_iterations=None``) by the pseudo-inverse's derivative
   (Golub & Pereyra 1973), valid where the rank is locally constant;
 * clustered attention: the k-means assignment is piecewise constant in ``q``, so it is
@@ -28,8 +29,10 @@ from .._checks import check_qkv
 from ..random import permutation
 from ..reduced import (
     assign_clusters,
+    check_pinv_init,
     gather_rows,
     nystrom_kernels,
+    pinv_norms,
     prepare_clustered,
     prepare_nystrom,
     prepare_pooled,
@@ -102,23 +105,26 @@ def query_reduced_attention(q, k, v, do, /, *, num_segments, expand=True, causal
 
 
 def _max_vjp(xp, x, g, axis):
-    """VJP of ``max(x, axis)``: ``g`` to the maximising entries, split evenly between ties."""
+    """VJP of ``max(x, axis)`` (``axis=None``: over all of ``x``): ``g`` to the maximising
+    entries, split evenly between ties."""
     m = xp.max(x, axis=axis, keepdims=True)
     hit = xp.astype(x == m, x.dtype)
-    return hit * (xp.expand_dims(g, axis=axis) / xp.sum(hit, axis=axis, keepdims=True))
+    return hit * (xp.reshape(g, m.shape) / xp.sum(hit, axis=axis, keepdims=True))
 
 
-def iterative_pinv_vjp(a, dz, /, *, iterations=6, xp=None):
+def iterative_pinv_vjp(a, dz, /, *, iterations=6, pinv_init="matrix", xp=None):
     """VJP of :func:`attn_ref.reduced.iterative_pinv`: the cotangent of ``a`` given that of ``Z``.
 
     Replays the iteration, keeping each iterate (``iterations`` is small), then runs
     it backwards; the initialisation ``A^T / (||A||_1 ||A||_inf)`` is differentiated too.
+    With ``pinv_init="global"`` its scale is one number for the batch, so every matrix's
+    cotangent reaches the maximising column and row, wherever in the batch they are.
     """
     xp = array_api_compat.array_namespace(a) if xp is None else xp
+    check_pinv_init(pinv_init)
     m = a.shape[-1]
-    absa = xp.abs(a)
-    colsum, rowsum = xp.sum(absa, axis=-2), xp.sum(absa, axis=-1)
-    norm1, norminf = xp.max(colsum, axis=-1), xp.max(rowsum, axis=-1)
+    colsum, rowsum, norm1, norminf = pinv_norms(xp, a, pinv_init)
+    axis = -1 if pinv_init == "matrix" else None
     raw = norm1 * norminf
     positive = raw > 0
     denom = xp.where(positive, raw, xp.ones_like(raw))
@@ -145,9 +151,11 @@ def iterative_pinv_vjp(a, dz, /, *, iterations=6, xp=None):
     dz0 = dz
     da = da + transpose(xp, dz0) / denom[..., None, None]
     ddenom = -xp.sum(dz0 * transpose(xp, a), axis=(-2, -1)) / (denom * denom)
+    if axis is None:  # one denominator for the batch: its cotangents add up
+        ddenom = xp.sum(ddenom)
     ddenom = xp.where(positive, ddenom, xp.zeros_like(ddenom))
-    dcol = _max_vjp(xp, colsum, ddenom * norminf, -1)  # (..., m): d/d column sums
-    drow = _max_vjp(xp, rowsum, ddenom * norm1, -1)
+    dcol = _max_vjp(xp, colsum, ddenom * norminf, axis)  # (..., m): d/d column sums
+    drow = _max_vjp(xp, rowsum, ddenom * norm1, axis)
     sign = xp.sign(a)
     return da + sign * (dcol[..., None, :] + drow[..., :, None])
 
@@ -163,8 +171,8 @@ def pinv_vjp(a, z, dz, /, *, xp=None):
             + zt @ z @ dzt @ (eye_n - z @ a))
 
 
-def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causal=False, scale=None,
-                      xp=None):
+def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
+                      causal=False, scale=None, xp=None):
     """VJP of :func:`attn_ref.reduced.nystrom_attention`: ``{"q", "k", "v"}``.
 
     Differentiates through the landmarks (segment means), the three row softmaxes and
@@ -181,12 +189,12 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     ((6, 4), (6, 4), (6, 4))
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention")
+                                "nystrom_attention", pinv_init)
     _, batch = check_qkv(q, k, v, xp=xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
     ql, kl = segment_means(q, m, xp=xp), segment_means(k, m, xp=xp)
-    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale)
+    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init)
     w3 = k3 @ v
     w2 = z @ w3
     # out = k1 @ w2
@@ -199,7 +207,7 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, causa
     if pinv_iterations is None:
         dk2 = pinv_vjp(k2, z, dz, xp=xp)
     else:
-        dk2 = iterative_pinv_vjp(k2, dz, iterations=pinv_iterations, xp=xp)
+        dk2 = iterative_pinv_vjp(k2, dz, iterations=pinv_iterations, pinv_init=pinv_init, xp=xp)
     ds1, ds2, ds3 = softmax_vjp(xp, k1, dk1), softmax_vjp(xp, k2, dk2), softmax_vjp(xp, k3, dk3)
     # dS of the logits scale * (...)^T (...): every product gets the factor scale once, at
     # the end (a scaled copy of q could overflow where the logits do not).
