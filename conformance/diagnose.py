@@ -13,7 +13,8 @@ When a case fails, :func:`diagnose` tries, in order:
    fitted factor, causal diagonal shifted by one, the other layout, keys and values
    swapped, a dropped tail key block, keys past a fixed buffer ignored, zero padding
    left unmasked, an online softmax that never rescales its accumulator, a
-   denominator epsilon...).
+   denominator epsilon, Nystromformer's pseudo-inverse started from the other
+   ``pinv_init``...).
 3. **Where the error lives**: only in the last partial query block, or only on some
    batch entries / heads (named), every other one within tolerance and ten times
    closer than the worst (so that rounding noise crossing the line on a few slices
@@ -50,6 +51,7 @@ one, a wrong query-head -> kv-head mapping, a varlen boundary leak).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -565,6 +567,32 @@ def _wy_sigs(prep):
                f"while its queries read the carried state", without_wy(prep, c)[0])
 
 
+def _pinv_init_sigs(prep):
+    """Nystromformer's pseudo-inverse started from the other convention of ``pinv_init``
+    (:func:`attn_ref.reduced.iterative_pinv`): after 6 iterations the start still shows.
+    One scale for the whole batch couples its matrices, so only a case with two or more
+    (batch entries or heads) tells the two apart."""
+    if "pinv_init" not in _keywords(prep.variant.fn):
+        return
+    if prep.options.get("pinv_init", "matrix") == "matrix":
+        yield ("the pseudo-inverse started from a batch-global scale (HuggingFace's "
+               "init_option='original', lucidrains' nystrom-attention): pass "
+               "options={'pinv_init': 'global'}",
+               prep.reference("float64", options={**prep.options, "pinv_init": "global"}))
+    else:
+        yield ("the pseudo-inverse started from a scale per matrix (Razavi et al.'s start, "
+               "HuggingFace's init_option other than 'original'), not from the declared "
+               "batch-global one: drop options={'pinv_init': 'global'}",
+               prep.reference("float64", options={**prep.options, "pinv_init": "matrix"}))
+
+
+def _keywords(fn) -> set:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 for _sig in (
     Signature("window", _window_sigs),
     Signature("gqa", _gqa_sigs),
@@ -572,6 +600,7 @@ for _sig in (
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
+    Signature("pinv init", _pinv_init_sigs),
 ):
     register_signature(_sig)
 
