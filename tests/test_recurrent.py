@@ -23,7 +23,7 @@ from attn_ref.recurrent import (
 from attn_ref.recurrent.common import working_dtype
 from conformance.backends import from_numpy
 from tests import plain
-from tests.helpers import EPS, assert_close, call, fla_naive_module, host
+from tests.helpers import EPS, assert_close, call, fla_naive_module, host, jit
 
 FNS = {"retention": retention, "gla": gated_linear_attention, "ssd": ssd,
        "deltanet": delta_rule, "gated_deltanet": gated_delta_rule}
@@ -179,9 +179,7 @@ def test_per_key_scores_are_the_pairwise_sum(backend):
     if backend.name == "jax":
         # one compilation per block size and dtype instead of one per operation and
         # shape of the recursion (326 op-by-op compilations, 13 of the test's 23 s)
-        import jax
-
-        scores = jax.jit(scores)
+        scores = jit(scores)
     rng = np.random.default_rng(3)
     for c in (1, 2, 7, 16, 24):
         q, k = rng.standard_normal((2, c, DK)), rng.standard_normal((2, c, DK))
@@ -333,9 +331,7 @@ def test_long_sequence_with_strong_decay_stays_finite(backend, name):
         fn = functools.partial(FNS[name], form=form)
         n = T
         if backend.name == "jax":
-            import jax
-
-            fn = jax.jit(fn)
+            fn = jit(fn)
             # XLA unrolls the parallel form's 64 row blocks of T = 4096 (16.6 s to
             # compile); 8 blocks of 64 rows (b_512 = -2560, past float64's exp) are the
             # same code, compiled in 1.3 s.
