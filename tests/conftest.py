@@ -21,7 +21,8 @@ import re
 # JAX compiles every traced function for the CPU; the tests' arrays are tiny, so LLVM's
 # expensive optimisation passes buy nothing and cost most of the suite's time (compiles
 # about 2x faster without them). XLA's own optimisation level stays at its default: level
-# 0 changed inf/NaN handling in jax.vjp of masked rows. Set before anything imports jax;
+# 0 changed inf/NaN handling in jax.vjp of masked rows (tests.helpers.jit compiles the
+# references under test at level 0, where that is no excuse). Set before anything imports jax;
 # an explicit XLA_FLAGS wins. XLA also runs single-threaded: `pytest -n auto` already runs
 # one worker per core, and a worker whose XLA thread pool waited on itself hung CI once
 # (tests/test_recurrent.py's float16 case on JAX, after 90 % of the suite; not reproduced

@@ -101,6 +101,9 @@ def test_chunked_equals_quadratic_any_chunk(backend, causal, chunks):
         assert_close(a, b, backend)
 
 
+# On JAX Nq < Nk in each alignment: XLA unrolls every block (5 compilations a case, 2 s
+# of CPU); Nq > Nk runs there in the next test, and all shapes on the other backends.
+@pytest.mark.jax_subset("causal")
 @pytest.mark.parametrize("causal", [False, "top-left", "bottom-right"])
 @pytest.mark.parametrize("nq,nk", [(12, 15), (15, 12), (13, 13)])
 def test_blocks_equal_one_pass(backend, causal, nq, nk):
