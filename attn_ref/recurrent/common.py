@@ -54,6 +54,7 @@ __all__ = [
     "segment_sums",
     "causal_decay",
     "to_chunks",
+    "ChunkOutputs",
     "from_chunks",
     "row_major_transpose",
     "scalar_decay_matrix",
@@ -284,6 +285,42 @@ def to_chunks(xp, x, c):
 def from_chunks(xp, x):
     """``(..., n, c, e) -> (..., n c, e)``, the inverse of :func:`to_chunks`."""
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+
+class ChunkOutputs:
+    """The outputs of a chunk form's groups of chunks, joined into ``(..., n C, e)``.
+
+    Each group's ``(..., g, C, e)`` output is written into one array as it is made,
+    while it is in cache: collected and concatenated, the groups would make a second
+    trip through memory. Arrays that cannot be written (JAX; ``inplace`` False) are
+    concatenated at the end, and a single group is taken as it is.
+
+    Parameters
+    ----------
+    xp : namespace
+    shape : tuple of int
+        ``(..., n, C, e)``, the chunked output.
+    """
+
+    def __init__(self, xp, shape):
+        self.xp, self.shape, self.out = xp, tuple(shape), None
+
+    def add(self, o, g0, g1, inplace):
+        """Chunks ``g0:g1`` of the output, ``o (..., g1 - g0, C, e)``."""
+        if g0 == 0 and g1 == self.shape[-3]:
+            self.out = o
+        elif inplace:
+            if self.out is None:
+                self.out = self.xp.empty(self.shape, dtype=o.dtype,
+                                         device=array_api_compat.device(o))
+            self.out[..., g0:g1, :, :] = o
+        else:
+            self.out = (self.out or []) + [o]
+
+    def joined(self):
+        """The output ``(..., n C, e)``."""
+        out = self.out
+        return from_chunks(self.xp, self.xp.concat(out, axis=-3) if isinstance(out, list) else out)
 
 
 def row_major_transpose(xp, x):

@@ -45,6 +45,7 @@ from .._checks import check_array, check_real
 from .._common import is_lazy, owned_writeable
 from .common import (
     DECAY_LEAF,
+    ChunkOutputs,
     causal_decay,
     check_cu_seqlens,
     check_inputs,
@@ -53,7 +54,6 @@ from .common import (
     chunk_states,
     decayed_scores,
     finish,
-    from_chunks,
     packed,
     row_major_transpose,
     scalar_decay_in_place,
@@ -206,7 +206,7 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     if constant:
         b, head, tail, decay = gates(ac[..., :1, :, :])
         dmat, head, tail = scale * scalar_decay_matrix(xp, b), scale * head, mt(tail)
-    out, inplace = None, False
+    out, inplace = ChunkOutputs(xp, tuple(qc.shape[:-1]) + (vc.shape[-1],)), False
     for g0 in range(0, n, per):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
@@ -240,20 +240,8 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
             o += read
         else:
             o = o + read
-        if g0 == 0 and g1 == n:
-            return from_chunks(xp, o), s
-        if out is None:
-            # The groups' outputs are written into one array as they are made, while in
-            # cache; collected and concatenated, they would make a second trip through
-            # memory. Arrays that cannot be written (JAX) are concatenated.
-            shape = tuple(qc.shape[:-1]) + (vc.shape[-1],)
-            out = xp.empty(shape, dtype=o.dtype, device=array_api_compat.device(o)) \
-                if inplace else []
-        if inplace:
-            out[cut] = o
-        else:
-            out.append(o)
-    return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+        out.add(o, g0, g1, inplace)
+    return out.joined(), s
 
 
 def _block_rows_fit(c):

@@ -41,13 +41,13 @@ import array_api_compat
 from .._checks import check_flag
 from .._common import is_lazy, owned_writeable
 from .common import (
+    ChunkOutputs,
     causal_decay,
     check_cu_seqlens,
     check_inputs,
     check_state,
     check_step_input,
     finish,
-    from_chunks,
     packed,
     row_major_transpose,
     scalar_decay_matrix,
@@ -240,7 +240,7 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
         per = n  # one group: a compiler schedules the memory itself
     # the causal mask (diagonal included) as 0 / 1, to multiply Q K^T by
     lower = xp.astype(_tril(xp, c, c, 0, dev), q.dtype)
-    out, inplace = None, False
+    out, inplace = ChunkOutputs(xp, tuple(qc.shape[:-1]) + (dv,)), False
     for g0 in range(0, n, per):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
@@ -295,18 +295,8 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             o += read
         else:
             o = o + read
-        if g0 == 0 and g1 == n:
-            return from_chunks(xp, o), s
-        if out is None:
-            # The groups' outputs are written into one array as they are made, while in
-            # cache; arrays that cannot be written (JAX) are concatenated.
-            shape = tuple(qc.shape[:-1]) + (dv,)
-            out = xp.empty(shape, dtype=o.dtype, device=dev) if inplace else []
-        if inplace:
-            out[cut] = o
-        else:
-            out.append(o)
-    return from_chunks(xp, out if inplace else xp.concat(out, axis=-3)), s
+        out.add(o, g0, g1, inplace)
+    return out.joined(), s
 
 
 def _times(xp, x, y, inplace):
