@@ -55,10 +55,12 @@ from .common import (
     decayed_scores,
     finish,
     packed,
+    plus_into,
     row_major_transpose,
     scalar_decay_in_place,
     scalar_decay_matrix,
     segment_sums,
+    times_into,
     to_chunks,
 )
 
@@ -217,7 +219,7 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         if g0 == 0:
             inplace = owned_writeable(kt)
         if constant:
-            scores = _times(xp, qg @ kt, dmat, inplace)
+            scores = times_into(qg @ kt, dmat, inplace)
         else:
             # scale on q here, in cache, rather than a pass over the whole output after
             qg = scale * qg
@@ -232,14 +234,11 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
                 scores = (qg @ kt) * scalar_decay_matrix(xp, b)
             else:
                 scores = decayed_scores(xp, qg, kg, b)
-        entering, s = chunk_states(xp, decay, _times(xp, kt, tail, inplace) @ vg, s)
+        entering, s = chunk_states(xp, decay, times_into(kt, tail, inplace) @ vg, s)
         if scores is not None:
             o = scores @ vg
         read = (qg * head) @ entering
-        if inplace:
-            o += read
-        else:
-            o = o + read
+        o = plus_into(o, read, inplace)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
 
@@ -272,13 +271,6 @@ def _causal_block_rows(xp, q, kt, v, b):
         o[..., r0:r1, :] = scores[..., r0:r1, :r1] @ v[..., :r1, :]
     return o
 
-
-def _times(xp, x, y, inplace):
-    """``x * y``, written into ``x`` (a fresh array of this module's) where it may be."""
-    if inplace:
-        x *= y
-        return x
-    return x * y
 
 
 def _run(inp, a, s0, constant):

@@ -49,9 +49,11 @@ from .common import (
     check_step_input,
     finish,
     packed,
+    plus_into,
     row_major_transpose,
     scalar_decay_matrix,
     segment_sums,
+    times_into,
     to_chunks,
     unit_lower_inverse,
 )
@@ -255,20 +257,20 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             inplace = owned_writeable(kt)
         kk, qk = kg @ kt, qg @ kt
         if ac is None:
-            qk = _times(xp, qk, lower, inplace)
+            qk = times_into(qk, lower, inplace)
             kd = kg
         else:
             b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
             d = scalar_decay_matrix(xp, b)  # exp(b_i - b_j), j <= i: masked before exp
-            kk, qk = _times(xp, kk, d, inplace), _times(xp, qk, d, inplace)
+            kk, qk = times_into(kk, d, inplace), times_into(qk, d, inplace)
             head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
             decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
             kd = head * kg
-            kt = _times(xp, kt, mt(tail), inplace)  # (e^{B - b} K)^T, the state's update
+            kt = times_into(kt, mt(tail), inplace)  # (e^{B - b} K)^T, the state's update
         # The UT transform T_c = (I + L)^{-1} diag(beta), L the strict lower part of
         # diag(beta) (K K^T * D): the inverse reads only that part of beta * kk.
-        tc = unit_lower_inverse(xp, _times(xp, kk, bg, inplace))
-        tc = _times(xp, tc, mt(bg), inplace)
+        tc = unit_lower_inverse(xp, times_into(kk, bg, inplace))
+        tc = times_into(tc, mt(bg), inplace)
         u_c, w_c = tc @ vg, tc @ kd
         if lazy:
             us, entering, s = _affine_hand_over(xp, u_c, w_c, kt, None if ac is None else decay, s)
@@ -290,21 +292,11 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             entering = xp.stack(entering, axis=-3)
         qs = qg @ entering
         o = qk @ us
-        read = qs if ac is None else _times(xp, qs, head, inplace)
-        if inplace:
-            o += read
-        else:
-            o = o + read
+        read = qs if ac is None else times_into(qs, head, inplace)
+        o = plus_into(o, read, inplace)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
 
-
-def _times(xp, x, y, inplace):
-    """``x * y``, written into ``x`` (a fresh array of this module's) where it may be."""
-    if inplace:
-        x *= y
-        return x
-    return x * y
 
 
 def _affine_hand_over(xp, u_c, w_c, kt, decay, s):
