@@ -486,6 +486,21 @@ def _canonical(ctx, n, h):
     return h
 
 
+def _inputs_of(prep) -> set:
+    """The names a ``supports={"grads": ...}`` declaration may use for ``prep``'s variant:
+    ``q, k, v``, ``bias`` and the keyword parameters of its reference VJP."""
+    import inspect
+
+    params = inspect.signature(_vjp(prep)).parameters
+    return {"q", "k", "v", "bias"} | {n for n, p in params.items()
+                                      if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "xp"}
+
+
+def _unknown_inputs(prep, declared) -> list:
+    """The declared names that are no input of the variant (a misspelling), sorted."""
+    return [] if declared is None else sorted(set(declared) - _inputs_of(prep))
+
+
 def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     """The gradient rows of one case (see the module docstring); never raises for a kernel's fault."""
     base = {"case": prep.case.id, "dtype": dtype}
@@ -502,6 +517,13 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
         return [CaseResult.na(reason=_NO_AUTODIFF.format(name=name), output="grads", **base)]
     handed = _kernel_names(ctx, prep, g, kw)
     declared = ctx.kernel.limits.get("grads")
+    unknown = _unknown_inputs(prep, declared)
+    if unknown:
+        # a misspelt name would leave the input it meant judged as "not differentiated"
+        return [CaseResult.error(
+            f"supports={{'grads': {declared!r}}} names {unknown}, which the "
+            f"{prep.variant.name} reference does not take; its inputs: "
+            f"{sorted(_inputs_of(prep))}", output="grads", **base)]
     rows = []
     for n in [n for n in handed if n not in JUDGED]:
         rows.append(CaseResult.na(

@@ -337,6 +337,15 @@ def test_a_missing_gate_gradient_fails_and_a_declared_one_is_not_judged():
     with pytest.raises(TypeError, match="names of the inputs"):
         verify(variant_kernel("gla"), "gla", backend="numpy", cases=few, grads=True,
                supports={"grads": 3})
+    # a misspelt name ("gates" for g) would leave dg "not judged" where the kernel meant it
+    # judged: an error naming it, never a pass
+    rep = verify(variant_kernel("gla"), "gla", backend="numpy", dtypes=("float32",), cases=few,
+                 backward=reference_backward("gla", no_dg), progress=False,
+                 supports={"grads": ("q", "k", "v", "gates")})
+    assert not rep.passed, rep.table()
+    errs = [r for r in rep.results if r.output == "grads"]
+    assert errs and all(r.verdict == "error" and "['gates']" in r.diagnosis
+                        and "'g'" in r.diagnosis for r in errs), rep.table()
 
 
 def test_the_kernels_own_name_for_the_initial_state_is_understood():
