@@ -33,6 +33,8 @@ __all__ = [
     "is_lazy",
     "pool_helps",
     "owned_writeable",
+    "add_into",
+    "mul_into",
 ]
 
 TOP_LEFT = "top-left"
@@ -244,3 +246,27 @@ def owned_writeable(x):
     if not array_api_compat.is_writeable_array(x) or is_lazy(x):
         return False
     return not (array_api_compat.is_torch_array(x) and x.requires_grad)
+
+
+def _keeps_shape(x, y):
+    """Whether ``y`` broadcasts to ``x``'s shape (so ``x op y`` has ``x``'s shape)."""
+    xs, ys = tuple(x.shape), tuple(getattr(y, "shape", ()))
+    return len(ys) <= len(xs) and all(b in (1, a) for a, b in zip(xs[::-1], ys[::-1]))
+
+
+def add_into(x, y):
+    """``x + y``, written into ``x`` where :func:`owned_writeable` allows it and ``y``
+    broadcasts to ``x``'s shape (``x`` must be the caller's own array): the same sums,
+    without a fresh array."""
+    if owned_writeable(x) and _keeps_shape(x, y):
+        x += y
+        return x
+    return x + y
+
+
+def mul_into(x, y):
+    """``x * y``, written into ``x`` as :func:`add_into` does."""
+    if owned_writeable(x) and _keeps_shape(x, y):
+        x *= y
+        return x
+    return x * y

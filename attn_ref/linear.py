@@ -69,6 +69,7 @@ from ._checks import (
 )
 from ._common import (
     TOP_LEFT,
+    add_into,
     batch_rows,
     causal_alignment,
     causal_offset,
@@ -157,12 +158,8 @@ def _elu_plus_one(xp, x):
     # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
     # so it cannot overflow (and its derivative stays finite for the VJP).
     zero = xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
-    f = xp.exp(xp.minimum(x, zero))
-    if owned_writeable(f):
-        # In place: one fresh array fewer per call, the same sums (addition commutes).
-        f += xp.maximum(x, zero)
-        return f
-    return xp.maximum(x, zero) + f
+    # into exp's own array: one fresh array fewer per call, the same sums (addition commutes)
+    return add_into(xp.exp(xp.minimum(x, zero)), xp.maximum(x, zero))
 
 
 def _relu(xp, x):
@@ -455,12 +452,7 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    intra = _hide(xp, qc @ kt, TOP_LEFT) @ vc
-    out = qc @ prefix[..., :-1, :, :]
-    if owned_writeable(out) and out.shape == intra.shape:  # the same sum, without a fresh array
-        out += intra
-    else:
-        out = out + intra
+    out = add_into(qc @ prefix[..., :-1, :, :], _hide(xp, qc @ kt, TOP_LEFT) @ vc)
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 
@@ -481,12 +473,7 @@ def _exclusive_prefix(xp, s, state):
     lower = xp.astype(rows[:, None] > rows[None, :n], s.dtype)
     flat = xp.reshape(s, tuple(s.shape[:-3]) + (n, d1 * d2))
     prefix = xp.reshape(lower @ flat, tuple(s.shape[:-3]) + (n + 1, d1, d2))
-    if state is None:
-        return prefix
-    if owned_writeable(prefix) and tuple(state.shape[:-2]) == tuple(prefix.shape[:-3]):
-        prefix += state[..., None, :, :]
-        return prefix
-    return prefix + state[..., None, :, :]
+    return prefix if state is None else add_into(prefix, state[..., None, :, :])
 
 
 def _feature_rows(xp, phi, x, lo, hi, n):
@@ -510,12 +497,7 @@ def _fold(xp, state, fk, v1):
     """``state + phi(K)^T [V, 1]``: the summary with one more block of keys folded in
     (in place when the library allows: ``state`` is always this code's own array)."""
     ds = xp.matrix_transpose(fk) @ v1
-    if state is None:
-        return ds
-    if owned_writeable(state):
-        state += ds
-        return state
-    return state + ds
+    return ds if state is None else add_into(state, ds)
 
 
 def _row_chunks(xp, x, rows):
@@ -547,12 +529,7 @@ def _fold_transposed(xp, state_t, fk, v1):
         ds = xp.sum(xp.matrix_transpose(_row_chunks(xp, v1, rows)) @ _row_chunks(xp, fk, rows), axis=-3)
     else:
         ds = xp.matrix_transpose(v1) @ fk
-    if state_t is None:
-        return ds
-    if owned_writeable(state_t) and state_t.shape == ds.shape:
-        state_t += ds
-        return state_t
-    return state_t + ds
+    return ds if state_t is None else add_into(state_t, ds)
 
 
 def _read_summary(xp, fq, state):

@@ -14,6 +14,7 @@ import pytest
 from attn_ref._common import (
     BOTTOM_RIGHT,
     TOP_LEFT,
+    add_into,
     and_masks,
     causal_alignment,
     causal_offset,
@@ -21,7 +22,9 @@ from attn_ref._common import (
     finish_partial,
     finite_max,
     merge_partials,
+    mul_into,
     online_step,
+    owned_writeable,
     partial_lse,
     softmax_partial,
 )
@@ -128,3 +131,29 @@ def test_finite_max_shifts_only_minus_inf(backend):
     xp = backend.xp
     m = from_numpy(np.array([[-np.inf], [2.5], [-1e300], [np.inf]]), backend)
     assert host(finite_max(xp, m))[:, 0].tolist() == [0.0, 2.5, -1e300, np.inf]
+
+
+def test_add_into_and_mul_into_write_only_where_they_may(backend):
+    """The in-place sums and products of the block loops (linear attention, the online
+    softmax, the recurrent chunk forms): the values of ``x + y`` and ``x * y`` always;
+    written into ``x`` only where it is writeable and keeps its shape (a ``y`` that
+    broadcasts ``x`` to a larger shape gets a new array, and ``x`` is left as it was)."""
+    x0 = np.arange(6.0).reshape(2, 3)
+    for op, fn in ((np.add, add_into), (np.multiply, mul_into)):
+        x = from_numpy(x0.copy(), backend)
+        out = fn(x, from_numpy(np.full((3,), 2.0), backend))
+        assert_close(out, op(x0, 2.0), backend, rtol=0, atol=0)
+        if owned_writeable(x):  # written into x: x holds the result
+            assert_close(x, op(x0, 2.0), backend, rtol=0, atol=0)
+        x = from_numpy(x0.copy(), backend)
+        out = fn(x, from_numpy(np.ones((4, 2, 3)), backend))  # would grow x
+        assert tuple(out.shape) == (4, 2, 3)
+        assert_close(out, op(x0, np.ones((4, 2, 3))), backend, rtol=0, atol=0)
+        assert_close(x, x0, backend, rtol=0, atol=0)
+
+
+def test_add_into_leaves_autograd_tensors_alone():
+    torch = pytest.importorskip("torch")
+    x = torch.ones(3, requires_grad=True) * 2  # records a graph: not to be overwritten
+    out = add_into(x, torch.ones(3))
+    assert out is not x and float(x[0]) == 2.0

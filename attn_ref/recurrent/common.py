@@ -55,8 +55,6 @@ __all__ = [
     "causal_decay",
     "to_chunks",
     "ChunkOutputs",
-    "times_into",
-    "plus_into",
     "from_chunks",
     "row_major_transpose",
     "scalar_decay_matrix",
@@ -287,23 +285,6 @@ def to_chunks(xp, x, c):
 def from_chunks(xp, x):
     """``(..., n, c, e) -> (..., n c, e)``, the inverse of :func:`to_chunks`."""
     return xp.reshape(x, tuple(x.shape[:-3]) + (x.shape[-3] * x.shape[-2], x.shape[-1]))
-
-
-def times_into(x, y, inplace):
-    """``x * y``, written into ``x`` where ``inplace`` (``x`` a fresh array of the chunk
-    form's own, :func:`attn_ref._common.owned_writeable`): no new array per group."""
-    if inplace:
-        x *= y
-        return x
-    return x * y
-
-
-def plus_into(x, y, inplace):
-    """``x + y``, written into ``x`` where ``inplace``, as :func:`times_into`."""
-    if inplace:
-        x += y
-        return x
-    return x + y
 
 
 class ChunkOutputs:

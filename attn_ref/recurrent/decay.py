@@ -42,7 +42,7 @@ import math
 import array_api_compat
 
 from .._checks import check_array, check_real
-from .._common import is_lazy, owned_writeable
+from .._common import add_into, is_lazy, mul_into, owned_writeable
 from .common import (
     DECAY_LEAF,
     ChunkOutputs,
@@ -55,12 +55,10 @@ from .common import (
     decayed_scores,
     finish,
     packed,
-    plus_into,
     row_major_transpose,
     scalar_decay_in_place,
     scalar_decay_matrix,
     segment_sums,
-    times_into,
     to_chunks,
 )
 
@@ -219,7 +217,7 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         if g0 == 0:
             inplace = owned_writeable(kt)
         if constant:
-            scores = times_into(qg @ kt, dmat, inplace)
+            scores = mul_into(qg @ kt, dmat)
         else:
             # scale on q here, in cache, rather than a pass over the whole output after
             qg = scale * qg
@@ -234,11 +232,11 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
                 scores = (qg @ kt) * scalar_decay_matrix(xp, b)
             else:
                 scores = decayed_scores(xp, qg, kg, b)
-        entering, s = chunk_states(xp, decay, times_into(kt, tail, inplace) @ vg, s)
+        entering, s = chunk_states(xp, decay, mul_into(kt, tail) @ vg, s)
         if scores is not None:
             o = scores @ vg
         read = (qg * head) @ entering
-        o = plus_into(o, read, inplace)
+        o = add_into(o, read)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
 

@@ -39,7 +39,7 @@ import math
 import array_api_compat
 
 from .._checks import check_flag
-from .._common import is_lazy, owned_writeable
+from .._common import add_into, is_lazy, mul_into, owned_writeable
 from .common import (
     ChunkOutputs,
     causal_decay,
@@ -49,11 +49,9 @@ from .common import (
     check_step_input,
     finish,
     packed,
-    plus_into,
     row_major_transpose,
     scalar_decay_matrix,
     segment_sums,
-    times_into,
     to_chunks,
     unit_lower_inverse,
 )
@@ -257,20 +255,20 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             inplace = owned_writeable(kt)
         kk, qk = kg @ kt, qg @ kt
         if ac is None:
-            qk = times_into(qk, lower, inplace)
+            qk = mul_into(qk, lower)
             kd = kg
         else:
             b = xp.cumulative_sum(ac[cut], axis=-2)  # (..., per, c, 1), from the chunk's start
             d = scalar_decay_matrix(xp, b)  # exp(b_i - b_j), j <= i: masked before exp
-            kk, qk = times_into(kk, d, inplace), times_into(qk, d, inplace)
+            kk, qk = mul_into(kk, d), mul_into(qk, d)
             head, tail = xp.exp(b), xp.exp(b[..., -1:, :] - b)
             decay = xp.exp(b[..., -1:, :])  # (..., per, 1, 1)
             kd = head * kg
-            kt = times_into(kt, mt(tail), inplace)  # (e^{B - b} K)^T, the state's update
+            kt = mul_into(kt, mt(tail))  # (e^{B - b} K)^T, the state's update
         # The UT transform T_c = (I + L)^{-1} diag(beta), L the strict lower part of
         # diag(beta) (K K^T * D): the inverse reads only that part of beta * kk.
-        tc = unit_lower_inverse(xp, times_into(kk, bg, inplace))
-        tc = times_into(tc, mt(bg), inplace)
+        tc = unit_lower_inverse(xp, mul_into(kk, bg))
+        tc = mul_into(tc, mt(bg))
         u_c, w_c = tc @ vg, tc @ kd
         if lazy:
             us, entering, s = _affine_hand_over(xp, u_c, w_c, kt, None if ac is None else decay, s)
@@ -292,8 +290,8 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
             entering = xp.stack(entering, axis=-3)
         qs = qg @ entering
         o = qk @ us
-        read = qs if ac is None else times_into(qs, head, inplace)
-        o = plus_into(o, read, inplace)
+        read = qs if ac is None else mul_into(qs, head)
+        o = add_into(o, read)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
 

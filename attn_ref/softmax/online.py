@@ -13,9 +13,11 @@ import array_api_compat
 
 from .._checks import check_positive_int
 from .._common import (
+    add_into,
     cpu_count,
     finish_partial,
     is_lazy,
+    mul_into,
     online_step,
     owned_writeable,
     parallel_map,
@@ -110,13 +112,9 @@ def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
             pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
             if pv.dtype != dtype:
                 pv = xp.astype(pv, dtype)
-            if alpha is None:  # the first tile: 0 * 0 + pv is pv
-                acc = pv
-            elif owned_writeable(acc):  # the same products and sums, without two fresh arrays
-                acc *= alpha
-                acc += pv
-            else:
-                acc = acc * alpha + pv
+            # the first tile: 0 * 0 + pv is pv; then the same products and sums in the
+            # accumulator's own array where it may be written
+            acc = pv if alpha is None else add_into(mul_into(acc, alpha), pv)
             new_state.append((m_new, l, acc))
         state = new_state
     outs, lses = [], []
