@@ -51,7 +51,6 @@ one, a wrong query-head -> kv-head mapping, a varlen boundary leak).
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -61,7 +60,7 @@ import numpy as np
 from .calling import reference_features
 from .extras import RECURRENT
 from .features import allowed_matrix, sequence_lengths
-from .judging import FLA_CHUNK, fp32_state_form
+from .judging import FLA_CHUNK, fp32_state_form, option_names
 from .tolerance import LOW_PRECISION, host_dtype, measure
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
@@ -572,7 +571,7 @@ def _pinv_init_sigs(prep):
     (:func:`attn_ref.reduced.iterative_pinv`): after 6 iterations the start still shows.
     One scale for the whole batch couples its matrices, so only a case with two or more
     (batch entries or heads) tells the two apart."""
-    if "pinv_init" not in _keywords(prep.variant.fn):
+    if "pinv_init" not in option_names(prep.variant):
         return
     if prep.options.get("pinv_init", "matrix") == "matrix":
         yield ("the pseudo-inverse started from a batch-global scale (HuggingFace's "
@@ -584,13 +583,6 @@ def _pinv_init_sigs(prep):
                "HuggingFace's init_option other than 'original'), not from the declared "
                "batch-global one: drop options={'pinv_init': 'global'}",
                prep.reference("float64", options={**prep.options, "pinv_init": "matrix"}))
-
-
-def _keywords(fn) -> set:
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 for _sig in (
