@@ -53,6 +53,7 @@ __all__ = [
     "nystrom_attention",
     "nystrom_weights",
     "kmeans",
+    "kmeans_initial_rows",
     "clustered_attention",
     "clustered_weights",
     # Named steps that attn_ref.grad differentiates.
@@ -509,14 +510,26 @@ def assign_clusters(xp, x, centroids):
     return idx, onehot
 
 
+def kmeans_initial_rows(n, num_clusters, seed=0):
+    """The rows of ``x (..., N, d)`` that :func:`kmeans` takes as its initial centroids:
+    ``permutation(N, seed)[:C]``, the same rows in every batch entry and head.
+
+    A host-side list of ``C`` distinct ints in ``[0, N)`` (no array library), so that an
+    external kernel (or the oracle's exported vectors) can start its k-means from the
+    same rows. Cost: O(N) on the host.
+    """
+    _check_count("num_clusters", num_clusters, n, f"the number of queries Nq={n}")
+    return [int(i) for i in permutation(n, seed=seed)[:num_clusters]]
+
+
 def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
     """Lloyd's k-means on the rows of ``x (..., N, d)``, deterministic from ``seed``.
 
-    The initial centroids are the rows ``permutation(N, seed)[:C]`` (the same rows in
-    every batch entry); then ``iterations`` rounds of assign-to-nearest and
-    centroid-as-mean-of-members. A centroid that loses all its members keeps its
-    position. Everything is one-hot matrices and matmuls: no data-dependent control
-    flow, so it runs under ``jax.jit``.
+    The initial centroids are the rows ``permutation(N, seed)[:C]``
+    (:func:`kmeans_initial_rows`, the same rows in every batch entry); then
+    ``iterations`` rounds of assign-to-nearest and centroid-as-mean-of-members. A
+    centroid that loses all its members keeps its position. Everything is one-hot
+    matrices and matmuls: no data-dependent control flow, so it runs under ``jax.jit``.
 
     Returns
     -------
@@ -527,10 +540,10 @@ def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
     """
     xp = array_api_compat.array_namespace(x) if xp is None else xp
     n = x.shape[-2]
-    _check_count("num_clusters", num_clusters, n, f"the number of queries Nq={n}")
+    first_rows = kmeans_initial_rows(n, num_clusters, seed)
     check_nonnegative_int("iterations", iterations)
     device = array_api_compat.device(x)
-    first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=device)
+    first = xp.asarray(first_rows, device=device)
     centroids = xp.take(x, first, axis=x.ndim - 2)
     for _ in range(iterations):
         _, onehot = assign_clusters(xp, x, centroids)

@@ -267,9 +267,9 @@ def seeded_structures(prep) -> dict:
             nb, window=p["window"], global_blocks=p["global_blocks"],
             random_blocks=p["random_blocks"], seed=p["seed"]), dtype=bool).reshape(nb, nb)}
     if name in ("clustered", "clustered_topk"):
-        from attn_ref.random import permutation
+        from attn_ref.reduced import kmeans_initial_rows
 
-        rows = permutation(prep.case.nq, seed=p.get("seed", 0))[:p["num_clusters"]]
+        rows = kmeans_initial_rows(prep.case.nq, p["num_clusters"], p.get("seed", 0))
         return {"init_rows": np.asarray(rows, dtype=np.int64)}
     return {}
 

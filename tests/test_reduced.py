@@ -14,7 +14,7 @@ from attn_ref import (
     query_reduced_attention,
     query_reduced_weights,
 )
-from attn_ref.reduced import kmeans, segment_expand, segment_means, segment_sizes
+from attn_ref.reduced import kmeans, kmeans_initial_rows, segment_expand, segment_means, segment_sizes
 from conformance.backends import from_numpy
 from tests.helpers import assert_close, call, host, randn
 from tests.plain import (
@@ -320,6 +320,24 @@ def test_kmeans_lloyd_never_increases_inertia():
         cent, idx, _ = kmeans(x, 5, iterations=it, seed=2, xp=xp)
         inertia.append(((x - np.take_along_axis(cent, idx[..., None], axis=-2)) ** 2).sum((-2, -1)))
     assert np.all(np.diff(np.array(inertia), axis=0) <= 1e-12)
+
+
+def test_kmeans_starts_from_its_published_initial_rows():
+    # The exported vectors hand these rows to external kernels: they must be the rows
+    # kmeans itself starts from, for every seed (seeds 3 and 4 draw different rows).
+    import array_api_compat.numpy as xp
+
+    x = np.random.default_rng(9).standard_normal((2, 30, 3))
+    starts = set()
+    for seed in (3, 4):
+        rows = kmeans_initial_rows(30, 4, seed)
+        assert len(set(rows)) == 4 and all(0 <= r < 30 for r in rows)
+        cent, _, _ = kmeans(x, 4, iterations=0, seed=seed, xp=xp)
+        np.testing.assert_array_equal(cent, x[:, rows, :])
+        starts.add(tuple(rows))
+    assert len(starts) == 2
+    with pytest.raises(ValueError, match="num_clusters"):
+        kmeans_initial_rows(3, 4)
 
 
 # -------------------------------------------------------------------------- refusals
