@@ -126,17 +126,17 @@ DEFAULT_EPS = 1e-6
 # causal 556 ms at B = 512 against 619 (1024) and 667 (2048); non-causal 297 ms against
 # 328 and 427. Not re-checked with both BLAS threads on a quiet machine.
 DEFAULT_BLOCK_SIZE = 512
-# From this many rows (all heads, queries plus keys) the heads are split among the CPUs
-# (:func:`attn_ref._common.parallel_map`). Off by default: on the quiet 2-core machine,
-# NumPy with its default BLAS threads, 8 heads, d = 64, in-process medians, the pool was
-# faster only at N = 4096 non-causal (20 against 26 ms) and slower at N = 4096 causal (62
-# against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
-# own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
-# Those runs predate the in-place block loop (when the loop still faulted its memory back
-# in, and page faults serialise threads) and the one-thread GEMM chunks (GEMM_ROWS), which
-# leave the second core idle without the pool; ``tools/targets.py linear --pool``
-# re-checks (under load 6-7 the pool still lost: 447 against 399 ms non-causal).
-POOL_MIN_ROWS = 1 << 62
+# From this many rows (all heads, queries plus keys) a call on NumPy arrays with several
+# heads splits them among the CPUs, contiguous groups on :func:`attn_ref._common.parallel_map`'s
+# pool, whose workers' GEMMs run on one BLAS thread each (the block loop's GEMM chunks,
+# GEMM_ROWS, are one-thread products anyway, so without the pool the second core idles).
+# 8 heads, d = 64: on the quiet 2-core machine the pool took 197 against 246 ms at
+# N = 65536 non-causal, before BLAS was held to one thread in it (the lead's measurement,
+# ``docs/comparison.md``); under load 6-8 it lost wall time (N = 65536: 969 against 816
+# ms) at the same CPU time (335 against 333 ms): the work is the same, the cores are
+# shared. The threshold, 8 heads at N = 4096, is where the pool's start (about 1 ms)
+# is a few per cent of the call; ``tools/targets.py linear --pool-ns`` re-measures.
+POOL_MIN_ROWS = 1 << 16
 # Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
 # products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
 # block. Each chunk's GEMM (GEMM_ROWS x d' x (dv + 1) = 532K multiply-adds at 128 x 64 x 65)
@@ -809,6 +809,12 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     besides the output (non-causal); causal chunked ``O(N (C + d') dv)`` time and
     ``O(B C + (B / C) d' dv)`` extra memory, ``B`` the block size. Quadratic order: ``O(Nq Nk (d' + dv))``
     time, ``O(Nq Nk)`` memory. Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+
+    On NumPy arrays a linear-order call with several heads and at least ``POOL_MIN_ROWS``
+    rows (queries plus keys, all heads) runs groups of heads on a thread pool, one per
+    CPU, with BLAS held to one thread for the duration (process-wide:
+    :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
+    for bit. A callable ``feature_map`` keeps the call on the calling thread.
 
     Examples
     --------

@@ -539,3 +539,53 @@ def test_wide_features_take_smaller_gemm_chunks(backend):
     got = host(linear_from_features(fq, fk, v))
     np.testing.assert_allclose(got, host(linear_from_features(fq, fk, v, order="quadratic")),
                                rtol=1e-11, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the heads pool, BLAS on one thread
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_heads_pool_holds_blas_to_one_thread(backend, monkeypatch, causal):
+    # POOL_MIN_ROWS = 1: every call with several heads is "large". On NumPy (and
+    # array-api-strict) the heads run in groups on the pool, each worker's GEMMs on one
+    # BLAS thread, and the result is the unpooled call's bit for bit; on torch and on
+    # JAX's arrays (eager and traced) nothing is pooled; afterwards BLAS has its threads.
+    from threadpoolctl import threadpool_limits
+
+    import attn_ref._common as common
+    import attn_ref.linear as lin
+
+    q, _ = randn(backend, (2, 3, 21, 4), seed=45)
+    k, _ = randn(backend, (2, 3, 25, 4), seed=46)
+    v, _ = randn(backend, (2, 3, 25, 5), seed=47)
+    kw = dict(causal=causal, chunk_size=4, block_size=8)
+    serial = host(linear_attention(q, k, v, **kw))
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    seen = []
+    real = lin._stream
+
+    def stream(*args):
+        seen.append([lib["num_threads"] for lib in common.blas_one_thread().controller().info()])
+        return real(*args)
+
+    monkeypatch.setattr(lin, "_stream", stream)
+
+    def threads():
+        return {lib["num_threads"] for lib in common.blas_one_thread().controller().info()}
+
+    with threadpool_limits(2, "blas"):
+        pooled = host(linear_attention(q, k, v, **kw))
+        assert threads() == {2}
+    assert np.array_equal(pooled, serial)
+    if backend.name in ("numpy", "array_api_strict"):
+        assert len(seen) == 2 and all(set(t) == {1} for t in seen)  # two groups, one thread each
+    else:
+        assert len(seen) == 1 and all(set(t) != {1} for t in seen)  # one call, not limited
+    if backend.name == "jax":
+        seen.clear()
+        import jax
+
+        jax.jit(lambda q, k, v: linear_attention(q, k, v, **kw))(q, k, v)
+        assert len(seen) == 1  # traced: one call on all heads
