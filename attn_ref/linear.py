@@ -738,12 +738,16 @@ def linear_from_row_maps(q, k, v, phi_q, phi_k, /, *, causal=False, order="linea
     maps are applied to ``block_size`` rows at a time inside the engine, so the
     features never exist for the whole sequence (for Performer's ``m = 256`` features,
     four times the size of ``q``). ``phi_q``, ``phi_k``: row-wise maps
-    ``(..., B, d) -> (..., B, d')`` written in the array API, thread-safe, the scale
-    already in ``phi_q``. Options as in :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+    ``(..., B, d) -> (..., B, d')`` written in the array API, the scale already in
+    ``phi_q``. Options as in :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+
+    The call stays on the calling thread (no heads pool): a map may hold arrays shaped
+    like the whole batch (Performer's key stabiliser, one per head), which a group of
+    heads could not broadcast against.
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
-                   block_size=block_size, normalize=normalize, eps=eps)
+                   block_size=block_size, normalize=normalize, eps=eps, threads=False)
 
 
 def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):

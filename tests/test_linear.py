@@ -589,3 +589,32 @@ def test_linear_heads_pool_holds_blas_to_one_thread(backend, monkeypatch, causal
 
         jax.jit(lambda q, k, v: linear_attention(q, k, v, **kw))(q, k, v)
         assert len(seen) == 1  # traced: one call on all heads
+
+
+def test_row_maps_holding_whole_batch_arrays_are_not_pooled(monkeypatch):
+    # A row map may close over an array shaped like the whole batch (Performer's key
+    # stabiliser, one per head): cutting the heads into groups would not broadcast
+    # against it, so linear_from_row_maps never pools, and Performer gives the same
+    # bits however low the threshold.
+    import attn_ref._common as common
+    import attn_ref.linear as lin
+    from attn_ref import performer_attention
+    from attn_ref.linear import linear_from_row_maps
+    from attn_ref.performer import random_features
+
+    rng = np.random.default_rng(48)
+    q, k, v = (rng.standard_normal((4, 40, 8)) for _ in range(3))
+    shift = rng.standard_normal((4, 1, 1))  # one number per head
+
+    def phi(x):
+        return np.exp(x - shift)
+
+    w = random_features(8, 16, seed=0, xp=np)
+    want = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
+            performer_attention(q, k, v, projection=w))
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    got = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
+           performer_attention(q, k, v, projection=w))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
