@@ -36,9 +36,10 @@ __all__ = [
 # contiguous groups of heads on a thread pool, one group per CPU, BLAS held to one thread
 # per worker (``online_forward``; :func:`attn_ref._common.parallel_map`). N = 4096, 8
 # heads: 377 ms against 617 ms for one call on OpenBLAS's two threads (quiet 2-core
-# machine, ``docs/comparison.md``); under load 5-6 (``/tmp``-script interleaved medians
-# of 9, 8 heads, d = 64) the pool won from N = 128 (2.4 against 8.5 ms; 131K logits)
-# and lost at N = 64 (1.6 against 0.8 ms: starting the threads costs about 1 ms).
+# machine, ``docs/comparison.md``). The threshold: under load 9-10 (``tools/targets.py
+# softmax --pool-ns 64,128,256,512``, 8 heads, d = 64, interleaved medians of 5) the pool
+# won from N = 128 (11.8 against 25.5 ms; 131K logits) and lost at N = 64 (1.10 against
+# 0.41 ms: starting the threads costs about 1 ms); to be re-taken quiet.
 POOL_MIN_LOGITS = 1 << 18
 
 
