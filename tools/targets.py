@@ -396,7 +396,8 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
     roof = variant_work("linear", n, {}, d=d, heads=h).seconds(rates)
     med = {name: float(np.median([r[0][name] for r in runs])) for name in names}
     print(f"phases of non-causal linear_attention at N={n}, blocks of {block} rows, medians of {reps} "
-          f"(total {sum(med.values()) * 1e3:.1f} ms; the call itself "
+          f"on one thread (total {sum(med.values()) * 1e3:.1f} ms; the call itself, as the default "
+          f"runs it (the heads pool from attn_ref.linear.POOL_MIN_ROWS rows) "
           f"{np.median([r[2] for r in runs]) * 1e3:.1f} ms, {int(np.median([r[3] for r in runs]))} "
           f"page faults; roofline {roof * 1e3:.1f} ms, of which memory alone "
           f"{4 * pairs * 4 / rates['bandwidth'] * 1e3:.1f} ms)")
