@@ -132,10 +132,11 @@ DEFAULT_BLOCK_SIZE = 512
 # GEMM_ROWS, are one-thread products anyway, so without the pool the second core idles).
 # 8 heads, d = 64: on the quiet 2-core machine the pool took 197 against 246 ms at
 # N = 65536 non-causal, before BLAS was held to one thread in it (the lead's measurement,
-# ``docs/comparison.md``); under load 6-8 it lost wall time (N = 65536: 969 against 816
-# ms) at the same CPU time (335 against 333 ms): the work is the same, the cores are
-# shared. The threshold, 8 heads at N = 4096, is where the pool's start (about 1 ms)
-# is a few per cent of the call; ``tools/targets.py linear --pool-ns`` re-measures.
+# ``docs/comparison.md``); under load 8-10 it lost wall time at N = 16384-65536 (N = 65536:
+# 969 against 816 ms at the same CPU time in one run, 1484 against 741 ms at twice the
+# CPU time in another; why is not settled) and gained at N = 4096 (44.7 against 58.3 ms,
+# ``tools/targets.py linear --pool-ns 1024,4096,16384``), lost at 1024 (9.9 against 4.3
+# ms: starting the pool costs about 1 ms). To be re-taken quiet.
 POOL_MIN_ROWS = 1 << 16
 # Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
 # products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
