@@ -293,12 +293,12 @@ def pool_helps(*arrays):
     JAX's eager arrays (XLA's own threads) nor CuPy's (the GPU, not the CPU's cores)."""
     if not arrays or is_lazy(*arrays):
         return False
-    if not all(array_api_compat.is_numpy_array(x) or _is_strict_cpu_array(x) for x in arrays):
+    if not all(array_api_compat.is_numpy_array(x) or _is_strict_array(x) for x in arrays):
         return False
     return blas_controllable()
 
 
-def _is_strict_cpu_array(x):
+def _is_strict_array(x):
     """An array-api-strict array: NumPy's underneath, whatever its (simulated) device."""
     return type(x).__module__.split(".")[0] == "array_api_strict"
 
