@@ -6,6 +6,7 @@ Nothing here checks its arguments; the public functions that call it have.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -189,9 +190,12 @@ def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def parallel_map(fn, items, *, pooled):
+def parallel_map(fn, items, *, pooled, one_blas_thread=True):
     """``[fn(item) for item in items]``, on a pool of one thread per CPU when ``pooled``,
-    with the BLAS held to one thread while the pool runs (:func:`blas_one_thread`).
+    with the BLAS held to one thread while the pool runs (:func:`blas_one_thread`;
+    ``one_blas_thread=False`` leaves BLAS as it is, for work whose GEMMs are all small
+    enough for OpenBLAS's one-thread kernel, where the limit measured slower: linear
+    attention's block loop, ``attn_ref.linear.POOL_MIN_ROWS``).
 
     NumPy's ufuncs and BLAS release the GIL, so independent pieces of one call (heads)
     run on all cores in plain Python. Each worker's GEMMs run on one BLAS thread: the
@@ -207,7 +211,8 @@ def parallel_map(fn, items, *, pooled):
     workers = min(cpu_count(), len(items))
     if not pooled or workers < 2:
         return [fn(item) for item in items]
-    with blas_one_thread(), ThreadPoolExecutor(workers) as pool:
+    with (blas_one_thread() if one_blas_thread else contextlib.nullcontext()), \
+            ThreadPoolExecutor(workers) as pool:
         return list(pool.map(fn, items))
 
 

@@ -128,8 +128,8 @@ DEFAULT_EPS = 1e-6
 DEFAULT_BLOCK_SIZE = 512
 # From this many rows (all heads, queries plus keys) a call on NumPy arrays with several
 # heads splits them among the CPUs, contiguous groups on :func:`attn_ref._common.parallel_map`'s
-# pool, whose workers' GEMMs run on one BLAS thread each (the block loop's GEMM chunks,
-# GEMM_ROWS, are one-thread products anyway, so without the pool the second core idles).
+# pool (the block loop's GEMM chunks, GEMM_ROWS, are one-thread products, so without the
+# pool the second core idles; BLAS is not held to one thread here, see ``_engine``).
 # 8 heads, d = 64: on the quiet 2-core machine the pool took 197 against 246 ms at
 # N = 65536 non-causal, before BLAS was held to one thread in it (the lead's measurement,
 # ``docs/comparison.md``); under load 8-10 it lost wall time at N = 16384-65536 (N = 65536:
@@ -709,7 +709,13 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
         return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
                        normalize, eps)
 
-    outs = parallel_map(run, range(groups), pooled=True)
+    # BLAS keeps its threads: the block loop's GEMMs are all small-matrix ones (one
+    # thread each, GEMM_ROWS), and holding OpenBLAS to one thread made the pooled call
+    # slower (N = 65536, 8 heads, non-causal, two interleaved runs under load 6-7,
+    # medians of 5: 909 and 748 ms wall, 470 and 584 ms CPU, against 673 and 513 ms
+    # wall, 330 and 332 ms CPU without the limit; no pool 640 and 592 ms). Not
+    # understood: the same small GEMMs alone on two threads cost the same either way.
+    outs = parallel_map(run, range(groups), pooled=True, one_blas_thread=False)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
     return xp.reshape(out, batch + (nq, dv))
 
@@ -817,9 +823,9 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
 
     On NumPy arrays a linear-order call with several heads and at least ``POOL_MIN_ROWS``
     rows (queries plus keys, all heads) runs groups of heads on a thread pool, one per
-    CPU, with BLAS held to one thread for the duration (process-wide:
-    :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
-    for bit. A callable ``feature_map`` keeps the call on the calling thread.
+    CPU (its GEMMs are small enough for OpenBLAS's one-thread kernel, so BLAS is left
+    as it is); the result is the unpooled call's, bit for bit. A callable
+    ``feature_map`` keeps the call on the calling thread.
 
     Examples
     --------
