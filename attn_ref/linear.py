@@ -136,7 +136,10 @@ DEFAULT_BLOCK_SIZE = 512
 # 969 against 816 ms at the same CPU time in one run, 1484 against 741 ms at twice the
 # CPU time in another; why is not settled) and gained at N = 4096 (44.7 against 58.3 ms,
 # ``tools/targets.py linear --pool-ns 1024,4096,16384``), lost at 1024 (9.9 against 4.3
-# ms: starting the pool costs about 1 ms). To be re-taken quiet.
+# ms: starting the pool costs about 1 ms); those ran with BLAS held to one thread. As
+# now (BLAS as it is), load 3.8-3.9: 0-20% slower than no pool at N = 1024-65536
+# (65536: 342 against 287 ms). Kept on for the quiet re-take, the condition of the
+# lead's gain; set it to 1 << 62 to switch the pool off.
 POOL_MIN_ROWS = 1 << 16
 # Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
 # products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
