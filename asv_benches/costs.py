@@ -158,8 +158,16 @@ class Work:
 
     def seconds(self, rates: dict) -> float:
         """Roofline time at ``rates`` (``gemm_flops``, ``exp``, ``elementwise`` per
-        second in cache, ``bandwidth`` bytes per second): the compute terms add up
-        (one core does them in turn), the memory traffic overlaps them."""
+        second in cache, ``bandwidth`` bytes per second): the compute terms add up, the
+        memory traffic overlaps them.
+
+        Every rate must be the whole machine's (``tools/targets.py rates``: the better
+        of one caller on the library's threads and one caller per CPU at once): the
+        terms then add as if all cores did each kind of work in turn, the least time
+        any split of the work over the cores can take. With one core's ``exp`` rate
+        beside an all-core GEMM rate (as measured before 2026-12-02), an implementation
+        that runs its exponentials on every core (a heads pool) could come in under
+        its roofline."""
         compute = (self.gemm_flops / rates["gemm_flops"] + self.transcendentals / rates["exp"]
                    + self.elementwise / rates["elementwise"])
         return max(compute, self.bytes / rates["bandwidth"])

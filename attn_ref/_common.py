@@ -6,7 +6,9 @@ Nothing here checks its arguments; the public functions that call it have.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import array_api_compat
@@ -29,6 +31,8 @@ __all__ = [
     "partial_lse",
     "cpu_count",
     "parallel_map",
+    "blas_one_thread",
+    "blas_controllable",
     "batch_rows",
     "is_lazy",
     "pool_helps",
@@ -186,22 +190,89 @@ def cpu_count():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def parallel_map(fn, items, *, pooled):
-    """``[fn(item) for item in items]``, on a pool of one thread per CPU when ``pooled``.
+def parallel_map(fn, items, *, pooled, one_blas_thread=True):
+    """``[fn(item) for item in items]``, on a pool of one thread per CPU when ``pooled``,
+    with the BLAS held to one thread while the pool runs (:func:`blas_one_thread`;
+    ``one_blas_thread=False`` leaves BLAS as it is, for work whose GEMMs are all small
+    enough for OpenBLAS's one-thread kernel, where the limit measured slower: linear
+    attention's block loop, ``attn_ref.linear.POOL_MIN_ROWS``).
 
-    NumPy's ufuncs and BLAS and PyTorch's operators release the GIL, so independent
-    pieces of one call (heads, query blocks) run on all cores in plain Python, whatever
-    the library. The results come back in the order of ``items``, each computed by the
-    same operations whichever thread ran it: nothing depends on the scheduling. The
-    caller decides ``pooled`` (a large problem on arrays that can be computed now: a
-    lazy array, traced by ``jax.jit`` or a Dask graph, gains nothing from threads).
+    NumPy's ufuncs and BLAS release the GIL, so independent pieces of one call (heads)
+    run on all cores in plain Python. Each worker's GEMMs run on one BLAS thread: the
+    pool's threads are the parallelism, and BLAS threads of their own would compete with
+    them for the cores (NumPy, N = 4096, 8 heads: the online softmax's heads on two
+    workers took 377 ms with BLAS on one thread, against 617 ms for the unpooled call on
+    BLAS's two threads; ``docs/comparison.md``). The results come back in the order of
+    ``items``, each computed by the same operations whichever thread ran it: nothing
+    depends on the scheduling. The caller decides ``pooled`` (:func:`pool_helps`: large
+    eager NumPy arrays); an exception in a worker propagates after the limit is restored.
     """
     items = list(items)
     workers = min(cpu_count(), len(items))
     if not pooled or workers < 2:
         return [fn(item) for item in items]
-    with ThreadPoolExecutor(workers) as pool:
+    with (blas_one_thread() if one_blas_thread else contextlib.nullcontext()), \
+            ThreadPoolExecutor(workers) as pool:
         return list(pool.map(fn, items))
+
+
+class _BlasLimit:
+    """The process's BLAS held to one thread while anyone holds it (a count under a
+    lock): two calls pooling at once from two user threads must not restore the
+    limit under each other, and the last to leave restores what was there before."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._limiter = None
+        self._blas = None  # threadpoolctl's controller of the loaded BLAS, made once
+
+    def controller(self):
+        """threadpoolctl's controller of the BLAS libraries loaded now, made at the first
+        call (listing the loaded libraries takes about 8 ms; a limit then about 10 us)."""
+        with self._lock:
+            if self._blas is None:
+                from threadpoolctl import ThreadpoolController
+
+                self._blas = ThreadpoolController().select(user_api="blas")
+            return self._blas
+
+    def __enter__(self):
+        blas = self.controller()
+        with self._lock:
+            if self._holders == 0:
+                self._limiter = blas.limit(limits=1)
+            self._holders += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                self._limiter.restore_original_limits()
+                self._limiter = None
+        return False
+
+
+_BLAS_LIMIT = _BlasLimit()
+
+
+def blas_one_thread():
+    """A context that holds the BLAS libraries loaded in this process (NumPy's OpenBLAS,
+    found by threadpoolctl) to one thread, and restores their thread counts on leaving,
+    also when the body raises.
+
+    The limit is process-wide while it is held: every thread's GEMMs, not only the
+    pool's, run on one BLAS thread until the last holder leaves (nested and concurrent
+    holders are counted, so one leaving early does not lift another's limit).
+    """
+    return _BLAS_LIMIT
+
+
+def blas_controllable():
+    """Whether threadpoolctl finds a BLAS library in this process whose threads it can
+    limit (without one, a pool's workers would compete with BLAS's own threads)."""
+    return bool(_BLAS_LIMIT.controller().lib_controllers)
 
 
 def batch_rows(arrays):
@@ -218,13 +289,23 @@ def batch_rows(arrays):
 
 
 def pool_helps(*arrays):
-    """Whether :func:`parallel_map`'s threads can speed up a call on ``arrays``: not on a
-    lazy array (:func:`is_lazy`), and not on PyTorch's, whose operators already run on
-    every core (the online softmax at N = 4096, 8 heads, on torch tensors: 656 ms with
-    the pool against 555 ms without, on a quiet 2-core machine; NumPy's exponentials,
-    one thread each, gain: 762 against 816 ms, and 437 against 874 with BLAS on one
-    thread)."""
-    return not is_lazy(*arrays) and not any(array_api_compat.is_torch_array(x) for x in arrays)
+    """Whether :func:`parallel_map`'s threads can speed up a call on ``arrays``: eager
+    NumPy arrays (or array-api-strict's, which wrap NumPy's) in a process whose BLAS
+    threadpoolctl can hold to one thread. Not PyTorch's tensors, whose operators already
+    run on every core (the online softmax at N = 4096, 8 heads, on torch tensors: 656 ms
+    with a pool against 555 ms without, on a quiet 2-core machine); not lazy arrays
+    (:func:`is_lazy`: ``jax.jit`` tracers, Dask), whose values are computed later; not
+    JAX's eager arrays (XLA's own threads) nor CuPy's (the GPU, not the CPU's cores)."""
+    if not arrays or is_lazy(*arrays):
+        return False
+    if not all(array_api_compat.is_numpy_array(x) or _is_strict_array(x) for x in arrays):
+        return False
+    return blas_controllable()
+
+
+def _is_strict_array(x):
+    """An array-api-strict array: NumPy's underneath, whatever its (simulated) device."""
+    return type(x).__module__.split(".")[0] == "array_api_strict"
 
 
 def is_lazy(*arrays):

@@ -126,17 +126,21 @@ DEFAULT_EPS = 1e-6
 # causal 556 ms at B = 512 against 619 (1024) and 667 (2048); non-causal 297 ms against
 # 328 and 427. Not re-checked with both BLAS threads on a quiet machine.
 DEFAULT_BLOCK_SIZE = 512
-# From this many rows (all heads, queries plus keys) the heads are split among the CPUs
-# (:func:`attn_ref._common.parallel_map`). Off by default: on the quiet 2-core machine,
-# NumPy with its default BLAS threads, 8 heads, d = 64, in-process medians, the pool was
-# faster only at N = 4096 non-causal (20 against 26 ms) and slower at N = 4096 causal (62
-# against 44 ms) and N = 65536 (500 against 375 ms, causal 980 against 740 ms); BLAS's
-# own threads already use both cores. Set it (e.g. 1 << 16) where BLAS runs on one thread.
-# Those runs predate the in-place block loop (when the loop still faulted its memory back
-# in, and page faults serialise threads) and the one-thread GEMM chunks (GEMM_ROWS), which
-# leave the second core idle without the pool; ``tools/targets.py linear --pool``
-# re-checks (under load 6-7 the pool still lost: 447 against 399 ms non-causal).
-POOL_MIN_ROWS = 1 << 62
+# From this many rows (all heads, queries plus keys) a call on NumPy arrays with several
+# heads splits them among the CPUs, contiguous groups on :func:`attn_ref._common.parallel_map`'s
+# pool (the block loop's GEMM chunks, GEMM_ROWS, are one-thread products, so without the
+# pool the second core idles; BLAS is not held to one thread here, see ``_engine``).
+# 8 heads, d = 64: on the quiet 2-core machine the pool took 197 against 246 ms at
+# N = 65536 non-causal, before BLAS was held to one thread in it (the lead's measurement,
+# ``docs/comparison.md``); under load 8-10 it lost wall time at N = 16384-65536 (N = 65536:
+# 969 against 816 ms at the same CPU time in one run, 1484 against 741 ms at twice the
+# CPU time in another; why is not settled) and gained at N = 4096 (44.7 against 58.3 ms,
+# ``tools/targets.py linear --pool-ns 1024,4096,16384``), lost at 1024 (9.9 against 4.3
+# ms: starting the pool costs about 1 ms); those ran with BLAS held to one thread. As
+# now (BLAS as it is), load 3.8-3.9: 0-20% slower than no pool at N = 1024-65536
+# (65536: 342 against 287 ms). Kept on for the quiet re-take, the condition of the
+# lead's gain; set it to 1 << 62 to switch the pool off.
+POOL_MIN_ROWS = 1 << 16
 # Rows per GEMM of the non-causal block loop: a block's fold and read are taken as
 # products of GEMM_ROWS-row chunks (a batch of small GEMMs), not one product over the
 # block. Each chunk's GEMM (GEMM_ROWS x d' x (dv + 1) = 532K multiply-adds at 128 x 64 x 65)
@@ -708,7 +712,13 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
         return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
                        normalize, eps)
 
-    outs = parallel_map(run, range(groups), pooled=True)
+    # BLAS keeps its threads: the block loop's GEMMs are all small-matrix ones (one
+    # thread each, GEMM_ROWS), and holding OpenBLAS to one thread made the pooled call
+    # slower (N = 65536, 8 heads, non-causal, two interleaved runs under load 6-7,
+    # medians of 5: 909 and 748 ms wall, 470 and 584 ms CPU, against 673 and 513 ms
+    # wall, 330 and 332 ms CPU without the limit; no pool 640 and 592 ms). Not
+    # understood: the same small GEMMs alone on two threads cost the same either way.
+    outs = parallel_map(run, range(groups), pooled=True, one_blas_thread=False)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
     return xp.reshape(out, batch + (nq, dv))
 
@@ -738,12 +748,16 @@ def linear_from_row_maps(q, k, v, phi_q, phi_k, /, *, causal=False, order="linea
     maps are applied to ``block_size`` rows at a time inside the engine, so the
     features never exist for the whole sequence (for Performer's ``m = 256`` features,
     four times the size of ``q``). ``phi_q``, ``phi_k``: row-wise maps
-    ``(..., B, d) -> (..., B, d')`` written in the array API, thread-safe, the scale
-    already in ``phi_q``. Options as in :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+    ``(..., B, d) -> (..., B, d')`` written in the array API, the scale already in
+    ``phi_q``. Options as in :func:`linear_attention`. Returns ``(..., Nq, dv)``.
+
+    The call stays on the calling thread (no heads pool): a map may hold arrays shaped
+    like the whole batch (Performer's key stabiliser, one per head), which a group of
+    heads could not broadcast against.
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
-                   block_size=block_size, normalize=normalize, eps=eps)
+                   block_size=block_size, normalize=normalize, eps=eps, threads=False)
 
 
 def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):
@@ -809,6 +823,12 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
     besides the output (non-causal); causal chunked ``O(N (C + d') dv)`` time and
     ``O(B C + (B / C) d' dv)`` extra memory, ``B`` the block size. Quadratic order: ``O(Nq Nk (d' + dv))``
     time, ``O(Nq Nk)`` memory. Katharopoulos et al., "Transformers are RNNs" (ICML 2020).
+
+    On NumPy arrays a linear-order call with several heads and at least ``POOL_MIN_ROWS``
+    rows (queries plus keys, all heads) runs groups of heads on a thread pool, one per
+    CPU (its GEMMs are small enough for OpenBLAS's one-thread kernel, so BLAS is left
+    as it is); the result is the unpooled call's, bit for bit. A callable
+    ``feature_map`` keeps the call on the calling thread.
 
     Examples
     --------

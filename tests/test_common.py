@@ -157,3 +157,101 @@ def test_add_into_leaves_autograd_tensors_alone():
     x = torch.ones(3, requires_grad=True) * 2  # records a graph: not to be overwritten
     out = add_into(x, torch.ones(3))
     assert out is not x and float(x[0]) == 2.0
+
+
+# ---------------------------------------------------------------- the heads pool
+
+
+def _blas_threads():
+    """The thread counts of the BLAS libraries threadpoolctl finds in this process."""
+    from attn_ref._common import blas_one_thread
+
+    return [lib["num_threads"] for lib in blas_one_thread().controller().info()]
+
+
+@pytest.fixture
+def two_blas_threads(monkeypatch):
+    """BLAS on two threads and two CPUs for the pool, whatever this machine has: a pool
+    that did not hold BLAS to one thread shows 2 inside its workers."""
+    from threadpoolctl import threadpool_limits
+
+    import attn_ref._common as common
+
+    if not common.blas_controllable():
+        pytest.fail("threadpoolctl finds no BLAS in this process: NumPy's BLAS should be found")
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    with threadpool_limits(2, "blas"):
+        yield
+
+
+def test_parallel_map_holds_blas_to_one_thread_and_restores_it(two_blas_threads):
+    import threading
+
+    from attn_ref._common import parallel_map
+
+    seen = []
+
+    def work(i):
+        seen.append((threading.get_ident(), _blas_threads()))
+        return i * i
+
+    assert parallel_map(work, range(4), pooled=True) == [0, 1, 4, 9]  # in order
+    assert seen and all(set(t) == {1} for _, t in seen)
+    assert set(_blas_threads()) == {2}  # restored after the call
+    seen.clear()
+    assert parallel_map(work, range(3), pooled=False) == [0, 1, 4]
+    assert {i for i, _ in seen} == {threading.get_ident()}  # unpooled: this thread
+    assert all(set(t) == {2} for _, t in seen)  # and no limit
+
+
+def test_parallel_map_restores_blas_after_a_worker_raises(two_blas_threads):
+    from attn_ref._common import parallel_map
+
+    def work(i):
+        if i == 1:
+            raise ZeroDivisionError("worker 1 failed")
+        return i
+
+    with pytest.raises(ZeroDivisionError, match="worker 1 failed"):
+        parallel_map(work, range(4), pooled=True)
+    assert set(_blas_threads()) == {2}
+
+
+def test_blas_limit_is_lifted_only_by_the_last_holder(two_blas_threads):
+    # Two pooled calls at once (two user threads): the first to finish must not give
+    # BLAS its threads back while the other's workers still run on one.
+    from attn_ref._common import blas_one_thread
+
+    first, second = blas_one_thread(), blas_one_thread()
+    first.__enter__()
+    second.__enter__()
+    assert set(_blas_threads()) == {1}
+    first.__exit__(None, None, None)
+    assert set(_blas_threads()) == {1}
+    second.__exit__(None, None, None)
+    assert set(_blas_threads()) == {2}
+
+
+def test_pool_helps_only_eager_numpy_arrays(backend):
+    # NumPy's (and array-api-strict's, NumPy underneath) ufuncs run on one thread: the
+    # pool helps. PyTorch threads its own operators, JAX's XLA too, and a traced array
+    # has no values yet: never pooled.
+    from attn_ref._common import pool_helps
+
+    x = from_numpy(np.ones((2, 3, 4)), backend)
+    assert pool_helps(x, x) == (backend.name in ("numpy", "array_api_strict"))
+    assert not pool_helps()
+    if backend.name == "jax":
+        import jax
+
+        seen = []
+
+        def traced(x):
+            seen.append(pool_helps(x))
+            return x
+
+        jax.jit(traced)(x)
+        assert seen == [False]
+    if backend.name == "numpy":
+        torch = pytest.importorskip("torch")
+        assert not pool_helps(x, torch.ones(2))  # one torch array among them is enough

@@ -539,3 +539,82 @@ def test_wide_features_take_smaller_gemm_chunks(backend):
     got = host(linear_from_features(fq, fk, v))
     np.testing.assert_allclose(got, host(linear_from_features(fq, fk, v, order="quadratic")),
                                rtol=1e-11, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the heads pool, BLAS on one thread
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend, monkeypatch, causal):
+    # POOL_MIN_ROWS = 1: every call with several heads is "large". On NumPy (and
+    # array-api-strict) the heads run in two groups on the pool and the result is the
+    # unpooled call's bit for bit; BLAS keeps its threads there (its GEMMs are small,
+    # and the limit measured slower); on torch and on JAX's arrays (eager and traced)
+    # nothing is pooled.
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    import attn_ref._common as common
+    import attn_ref.linear as lin
+
+    q, _ = randn(backend, (2, 3, 21, 4), seed=45)
+    k, _ = randn(backend, (2, 3, 25, 4), seed=46)
+    v, _ = randn(backend, (2, 3, 25, 5), seed=47)
+    kw = dict(causal=causal, chunk_size=4, block_size=8)
+    serial = host(linear_attention(q, k, v, **kw))
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    seen = []
+    real = lin._stream
+
+    def stream(*args):
+        seen.append((threading.get_ident(),
+                     [lib["num_threads"] for lib in common.blas_one_thread().controller().info()]))
+        return real(*args)
+
+    monkeypatch.setattr(lin, "_stream", stream)
+    with threadpool_limits(2, "blas"):
+        pooled = host(linear_attention(q, k, v, **kw))
+    assert np.array_equal(pooled, serial)
+    assert all(set(t) == {2} for _, t in seen)  # BLAS as it was
+    if backend.name in ("numpy", "array_api_strict"):
+        assert len(seen) == 2 and threading.get_ident() not in {i for i, _ in seen}
+    else:
+        assert [i for i, _ in seen] == [threading.get_ident()]  # one call, this thread
+    if backend.name == "jax":
+        seen.clear()
+        import jax
+
+        jax.jit(lambda q, k, v: linear_attention(q, k, v, **kw))(q, k, v)
+        assert len(seen) == 1  # traced: one call on all heads
+
+
+def test_row_maps_holding_whole_batch_arrays_are_not_pooled(monkeypatch):
+    # A row map may close over an array shaped like the whole batch (Performer's key
+    # stabiliser, one per head): cutting the heads into groups would not broadcast
+    # against it, so linear_from_row_maps never pools, and Performer gives the same
+    # bits however low the threshold.
+    import attn_ref._common as common
+    import attn_ref.linear as lin
+    from attn_ref import performer_attention
+    from attn_ref.linear import linear_from_row_maps
+    from attn_ref.performer import random_features
+
+    rng = np.random.default_rng(48)
+    q, k, v = (rng.standard_normal((4, 40, 8)) for _ in range(3))
+    shift = rng.standard_normal((4, 1, 1))  # one number per head
+
+    def phi(x):
+        return np.exp(x - shift)
+
+    w = random_features(8, 16, seed=0, xp=np)
+    want = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
+            performer_attention(q, k, v, projection=w))
+    monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
+    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    got = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
+           performer_attention(q, k, v, projection=w))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))

@@ -925,3 +925,98 @@ def test_online_huge_products_keep_the_clamp(backend, dtype):
     want = host(call(backend, softmax_attention, q, k, v))
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the heads pool
+
+
+def _spy_pool(monkeypatch, module):
+    """Record, for each ``parallel_map`` call of ``module``, whether it pooled, the
+    items' count and the BLAS thread counts its workers saw."""
+    import attn_ref._common as common
+
+    calls = []
+
+    def spy(fn, items, *, pooled):
+        items = list(items)
+        seen = []
+
+        def watched(item):
+            seen.append([lib["num_threads"] for lib in common.blas_one_thread().controller().info()])
+            return fn(item)
+
+        out = common.parallel_map(watched, items, pooled=pooled)
+        calls.append((pooled, len(items), seen))
+        return out
+
+    monkeypatch.setattr(module, "parallel_map", spy)
+    return calls
+
+
+@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"mask": "heads"}, {"mask": "shared"},
+                                  {"alibi": True, "window": (3, 2)}, {"dropout": True},
+                                  {"seqlens": True, "causal": "bottom-right"}])
+def test_online_heads_pool_gives_the_unpooled_bits(backend, monkeypatch, opts):
+    # POOL_MIN_LOGITS = 1: every call with several heads is "large". On NumPy (and
+    # array-api-strict) the heads run in groups on the pool, BLAS on one thread in each
+    # worker, and the result is the unpooled call's bit for bit; on torch and JAX
+    # (jitted: traced arrays) nothing is pooled. Spec arrays are cut with the heads.
+    from threadpoolctl import threadpool_limits
+
+    import attn_ref._common as common
+    from attn_ref.softmax import online
+
+    rng = np.random.default_rng(25)
+    q, _ = randn(backend, (2, 3, 37, 8), seed=26)
+    k, _ = randn(backend, (2, 3, 41, 8), seed=27)
+    v, _ = randn(backend, (2, 3, 41, 5), seed=28)
+    kw = {key: val for key, val in opts.items() if key in ("causal", "window")}
+    if opts.get("mask") == "heads":
+        kw["mask"] = from_numpy(rng.random((2, 3, 37, 41)) < 0.6, backend)
+    elif opts.get("mask") == "shared":
+        kw["mask"] = from_numpy(rng.random((37, 41)) < 0.6, backend)
+    if opts.get("alibi"):
+        kw["alibi_slopes"] = from_numpy(np.array([0.5, 0.25, 0.125]), backend)
+    if opts.get("dropout"):
+        kw.update(dropout_p=0.25, dropout_mask=from_numpy(rng.random((2, 3, 37, 41)) < 0.75, backend))
+    if opts.get("seqlens"):
+        kw.update(seqlens_q=from_numpy(np.array([30, 37]), backend),
+                  seqlens_k=from_numpy(np.array([41, 20]), backend))
+    serial = host(call(backend, online_softmax_attention, q, k, v, block_q=8, block_k=16, **kw))
+    monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
+    monkeypatch.setattr(online, "cpu_count", lambda: 2)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    calls = _spy_pool(monkeypatch, online)
+    with threadpool_limits(2, "blas"):
+        pooled = host(call(backend, online_softmax_attention, q, k, v, block_q=8, block_k=16, **kw))
+    assert np.array_equal(pooled, serial)
+    if backend.name in ("numpy", "array_api_strict"):
+        assert [(p, n) for p, n, _ in calls] == [(True, 2)]  # two groups of heads, pooled
+        assert all(set(t) == {1} for t in calls[0][2]) and len(calls[0][2]) == 2
+    else:
+        assert calls == []
+
+
+def test_online_heads_pool_restores_blas_after_an_error(monkeypatch):
+    # An exception inside a worker reaches the caller, and BLAS has its threads back.
+    from threadpoolctl import threadpool_limits
+
+    import attn_ref._common as common
+    from attn_ref.softmax import online
+
+    monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    monkeypatch.setattr(online, "cpu_count", lambda: 2)
+    real = online._query_blocks
+
+    def failing(xp, spec, q, *args):
+        if q.shape[0] == 1:  # the second group of heads
+            raise FloatingPointError("head group failed")
+        return real(xp, spec, q, *args)
+
+    monkeypatch.setattr(online, "_query_blocks", failing)
+    q = np.random.default_rng(29).standard_normal((3, 16, 4))
+    with threadpool_limits(2, "blas"):
+        with pytest.raises(FloatingPointError, match="head group failed"):
+            online_softmax_attention(q, q, q)
+        assert {lib["num_threads"] for lib in common.blas_one_thread().controller().info()} == {2}

@@ -1,12 +1,12 @@
 """The speed and memory figures the issues name, measured in one run on this machine.
 
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH] [--cpu]
-                                     [--pool] [--phases] [--gemm-rows 0,64,128]
+                                     [--pool] [--pool-ns 1024,4096] [--phases] [--gemm-rows 0,64,128]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
     python tools/targets.py softmax  [--n 4096] [--reps 5] [--block-q 512 --block-k 1024]
-                                     [--tiles 1024x1024,...] [--passes]
+                                     [--tiles 1024x1024,...] [--pool-ns 64,128,256] [--passes]
     python tools/targets.py roofline [--n 65536] [--reps 1] [--variants a,b] [--backend numpy]
 
 NumPy float32, 8 heads, d = 64, inputs from ``default_rng(0)``. Times are in-process
@@ -23,8 +23,10 @@ NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive pref
 and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
-``--pool`` times the largest N with and without the heads split among the CPUs
-(``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved; ``--gemm-rows 0,64,128``
+``--pool`` times the largest N with and without the heads split among the CPUs, each
+worker's BLAS on one thread (``attn_ref.linear.POOL_MIN_ROWS`` forced each way),
+interleaved; ``--pool-ns`` does the same at each of several N, non-causal and causal (the
+smallest N that gains sets the threshold); ``--gemm-rows 0,64,128``
 times the non-causal call with ``attn_ref.linear.GEMM_ROWS`` at each (0: one GEMM per
 block), interleaved, wall and CPU seconds. ``--phases`` times
 each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
@@ -42,9 +44,12 @@ arrays against PyTorch's ``scaled_dot_product_attention`` on 4-D ``(1, H, N, d)`
 (its default CPU path, the fused flash kernel) and with each CPU kernel forced (flash,
 math), every row with time / SDPA-default and time / roofline (``online_softmax``'s
 least work in ``asv_benches/costs.py`` at the rates ``rates`` measures, in the same
-run). The calls are interleaved, one of each per repetition, and the medians reported
-with ``/proc/loadavg`` before and after. The NumPy form is also timed with its pool of
-elementwise passes (``pool``; off by default) and, with ``--tiles``, both forms at
+run; the roofline at the old one-caller rates and the GEMM floor at each library's own
+``a @ a`` rate are printed beside). The calls are interleaved, one of each per
+repetition, and the medians reported with ``/proc/loadavg`` before and after. The NumPy
+form is also timed with its heads pool forced on and off (``heads pool``, ``no pool``:
+BLAS's own threads; ``attn_ref.softmax.online.POOL_MIN_LOGITS``), with ``--pool-ns``
+at several N (the threshold's measurement) and, with ``--tiles``, both forms at
 other tile sizes; ``--passes`` times each operation of the tile loop (logits GEMM, row
 maximum, shift, ``exp``, ``P [V | 1]`` GEMM) summed over the tiles, next to its share
 of the roofline.
@@ -56,11 +61,14 @@ one, against its roofline (``asv_benches/costs.py``, ``WORK``) at the rates meas
 in the same run, sorted by the ratio; ``/proc/loadavg`` before and after.
 
 ``rates``: the four rates of the roofline (``asv_benches/costs.py``, ``Work``) per
-backend, in this process with the library's default threads: float32 GEMM (2048^3),
-``exp`` and an elementwise product on a 64 Ki-element array that stays in cache,
-written into a preallocated output (the rate a tiled kernel can reach; a fresh 16M
-output costs page faults instead), and memory bandwidth (a 256 MiB copy, bytes read
-plus written). ``--json`` writes them with the machine, the time and the load average
+backend: float32 GEMM (2048^3), ``exp`` and an elementwise product on a 64 Ki-element
+array that stays in cache, written into a preallocated output (the rate a tiled kernel
+can reach; a fresh 16M output costs page faults instead), and memory bandwidth (a
+256 MiB copy, bytes read plus written). Each is the machine's all-core rate: the better
+of one caller on the library's own threads and one caller per CPU at once, each held
+to one thread (``_best_rate``; both are printed). An implementation that runs its
+exponentials on every core (the heads pools) could otherwise come in under a roofline
+that counted them at one core's rate. ``--json`` writes them with the machine, the time and the load average
 (``docs/_static/roofline_rates.json`` is what the scaling report reads); rates taken
 on a loaded machine are marked so, and are lower bounds of the machine's.
 
@@ -139,12 +147,16 @@ def linear(args):
     # --cpu: CPU seconds of this process, for a shared machine (with OPENBLAS_NUM_THREADS=1,
     # as ``recurrent`` does: the time the call's own work took, not the other jobs')
     clock = time.process_time if args.cpu else time.perf_counter
-    rates = _rates_numpy(7, clock=clock)
+    detail = {}
+    rates = _rates_numpy(7, clock=clock, detail=detail)
+    old = one_caller_rates({"numpy": rates}, {"numpy": detail})["numpy"]
     rate = rates["gemm_flops"]
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "default")
     print(f"float32 matmul 2048^3: {rate / 1e9:.1f} GFLOP/s (median of 7), BLAS threads: {threads}; "
           f"exp in cache {rates['exp'] / 1e9:.2f} Gelem/s, multiply {rates['elementwise'] / 1e9:.2f} "
-          f"Gelem/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s")
+          f"Gelem/s, copy {rates['bandwidth'] / 1e9:.1f} GB/s (each the better of one caller and one "
+          f"per CPU at once; one caller: exp {old['exp'] / 1e9:.2f}, multiply "
+          f"{old['elementwise'] / 1e9:.2f}, GEMM {old['gemm_flops'] / 1e9:.1f})")
     fla = None
     if args.fla:
         import torch
@@ -160,8 +172,10 @@ def linear(args):
         t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps, clock)
         non.append(t_non)
         cau.append(t_cau)
-        roof = variant_work("linear", n, {}, d=D, heads=H).seconds(rates)
-        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms | non-causal "
+        work = variant_work("linear", n, {}, d=D, heads=H)
+        roof = work.seconds(rates)
+        line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms (at one caller's "
+                f"rates {work.seconds(old) * 1e3:7.1f}) | non-causal "
                 f"{t_non * 1e3:8.1f} ms ({t_non / floor:5.2f}x floor, {t_non / roof:5.2f}x roofline) | "
                 f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal)")
         if fla is not None and n == 16384:
@@ -185,29 +199,34 @@ def linear(args):
         _linear_pool(q, k, v, args.reps)
     if args.gemm_rows:
         _linear_gemm_rows(q, k, v, [int(r) for r in args.gemm_rows.split(",")], args.reps)
+    if args.pool_ns:
+        for which in ("linear", "linear causal"):
+            pool_sweep([int(x) for x in args.pool_ns.split(",")], args.reps, which)
     if args.phases:
         _linear_phases(q, k, v, args.block_size, args.reps, rates, clock)
     print(f"load after: {_loadavg()}")
 
 
 def _linear_pool(q, k, v, reps):
-    """``linear_attention`` with and without its heads split among the CPUs
-    (``attn_ref.linear.POOL_MIN_ROWS``, off by default), interleaved, wall-clock medians."""
+    """``linear_attention`` with and without its heads split among the CPUs, each worker's
+    BLAS on one thread (``attn_ref.linear.POOL_MIN_ROWS`` forced to 1 and to never),
+    interleaved, wall-clock medians."""
     from attn_ref import linear, linear_attention
 
-    def pooled(causal):
+    def with_rows(causal, threshold):
+        # 1: the heads on the pool (BLAS on one thread per worker); 1 << 62: never
         def run():
-            saved, linear.POOL_MIN_ROWS = linear.POOL_MIN_ROWS, 1
+            saved, linear.POOL_MIN_ROWS = linear.POOL_MIN_ROWS, threshold
             try:
                 linear_attention(q, k, v, causal=causal)
             finally:
                 linear.POOL_MIN_ROWS = saved
         return run
 
-    med = _interleaved({"non-causal": lambda: linear_attention(q, k, v),
-                        "non-causal, heads on the pool": pooled(False),
-                        "causal": lambda: linear_attention(q, k, v, causal=True),
-                        "causal, heads on the pool": pooled(True)}, reps)
+    med = _interleaved({"non-causal, no pool": with_rows(False, 1 << 62),
+                        "non-causal, heads on the pool": with_rows(False, 1),
+                        "causal, no pool": with_rows(True, 1 << 62),
+                        "causal, heads on the pool": with_rows(True, 1)}, reps)
     print(f"N={q.shape[-2]}, interleaved, medians of {reps} (wall): "
           + " | ".join(f"{name} {t * 1e3:.1f} ms" for name, t in med.items()))
 
@@ -241,6 +260,43 @@ def _linear_gemm_rows(q, k, v, choices, reps):
           f"medians of {reps}: " + " | ".join(
               f"{r}: {np.median(wall[r]) * 1e3:.1f} ms wall, {np.median(cpu[r]) * 1e3:.1f} ms CPU"
               for r in calls))
+
+
+def pool_sweep(ns, reps, which):
+    """``which`` ("softmax": ``online_softmax_attention``; "linear", "linear causal":
+    ``linear_attention``) on NumPy at each ``N`` of ``ns`` (8 heads, d = 64), with its
+    heads on the pool (the threshold forced to 1) and without (forced to never),
+    interleaved: the smallest ``N`` that gains sets the threshold
+    (``attn_ref.softmax.online.POOL_MIN_LOGITS``, ``attn_ref.linear.POOL_MIN_ROWS``)."""
+    import array_api_compat.numpy as xnp
+
+    from attn_ref import linear, linear_attention, online_softmax_attention
+    from attn_ref.softmax import online
+
+    module, name = (online, "POOL_MIN_LOGITS") if which == "softmax" else (linear, "POOL_MIN_ROWS")
+    never = float("inf") if which == "softmax" else 1 << 62
+    print(f"{which}: heads pool against none, interleaved, medians of {reps}; load {_loadavg()}")
+    for n in ns:
+        q, k, v = _inputs(n)
+
+        def call(threshold, q=q, k=k, v=v):
+            def run():
+                saved = getattr(module, name)
+                setattr(module, name, threshold)
+                try:
+                    if which == "softmax":
+                        online_softmax_attention(q, k, v, xp=xnp)
+                    else:
+                        linear_attention(q, k, v, causal=which == "linear causal")
+                finally:
+                    setattr(module, name, saved)
+            return run
+
+        med = _interleaved({"pool": call(1), "none": call(never)}, reps)
+        size = H * n * n if which == "softmax" else H * 2 * n
+        print(f"  N={n:6d} ({'logits' if which == 'softmax' else 'rows'} {size}): pool "
+              f"{med['pool'] * 1e3:9.2f} ms | none {med['none'] * 1e3:9.2f} ms | "
+              f"none/pool {med['none'] / med['pool']:5.2f}", flush=True)
 
 
 def _minor_faults():
@@ -340,7 +396,8 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
     roof = variant_work("linear", n, {}, d=d, heads=h).seconds(rates)
     med = {name: float(np.median([r[0][name] for r in runs])) for name in names}
     print(f"phases of non-causal linear_attention at N={n}, blocks of {block} rows, medians of {reps} "
-          f"(total {sum(med.values()) * 1e3:.1f} ms; the call itself "
+          f"on one thread (total {sum(med.values()) * 1e3:.1f} ms; the call itself, as the default "
+          f"runs it (the heads pool from attn_ref.linear.POOL_MIN_ROWS rows) "
           f"{np.median([r[2] for r in runs]) * 1e3:.1f} ms, {int(np.median([r[3] for r in runs]))} "
           f"page faults; roofline {roof * 1e3:.1f} ms, of which memory alone "
           f"{4 * pairs * 4 / rates['bandwidth'] * 1e3:.1f} ms)")
@@ -384,51 +441,161 @@ _CACHE_ELEMS = 1 << 16  # 256 KiB of float32: in L2 on any recent core
 _STREAM_BYTES = 256 << 20
 
 
-def _streaming_rates(reps, exp, mul, copy, x, y, out, src, dst, clock=time.perf_counter):
-    """In-cache ``exp`` and multiply rates (elements/s, written into ``out``) and the copy
-    bandwidth (bytes/s, read + write) of one library, given its three operations."""
-    inner = 200
+def _workers():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    def many(f):
+
+def _together(calls, reps, clock):
+    """Median seconds (on ``clock``) for ``calls``, one thread each, to all run once,
+    started together: the machine's rate when every core works (NumPy's ufuncs and
+    BLAS, PyTorch's operators release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        def once():
+            for f in [pool.submit(c) for c in calls]:
+                f.result()
+        once()  # warm: threads started, pages touched
+        return _median_time(once, reps, clock)
+
+
+def _best_rate(one, one_work, calls, call_work, reps, clock, hold, detail=None, name=None):
+    """The better of two ways to use the machine, in units of work per second: ``one``
+    (a function doing ``one_work``) in this thread with the library's own threads, and
+    ``calls`` (one function per CPU, ``call_work`` each) on one thread per CPU at once,
+    inside ``hold()`` (the library held to one thread of its own). The better rate is
+    the roofline's: an implementation may run either way, and the roofline must stay a
+    lower bound of its time whichever it takes. ``detail[name]`` (when given) gets both:
+    ``(one caller, one per CPU)``."""
+    single = one_work / _median_time(one, reps, clock)
+    with hold():
+        spread = len(calls) * call_work / _together(calls, reps, clock)
+    if detail is not None:
+        detail[name] = (single, spread)
+    return max(single, spread)
+
+
+def _streaming_rates(reps, exp, mul, copy, make, hold, clock=time.perf_counter, detail=None):
+    """All-core rates of one library: in-cache ``exp`` and multiply (elements/s, written
+    into a preallocated output) and the copy bandwidth (bytes/s, read + write), each the
+    better of one caller (the library's own threads) and one caller per CPU at once
+    (:func:`_best_rate`). ``make(n)`` makes a float32 vector of ``n`` ones; each caller
+    works on vectors of its own (``_CACHE_ELEMS``: in its core's cache) and copies its
+    own slice of one ``_STREAM_BYTES`` copy.
+
+    With ``clock=time.process_time`` (CPU seconds of the process, all its threads) the
+    rates are per CPU second, one core's: the right ones for CPU-time figures."""
+    inner = 200
+    workers = _workers()
+
+    def many(op, x, y, out):
         def run():
             for _ in range(inner):
-                f()
+                op(x, y, out)
         return run
 
-    return {"exp": inner * _CACHE_ELEMS / _median_time(many(lambda: exp(x, out=out)), reps, clock),
-            "elementwise": inner * _CACHE_ELEMS / _median_time(many(lambda: mul(x, y, out=out)), reps,
-                                                               clock),
-            "bandwidth": 2 * _STREAM_BYTES / _median_time(lambda: copy(dst, src), reps, clock)}
+    def vectors():
+        x = make(_CACHE_ELEMS) * 0.25  # exp of 0.25: no special case, the ordinary path
+        return x, x * 2, make(_CACHE_ELEMS)
+
+    rates = {}
+    for name, op in (("exp", lambda x, y, out: exp(x, out=out)),
+                     ("elementwise", lambda x, y, out: mul(x, y, out=out))):
+        mine = [vectors() for _ in range(workers)]
+        work = inner * _CACHE_ELEMS
+        rates[name] = _best_rate(many(op, *mine[0]), work, [many(op, *m) for m in mine], work,
+                                 reps, clock, hold, detail, name)
+    n = _STREAM_BYTES // 4
+    src, dst = make(n), make(n)
+    cuts = [n * i // workers for i in range(workers + 1)]
+    slices = [(dst[a:b], src[a:b]) for a, b in zip(cuts, cuts[1:])]
+    rates["bandwidth"] = _best_rate(lambda: copy(dst, src), 2 * _STREAM_BYTES,
+                                    [lambda d=d, s=s: copy(d, s) for d, s in slices],
+                                    2 * _STREAM_BYTES / workers, reps, clock, hold, detail,
+                                    "bandwidth")
+    return rates
 
 
-def _rates_numpy(reps, clock=time.perf_counter):
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal(_CACHE_ELEMS, dtype=np.float32)
-    src = np.ones(_STREAM_BYTES // 4, dtype=np.float32)
-    rates = _streaming_rates(reps, np.exp, np.multiply, np.copyto, x, x.copy(), np.empty_like(x),
-                             src, np.empty_like(src), clock)
-    return {"gemm_flops": matmul_rate(reps, clock=clock), **rates}
+_GEMM = 2048
 
 
-def _rates_torch(reps):
+def _gemm_rate(matmul, make, reps, clock, hold, detail=None):
+    """Float32 GEMM FLOP/s, ``_GEMM``-cubed products: the better of one product on the
+    library's threads and one product per CPU at once, each on one thread
+    (:func:`_best_rate`)."""
+    mats = [make() for _ in range(_workers())]
+    work = 2 * _GEMM**3
+    return _best_rate(lambda: matmul(mats[0]), work, [lambda a=a: matmul(a) for a in mats], work,
+                      reps, clock, hold, detail, "gemm_flops")
+
+
+def _numpy_one_thread():
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(1, "blas")
+
+
+def _rates_numpy(reps, clock=time.perf_counter, detail=None):
+    rng = np.random.default_rng(1)
+
+    def make(n):
+        return np.ones(n, dtype=np.float32)
+
+    gemm = _gemm_rate(lambda a: a @ a,
+                      lambda: rng.standard_normal((_GEMM, _GEMM), dtype=np.float32),
+                      reps, clock, _numpy_one_thread, detail)
+    rates = _streaming_rates(reps, np.exp, np.multiply, np.copyto, make, _numpy_one_thread, clock,
+                             detail)
+    return {"gemm_flops": gemm, **rates}
+
+
+class _TorchOneThread:
+    """``torch.set_num_threads(1)`` for the duration, then the count before."""
+
+    def __enter__(self):
+        import torch
+
+        self.saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.set_num_threads(self.saved)
+
+
+def _rates_torch(reps, detail=None):
     import torch
 
-    a = torch.randn(2048, 2048)
-    gemm = 2 * 2048**3 / _median_time(lambda: a @ a, reps)
-    x = torch.randn(_CACHE_ELEMS)
-    src = torch.ones(_STREAM_BYTES // 4)
-    rates = _streaming_rates(reps, torch.exp, torch.mul, lambda dst, src: dst.copy_(src), x,
-                             x.clone(), torch.empty_like(x), src, torch.empty_like(src))
-    return {"gemm_flops": gemm, **rates, "threads": torch.get_num_threads()}
+    threads = torch.get_num_threads()
+    gemm = _gemm_rate(lambda a: a @ a, lambda: torch.randn(_GEMM, _GEMM), reps, time.perf_counter,
+                      _TorchOneThread, detail)
+    rates = _streaming_rates(reps, torch.exp, torch.mul, lambda dst, src: dst.copy_(src),
+                             lambda n: torch.ones(n), _TorchOneThread, detail=detail)
+    return {"gemm_flops": gemm, **rates, "threads": threads}
 
 
-def roofline_rates(backends=("numpy", "torch"), reps=7) -> dict:
-    """``{backend: {gemm_flops, exp, elementwise, bandwidth}}`` per second, measured here."""
+def roofline_rates(backends=("numpy", "torch"), reps=7, detail=None) -> dict:
+    """``{backend: {gemm_flops, exp, elementwise, bandwidth}}`` per second, measured here,
+    each the machine's all-core rate (:func:`_best_rate`): the roofline (``Work.seconds``)
+    adds the kinds of work at these rates, so no implementation, however it spreads its
+    work over the cores, can come in under it. ``detail`` (a dict, optional) gets
+    ``{backend: {rate: (one caller, one per CPU)}}``: the first is what the roofline used
+    before it took the better of the two."""
     measure = {"numpy": _rates_numpy, "torch": _rates_torch}
     unknown = sorted(set(backends) - set(measure))
     if unknown:
         raise ValueError(f"backends must be among {sorted(measure)}, got {unknown}")
-    return {b: measure[b](reps) for b in backends}
+    if detail is None:
+        return {b: measure[b](reps) for b in backends}
+    return {b: measure[b](reps, detail=detail.setdefault(b, {})) for b in backends}
+
+
+def one_caller_rates(rates, detail):
+    """``rates`` with each measured rate replaced by its one-caller value (``detail``
+    of :func:`roofline_rates`): the rates the roofline took before it counted every
+    core's exponentials, for a side-by-side."""
+    return {b: {**r, **{k: v[0] for k, v in detail.get(b, {}).items()}} for b, r in rates.items()}
 
 
 def rates(args):
@@ -436,7 +603,8 @@ def rates(args):
     import platform
 
     load_before = os.getloadavg()
-    measured = roofline_rates(args.backends.split(","), args.reps)
+    detail = {}
+    measured = roofline_rates(args.backends.split(","), args.reps, detail=detail)
     load_after = os.getloadavg()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     loaded = max(load_before[0], load_after[0]) > 0.5 * cpus
@@ -444,6 +612,10 @@ def rates(args):
             "cpus": cpus, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "loadavg_1min": [round(load_before[0], 2), round(load_after[0], 2)],
             "command": f"python tools/targets.py rates --backends {args.backends} --reps {args.reps}",
+            "method": ("each rate the better of one caller on the library's own threads and one "
+                       "caller per CPU at once, each on one thread (all-core rates)"),
+            "one_caller_and_per_cpu": {b: {k: [float(x) for x in v] for k, v in d.items()}
+                                       for b, d in detail.items()},
             "quiet": not loaded,
             "note": ("measured on a loaded machine (1-min load average above half the CPUs): "
                      "the rates are low and the ratios to the roofline high" if loaded else
@@ -452,6 +624,8 @@ def rates(args):
         print(f"{b:6s} GEMM {r['gemm_flops'] / 1e9:7.1f} GFLOP/s | exp in cache "
               f"{r['exp'] / 1e9:5.2f} Gelem/s | multiply in cache {r['elementwise'] / 1e9:5.2f} "
               f"Gelem/s | copy {r['bandwidth'] / 1e9:5.1f} GB/s")
+        print("       (one caller | one per CPU at once: " + ", ".join(
+            f"{k} {a / 1e9:.2f} | {c / 1e9:.2f}" for k, (a, c) in detail[b].items()) + ")")
     print(f"load average (1 min) before/after: {meta['loadavg_1min']} on {cpus} CPUs"
           + ("" if meta["quiet"] else "  -- LOADED: not quotable"))
     if args.json:
@@ -636,13 +810,23 @@ def softmax(args):
 
     n = args.n
     print(f"load before: {_loadavg()}", flush=True)
-    rates = roofline_rates(("numpy", "torch"), reps=5)
+    detail = {}
+    rates = roofline_rates(("numpy", "torch"), reps=5, detail=detail)
+    old = one_caller_rates(rates, detail)
     work = variant_work("online_softmax", n, {}, d=D, heads=H)
     roof = {b: work.seconds(r) for b, r in rates.items()}
     for b, r in rates.items():
         print(f"{b:6s} GEMM {r['gemm_flops'] / 1e9:6.1f} GFLOP/s | exp {r['exp'] / 1e9:5.2f} Gelem/s | "
               f"elementwise {r['elementwise'] / 1e9:5.2f} Gelem/s | roofline at N={n}: "
-              f"{roof[b] * 1e3:6.1f} ms")
+              f"{roof[b] * 1e3:6.1f} ms (all-core rates; at one caller's rates, GEMM "
+              f"{old[b]['gemm_flops'] / 1e9:.1f}, exp {old[b]['exp'] / 1e9:.2f}, elementwise "
+              f"{old[b]['elementwise'] / 1e9:.2f}: {work.seconds(old[b]) * 1e3:6.1f} ms)")
+    # The GEMM floor alone: Q K^T and P V at the measured matmul rate (one caller, the
+    # library's own threads, as SDPA runs them)
+    for b in rates:
+        floor = work.gemm_flops / detail[b]["gemm_flops"][0]
+        print(f"{b:6s} GEMM floor {work.gemm_flops / 1e9:.1f} GFLOP at its a @ a rate "
+              f"{detail[b]['gemm_flops'][0] / 1e9:.1f} GFLOP/s: {floor * 1e3:6.1f} ms")
     q, k, v = _inputs(n)
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     q4, k4, v4 = (x[None] for x in (tq, tk, tv))
@@ -664,36 +848,25 @@ def softmax(args):
     }
     from attn_ref.softmax import online
 
-    # The NumPy form the other way round from the default: with the pool of its
-    # elementwise passes when the default has none, and without it when it has one.
-    pool_on = online.POOL_MIN_LOGITS == float("inf")
+    def numpy_pool(threshold):
+        # the heads on the pool with BLAS on one thread per worker (1: every call), or
+        # none (inf: one call on BLAS's own threads), whatever the default
+        def run():
+            saved, online.POOL_MIN_LOGITS = online.POOL_MIN_LOGITS, threshold
+            try:
+                online_softmax_attention(q, k, v, **blocks, xp=xnp)
+            finally:
+                online.POOL_MIN_LOGITS = saved
+        return run
 
-    def other_pool():
-        saved = online.POOL_MIN_LOGITS
-        online.POOL_MIN_LOGITS = 1 << 22 if pool_on else float("inf")
-        try:
-            online_softmax_attention(q, k, v, **blocks, xp=xnp)
-        finally:
-            online.POOL_MIN_LOGITS = saved
-
-    calls["online softmax, NumPy, " + ("pool" if pool_on else "no pool")] = other_pool
+    calls["online softmax, NumPy, heads pool"] = numpy_pool(1)
+    calls["online softmax, NumPy, no pool"] = numpy_pool(float("inf"))
     for tiles in filter(None, args.tiles.split(",")):
         bq, bk = (int(x) for x in tiles.split("x"))
         calls[f"online softmax, torch, {bq}x{bk}"] = (
             lambda bq=bq, bk=bk: online_softmax_attention(tq, tk, tv, block_q=bq, block_k=bk))
         calls[f"online softmax, NumPy, {bq}x{bk}"] = (
             lambda bq=bq, bk=bk: online_softmax_attention(q, k, v, block_q=bq, block_k=bk, xp=xnp))
-    try:
-        from threadpoolctl import threadpool_limits
-
-        def blas1():
-            # The pool runs one task per CPU; BLAS threads of its own would oversubscribe them.
-            with threadpool_limits(1, "blas"):
-                online_softmax_attention(q, k, v, **blocks, xp=xnp)
-
-        calls["online softmax, NumPy, BLAS 1 thread"] = blas1
-    except ImportError:
-        pass
     with torch.no_grad():
         med = _interleaved(calls, args.reps)
     base = med["SDPA-4D default"]
@@ -703,6 +876,8 @@ def softmax(args):
         b = "numpy" if "NumPy" in name else "torch"
         print(f"  {name:38s} {t * 1e3:8.1f} ms | /SDPA-4D {t / base:5.2f} | "
               f"/roofline({b}) {t / roof[b]:5.2f}")
+    if args.pool_ns:
+        pool_sweep([int(x) for x in args.pool_ns.split(",")], args.reps, "softmax")
     if args.passes:
         with torch.no_grad():
             for name, arrays, xp in (("torch", (tq, tk, tv), None), ("numpy", (q, k, v), xnp)):
@@ -816,6 +991,8 @@ def main(argv=None):
                      "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
     lin.add_argument("--pool", action="store_true", help="also time the largest N with the heads "
                      "split among the CPUs (attn_ref.linear.POOL_MIN_ROWS), interleaved")
+    lin.add_argument("--pool-ns", default="", help="also time the heads pool against none at "
+                     "each of these N, e.g. 256,1024,4096 (the threshold's measurement)")
     lin.add_argument("--phases", action="store_true", help="time each phase of the non-causal "
                      "block loop at the largest N, with its page faults")
     lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
@@ -844,6 +1021,8 @@ def main(argv=None):
     sm.add_argument("--block-q", type=int, default=512)
     sm.add_argument("--block-k", type=int, default=1024)
     sm.add_argument("--tiles", default="", help="more tile sizes to time, e.g. 1024x1024,256x512")
+    sm.add_argument("--pool-ns", default="", help="also time the NumPy form's heads pool against "
+                    "none at each of these N, e.g. 64,128,256 (the threshold's measurement)")
     sm.add_argument("--passes", action="store_true", help="time each operation of the tile loop")
     rf = sub.add_parser("roofline", help="issue 15: each sub-quadratic variant against its roofline")
     rf.add_argument("--n", type=int, default=65536)

@@ -7,13 +7,13 @@ recurrence is exact.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import array_api_compat
 
 from .._checks import check_positive_int
 from .._common import (
     add_into,
+    batch_rows,
     cpu_count,
     finish_partial,
     is_lazy,
@@ -32,13 +32,15 @@ __all__ = [
     "online_forward",
 ]
 
-# From this many logits (all heads) on, a NumPy call runs its elementwise passes on a
-# thread pool (``online_forward``). Off by default: at N = 4096, 8 heads, on the shared
-# 2-core machine (load average 4.5, ``tools/targets.py softmax --reps 3``) the pooled form
-# took 8.05 s against 1.79 s without the pool, OpenBLAS's own threads being the ones
-# that keep the GEMMs fast. Set it (e.g. ``1 << 22``) to use the pool, with BLAS on one
-# thread for instance (1.01 s in that run).
-POOL_MIN_LOGITS = float("inf")
+# From this many logits (all heads) on, a call on NumPy arrays with several heads runs
+# contiguous groups of heads on a thread pool, one group per CPU, BLAS held to one thread
+# per worker (``online_forward``; :func:`attn_ref._common.parallel_map`). N = 4096, 8
+# heads: 377 ms against 617 ms for one call on OpenBLAS's two threads (quiet 2-core
+# machine, ``docs/comparison.md``). The threshold: under load 9-10 (``tools/targets.py
+# softmax --pool-ns 64,128,256,512``, 8 heads, d = 64, interleaved medians of 5) the pool
+# won from N = 128 (11.8 against 25.5 ms; 131K logits) and lost at N = 64 (1.10 against
+# 0.41 ms: starting the threads costs about 1 ms); to be re-taken quiet.
+POOL_MIN_LOGITS = 1 << 18
 
 
 def _folded_scale(xp, pb, dtype):
@@ -70,67 +72,93 @@ def _folded_scale(xp, pb, dtype):
     return spec.scale if safe else None
 
 
-def _row_parts(rows, count):
-    """``count`` near-equal ``[a, b)`` ranges covering ``range(rows)`` (fewer if rows < count)."""
-    count = max(1, min(count, rows))
-    cuts = [rows * i // count for i in range(count + 1)]
-    return [(a, b) for a, b in zip(cuts, cuts[1:])]
-
-
-def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, parts, ones_column):
+def _query_block(xp, spec, q, kt, v, q0, block_k, dtype, ones_column):
     """``(out, lse)`` of the query rows ``q`` (the block's first is ``q0``) against all keys.
 
-    ``parts`` cut the block's rows into ranges whose elementwise work runs on
-    :func:`parallel_map`'s pool when there are several; the two GEMMs of each tile run
-    in this thread, where the library's own threads (BLAS's) have the cores to
-    themselves. ``ones_column``: ``v`` ends with a column of ones, so that ``P V``
-    carries the normaliser ``l`` in its last column.
+    ``ones_column``: ``v`` ends with a column of ones, so that ``P V`` carries the
+    normaliser ``l`` in its last column.
     """
     q1, nk = q0 + q.shape[-2], spec.nk
-    state = [(None, None, None) for _ in parts]  # (m, l, acc) per part
+    m = l = acc = None
     for k0 in range(0, nk, block_k):
         k1 = min(k0 + block_k, nk)
         if tile_coverage(spec, q0, q1, k0, k1) == "none":
             continue
         kt_j, v_j = kt[..., k0:k1], v[..., k0:k1, :]
-        work = [(tile_logits(xp, q[..., a:b, :], kt_j, spec, q0 + a, k0)[0], m, l)
-                for (a, b), (m, l, _) in zip(parts, state)]
+        s = tile_logits(xp, q, kt_j, spec, q0, k0)[0]
         # Three passes over each tile: max, the shift (in place), exp; the row sums come
         # from P [V | 1] when ones_column.
-        steps = parallel_map(lambda sml: online_step(xp, sml[1], sml[2], sml[0],
-                                                     with_sum=not ones_column,
-                                                     overwrite=owned_writeable(sml[0])),
-                             work, pooled=len(parts) > 1)
+        m, l, p, alpha = online_step(xp, m, l, s, with_sum=not ones_column,
+                                     overwrite=owned_writeable(s))
         # The logits stay named until the next tile's exist (no ``del``): the allocator
         # then reuses their memory instead of returning it to the system and faulting it
         # in again (N = 4096, 8 heads, 512 x 1024 tiles, NumPy: 19K page faults per call
         # against 12K), at the same peak (three tiles: the last P, these logits, this P).
-        new_state = []
-        for (a, _), (_, _, acc), (m_new, l, p, alpha) in zip(parts, state, steps):
-            # The normaliser counts dropped weights too (dropout acts after the softmax).
-            p = keep_tile(xp, p, spec, q0 + a, k0)
-            pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
-            if pv.dtype != dtype:
-                pv = xp.astype(pv, dtype)
-            # the first tile: 0 * 0 + pv is pv; then the same products and sums in the
-            # accumulator's own array where it may be written
-            acc = pv if alpha is None else add_into(mul_into(acc, alpha), pv)
-            new_state.append((m_new, l, acc))
-        state = new_state
+        # The normaliser counts dropped weights too (dropout acts after the softmax).
+        p = keep_tile(xp, p, spec, q0, k0)
+        pv = (p if p.dtype == v.dtype else xp.astype(p, v.dtype)) @ v_j
+        if pv.dtype != dtype:
+            pv = xp.astype(pv, dtype)
+        # the first tile: 0 * 0 + pv is pv; then the same products and sums in the
+        # accumulator's own array where it may be written
+        acc = pv if alpha is None else add_into(mul_into(acc, alpha), pv)
+    if m is None:  # every key hidden: no tile visited
+        shape = tuple(q.shape[:-2]) + (q.shape[-2], 1)
+        device = array_api_compat.device(q)
+        m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
+        l = xp.zeros(shape, dtype=dtype, device=device)
+        acc = xp.zeros(tuple(q.shape[:-2]) + (q.shape[-2], v.shape[-1]), dtype=dtype, device=device)
+    if ones_column:
+        dv = v.shape[-1] - 1
+        acc, l = acc[..., :dv], acc[..., dv:]
+    return finish_partial(xp, l, acc), partial_lse(xp, m, l)[..., 0]
+
+
+def _query_blocks(xp, spec, q, kt, v, block_q, block_k, dtype, out_dtype, ones_column):
+    """``(out, lse)`` of all query rows, one query block after another."""
     outs, lses = [], []
-    for (a, b), (m, l, acc) in zip(parts, state):
-        if m is None:  # every key hidden: no tile visited
-            shape = tuple(q.shape[:-2]) + (b - a, 1)
-            device = array_api_compat.device(q)
-            m = xp.full(shape, -xp.inf, dtype=dtype, device=device)
-            l = xp.zeros(shape, dtype=dtype, device=device)
-            acc = xp.zeros(tuple(q.shape[:-2]) + (b - a, v.shape[-1]), dtype=dtype, device=device)
-        if ones_column:
-            dv = v.shape[-1] - 1
-            acc, l = acc[..., :dv], acc[..., dv:]
-        outs.append(finish_partial(xp, l, acc))
-        lses.append(partial_lse(xp, m, l)[..., 0])
+    for q0 in range(0, spec.nq, block_q):
+        q1 = min(q0 + block_q, spec.nq)
+        out, lse = _query_block(xp, spec, q[..., q0:q1, :], kt, v, q0, block_k, dtype, ones_column)
+        outs.append(out if out.dtype == out_dtype else xp.astype(out, out_dtype))
+        lses.append(lse)
     return _join(xp, outs, -2), _join(xp, lses, -1)
+
+
+def _rows_of(xp, x, batch, rows):
+    """A spec array ``x`` (pairwise: broadcasting against ``batch + (Nq, Nk)``) as
+    ``(rows, a, b)`` or ``(1, a, b)`` over the flattened batch, or False when it cannot
+    be cut by rows without a copy of its tiles (a mask over some of the batch axes)."""
+    if x is None or not hasattr(x, "shape"):
+        return x
+    own = (1,) * (len(batch) + 2 - x.ndim) + tuple(x.shape[:-2])
+    if all(n == 1 for n in own):
+        return xp.reshape(x, (1,) + tuple(x.shape[-2:]))
+    if own == tuple(batch):
+        return xp.reshape(x, (rows,) + tuple(x.shape[-2:]))
+    if tuple(x.shape[-2:]) == (1, 1):  # one number per head (ALiBi, lengths): copied whole
+        return xp.reshape(xp.broadcast_to(x, tuple(batch) + (1, 1)), (rows, 1, 1))
+    return False
+
+
+_SPEC_ARRAYS = ("mask", "bias", "alibi", "len_q", "len_k", "keep")
+
+
+def _head_groups(xp, spec, batch, rows):
+    """``[(a, b, spec_ab)]``: one contiguous range of the flattened batch rows per CPU,
+    each with the spec arrays cut to it; None when an array cannot be cut."""
+    flat = {}
+    for name in _SPEC_ARRAYS:
+        x = _rows_of(xp, getattr(spec, name), batch, rows)
+        if x is False:
+            return None
+        flat[name] = x
+    groups = min(cpu_count(), rows)
+    cuts = [rows * i // groups for i in range(groups + 1)]
+    return [(a, b, dataclasses.replace(spec, **{
+        name: (x if x is None or not hasattr(x, "shape") or x.shape[0] == 1 else x[a:b, ...])
+        for name, x in flat.items()}))
+        for a, b in zip(cuts, cuts[1:])]
 
 
 def online_forward(pb, block_q, block_k):
@@ -149,14 +177,19 @@ def online_forward(pb, block_q, block_k):
     with dropout (the normaliser counts the dropped weights) and when ``P`` is rounded
     to a narrower ``V`` (float16) before the product.
 
-    A large call on arrays whose library does not thread its elementwise operations
-    (:func:`attn_ref._common.pool_helps`: NumPy) cuts each query block into one row
-    range per CPU and runs the elementwise steps of the ranges on a thread pool, while
-    the GEMMs stay in the calling thread with BLAS's own threads: the two kinds of
-    thread never compete for the cores. Each range is computed by the same operations
-    whichever thread runs it, so the result does not depend on the scheduling and
-    repeats bit for bit; the cut follows the number of CPUs, and a GEMM over fewer rows
-    may round differently, so two machines may differ in the last bits.
+    A large call (``POOL_MIN_LOGITS``) on eager NumPy arrays with several heads
+    (:func:`attn_ref._common.pool_helps`) runs contiguous groups of heads, one per CPU,
+    each a whole call of the query-block loop on its rows, on a thread pool whose
+    workers' GEMMs run on one BLAS thread each: the heads are independent, so the cores
+    share nothing but the memory bus, where BLAS's own threads would synchronise on
+    every tile's GEMM and leave the exponentials on one core. Set up (the transposed
+    keys, the folded scale, ``[V | 1]``) happens once for all heads, so each head takes
+    the same operations whichever group and thread computes it: the result does not
+    depend on the number of CPUs nor on the scheduling, and equals the unpooled call's
+    bit for bit. Spec arrays (mask, bias, ALiBi, lengths, dropout) are cut with the
+    heads when their batch is the whole batch or all ones, or when they hold one number
+    per head; a mask or bias over some of the batch axes (and a grouped-query batch,
+    whose ``k`` and ``v`` broadcast over the group) runs unpooled.
     """
     xp, spec = pb.xp, pb.spec
     nq, nk, dv = spec.nq, spec.nk, pb.v.shape[-1]
@@ -177,16 +210,25 @@ def online_forward(pb, block_q, block_k):
     if ones_column:
         ones = xp.ones(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=device)
         v = xp.concat((v, ones), axis=-1)
-    big = math.prod(tuple(pb.batch_g)) * nq * nk >= POOL_MIN_LOGITS and pool_helps(q)
-    outs, lses = [], []
-    for q0 in range(0, nq, block_q):
-        q1 = min(q0 + block_q, nq)
-        parts = _row_parts(q1 - q0, cpu_count() if big else 1)
-        out, lse = _query_block(xp, spec, q[..., q0:q1, :], kt, v, q0, block_k, dtype, parts,
-                                ones_column)
-        outs.append(out if out.dtype == pb.q.dtype else xp.astype(out, pb.q.dtype))
-        lses.append(lse)
-    out, lse = _join(xp, outs, -2), _join(xp, lses, -1)
+    rows = batch_rows((q, kt, v))
+    groups = None
+    if rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v):
+        groups = _head_groups(xp, spec, pb.batch_g, rows)
+    if groups is None:
+        out, lse = _query_blocks(xp, spec, q, kt, v, block_q, block_k, dtype, pb.q.dtype, ones_column)
+    else:
+        # The heads are independent problems: a few contiguous groups of them, one per
+        # CPU, each the same operations as the whole call's on its rows.
+        flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, kt, v)]
+
+        def run(group):
+            a, b, spec_ab = group
+            return _query_blocks(xp, spec_ab, *(x[a:b, ...] for x in flat), block_q, block_k,
+                                 dtype, pb.q.dtype, ones_column)
+
+        parts = parallel_map(run, groups, pooled=True)
+        out = xp.reshape(_join(xp, [o for o, _ in parts], 0), pb.batch_g + (nq, dv))
+        lse = xp.reshape(_join(xp, [lse for _, lse in parts], 0), pb.batch_g + (nq,))
     drop = dropout_scale(spec)
     return (out * drop if drop != 1.0 else out), lse
 
@@ -243,12 +285,12 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     logits are clamped as in :func:`softmax_attention`). Each ``(..., block_q,
     block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
     it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
-    column (``[V | 1]``). Tiles of all heads at once keep the GEMMs large enough for the
-    library's threads. On NumPy (one thread per ufunc) a call with at least
-    ``POOL_MIN_LOGITS`` logits (off by default: slower than BLAS's own threads in every
-    run measured) runs those three passes for one row range per CPU on a thread pool,
-    while the GEMMs stay in the calling thread; the result does not depend on the
-    thread scheduling (``online_forward``).
+    column (``[V | 1]``). On NumPy a call with at least ``POOL_MIN_LOGITS`` logits and
+    several heads runs groups of heads on a thread pool, one per CPU, with BLAS held to
+    one thread per worker for the duration (process-wide: see
+    :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
+    for bit (``online_forward``). Other libraries run all heads' tiles at once, which
+    keeps the GEMMs large enough for the library's threads.
 
     Examples
     --------
