@@ -53,6 +53,7 @@ from .common import (
     check_step_input,
     chunk_states,
     decayed_scores,
+    factor_span,
     finish,
     packed,
     row_major_transpose,
@@ -207,10 +208,25 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         b, head, tail, decay = gates(ac[..., :1, :, :])
         dmat, head, tail = scale * scalar_decay_matrix(xp, b), scale * head, mt(tail)
     out, inplace = ChunkOutputs(xp, tuple(qc.shape[:-1]) + (vc.shape[-1],)), False
+    span = None if is_lazy(q) else factor_span(xp, q.dtype)
     for g0 in range(0, n, per):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
+        factored = None
+        if not constant:
+            # scale on q here, in cache, rather than a pass over the whole output after
+            qg = scale * qg
+            if ones is not None and span is not None:
+                factored = _factored_chunks(xp, qg, kg, ones @ ac[cut], span)
+        if factored is not None:
+            scores, read_q, kt, decay = factored
+            if g0 == 0:
+                inplace = owned_writeable(kt)
+            entering, s = chunk_states(xp, decay, kt @ vg, s)
+            o = add_into(scores @ vg, read_q @ entering)
+            out.add(o, g0, g1, inplace)
+            continue
         # K^T of the group in row-major order: Q K^T and (K^T * exp(B - b)) V are then
         # untransposed GEMMs (row_major_transpose), and the copy is ours to scale in place.
         kt = row_major_transpose(xp, kg)
@@ -219,8 +235,6 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         if constant:
             scores = mul_into(qg @ kt, dmat)
         else:
-            # scale on q here, in cache, rather than a pass over the whole output after
-            qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             tail = mt(tail)
             if b.shape[-1] == 1 and inplace and _block_rows_fit(c):
@@ -239,6 +253,42 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         o = add_into(o, read)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
+
+
+def _factored_chunks(xp, q, k, b, span):
+    """GLA's in-chunk scores, the read operand ``q * exp(b)``, the update operand
+    ``(k * exp(B - b))^T`` (row-major) and the hand-over decay ``exp(B)`` of a group of
+    chunks, all from one exponential per element: or None if a chunk decays by more
+    than ``2 span`` in some dimension.
+
+    Every chunk is factored through the reference point ``r`` midway between its first
+    and last running sums (per dimension), ``e = exp(b - r)``: the scores are
+    ``(q * e) (k / e)^T`` masked (:func:`~attn_ref.recurrent.common.decayed_scores`
+    with its block factored whole), ``q * exp(b) = (q * e) exp(r)`` and
+    ``k * exp(B - b) = (k / e) exp(B - r)``. ``|b - r| <= span`` is checked on the
+    values: with ``span`` from :func:`~attn_ref.recurrent.common.factor_span` no factor
+    leaves ``[max^(-1/2), max^(1/2)]`` times its input. ``c dk`` exponentials per chunk
+    instead of the halving's ``c dk log2 c`` and the two scalings' ``2 c dk``; fla's
+    gates (``logsigmoid(randn)``) decay a 64-step chunk by about 52 (float32's limit
+    is 88.7). See :doc:`/recurrent` (Cost).
+    """
+    c = q.shape[-2]
+    dev = array_api_compat.device(q)
+    last = b[..., -1:, :]
+    r = (b[..., :1, :] + last) / 2
+    dn = b - r
+    if float(xp.max(dn)) > span or float(xp.min(dn)) < -span:
+        return None
+    e = xp.exp(dn)
+    qe = q * e
+    kt = row_major_transpose(xp, k / e)  # (k exp(r - b))^T
+    keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+    # a select, not a product with 0/1: above the diagonal the entries are finite but
+    # not bounded by q . k
+    scores = xp.where(keep, qe @ kt, 0.0)
+    read_q = mul_into(qe, xp.exp(r))
+    kt = mul_into(kt, xp.matrix_transpose(xp.exp(last - r)))
+    return scores, read_q, kt, xp.exp(last[..., 0, :])[..., :, None]
 
 
 def _block_rows_fit(c):
