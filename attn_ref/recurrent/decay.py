@@ -214,19 +214,20 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
         factored = None
-        if not constant:
-            # scale on q here, in cache, rather than a pass over the whole output after
-            qg = scale * qg
-            if ones is not None and span is not None:
-                factored = _factored_chunks(xp, qg, kg, ones @ ac[cut], span)
+        if ones is not None and span is not None:
+            factored = _factored_chunks(xp, qg, kg, ones @ ac[cut], span)
         if factored is not None:
             scores, read_q, kt, decay = factored
             if g0 == 0:
                 inplace = owned_writeable(kt)
             entering, s = chunk_states(xp, decay, kt @ vg, s)
-            o = add_into(scores @ vg, read_q @ entering)
+            # scale on the group's output, in place and in cache
+            o = mul_into(add_into(scores @ vg, read_q @ entering), scale)
             out.add(o, g0, g1, inplace)
             continue
+        if not constant:
+            # scale on q here, in cache, rather than a pass over the whole output after
+            qg = scale * qg
         # K^T of the group in row-major order: Q K^T and (K^T * exp(B - b)) V are then
         # untransposed GEMMs (row_major_transpose), and the copy is ours to scale in place.
         kt = row_major_transpose(xp, kg)
@@ -274,21 +275,31 @@ def _factored_chunks(xp, q, k, b, span):
     """
     c = q.shape[-2]
     dev = array_api_compat.device(q)
+    mt = xp.matrix_transpose
     last = b[..., -1:, :]
     r = (b[..., :1, :] + last) / 2
-    dn = b - r
+    # the per-chunk factors, before b is overwritten: exp(r), exp(B - r), exp(B)
+    e_r, e_last, decay = xp.exp(r), xp.exp(last - r), xp.exp(last[..., 0, :])[..., :, None]
+    dn = add_into(b, -r)  # b - r, in b's place where it may be: b is ours
     if float(xp.max(dn)) > span or float(xp.min(dn)) < -span:
         return None
     e = xp.exp(dn)
-    qe = q * e
-    kt = row_major_transpose(xp, k / e)  # (k exp(r - b))^T
+    # (k exp(r - b))^T: K^T copied row-major (row_major_transpose), divided in place
+    kt = row_major_transpose(xp, k)
+    kt = kt / mt(e) if not owned_writeable(kt) else _div_into(kt, mt(e))
+    qe = mul_into(e, q)  # q exp(b - r), in e's place
     keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
     # a select, not a product with 0/1: above the diagonal the entries are finite but
     # not bounded by q . k
     scores = xp.where(keep, qe @ kt, 0.0)
-    read_q = mul_into(qe, xp.exp(r))
-    kt = mul_into(kt, xp.matrix_transpose(xp.exp(last - r)))
-    return scores, read_q, kt, xp.exp(last[..., 0, :])[..., :, None]
+    read_q = mul_into(qe, e_r)
+    kt = mul_into(kt, mt(e_last))
+    return scores, read_q, kt, decay
+
+
+def _div_into(x, y):
+    x /= y
+    return x
 
 
 def _block_rows_fit(c):
