@@ -250,7 +250,8 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         entering, s = chunk_states(xp, decay, mul_into(kt, tail) @ vg, s)
         if scores is not None:
             o = scores @ vg
-        read = (qg * head) @ entering
+        # a scalar decay scales rows: after the product, in place (no scaled copy of q)
+        read = mul_into(qg @ entering, head) if head.shape[-1] == 1 else (qg * head) @ entering
         o = add_into(o, read)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
