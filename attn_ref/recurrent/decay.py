@@ -32,7 +32,12 @@ computes it three ways (``form=``):
 Every exponent is a sum of log decays between two positions at most a chunk (or 64 rows)
 apart, masked to ``-inf`` before ``exp`` where ``j > i``: with ``a <= 0`` no ``exp`` ever
 sees a positive argument, so no intermediate overflows however long ``T`` or strong the
-decay. See :doc:`/recurrent` for the derivation.
+decay. The one exception is checked: GLA's chunk form factors a chunk through a
+reference point midway between its first and last running sums when the values show
+that no exponent exceeds ``log(max) / 2`` of the dtype in magnitude (both factors then
+stay within ``max^(+-1/2)`` times their input), and halves it otherwise
+(:func:`~attn_ref.recurrent.common.decayed_scores`). See :doc:`/recurrent` for the
+derivation.
 """
 
 from __future__ import annotations
@@ -172,6 +177,10 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
     main memory and a fresh array's page faults.
 
+    GLA's per-dimension decay is factored per chunk when it fits (``_factored_chunks``:
+    one exponential per gate element gives the scores' factors and both scalings),
+    else its scores are halved (:func:`~attn_ref.recurrent.common.decayed_scores`).
+
     Every GEMM is untransposed: ``K^T`` is copied row-major once per group
     (:func:`~attn_ref.recurrent.common.row_major_transpose`) and scaled in place by
     ``exp(B - b)`` for the state's update. A scalar decay is multiplied into the scores
@@ -271,8 +280,8 @@ def _factored_chunks(xp, q, k, b, span):
     values: with ``span`` from :func:`~attn_ref.recurrent.common.factor_span` no factor
     leaves ``[max^(-1/2), max^(1/2)]`` times its input. ``c dk`` exponentials per chunk
     instead of the halving's ``c dk log2 c`` and the two scalings' ``2 c dk``; fla's
-    gates (``logsigmoid(randn)``) decay a 64-step chunk by about 52 (float32's limit
-    is 88.7). See :doc:`/recurrent` (Cost).
+    gates (``logsigmoid(randn)``) decay a 64-step chunk by about 51, at most 73 in the
+    benchmark's draw (float32's limit is 88.7). See :doc:`/recurrent` (Cost).
     """
     c = q.shape[-2]
     dev = array_api_compat.device(q)
@@ -501,11 +510,14 @@ def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
 
     Notes
     -----
-    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk log C)`` exponentials: the
-    per-dimension decay does not factor out of ``q . k``, and the intra-chunk scores are
-    computed by halving through reference points
-    (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose exponents are all
-    ``<= 0``; ``O(C^2 + dk dv)`` extra memory per head.
+    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk)`` exponentials: the
+    per-dimension decay does not factor out of ``q . k`` but through a reference point
+    per chunk and dimension, ``(q exp(b - r)) (k exp(r - b))^T``, when the chunk's decay
+    fits the float range (``log(max)``: 88.7 in float32; fla's gates decay 64 steps by
+    about 51); otherwise the intra-chunk scores are computed by halving through
+    reference points (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose
+    exponents are all ``<= 0``, ``O(T dk log C)`` exponentials. ``O(C^2 + dk dv)``
+    extra memory per head.
     Yang et al., *Gated Linear Attention Transformers with Hardware-Efficient Training*,
     ICML 2024.
 
