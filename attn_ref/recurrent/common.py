@@ -444,8 +444,8 @@ def decayed_scores(xp, q, k, b, *, span=None):
     if c == 1:
         return xp.sum(q * k, axis=-1, keepdims=True)
     if span is None:
-        span = 0.0 if is_lazy(q, k, b) else factor_span(xp, b.dtype)
-    if span > 0:
+        span = factor_span(xp, b.dtype)
+    if span > 0 and not is_lazy(q, k, b):
         # r midway between the block's first and last running sums, per dimension:
         # |b - r| is then half the block's decay for decays <= 0
         up = (b[..., :1, :] + b[..., -1:, :]) / 2 - b
