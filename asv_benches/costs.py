@@ -240,21 +240,36 @@ def _decayed(n, d, c, per_dim, constant=False):
       ``r = b_{m-1}``, ``exp(b_i - r) exp(r - b_j)``, both exponents ``<= 0``: halving
       down to single steps, each of the ``log2 C`` levels takes one exponential per
       step, ``n log2 C`` (the product that forms each entry is elementwise work, below).
-      A per-key-dimension decay (GLA) does not factor out of the dot product, and the
-      least work that never exponentiates a positive number is the same halving applied
-      to ``q`` and ``k`` (``decayed_scores``): at each of the ``log2 C`` levels every row
-      of ``q`` or ``k`` is scaled once relative to a reference point, ``n d log2 C`` (the
-      pairwise ``(C, C, d)`` form would take ``n C d / 2``). Then ``exp(b)`` and
-      ``exp(B - b)`` for ``q`` and ``k``, ``n e`` each (``e = 1`` or ``d``).
+      A per-key-dimension decay (GLA) does not factor out of the dot product, but it
+      factors through a reference point ``r`` per chunk and dimension:
+      ``exp(b_i - b_j) = exp(b_i - r) exp(r - b_j)``, so
+      ``A = (q * e) (k / e)^T`` with ``e = exp(b - r)``, one exponential per gate
+      element, ``n d``; ``q exp(b) = (q e) exp(r)`` and ``k exp(B - b) = (k / e)
+      exp(B - r)`` for the state's read and update then take ``d`` exponentials per
+      chunk each (``exp(r)``, ``exp(B - r)``, and ``exp(B)`` for the hand-over:
+      ``3 n d / C``). Each gate element enters the output through an exponential, so
+      ``n d`` is the least. This needs ``|b - r|`` within the float range (``r``
+      midway, half the chunk's decay: at most ``log(max) / 2`` for each factor, 44.4
+      in float32), which fla's gates (``logsigmoid(randn)``, about ``-0.8`` a step)
+      meet at ``C = 64`` (the benchmark's draw at ``T = 16384``: a chunk's decay is
+      at most 73 of the 88.7 allowed, 51 on average); stronger gates need the halving of
+      ``decayed_scores``, ``n d log2 C`` (``attn_ref`` checks and chooses). Until the
+      factored form was implemented the count took the halving, and ``2 n d`` for
+      ``exp(b)`` and ``exp(B - b)``: at ``d = C = 64`` that is 8 exponentials per gate
+      element against 1.05 now, and ``2 n d log2 C`` subtractions and products against
+      ``3 n d``: the roofline at ``T = 16384``, ``H = 8`` fell from 82.1 to 44.4 ms
+      (at the rates of one quiet ``tools/targets.py recurrent`` run: GEMM 99.1 GFLOP/s,
+      ``exp`` 2.10 and multiply 7.60 Gelem/s).
+      Otherwise ``exp(b)`` and ``exp(B - b)`` for ``q`` and ``k``, ``n`` each.
       ``constant`` (retention: the same decay every step): every chunk has the same
       ``b``, so the decay matrix and the two scalings are computed once per head,
       ``C^2 / 2 + 2 C`` exponentials and no gates read.
     * elementwise: the decay's product with the scores (``n C / 2``; forming the
       factored entries takes as many again, left out: scaling the operands of a
       block's GEMM instead costs ``C d`` per level, and a lower bound need not choose)
-      or the subtraction and product of each halving level (``2 n d log2 C``), the
-      scaling of ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the gates
-      read once. The hand-over ``S <- diag(exp(B)) S + dS`` is free with a scalar decay
+      or, per-dimension, ``b - r`` and the two factors ``q e``, ``k / e`` (``3 n d``),
+      the scaling of ``q`` and ``k`` (``2 n d``) and the running sum (``n e``); the
+      gates read once. The hand-over ``S <- diag(exp(B)) S + dS`` is free with a scalar decay
       (a GEMM's ``C <- alpha A B + beta C`` with ``beta = exp(B)``) and ``d^2`` products
       per chunk with GLA's per-dimension one (``n d^2 / C``).
 
@@ -266,14 +281,17 @@ def _decayed(n, d, c, per_dim, constant=False):
     C = min(c["chunk_size"], n)
     gemm = Work(2 * n * C * d + 4 * n * d * d, 0.0, 0.0, 0.0)
     if per_dim:
-        levels = math.log2(C)
-        e, scores = d, Work(0.0, n * d * levels, 2 * n * d * levels + n * d * d / C, 0.0)
+        # the factored form: exp(b - r) per gate element; exp(r), exp(B - r), exp(B)
+        # per chunk and dimension give the scalings of q and k and the hand-over
+        e, scores = d, Work(0.0, n * d + 3 * n * d / C, 3 * n * d + n * d * d / C, 0.0)
     elif constant:
         e, scores = 1, Work(0.0, C * C / 2, n * C / 2, 0.0)
     else:
         e, scores = 1, Work(0.0, n * math.log2(C), n * C / 2, 0.0)
     if constant:
         gates = Work(0.0, 2 * C, 2 * n * d + C, 0.0)
+    elif per_dim:  # the scalings' exponentials are counted with the factored scores
+        gates = Work(0.0, 0.0, 2 * n * d + n * e, n * e * _F32)
     else:
         gates = Work(0.0, 2 * n * e, 2 * n * d + n * e, n * e * _F32)
     return gemm + scores + gates + _io(n, d)

@@ -760,3 +760,67 @@ def test_long_chunks_are_the_token_loop(name):
         for got, want in ((o, want_o), (s, want_s)):
             np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-11 * np.abs(want).max(),
                                        err_msg=f"chunk_size={C}")
+
+
+@pytest.mark.parametrize("step", [0.5, 2.0])
+def test_gla_chunks_factored_or_halved_are_the_token_loop(backend, step, monkeypatch):
+    # GLA's chunk form factors each chunk through a reference point when its decay fits
+    # the float range (2 factor_span: 88.7 in float32, 709.8 in float64) and halves it
+    # otherwise. Gates of -0.5 a step decay a chunk of 64 by 31.5 (factored in both
+    # dtypes); -2 by 126 (float32 halves, float64 factors). Both paths must be the
+    # token loop, and the choice must be the one the span allows (the halving is the
+    # only caller of decayed_scores here).
+    from attn_ref.recurrent import decay
+
+    halved = []
+    real = decay.decayed_scores
+    monkeypatch.setattr(decay, "decayed_scores", lambda *a, **k: halved.append(1) or real(*a, **k))
+    rng = np.random.default_rng(11)
+    T = 200  # three chunks of 64 and a partial one
+    qh, kh, vh = (rng.standard_normal((2, T, DK)) for _ in range(3))
+    gh = -step * (0.5 + rng.random((2, T, DK)))
+    s0h = rng.standard_normal((2, DK, DK))
+    want_o, want_s = plain.np_recurrent(qh, kh, vh, alpha=np.exp(gh), s0=s0h)
+    for dtype in ("float64", "float32"):
+        halved.clear()
+        q, k, v, g, s0 = (from_numpy(a, backend, dtype) for a in (qh, kh, vh, gh, s0h))
+        o, s = call(backend, gated_linear_attention, q, k, v, g=g, initial_state=s0,
+                    output_final_state=True, chunk_size=64)
+        tol = 1e-11 if dtype == "float64" else 2e-5
+        for got, want in ((o, want_o), (s, want_s)):
+            assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol * np.abs(want).max())
+        if backend.name != "jax":  # lazy arrays always halve; eager JAX reads the values
+            assert bool(halved) == (dtype == "float32" and step == 2.0), (dtype, step)
+
+
+def test_decayed_scores_factor_a_block_that_fits(backend):
+    # A block whose decay fits 2 span is one GEMM through a midway reference point;
+    # wider ones are halved until their blocks fit. Against the pairwise sum on the
+    # host, with spans that fit whole (c = 16, about 8), fit after one or two halvings,
+    # and span = 0 (always halved).
+    from attn_ref.recurrent.common import decayed_scores, factor_span
+
+    rng = np.random.default_rng(5)
+    c = 16
+    q, k = rng.standard_normal((3, c, DK)), rng.standard_normal((3, c, DK))
+    b = np.cumsum(-rng.random((3, c, DK)), axis=-2)
+    want = np.einsum("...ie,...je,...ije->...ij", q, k,
+                     np.exp(np.minimum(b[..., :, None, :] - b[..., None, :, :], 0)))
+    want = want * np.tril(np.ones((c, c)))
+    for dtype in ("float64", "float32"):
+        tol = 1e-12 if dtype == "float64" else 1e-5
+        args = [from_numpy(x, backend, dtype) for x in (q, k, b)]
+        assert factor_span(backend.xp, args[0].dtype) > 40
+        for span in (None, 4.0, 1.0, 0.0):
+            got = call(backend, decayed_scores, backend.xp, *args, span=span)
+            assert_close(got, want, backend, dtype=dtype, rtol=tol, atol=tol)
+
+
+def test_gla_roofline_counts_one_exponential_per_gate():
+    # The factored form takes exp(b - r) once per gate element and exp(r), exp(B - r),
+    # exp(B) once per chunk and dimension: n d (1 + 3 / C), not the halving's
+    # n d log2 C.
+    from asv_benches.costs import variant_work
+
+    w = variant_work("gla", 16384, {"chunk_size": 64}, d=64, heads=1)
+    assert w.transcendentals == 16384 * 64 * (1 + 3 / 64)

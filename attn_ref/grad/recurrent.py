@@ -307,7 +307,8 @@ def _chunked_decay_vjp(xp, pb, sl, s0, ds, lg, per_key, chunk):
         g_ts = xp.where(causal, pb.scale * (doc @ mt(vc)), zero)  # (dO V^T) masked, scaled
         if per_key:
             # The decay differs per key dimension: the products with E by halving through
-            # reference points (GEMMs, every exponent <= 0), as the forward's scores.
+            # reference points (GEMMs, every exponent <= 0); the scores as the forward
+            # computes them (factored whole where the chunk's decay fits, checked).
             a_ts = decayed_scores(xp, qc, kc, b)  # QK^T * E
             dq_in, dk_in = _decayed_products(xp, g_ts, qc, kc, b)
         else:

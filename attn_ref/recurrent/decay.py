@@ -32,7 +32,12 @@ computes it three ways (``form=``):
 Every exponent is a sum of log decays between two positions at most a chunk (or 64 rows)
 apart, masked to ``-inf`` before ``exp`` where ``j > i``: with ``a <= 0`` no ``exp`` ever
 sees a positive argument, so no intermediate overflows however long ``T`` or strong the
-decay. See :doc:`/recurrent` for the derivation.
+decay. The one exception is checked: GLA's chunk form factors a chunk through a
+reference point midway between its first and last running sums when the values show
+that no exponent exceeds ``log(max) / 2`` of the dtype in magnitude (both factors then
+stay within ``max^(+-1/2)`` times their input), and halves it otherwise
+(:func:`~attn_ref.recurrent.common.decayed_scores`). See :doc:`/recurrent` for the
+derivation.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from .common import (
     check_step_input,
     chunk_states,
     decayed_scores,
+    factor_span,
     finish,
     packed,
     row_major_transpose,
@@ -171,6 +177,10 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
     ``q`` (in cache): a pass over the whole output afterwards would cost a trip through
     main memory and a fresh array's page faults.
 
+    GLA's per-dimension decay is factored per chunk when it fits (``_factored_chunks``:
+    one exponential per gate element gives the scores' factors and both scalings),
+    else its scores are halved (:func:`~attn_ref.recurrent.common.decayed_scores`).
+
     Every GEMM is untransposed: ``K^T`` is copied row-major once per group
     (:func:`~attn_ref.recurrent.common.row_major_transpose`) and scaled in place by
     ``exp(B - b)`` for the state's update. A scalar decay is multiplied into the scores
@@ -207,10 +217,26 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         b, head, tail, decay = gates(ac[..., :1, :, :])
         dmat, head, tail = scale * scalar_decay_matrix(xp, b), scale * head, mt(tail)
     out, inplace = ChunkOutputs(xp, tuple(qc.shape[:-1]) + (vc.shape[-1],)), False
+    span = None if is_lazy(q) else factor_span(xp, q.dtype)
     for g0 in range(0, n, per):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg = qc[cut], kc[cut], vc[cut]
+        factored = None
+        if ones is not None and span is not None:
+            factored = _factored_chunks(xp, qg, kg, ones @ ac[cut], span)
+        if factored is not None:
+            scores, read_q, kt, decay = factored
+            if g0 == 0:
+                inplace = owned_writeable(kt)
+            entering, s = chunk_states(xp, decay, kt @ vg, s)
+            # scale on the group's output, in place and in cache
+            o = mul_into(add_into(scores @ vg, read_q @ entering), scale)
+            out.add(o, g0, g1, inplace)
+            continue
+        if not constant:
+            # scale on q here, in cache, rather than a pass over the whole output after
+            qg = scale * qg
         # K^T of the group in row-major order: Q K^T and (K^T * exp(B - b)) V are then
         # untransposed GEMMs (row_major_transpose), and the copy is ours to scale in place.
         kt = row_major_transpose(xp, kg)
@@ -219,8 +245,6 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         if constant:
             scores = mul_into(qg @ kt, dmat)
         else:
-            # scale on q here, in cache, rather than a pass over the whole output after
-            qg = scale * qg
             b, head, tail, decay = gates(ac[cut])
             tail = mt(tail)
             if b.shape[-1] == 1 and inplace and _block_rows_fit(c):
@@ -235,10 +259,57 @@ def _chunks(xp, q, k, v, a, s, c, scale, constant):
         entering, s = chunk_states(xp, decay, mul_into(kt, tail) @ vg, s)
         if scores is not None:
             o = scores @ vg
-        read = (qg * head) @ entering
+        # a scalar decay scales rows: after the product, in place (no scaled copy of q)
+        read = mul_into(qg @ entering, head) if head.shape[-1] == 1 else (qg * head) @ entering
         o = add_into(o, read)
         out.add(o, g0, g1, inplace)
     return out.joined(), s
+
+
+def _factored_chunks(xp, q, k, b, span):
+    """GLA's in-chunk scores, the read operand ``q * exp(b)``, the update operand
+    ``(k * exp(B - b))^T`` (row-major) and the hand-over decay ``exp(B)`` of a group of
+    chunks, all from one exponential per element: or None if a chunk decays by more
+    than ``2 span`` in some dimension.
+
+    Every chunk is factored through the reference point ``r`` midway between its first
+    and last running sums (per dimension), ``e = exp(b - r)``: the scores are
+    ``(q * e) (k / e)^T`` masked (:func:`~attn_ref.recurrent.common.decayed_scores`
+    with its block factored whole), ``q * exp(b) = (q * e) exp(r)`` and
+    ``k * exp(B - b) = (k / e) exp(B - r)``. ``|b - r| <= span`` is checked on the
+    values: with ``span`` from :func:`~attn_ref.recurrent.common.factor_span` no factor
+    leaves ``[max^(-1/2), max^(1/2)]`` times its input. ``c dk`` exponentials per chunk
+    instead of the halving's ``c dk log2 c`` and the two scalings' ``2 c dk``; fla's
+    gates (``logsigmoid(randn)``) decay a 64-step chunk by about 51, at most 73 in the
+    benchmark's draw (float32's limit is 88.7). See :doc:`/recurrent` (Cost).
+    """
+    c = q.shape[-2]
+    dev = array_api_compat.device(q)
+    mt = xp.matrix_transpose
+    last = b[..., -1:, :]
+    r = (b[..., :1, :] + last) / 2
+    # the per-chunk factors, before b is overwritten: exp(r), exp(B - r), exp(B)
+    e_r, e_last, decay = xp.exp(r), xp.exp(last - r), xp.exp(last[..., 0, :])[..., :, None]
+    dn = add_into(b, -r)  # b - r, in b's place where it may be: b is ours
+    if float(xp.max(dn)) > span or float(xp.min(dn)) < -span:
+        return None
+    e = xp.exp(dn)
+    # (k exp(r - b))^T: K^T copied row-major (row_major_transpose), divided in place
+    kt = row_major_transpose(xp, k)
+    kt = kt / mt(e) if not owned_writeable(kt) else _div_into(kt, mt(e))
+    qe = mul_into(e, q)  # q exp(b - r), in e's place
+    keep = xp.arange(c, device=dev)[None, :] <= xp.arange(c, device=dev)[:, None]
+    # a select, not a product with 0/1: above the diagonal the entries are finite but
+    # not bounded by q . k
+    scores = xp.where(keep, qe @ kt, 0.0)
+    read_q = mul_into(qe, e_r)
+    kt = mul_into(kt, mt(e_last))
+    return scores, read_q, kt, decay
+
+
+def _div_into(x, y):
+    x /= y
+    return x
 
 
 def _block_rows_fit(c):
@@ -439,11 +510,14 @@ def gated_linear_attention(q, k, v, /, *, g, scale=None, initial_state=None,
 
     Notes
     -----
-    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk log C)`` exponentials: the
-    per-dimension decay does not factor out of ``q . k``, and the intra-chunk scores are
-    computed by halving through reference points
-    (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose exponents are all
-    ``<= 0``; ``O(C^2 + dk dv)`` extra memory per head.
+    Chunk form ``O(T C (dk + dv) + T dk dv)`` time and ``O(T dk)`` exponentials: the
+    per-dimension decay does not factor out of ``q . k`` but through a reference point
+    per chunk and dimension, ``(q exp(b - r)) (k exp(r - b))^T``, when the chunk's decay
+    fits the float range (``log(max)``: 88.7 in float32; fla's gates decay 64 steps by
+    about 51); otherwise the intra-chunk scores are computed by halving through
+    reference points (:func:`~attn_ref.recurrent.common.decayed_scores`), GEMMs whose
+    exponents are all ``<= 0``, ``O(T dk log C)`` exponentials. ``O(C^2 + dk dv)``
+    extra memory per head.
     Yang et al., *Gated Linear Attention Transformers with Hardware-Efficient Training*,
     ICML 2024.
 
