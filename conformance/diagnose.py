@@ -597,6 +597,136 @@ for _sig in (
     register_signature(_sig)
 
 
+# ------------------------------------------- conventions of widely used third-party code
+# Each is another function than the registered variant, which the kernel computes on
+# purpose: the diagnosis names the package and says how the function differs, so that a
+# user does not hunt for a rounding bug (tests/test_conformance_thirdparty.py).
+
+
+def _host_favor(x, w, stabiliser, eps, scale):
+    """performer-pytorch's ``softmax_kernel`` (google-research's FAVOR+ code) in float64:
+    ``(exp(W x - |x|^2/2 - c) + eps) / sqrt(m)`` of ``x = sqrt(scale) q``, ``c`` the
+    maximum of ``W x`` over each row's features (``"row"``, queries) or over every key
+    and feature of the batch entry and head (``"all"``, keys)."""
+    x = x * math.sqrt(scale)
+    u = x @ w.T
+    c = (np.max(u, axis=-1, keepdims=True) if stabiliser == "row"
+         else np.max(u, axis=(-1, -2), keepdims=True))
+    return (np.exp(u - np.sum(x * x, axis=-1, keepdims=True) / 2 - c) + eps) / math.sqrt(w.shape[0])
+
+
+def _performer_eps_sigs(prep):
+    """FAVOR+ features with a floor added after the stabiliser (performer-pytorch 1.1.4,
+    ``eps=1e-4``; google-research's ``numerical_stabilizer``, 1e-6), and its causal form's
+    denominator ``q . (cumsum k + 1e-6)``. The floor is relative to the stabiliser, which
+    the features' own maximum is not, so features far below it are moved by O(1)."""
+    if prep.variant.name != "performer" or prep.options.get("kernel", "positive") != "positive":
+        return
+    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
+    causal = prep.kwargs.get("causal")
+    if causal not in (None, False) and prep.case.nq != prep.case.nk:
+        return
+    for eps in (1e-4, 1e-6):
+        fq = _host_favor(a["q"], w, "row", eps, prep.scale)
+        fk = _host_favor(a["k"], w, "all", eps, prep.scale)
+        if causal in (None, False):
+            num, den = fq @ (np.swapaxes(fk, -1, -2) @ a["v"]), fq @ np.sum(fk, axis=-2)[..., None]
+            how = ""
+        else:
+            att = np.tril(fq @ np.swapaxes(fk, -1, -2))
+            num, den = att @ a["v"], np.sum(fq * (np.cumsum(fk, axis=-2) + 1e-6), -1, keepdims=True)
+            how = ("; causal, its key stabiliser is the maximum over every key, future ones "
+                   "included, and its denominator q . (cumsum k + 1e-6)")
+        yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
+               f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}; "
+               f"google-research's FAVOR+ code): another function than attn_ref's performer, "
+               f"whose features have no floor{how}", num / den)
+
+
+def _efficient_attention_sigs(prep):
+    """Shen et al.'s efficient attention, ``softmax_d(Q) softmax_N(K)^T V`` (softmax of
+    each query over its features, of the keys over the sequence), as lucidrains'
+    linear-attention-transformer computes it (times ``d**-0.5``): no kernel feature map
+    of :func:`attn_ref.linear_attention`, so no option of the ``linear`` variant."""
+    if prep.variant.family != "linear" or prep.kwargs.get("causal") not in (None, False):
+        return
+    a = prep.arrays
+    eq = np.exp(a["q"] - np.max(a["q"], axis=-1, keepdims=True))
+    eq = eq / np.sum(eq, axis=-1, keepdims=True)
+    ek = np.exp(a["k"] - np.max(a["k"], axis=-2, keepdims=True))
+    ek = ek / np.sum(ek, axis=-2, keepdims=True)
+    out = eq @ (np.swapaxes(ek, -1, -2) @ a["v"])
+    for factor, words in ((prep.case.d ** -0.5, " times d**-0.5 (linear-attention-transformer's "
+                                                 "linear_attn)"), (1.0, "")):
+        yield ("efficient attention (Shen et al.): softmax of each query over its features and "
+               "of the keys over the sequence, softmax_d(Q) softmax_N(K)^T V" + words + "; not a "
+               "feature map of linear attention, which normalises phi(q) . phi(k) by its row "
+               "sum: another function, not registered in attn_ref", out * factor)
+
+
+def _nystrom_exact_sigs(prep):
+    """HuggingFace's ``NystromformerSelfAttention`` computes exact softmax attention when
+    ``num_landmarks`` equals the sequence length (its ``segment_means_seq_len``), where the
+    reference still runs the iterative pseudo-inverse, which has not converged."""
+    if prep.variant.name != "nystrom" or prep.params.get("num_landmarks") != prep.case.nk:
+        return
+    yield ("exact softmax attention where num_landmarks == N (HuggingFace's "
+           "NystromformerSelfAttention skips the Nystrom approximation there; the reference "
+           "runs the 6-step iterative pseudo-inverse at every m): declare such cases "
+           "unsupported (supports={'cases': ...})", softmax_host(_logits(prep), prep.arrays["v"]))
+
+
+def _nystrom_front_padded_sigs(prep):
+    """lucidrains' nystrom-attention pads the sequence at the front with zero tokens to a
+    multiple ``m l`` of the landmarks (``l = ceil(N / m)``) and takes each landmark as the
+    mean of ``l`` consecutive tokens; without a mask the zero tokens are averaged in and
+    attended as keys of logit 0, with a mask they are left out (the first landmark then
+    averages ``l - pad`` tokens). attn_ref's segments are the ``m`` balanced ones (sizes
+    differ by at most 1); the two agree when ``m`` divides ``N``."""
+    if prep.variant.name != "nystrom" or prep.case.nq != prep.case.nk:
+        return
+    import array_api_compat.numpy as xnp
+
+    from attn_ref.reduced import iterative_pinv
+
+    m, n = prep.params["num_landmarks"], prep.case.nk
+    size = -(-n // m)
+    pad = m * size - n
+    if pad == 0:
+        return
+    a = prep.arrays
+    z = lambda x: np.concatenate([np.zeros(x.shape[:-2] + (pad, x.shape[-1])), x], -2)  # noqa: E731
+    q, k, v = z(a["q"] * prep.scale), z(a["k"]), z(a["v"])
+    real = np.arange(m * size) >= pad
+    init = prep.options.get("pinv_init", "matrix")
+    for masked in (True, False):
+        count = real.reshape(m, size).sum(-1)[:, None] if masked else size
+        ql = q.reshape(q.shape[:-2] + (m, size, q.shape[-1])).sum(-2) / count
+        kl = k.reshape(k.shape[:-2] + (m, size, k.shape[-1])).sum(-2) / count
+        keys = np.where(real, 0.0, -np.inf) if masked else np.zeros(m * size)
+        k1 = softmax_host(q @ np.swapaxes(kl, -1, -2), np.eye(m))
+        k2 = softmax_host(ql @ np.swapaxes(kl, -1, -2), np.eye(m))
+        k3 = ql @ np.swapaxes(k, -1, -2) + keys
+        zinv = iterative_pinv(k2, iterations=prep.options.get("pinv_iterations", 6) or 6,
+                              pinv_init=init, xp=xnp)
+        out = (k1 @ zinv @ softmax_host(k3, v))[..., pad:, :]
+        yield (("landmarks of the sequence zero-padded at the front to a multiple of m, "
+                "the padding " + ("masked" if masked else "unmasked (averaged into the "
+                                  "landmarks and attended as keys)") +
+                f" (lucidrains' nystrom-attention, N = {n} not a multiple of m = {m}; attn_ref "
+                "averages m balanced segments): another function where m does not divide N"),
+               out)
+
+
+for _sig in (
+    Signature("performer eps", _performer_eps_sigs),
+    Signature("efficient attention", _efficient_attention_sigs),
+    Signature("nystrom exact at m == N", _nystrom_exact_sigs),
+    Signature("nystrom front-padded landmarks", _nystrom_front_padded_sigs),
+):
+    register_signature(_sig)
+
+
 # --------------------------------------------------------------------------- diagnose
 
 
