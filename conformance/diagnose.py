@@ -603,44 +603,57 @@ for _sig in (
 # user does not hunt for a rounding bug (tests/test_conformance_thirdparty.py).
 
 
-def _host_favor(x, w, stabiliser, eps, scale):
+def _host_favor(x, w, over_rows, eps, scale):
     """performer-pytorch's ``softmax_kernel`` (google-research's FAVOR+ code) in float64:
     ``(exp(W x - |x|^2/2 - c) + eps) / sqrt(m)`` of ``x = sqrt(scale) q``, ``c`` the
-    maximum of ``W x`` over each row's features (``"row"``, queries) or over every key
-    and feature of the batch entry and head (``"all"``, keys)."""
+    maximum of ``W x`` over each row's features (queries) or over every key and feature
+    of the batch entry and head (``over_rows``, keys)."""
     x = x * math.sqrt(scale)
     u = x @ w.T
-    c = (np.max(u, axis=-1, keepdims=True) if stabiliser == "row"
-         else np.max(u, axis=(-1, -2), keepdims=True))
+    c = np.max(u, axis=(-1, -2) if over_rows else -1, keepdims=True)
     return (np.exp(u - np.sum(x * x, axis=-1, keepdims=True) / 2 - c) + eps) / math.sqrt(w.shape[0])
 
 
+#: the feature floors of the FAVOR+ code in use: performer-pytorch's ``softmax_kernel``
+#: (1e-4) and google-research's ``numerical_stabilizer`` (1e-6)
+FEATURE_FLOORS = (1e-4, 1e-6)
+
+
 def _performer_eps_sigs(prep):
-    """FAVOR+ features with a floor added after the stabiliser (performer-pytorch 1.1.4,
-    ``eps=1e-4``; google-research's ``numerical_stabilizer``, 1e-6), and its causal form's
-    denominator ``q . (cumsum k + 1e-6)``. The floor is relative to the stabiliser, which
-    the features' own maximum is not, so features far below it are moved by O(1)."""
+    """FAVOR+ features with a floor added after the stabiliser
+    (:func:`attn_ref.performer_attention`'s ``feature_eps``), or without the declared
+    one; causal, performer-pytorch's form, which has no option: its key stabiliser is
+    taken over every key, and its denominator is ``q . (cumsum k + 1e-6)``."""
     if prep.variant.name != "performer" or prep.options.get("kernel", "positive") != "positive":
         return
-    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
-    causal = prep.kwargs.get("causal")
-    if causal not in (None, False) and prep.case.nq != prep.case.nk:
+    declared = prep.options.get("feature_eps", 0.0)
+    causal = prep.kwargs.get("causal") not in (None, False)
+    if declared and not causal:
+        yield (f"features without the declared floor feature_eps={declared:g} (FAVOR+ as the "
+               f"paper defines it): drop options={{'feature_eps': {declared:g}}}",
+               prep.reference("float64", options={**prep.options, "feature_eps": 0.0}))
         return
-    for eps in (1e-4, 1e-6):
-        fq = _host_favor(a["q"], w, "row", eps, prep.scale)
-        fk = _host_favor(a["k"], w, "all", eps, prep.scale)
-        if causal in (None, False):
-            num, den = fq @ (np.swapaxes(fk, -1, -2) @ a["v"]), fq @ np.sum(fk, axis=-2)[..., None]
-            how = ""
-        else:
-            att = np.tril(fq @ np.swapaxes(fk, -1, -2))
-            num, den = att @ a["v"], np.sum(fq * (np.cumsum(fk, axis=-2) + 1e-6), -1, keepdims=True)
-            how = ("; causal, its key stabiliser is the maximum over every key, future ones "
-                   "included, and its denominator q . (cumsum k + 1e-6)")
+    if not causal:
+        for eps in FEATURE_FLOORS:
+            yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
+                   f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}; "
+                   f"google-research's FAVOR+ code): pass options={{'feature_eps': {eps:g}}}",
+                   prep.reference("float64", options={**prep.options, "feature_eps": eps}))
+        return
+    if prep.case.nq != prep.case.nk:
+        return
+    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
+    for eps in FEATURE_FLOORS:
+        fq = _host_favor(a["q"], w, False, eps, prep.scale)
+        fk = _host_favor(a["k"], w, True, eps, prep.scale)
+        att = np.tril(fq @ np.swapaxes(fk, -1, -2))
+        den = np.sum(fq * (np.cumsum(fk, axis=-2) + 1e-6), -1, keepdims=True)
         yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
-               f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}; "
-               f"google-research's FAVOR+ code): another function than attn_ref's performer, "
-               f"whose features have no floor{how}", num / den)
+               f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}), in its "
+               f"causal form: the key stabiliser is the maximum over every key, future ones "
+               f"included, and the denominator q . (cumsum k + 1e-6); another function, which "
+               f"attn_ref does not define (a later key changes an earlier output)",
+               att @ a["v"] / den)
 
 
 def _efficient_attention_sigs(prep):

@@ -245,22 +245,44 @@ def performer_kernel(q, k, v, *, projection, causal=False, q_factor=1.0):
     random rows as its ``projection_matrix``; ``d**-0.25`` on q and k: the default scale."""
     fa = _fast_attention(q.shape[-1], projection.shape[0], bool(causal))
     fa.projection_matrix = projection
-    with torch.no_grad():
-        return fa(q * q_factor, k, v)
+    return fa(q * q_factor, k, v)  # with autograd: the oracle's gradient checks use it
 
 
 PERFORMER_FEW = ["basic:b2h3-q17k17-d16", "range:b3h5-q37k37-d16", "causal:b2h1-q65k65-d32-causal-tl"]
-# its causal form zips query and key chunks: Nq != Nk gives the wrong shape
-PERFORMER = {"cases": lambda c: c.causal is None or c.nq == c.nk}
+# its causal form zips query and key chunks: Nq != Nk gives the wrong shape; the long rows
+# cost a minute on two cores, the standard suite's others seconds
+PERFORMER = {"cases": lambda c: (c.causal is None or c.nq == c.nk) and c.nq * c.nk <= 129 ** 2}
+FLOOR = {"feature_eps": 1e-4}
 
 
-def test_performer_pytorch_is_another_function_named_by_its_feature_floor():
+def test_performer_pytorch_passes_with_its_feature_floor_declared():
+    rows = _run(performer_kernel, "performer", options=FLOOR, supports=PERFORMER)
+    ratio = _passes(rows, 60)
+    print(f"THIRDPARTY performer-pytorch (feature_eps=1e-4) worst ratio {ratio:.2f}")
+    # the gradients through its autograd (stabilisers detached) are the option's VJP
+    grads = _run(performer_kernel, "performer", PERFORMER_FEW[:2], options=FLOOR, supports=PERFORMER,
+                 grads=True)
+    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
+    _passes(grads, 16)
+    _fails(_run(functools.partial(performer_kernel, q_factor=1.01), "performer", PERFORMER_FEW[:2],
+                ("float32",), options=FLOOR, supports=PERFORMER))
+
+
+def test_performer_pytorch_floor_is_named_and_its_causal_form_is_another_function():
     rows = _run(performer_kernel, "performer", PERFORMER_FEW, supports=PERFORMER)
     _fails(rows, "(performer-pytorch's softmax_kernel, eps=0.0001")
-    assert any("causal, its key stabiliser is the maximum over every key" in r.diagnosis for r in rows)
+    causal = [r for r in rows if "causal" in r.case]
+    assert causal and all("in its causal form: the key stabiliser is the maximum over every key"
+                          in r.diagnosis for r in causal), [r.diagnosis for r in causal]
+    assert all("pass options={'feature_eps': 0.0001}" in r.diagnosis for r in rows if r not in causal)
+    # declared, its causal cases are not applicable (the option is non-causal), never passed
+    declared = verify(performer_kernel, "performer", backend="torch", options=FLOOR, progress=False,
+                      cases=[_case("performer", PERFORMER_FEW[2])])
+    assert [r.verdict for r in declared.results] == ["n/a"]
+    assert "feature_eps is defined for non-causal attention only" in declared.results[0].diagnosis
 
 
-def test_performer_pytorch_without_its_floor_passes_non_causal(monkeypatch):
+def test_performer_pytorch_without_its_floor_passes_without_the_option(monkeypatch):
     # the floor is the whole difference: eps = 0 makes its features FAVOR+'s (its
     # stabilisers, per query and over all keys, cancel); it then underflows on large
     # logits (every feature exp(-|x|^2/2) rounds to 0, 0/0), which FAVOR+'s own
@@ -268,13 +290,41 @@ def test_performer_pytorch_without_its_floor_passes_non_causal(monkeypatch):
     import performer_pytorch.performer_pytorch as pp
 
     monkeypatch.setattr(pp, "softmax_kernel", functools.partial(pp.softmax_kernel, eps=0.0))
-    non_causal = {"cases": lambda c: c.causal is None and c.dist not in ("large_logits", "one_hot")}
-    # the long rows cost a minute on two cores; the standard suite's others take seconds
-    short = {"cases": lambda c: non_causal["cases"](c) and c.nq * c.nk <= 257 ** 2}
-    ratio = _passes(_run(performer_kernel, "performer", supports=short), 40)
-    print(f"THIRDPARTY performer-pytorch (eps=0) worst ratio {ratio:.2f}")
-    _fails(_run(functools.partial(performer_kernel, q_factor=1.01), "performer", PERFORMER_FEW[:2],
-                ("float32",), supports=non_causal))
+    few = PERFORMER_FEW[:2] + ["long:b1h1-q1000k1000-d64"]
+    _passes(_run(performer_kernel, "performer", few, supports=PERFORMER), 4)
+    _fails(_run(performer_kernel, "performer", few[:2], options=FLOOR, supports=PERFORMER),
+           "features without the declared floor feature_eps=0.0001")
+
+
+def test_feature_eps_is_the_floor_after_the_code_stabiliser():
+    # the reference's option, in NumPy, against the formula written out
+    import math
+
+    import numpy as np
+
+    from attn_ref import performer_attention, random_features
+
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((2, 9, 4)) * 2 for _ in range(3))
+    w = random_features(4, 6, seed=3, xp=np)
+
+    def phi(x, axes):
+        x = x * 4 ** -0.25
+        u = x @ w.T
+        e = np.exp(u - (x * x).sum(-1, keepdims=True) / 2 - u.max(axes, keepdims=True))
+        return (e + 1e-4) / math.sqrt(6)
+
+    fq, fk = phi(q, -1), phi(k, (-1, -2))
+    want = (fq @ fk.swapaxes(-1, -2) @ v) / (fq @ fk.sum(-2)[..., None])
+    for order in ("linear", "quadratic"):
+        got = performer_attention(q, k, v, projection=w, feature_eps=1e-4, order=order)
+        np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-13)
+    assert np.abs(performer_attention(q, k, v, projection=w) - want).max() > 1e-3
+    for bad, words in (({"causal": True}, "non-causal attention only"), ({"kernel": "trigonometric"},
+                       "floors the positive features"), ({"stabilize": False}, "after the stabiliser"),
+                       ({"feature_eps": -1.0}, "finite float >= 0")):
+        with pytest.raises(ValueError, match=words):
+            performer_attention(q, k, v, projection=w, **{"feature_eps": 1e-4, **bad})
 
 
 # ------------------------------------------------------------ linear-attention-transformer
