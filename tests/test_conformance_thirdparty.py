@@ -180,6 +180,56 @@ def test_huggingface_nystromformer_exact_at_m_equal_n_is_named():
     _fails(rows, "exact softmax attention where num_landmarks == N (HuggingFace")
 
 
+# ------------------------------------------------------------------ HuggingFace Longformer
+
+
+def hf_longformer_kernel(q, k, v, *, window, global_tokens, widen=0, use_global=True):
+    """transformers 5.24.0 ``LongformerSelfAttention``: sliding chunks of ``window`` keys per
+    side (``attention_window = 2 window``) and global tokens through its ``*_global``
+    projections, all set to select ``q``, ``k``, ``v``. The layer maps ``hidden_size`` to
+    itself, so it runs ``3 h`` heads of which the first ``h`` carry the case; the sequence
+    is zero-padded to a multiple of ``2 window`` and the padding masked (``-10000``), as
+    ``LongformerModel`` does. Its softmax is float32 whatever the input (``dtype=
+    torch.float32``)."""
+    from transformers import LongformerConfig
+    from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+
+    b, h, n, d = q.shape
+    hd, span = h * d, 2 * (window + widen)
+    cfg = LongformerConfig(hidden_size=3 * hd, num_attention_heads=3 * h, attention_window=[span],
+                           attention_probs_dropout_prob=0.0)
+    att = LongformerSelfAttention(cfg, 0).eval()
+    for i, name in enumerate(("query", "key", "value")):
+        lin = nn.Linear(3 * hd, 3 * hd, bias=False)
+        w = torch.zeros(3 * hd, 3 * hd, dtype=q.dtype)
+        w[:hd, i * hd:(i + 1) * hd] = torch.eye(hd, dtype=q.dtype)
+        lin.weight = nn.Parameter(w, requires_grad=False)
+        setattr(att, name, lin)
+        setattr(att, name + "_global", lin)
+    pad = (-n) % span
+    x = nn.functional.pad(_tokens(q, k, v), (0, 0, 0, pad))
+    mask = torch.zeros(b, n + pad, dtype=q.dtype)
+    mask[:, n:] = -10000.0
+    for g in global_tokens if use_global else ():
+        mask[:, g] = 10000.0
+    with torch.no_grad():
+        out = att(x, attention_mask=mask, is_index_masked=mask < 0, is_index_global_attn=mask > 0,
+                  is_global_attn=bool((mask > 0).any()))[0]
+    return _heads(out[:, :n, :hd], h)
+
+
+def test_huggingface_longformer_passes_in_float32_and_is_named_float32_in_float64():
+    ratio = _passes(_run(hf_longformer_kernel, "longformer", dtypes=("float32",),
+                         supports={"value_dim": False}), 25)
+    print(f"THIRDPARTY hf-longformer float32 worst ratio {ratio:.2f}")
+    few = ["basic:b2h3-q17k17-d16", "length:b1h2-q65k65-d32"]
+    _fails(_run(hf_longformer_kernel, "longformer", few, ("float64",), supports={"value_dim": False}),
+           "computing or accumulating in float32")
+    for plant in ({"widen": 1}, {"use_global": False}):
+        _fails(_run(functools.partial(hf_longformer_kernel, **plant), "longformer", few, ("float32",),
+                    supports={"value_dim": False}))
+
+
 # ------------------------------------------------------------ lucidrains nystrom-attention
 
 
