@@ -656,6 +656,21 @@ def _performer_eps_sigs(prep):
                att @ a["v"] / den)
 
 
+def _generalized_kernel_sigs(prep):
+    """performer-pytorch's ``generalized_attention=True``: features ``relu(W x) + 0.001`` of
+    ``x = sqrt(scale) q`` (``generalized_kernel``, ``kernel_epsilon=0.001``), normalised
+    linear attention on them: a kernel of its own, no estimator of softmax."""
+    if prep.variant.name != "performer" or prep.kwargs.get("causal") not in (None, False):
+        return
+    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
+    root = math.sqrt(prep.scale)
+    fq, fk = (np.maximum((a[n] * root) @ w.T, 0.0) + 1e-3 for n in ("q", "k"))
+    yield ("features relu(W x) + 0.001 (performer-pytorch's generalized_attention=True, "
+           "generalized_kernel): linear attention with a ReLU random-feature kernel, another "
+           "function than FAVOR+'s estimate of softmax, not registered in attn_ref",
+           (fq @ (np.swapaxes(fk, -1, -2) @ a["v"])) / (fq @ np.sum(fk, axis=-2)[..., None]))
+
+
 def _efficient_attention_sigs(prep):
     """Shen et al.'s efficient attention, ``softmax_d(Q) softmax_N(K)^T V`` (softmax of
     each query over its features, of the keys over the sequence), as lucidrains'
@@ -733,6 +748,7 @@ def _nystrom_front_padded_sigs(prep):
 
 for _sig in (
     Signature("performer eps", _performer_eps_sigs),
+    Signature("performer generalized kernel", _generalized_kernel_sigs),
     Signature("efficient attention", _efficient_attention_sigs),
     Signature("nystrom exact at m == N", _nystrom_exact_sigs),
     Signature("nystrom front-padded landmarks", _nystrom_front_padded_sigs),

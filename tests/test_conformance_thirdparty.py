@@ -283,17 +283,19 @@ def _case(variant, case_id):
 
 
 @functools.cache
-def _fast_attention(d, m, causal):
+def _fast_attention(d, m, causal, generalized=False):
     import performer_pytorch.performer_pytorch as pp
 
     with contextlib.redirect_stdout(io.StringIO()):  # "unable to import cuda code" when causal
-        return pp.FastAttention(dim_heads=d, nb_features=m, causal=causal).eval()
+        return pp.FastAttention(dim_heads=d, nb_features=m, causal=causal,
+                                generalized_attention=generalized).eval()
 
 
-def performer_kernel(q, k, v, *, projection, causal=False, q_factor=1.0):
-    """performer-pytorch 1.1.4 ``FastAttention`` (softmax kernel), given the oracle's
-    random rows as its ``projection_matrix``; ``d**-0.25`` on q and k: the default scale."""
-    fa = _fast_attention(q.shape[-1], projection.shape[0], bool(causal))
+def performer_kernel(q, k, v, *, projection, causal=False, q_factor=1.0, generalized=False):
+    """performer-pytorch 1.1.4 ``FastAttention`` (softmax kernel, or its ReLU
+    ``generalized_attention``), given the oracle's random rows as its
+    ``projection_matrix``; ``d**-0.25`` on q and k: the default scale."""
+    fa = _fast_attention(q.shape[-1], projection.shape[0], bool(causal), generalized)
     fa.projection_matrix = projection
     return fa(q * q_factor, k, v)  # with autograd: the oracle's gradient checks use it
 
@@ -330,6 +332,12 @@ def test_performer_pytorch_floor_is_named_and_its_causal_form_is_another_functio
                       cases=[_case("performer", PERFORMER_FEW[2])])
     assert [r.verdict for r in declared.results] == ["n/a"]
     assert "feature_eps is defined for non-causal attention only" in declared.results[0].diagnosis
+
+
+def test_performer_pytorch_generalized_attention_is_named_as_its_relu_kernel():
+    rows = _run(functools.partial(performer_kernel, generalized=True), "performer", PERFORMER_FEW[:2],
+                supports=PERFORMER)
+    _fails(rows, "features relu(W x) + 0.001 (performer-pytorch's generalized_attention=True")
 
 
 def test_performer_pytorch_without_its_floor_passes_without_the_option(monkeypatch):
