@@ -692,6 +692,29 @@ def _efficient_attention_sigs(prep):
                "sum: another function, not registered in attn_ref", out * factor)
 
 
+def _window_padding_sigs(prep):
+    """lucidrains' local-attention with ``autopad=True`` and no key mask: the sequence is
+    zero-padded to a multiple of the window, and a non-causal window near the end reaches
+    zero keys of logit 0 that only a key mask would hide."""
+    if prep.variant.name != "local" or prep.kwargs.get("causal") not in (None, False):
+        return
+    w = prep.kwargs.get("window", prep.options.get("window"))
+    n = prep.case.nk
+    if not w or n % w == 0 or prep.case.nq != n:
+        return
+    size = n + (-n % w)
+    s = (prep.arrays["q"] @ np.swapaxes(prep.arrays["k"], -1, -2)) * prep.scale
+    lead = s.shape[:-2]
+    s = np.concatenate([s, np.zeros(lead + (n, size - n))], axis=-1)
+    v = prep.arrays["v"]
+    v = np.concatenate([v, np.zeros(v.shape[:-2] + (size - n, v.shape[-1]))], axis=-2)
+    near = np.abs(np.arange(n)[:, None] - np.arange(size)[None, :]) <= w
+    yield (f"the keys are zero-padded from N = {n} to {size} (a multiple of the window, "
+           f"{w}) and the padding is attended where a window reaches it (lucidrains' "
+           f"local-attention with autopad=True and no key mask: pass mask=)",
+           softmax_host(np.where(near, s, -np.inf), v))
+
+
 def _nystrom_exact_sigs(prep):
     """HuggingFace's ``NystromformerSelfAttention`` computes exact softmax attention when
     ``num_landmarks`` equals the sequence length (its ``segment_means_seq_len``), where the
@@ -750,6 +773,7 @@ for _sig in (
     Signature("performer eps", _performer_eps_sigs),
     Signature("performer generalized kernel", _generalized_kernel_sigs),
     Signature("efficient attention", _efficient_attention_sigs),
+    Signature("window padding", _window_padding_sigs),
     Signature("nystrom exact at m == N", _nystrom_exact_sigs),
     Signature("nystrom front-padded landmarks", _nystrom_front_padded_sigs),
 ):

@@ -124,7 +124,8 @@ def test_local_attention_passes_and_its_plants_fail():
     few = ["basic:b2h3-q17k17-d16", "length:b1h2-q65k65-d32", "causal:b2h1-q65k65-d32-causal-tl"]
     _fails(_run(functools.partial(local_kernel, widen=1), "local", few, ("float32",)))
     # without the key mask the padded zero keys are attended (non-causal windows only)
-    _fails(_run(functools.partial(local_kernel, key_mask=False), "local", few[:2], ("float32",)))
+    _fails(_run(functools.partial(local_kernel, key_mask=False), "local", few[:2], ("float32",)),
+           "(lucidrains' local-attention with autopad=True and no key mask: pass mask=)")
 
 
 # ------------------------------------------------------------ HuggingFace Nystromformer
