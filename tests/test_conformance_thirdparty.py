@@ -184,7 +184,7 @@ def test_huggingface_nystromformer_exact_at_m_equal_n_is_named():
 # ------------------------------------------------------------------ HuggingFace Longformer
 
 
-def hf_longformer_kernel(q, k, v, *, window, global_tokens, widen=0, use_global=True):
+def hf_longformer_kernel(q, k, v, *, window, global_tokens, widen=0, use_global=True, q_factor=1.0):
     """transformers 5.24.0 ``LongformerSelfAttention``: sliding chunks of ``window`` keys per
     side (``attention_window = 2 window``) and global tokens through its ``*_global``
     projections, all set to select ``q``, ``k``, ``v``. The layer maps ``hidden_size`` to
@@ -208,7 +208,7 @@ def hf_longformer_kernel(q, k, v, *, window, global_tokens, widen=0, use_global=
         setattr(att, name, lin)
         setattr(att, name + "_global", lin)
     pad = (-n) % span
-    x = nn.functional.pad(_tokens(q, k, v), (0, 0, 0, pad))
+    x = nn.functional.pad(_tokens(q * q_factor, k, v), (0, 0, 0, pad))
     mask = torch.zeros(b, n + pad, dtype=q.dtype)
     mask[:, n:] = -10000.0
     for g in global_tokens if use_global else ():
@@ -226,7 +226,7 @@ def test_huggingface_longformer_passes_in_float32_and_is_named_float32_in_float6
     few = ["basic:b2h3-q17k17-d16", "length:b1h2-q65k65-d32"]
     _fails(_run(hf_longformer_kernel, "longformer", few, ("float64",), supports={"value_dim": False}),
            "computing or accumulating in float32")
-    for plant in ({"widen": 1}, {"use_global": False}):
+    for plant in ({"widen": 1}, {"use_global": False}, {"q_factor": 1.01}):
         _fails(_run(functools.partial(hf_longformer_kernel, **plant), "longformer", few, ("float32",),
                     supports={"value_dim": False}))
 
