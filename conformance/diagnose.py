@@ -730,10 +730,10 @@ def _nystrom_exact_sigs(prep):
 def _nystrom_front_padded_sigs(prep):
     """lucidrains' nystrom-attention pads the sequence at the front with zero tokens to a
     multiple ``m l`` of the landmarks (``l = ceil(N / m)``) and takes each landmark as the
-    mean of ``l`` consecutive tokens; without a mask the zero tokens are averaged in and
-    attended as keys of logit 0, with a mask they are left out (the first landmark then
-    averages ``l - pad`` tokens). attn_ref's segments are the ``m`` balanced ones (sizes
-    differ by at most 1); the two agree when ``m`` divides ``N``."""
+    mean of ``l`` consecutive tokens; with its key mask the zero tokens are left out
+    (``landmarks="front-padded"`` of :func:`attn_ref.nystrom_attention`), without it they
+    are averaged in and attended as keys of logit 0 (no option: a misuse). The default
+    segments are the ``m`` balanced ones; the two agree when ``m`` divides ``N``."""
     if prep.variant.name != "nystrom" or prep.case.nq != prep.case.nk:
         return
     import array_api_compat.numpy as xnp
@@ -745,28 +745,30 @@ def _nystrom_front_padded_sigs(prep):
     pad = m * size - n
     if pad == 0:
         return
+    declared = prep.options.get("landmarks", "balanced")
+    if declared == "front-padded":
+        yield ("landmarks of m balanced segments (attn_ref's default), not of the declared "
+               "front-padded ones: drop options={'landmarks': 'front-padded'}",
+               prep.reference("float64", options={**prep.options, "landmarks": "balanced"}))
+    elif pad < size:
+        yield ("landmarks of the sequence zero-padded at the front to a multiple of m, the "
+               f"padding masked (lucidrains' nystrom-attention, N = {n} not a multiple of "
+               f"m = {m}): pass options={{'landmarks': 'front-padded'}}",
+               prep.reference("float64", options={**prep.options, "landmarks": "front-padded"}))
     a = prep.arrays
     z = lambda x: np.concatenate([np.zeros(x.shape[:-2] + (pad, x.shape[-1])), x], -2)  # noqa: E731
     q, k, v = z(a["q"] * prep.scale), z(a["k"]), z(a["v"])
-    real = np.arange(m * size) >= pad
-    init = prep.options.get("pinv_init", "matrix")
-    for masked in (True, False):
-        count = real.reshape(m, size).sum(-1)[:, None] if masked else size
-        ql = q.reshape(q.shape[:-2] + (m, size, q.shape[-1])).sum(-2) / count
-        kl = k.reshape(k.shape[:-2] + (m, size, k.shape[-1])).sum(-2) / count
-        keys = np.where(real, 0.0, -np.inf) if masked else np.zeros(m * size)
-        k1 = softmax_host(q @ np.swapaxes(kl, -1, -2), np.eye(m))
-        k2 = softmax_host(ql @ np.swapaxes(kl, -1, -2), np.eye(m))
-        k3 = ql @ np.swapaxes(k, -1, -2) + keys
-        zinv = iterative_pinv(k2, iterations=prep.options.get("pinv_iterations", 6) or 6,
-                              pinv_init=init, xp=xnp)
-        out = (k1 @ zinv @ softmax_host(k3, v))[..., pad:, :]
-        yield (("landmarks of the sequence zero-padded at the front to a multiple of m, "
-                "the padding " + ("masked" if masked else "unmasked (averaged into the "
-                                  "landmarks and attended as keys)") +
-                f" (lucidrains' nystrom-attention, N = {n} not a multiple of m = {m}; attn_ref "
-                "averages m balanced segments): another function where m does not divide N"),
-               out)
+    ql = q.reshape(q.shape[:-2] + (m, size, q.shape[-1])).mean(-2)
+    kl = k.reshape(k.shape[:-2] + (m, size, k.shape[-1])).mean(-2)
+    k1 = softmax_host(q @ np.swapaxes(kl, -1, -2), np.eye(m))
+    k2 = softmax_host(ql @ np.swapaxes(kl, -1, -2), np.eye(m))
+    zinv = iterative_pinv(k2, iterations=prep.options.get("pinv_iterations", 6) or 6,
+                          pinv_init=prep.options.get("pinv_init", "matrix"), xp=xnp)
+    out = (k1 @ zinv @ softmax_host(ql @ np.swapaxes(k, -1, -2), v))[..., pad:, :]
+    yield ("landmarks of the sequence zero-padded at the front to a multiple of m, the padding "
+           "unmasked: averaged into the landmarks and attended as keys (lucidrains' "
+           f"nystrom-attention without its key mask, N = {n} not a multiple of m = {m}; no "
+           "option computes this: pass it a mask)", out)
 
 
 for _sig in (

@@ -236,8 +236,9 @@ def test_huggingface_longformer_passes_in_float32_and_is_named_float32_in_float6
 
 def lucidrains_nystrom_kernel(q, k, v, *, num_landmarks, key_mask=True, iterations=6):
     """nystrom-attention 0.0.14 ``NystromAttention`` (``moore_penrose_iter_pinv``:
-    ``pinv_init="global"``), ``to_qkv`` the identity, ``to_out`` removed, its residual
-    convolution off. A mask (all True) keeps its front padding out of the landmarks."""
+    ``pinv_init="global"``; front-padded landmarks), ``to_qkv`` the identity, ``to_out``
+    removed, its residual convolution off. A mask (all True) keeps its front padding out
+    of the landmarks and the keys."""
     from nystrom_attention import NystromAttention
 
     b, h, n, d = q.shape
@@ -246,29 +247,61 @@ def lucidrains_nystrom_kernel(q, k, v, *, num_landmarks, key_mask=True, iteratio
     att.to_qkv.weight = nn.Parameter(torch.eye(3 * h * d, dtype=q.dtype), requires_grad=False)
     att.to_out = nn.Identity()
     mask = torch.ones(b, n, dtype=torch.bool) if key_mask else None
-    with torch.no_grad():
-        return _heads(att.eval()(_tokens(q, k, v), mask=mask), h)
+    return _heads(att.eval()(_tokens(q, k, v), mask=mask), h)  # autograd on: grads=True uses it
 
 
 NYSTROM = {"value_dim": False, "cross": False}
+LUCIDRAINS = {"pinv_init": "global", "landmarks": "front-padded"}
 
 
-def test_lucidrains_nystrom_passes_where_m_divides_n_and_is_named_elsewhere():
+def test_lucidrains_nystrom_passes_with_its_landmarks_declared():
+    rows = _run(lucidrains_nystrom_kernel, "nystrom", options=LUCIDRAINS, supports=NYSTROM)
+    ratio = _passes(rows, 50)
+    print(f"THIRDPARTY nystrom-attention (front-padded, global) worst ratio {ratio:.2f}")
+    few = ["basic:b2h3-q17k17-d16", "range:b3h5-q37k37-d16"]
+    grads = _run(lucidrains_nystrom_kernel, "nystrom", few, options=LUCIDRAINS, supports=NYSTROM, grads=True)
+    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
+    _passes(grads, 16)
+    _fails(_run(functools.partial(lucidrains_nystrom_kernel, iterations=5), "nystrom", few, ("float32",),
+                options=LUCIDRAINS, supports=NYSTROM))
+
+
+def test_lucidrains_nystrom_landmarks_are_named():
     rows = _run(lucidrains_nystrom_kernel, "nystrom", options={"pinv_init": "global"}, supports=NYSTROM)
     divides = [r for r in rows if _landmarks_divide(_case("nystrom", r.case))
                or _landmarks_divide(_case("nystrom", r.case), equal=True)]
-    ratio = _passes(divides, 16)
-    print(f"THIRDPARTY nystrom-attention worst ratio {ratio:.2f} (m | N)")
+    _passes(divides, 16)  # where m divides N the two cuts are one
     # constant keys have the same landmarks however the sequence is cut: one function there
     _fails([r for r in rows if r not in divides and _case("nystrom", r.case).dist != "constant_keys"],
-           "landmarks of the sequence zero-padded at the front to a multiple of m, the padding masked")
-    few = ["length:b1h2-q64k64-d32", "long:b1h1-q1000k1000-d64"]
-    _fails(_run(functools.partial(lucidrains_nystrom_kernel, iterations=5), "nystrom", few, ("float32",),
-                options={"pinv_init": "global"}, supports=NYSTROM))
-    unmasked = _run(functools.partial(lucidrains_nystrom_kernel, key_mask=False), "nystrom",
-                    ["basic:b2h3-q17k17-d16"], ("float64",), options={"pinv_init": "global"},
+           "the padding masked (lucidrains' nystrom-attention")
+    assert all("pass options={'landmarks': 'front-padded'}" in r.diagnosis
+               for r in rows if r.verdict == "fail")
+    few = ["basic:b2h3-q17k17-d16"]
+    _fails(_run(functools.partial(lucidrains_nystrom_kernel, key_mask=False), "nystrom", few, ("float64",),
+                options=LUCIDRAINS, supports=NYSTROM), "the padding unmasked")
+    # an attn_ref-style kernel (balanced segments) declared front-padded is named too
+    balanced = _run(hf_style_balanced_kernel, "nystrom", few, ("float64",), options=LUCIDRAINS,
                     supports=NYSTROM)
-    _fails(unmasked, "the padding unmasked")
+    _fails(balanced, "landmarks of m balanced segments")
+
+
+def hf_style_balanced_kernel(q, k, v, *, num_landmarks):
+    from attn_ref import nystrom_attention
+
+    return nystrom_attention(q, k, v, num_landmarks=num_landmarks, pinv_init="global")
+
+
+def test_front_padded_landmarks_are_lucidrains_means():
+    import numpy as np
+
+    from attn_ref.reduced import front_padded_means, front_padded_sizes
+
+    x = np.arange(14.0).reshape(7, 2)
+    # N = 7, m = 3: l = 3, 2 zero rows in front: segments [0], [1, 2, 3], [4, 5, 6]
+    np.testing.assert_array_equal(front_padded_means(x, 3), [x[:1].mean(0), x[1:4].mean(0), x[4:].mean(0)])
+    assert front_padded_sizes(7, 3) == [1, 3, 3]
+    with pytest.raises(ValueError, match="needs a token in every segment: N = 5 with m = 4"):
+        front_padded_sizes(5, 4)
 
 
 @functools.cache
