@@ -23,7 +23,7 @@ position belongs to exactly one segment. :func:`segment_means` computes the mean
 two reshapes (exact, ``O(N d)``), :func:`segment_expand` copies ``m`` rows back to
 ``N`` positions.
 
-lucidrains' nystrom-attention cuts differently (``landmarks="front-padded"`` of
+lucidrains' nystrom-attention cuts differently (``segments="front-padded"`` of
 :func:`nystrom_attention`): it pads the sequence at the front with zero tokens to
 ``m l`` positions, ``l = ceil(N / m)``, and with its key mask leaves them out of the
 means, so the first segment holds ``l - (m l - N)`` tokens and the others ``l``
@@ -53,7 +53,7 @@ __all__ = [
     "front_padded_sizes",
     "front_padded_means",
     "landmark_means",
-    "LANDMARKS",
+    "SEGMENTS",
     "pooled_attention",
     "pooled_weights",
     "query_reduced_attention",
@@ -130,9 +130,9 @@ def segment_expand(y, n, /, *, xp=None):
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
 
 
-#: The two ways of cutting the sequence into landmark segments (``landmarks=`` of
+#: The two ways of cutting the sequence into landmark segments (``segments=`` of
 #: :func:`nystrom_attention`).
-LANDMARKS = ("balanced", "front-padded")
+SEGMENTS = ("balanced", "front-padded")
 
 
 def front_padded_sizes(n, m):
@@ -144,7 +144,7 @@ def front_padded_sizes(n, m):
     pad = m * size - n
     if pad >= size:
         raise ValueError(
-            f"landmarks='front-padded' needs a token in every segment: N = {n} with m = {m} "
+            f"segments='front-padded' needs a token in every segment: N = {n} with m = {m} "
             f"pads {pad} positions at the front, at least a whole segment of ceil(N / m) = "
             f"{size}; pass a num_landmarks with (m - 1) ceil(N / m) < N")
     return [size - pad] + [size] * (m - 1)
@@ -176,9 +176,9 @@ def front_padded_means(x, m, /, *, xp=None):
     return sums / counts[:, None]
 
 
-def landmark_means(x, m, landmarks, /, *, xp=None):
+def landmark_means(x, m, segments, /, *, xp=None):
     """:func:`segment_means` (``"balanced"``) or :func:`front_padded_means`."""
-    return (front_padded_means(x, m, xp=xp) if landmarks == "front-padded"
+    return (front_padded_means(x, m, xp=xp) if segments == "front-padded"
             else segment_means(x, m, xp=xp))
 
 
@@ -451,7 +451,7 @@ def iterative_pinv(a, /, *, iterations=6, pinv_init="matrix", xp=None):
 
 
 def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn,
-                    pinv_init="matrix", landmarks="balanced"):
+                    pinv_init="matrix", segments="balanced"):
     """Check the inputs of :func:`nystrom_attention`: ``(xp, scale)``."""
     _refuse_causal(fn, causal, "every landmark is a mean over the whole sequence")
     xp, batch = check_qkv(q, k, v, xp=xp)
@@ -461,15 +461,15 @@ def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, 
     if pinv_iterations is not None:
         check_positive_int("pinv_iterations", pinv_iterations)
     check_pinv_init(pinv_init)
-    if landmarks not in LANDMARKS:
-        raise ValueError(f"landmarks must be one of {', '.join(map(repr, LANDMARKS))}, got {landmarks!r}")
-    if landmarks == "front-padded":
+    if segments not in SEGMENTS:
+        raise ValueError(f"segments must be one of {', '.join(map(repr, SEGMENTS))}, got {segments!r}")
+    if segments == "front-padded":
         for n in dict.fromkeys((nq, nk)):
             front_padded_sizes(n, num_landmarks)
     return xp, default_scale(q.shape[-1], scale)
 
 
-def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix", landmarks="balanced"):
+def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix", segments="balanced"):
     """Nystromformer's three kernels and the pseudo-inverse: ``(K1, K2, Z, K3)``.
 
     ``K1 = softmax(scale Q Kl^T) (..., Nq, m)``, ``K2 = softmax(scale Ql Kl^T) (..., m, m)``,
@@ -480,8 +480,8 @@ def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix", lan
     """
     # The scale multiplies the products, not q (scale * q may overflow where the logits
     # do not); the landmarks are means, so those of the unscaled queries are the same.
-    ql = landmark_means(q, m, landmarks, xp=xp)
-    kl = landmark_means(k, m, landmarks, xp=xp)
+    ql = landmark_means(q, m, segments, xp=xp)
+    kl = landmark_means(k, m, segments, xp=xp)
     k1 = attention_weights(q, kl, scale=scale, xp=xp)
     k2 = attention_weights(ql, kl, scale=scale, xp=xp)
     k3 = attention_weights(ql, k, scale=scale, xp=xp)
@@ -493,7 +493,7 @@ def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix", lan
 
 
 def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                      landmarks="balanced", causal=False, scale=None, xp=None):
+                      segments="balanced", causal=False, scale=None, xp=None):
     """Nystromformer attention: ``softmax(Q Kl^T) pinv(softmax(Ql Kl^T)) softmax(Ql K^T) V``.
 
     Parameters
@@ -513,7 +513,7 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init
         maxima over all batch entries and heads (``"global"``: HuggingFace's
         ``init_option="original"``, lucidrains' ``nystrom-attention``); see
         :func:`iterative_pinv`. Unused with ``pinv_iterations=None``.
-    landmarks : {"balanced", "front-padded"}
+    segments : {"balanced", "front-padded"}
         How the sequence is cut into the ``m`` segments: ``m`` segments whose sizes differ
         by at most one (default), or lucidrains' nystrom-attention's, the sequence
         zero-padded at the front to ``m ceil(N / m)`` and the padding left out of the
@@ -548,21 +548,21 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init
     True
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention", pinv_init, landmarks)
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, landmarks)
+                                "nystrom_attention", pinv_init, segments)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, segments)
     return k1 @ (z @ (k3 @ v))
 
 
 def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                    landmarks="balanced", causal=False, scale=None, xp=None):
+                    segments="balanced", causal=False, scale=None, xp=None):
     """The implied ``(..., Nq, Nk)`` matrix ``softmax(Q Kl^T) pinv(...) softmax(Ql K^T)``.
 
     Rows sum to one only approximately, and entries may be negative. The options are
     those of :func:`nystrom_attention`.
     """
     xp, scale = prepare_nystrom(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_weights", pinv_init, landmarks)
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, landmarks)
+                                "nystrom_weights", pinv_init, segments)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, segments)
     return (k1 @ z) @ k3
 
 

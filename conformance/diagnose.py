@@ -731,7 +731,7 @@ def _nystrom_front_padded_sigs(prep):
     """lucidrains' nystrom-attention pads the sequence at the front with zero tokens to a
     multiple ``m l`` of the landmarks (``l = ceil(N / m)``) and takes each landmark as the
     mean of ``l`` consecutive tokens; with its key mask the zero tokens are left out
-    (``landmarks="front-padded"`` of :func:`attn_ref.nystrom_attention`), without it they
+    (``segments="front-padded"`` of :func:`attn_ref.nystrom_attention`), without it they
     are averaged in and attended as keys of logit 0 (no option: a misuse). The default
     segments are the ``m`` balanced ones; the two agree when ``m`` divides ``N``."""
     if prep.variant.name != "nystrom" or prep.case.nq != prep.case.nk:
@@ -745,16 +745,16 @@ def _nystrom_front_padded_sigs(prep):
     pad = m * size - n
     if pad == 0:
         return
-    declared = prep.options.get("landmarks", "balanced")
+    declared = prep.options.get("segments", "balanced")
     if declared == "front-padded":
         yield ("landmarks of m balanced segments (attn_ref's default), not of the declared "
-               "front-padded ones: drop options={'landmarks': 'front-padded'}",
-               prep.reference("float64", options={**prep.options, "landmarks": "balanced"}))
+               "front-padded ones: drop options={'segments': 'front-padded'}",
+               prep.reference("float64", options={**prep.options, "segments": "balanced"}))
     elif pad < size:
         yield ("landmarks of the sequence zero-padded at the front to a multiple of m, the "
                f"padding masked (lucidrains' nystrom-attention, N = {n} not a multiple of "
-               f"m = {m}): pass options={{'landmarks': 'front-padded'}}",
-               prep.reference("float64", options={**prep.options, "landmarks": "front-padded"}))
+               f"m = {m}): pass options={{'segments': 'front-padded'}}",
+               prep.reference("float64", options={**prep.options, "segments": "front-padded"}))
     a = prep.arrays
     z = lambda x: np.concatenate([np.zeros(x.shape[:-2] + (pad, x.shape[-1])), x], -2)  # noqa: E731
     q, k, v = z(a["q"] * prep.scale), z(a["k"]), z(a["v"])

@@ -251,7 +251,7 @@ def lucidrains_nystrom_kernel(q, k, v, *, num_landmarks, key_mask=True, iteratio
 
 
 NYSTROM = {"value_dim": False, "cross": False}
-LUCIDRAINS = {"pinv_init": "global", "landmarks": "front-padded"}
+LUCIDRAINS = {"pinv_init": "global", "segments": "front-padded"}
 
 
 def test_lucidrains_nystrom_passes_with_its_landmarks_declared():
@@ -274,7 +274,7 @@ def test_lucidrains_nystrom_landmarks_are_named():
     # constant keys have the same landmarks however the sequence is cut: one function there
     _fails([r for r in rows if r not in divides and _case("nystrom", r.case).dist != "constant_keys"],
            "the padding masked (lucidrains' nystrom-attention")
-    assert all("pass options={'landmarks': 'front-padded'}" in r.diagnosis
+    assert all("pass options={'segments': 'front-padded'}" in r.diagnosis
                for r in rows if r.verdict == "fail")
     few = ["basic:b2h3-q17k17-d16"]
     _fails(_run(functools.partial(lucidrains_nystrom_kernel, key_mask=False), "nystrom", few, ("float64",),

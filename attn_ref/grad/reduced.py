@@ -78,8 +78,8 @@ def front_padded_means_vjp(xp, dy, n):
     return xp.reshape(rows, lead + (m * size, e))[..., pad:, :]
 
 
-def _landmark_vjp(xp, dy, n, landmarks):
-    return (front_padded_means_vjp(xp, dy, n) if landmarks == "front-padded"
+def _landmark_vjp(xp, dy, n, segments):
+    return (front_padded_means_vjp(xp, dy, n) if segments == "front-padded"
             else segment_means_vjp(xp, dy, n))
 
 
@@ -191,7 +191,7 @@ def pinv_vjp(a, z, dz, /, *, xp=None):
 
 
 def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                      landmarks="balanced", causal=False, scale=None, xp=None):
+                      segments="balanced", causal=False, scale=None, xp=None):
     """VJP of :func:`attn_ref.reduced.nystrom_attention`: ``{"q", "k", "v"}``.
 
     Differentiates through the landmarks (segment means), the three row softmaxes and
@@ -208,12 +208,12 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_
     ((6, 4), (6, 4), (6, 4))
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention", pinv_init, landmarks)
+                                "nystrom_attention", pinv_init, segments)
     _, batch = check_qkv(q, k, v, xp=xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
-    ql, kl = landmark_means(q, m, landmarks, xp=xp), landmark_means(k, m, landmarks, xp=xp)
-    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init, landmarks)
+    ql, kl = landmark_means(q, m, segments, xp=xp), landmark_means(k, m, segments, xp=xp)
+    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init, segments)
     w3 = k3 @ v
     w2 = z @ w3
     # out = k1 @ w2
@@ -232,8 +232,8 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_
     # the end (a scaled copy of q could overflow where the logits do not).
     dkl = transpose(xp, ds1) @ q + transpose(xp, ds2) @ ql
     dql = ds2 @ kl + ds3 @ k
-    dq = ds1 @ kl + _landmark_vjp(xp, dql, q.shape[-2], landmarks)
-    dk = transpose(xp, ds3) @ ql + _landmark_vjp(xp, dkl, k.shape[-2], landmarks)
+    dq = ds1 @ kl + _landmark_vjp(xp, dql, q.shape[-2], segments)
+    dk = transpose(xp, ds3) @ ql + _landmark_vjp(xp, dkl, k.shape[-2], segments)
     if scale != 1.0:
         dq, dk = dq * scale, dk * scale
     return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
