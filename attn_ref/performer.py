@@ -31,6 +31,17 @@ rescaled when the running maximum grows: chunk states at their chunk's maximum, 
 exclusive prefix over chunks by a log-depth doubling scan with rescaling, and a masked
 running maximum inside each chunk. Every factor is at most 1, nothing overflows, and
 no key influences an earlier query's output, bit for bit.
+
+The feature floor (``feature_eps``)
+-----------------------------------
+google-research's FAVOR+ code (``numerical_stabilizer``) and lucidrains'
+performer-pytorch (``softmax_kernel``, ``eps=1e-4``) add a constant to each feature after
+the stabiliser, ``phi(x) = (exp(W x - |x|^2/2 - c) + feature_eps) / sqrt(m)``, with their
+own stabiliser: ``c`` the largest ``w.x`` of each query's features, and of all keys'
+features of a batch entry and head. The floor is relative to ``exp(-c)``, so it does not
+cancel: features far below that maximum are moved by O(1). That is another function,
+which ``feature_eps > 0`` computes (non-causal; that code's causal form takes ``c`` over
+every key, future ones included). ``docs/performer.md`` compares the two.
 """
 
 from __future__ import annotations
@@ -73,6 +84,7 @@ __all__ = [
     # Named steps that attn_ref.grad differentiates.
     "performer_features",
     "prepare_performer",
+    "floored_features",
 ]
 
 KERNELS = ("positive", "trigonometric")
@@ -348,10 +360,24 @@ def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None)
                                   offset, kernel)
 
 
-def performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale):
+def floored_features(xp, x, projection, feature_eps, over_rows):
+    """``(exp(W x - |x|^2/2 - c) + feature_eps) / sqrt(m)``, ``c`` the largest ``w.x`` of
+    each row (``over_rows=False``: queries) or of all rows (``True``: keys), as
+    google-research's FAVOR+ code and performer-pytorch stabilise (module docstring)."""
+    u = x @ xp.matrix_transpose(projection)
+    c = xp.max(u, axis=-1, keepdims=True)
+    if over_rows and x.shape[-2] > 0:
+        c = xp.max(c, axis=-2, keepdims=True)
+    return (xp.exp(u - half_sq_norm(xp, x) - c) + feature_eps) / math.sqrt(projection.shape[0])
+
+
+def performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps=0.0):
     """The stabilised random features ``(phi(q), phi(k))`` of the scaled queries and keys."""
     root = math.sqrt(scale)
     xq, xk = q * root, k * root
+    if feature_eps:
+        return (floored_features(xp, xq, projection, feature_eps, False),
+                floored_features(xp, xk, projection, feature_eps, True))
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
     oq = row_offset(xp, eq) if stabilize else None
@@ -362,13 +388,33 @@ def performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale
             features_from_exponent(xp, xk, projection, ek, ok, kernel))
 
 
-def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp):
+def _check_feature_eps(feature_eps, kernel, alignment, stabilize):
+    if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not (
+            0.0 <= feature_eps < math.inf):
+        raise ValueError(f"feature_eps must be a finite float >= 0, got {feature_eps!r}")
+    if not feature_eps:
+        return
+    if kernel != "positive":
+        raise ValueError(f"feature_eps floors the positive features; kernel={kernel!r} takes none")
+    if not stabilize:
+        raise ValueError("feature_eps is added after the stabiliser (it is relative to it); "
+                         "stabilize=False takes none")
+    if alignment is not None:
+        raise ValueError(
+            "feature_eps is defined for non-causal attention only: the causal form of the code "
+            "it follows (performer-pytorch) takes its key stabiliser over every key, future "
+            "ones included, so a later key changes an earlier output")
+
+
+def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp, feature_eps=0.0,
+                      stabilize=True):
     """Check the inputs of :func:`performer_attention`: ``(xp, alignment, scale, eps)``."""
     xp, _ = check_qkv(q, k, v, xp=xp)
     xp = namespace(("q", q), ("projection", projection), xp=xp)
     _check_kernel(kernel)
     _check_projection(xp, projection, q.shape[-1], q)
     alignment = causal_alignment(causal)
+    _check_feature_eps(feature_eps, kernel, alignment, stabilize)
     scale = default_scale(q.shape[-1], scale)
     if scale < 0:
         raise ValueError(f"scale must be non-negative for random features, got {scale!r}")
@@ -380,7 +426,8 @@ def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp):
 
 
 def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=False, stabilize=True,
-                        scale=None, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, eps=None, xp=None):
+                        scale=None, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, eps=None,
+                        feature_eps=0.0, xp=None):
     """Performer (FAVOR+) attention: random-feature estimate of ``softmax(scale Q K^T) V``.
 
     Parameters
@@ -408,11 +455,17 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
         exactly-zero or underflowed denominator is
         floored. Trigonometric denominators can be near zero or negative; outputs
         there are large (the instability positive features were introduced to fix).
+    feature_eps : float
+        ``0`` (default): FAVOR+ as the paper defines it. ``> 0``: the floor that
+        google-research's FAVOR+ code and performer-pytorch add to every feature after
+        their stabiliser, ``(exp(W x - |x|^2/2 - max w.x) + feature_eps) / sqrt(m)``
+        (performer-pytorch: ``1e-4``): another function (module docstring). Positive
+        kernel, ``stabilize=True`` and non-causal only.
 
     Returns
     -------
     array, shape (..., Nq, dv)
-        Converges to softmax attention as ``m`` grows.
+        Converges to softmax attention as ``m`` grows (``feature_eps=0``).
 
     Notes
     -----
@@ -432,14 +485,15 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     >>> bool(err < 0.05)  # the error falls like 1/sqrt(m)
     True
     """
-    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
+    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp,
+                                                  feature_eps, stabilize)
     check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
-    if alignment is None and order == "linear":
+    if alignment is None and order == "linear" and not feature_eps:
         return _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps)
-    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
     return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
                                 eps=eps, xp=xp)
 
@@ -478,7 +532,7 @@ def _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps):
 
 def performer_attention_weights(q, k, /, *, projection, kernel="positive", causal=False, stabilize=True,
                                 scale=None, order="linear", chunk_size=DEFAULT_CHUNK_SIZE, eps=None,
-                                xp=None):
+                                feature_eps=0.0, xp=None):
     """The ``(..., Nq, Nk)`` attention matrix the Performer estimate implies.
 
     ``performer_attention(q, k, v, ...) == weights @ v``; rows sum to 1 (rows with no
@@ -496,13 +550,14 @@ def performer_attention_weights(q, k, /, *, projection, kernel="positive", causa
     >>> bool(xp.all(xp.abs(xp.sum(p, axis=-1) - 1.0) < 1e-12))
     True
     """
-    xp, alignment, scale, eps = prepare_performer(q, k, k, projection, kernel, causal, scale, eps, xp)
+    xp, alignment, scale, eps = prepare_performer(q, k, k, projection, kernel, causal, scale, eps, xp,
+                                                  feature_eps, stabilize)
     check_order(order)
     check_positive_int("chunk_size", chunk_size)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         a = _causal_stabilised(xp, q, k, None, projection, kernel, alignment, scale, order, chunk_size, eps)
         return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
-    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
     return weights_from_features(fq, fk, causal=alignment or False, eps=eps, xp=xp)
 
 

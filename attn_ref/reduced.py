@@ -22,6 +22,12 @@ equal segments of the Nystromformer code; otherwise no padding is needed and eve
 position belongs to exactly one segment. :func:`segment_means` computes the means by
 two reshapes (exact, ``O(N d)``), :func:`segment_expand` copies ``m`` rows back to
 ``N`` positions.
+
+lucidrains' nystrom-attention cuts differently (``segments="front-padded"`` of
+:func:`nystrom_attention`): it pads the sequence at the front with zero tokens to
+``m l`` positions, ``l = ceil(N / m)``, and with its key mask leaves them out of the
+means, so the first segment holds ``l - (m l - N)`` tokens and the others ``l``
+(:func:`front_padded_means`). The two agree when ``m`` divides ``N``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ __all__ = [
     "segment_sizes",
     "segment_means",
     "segment_expand",
+    "front_padded_sizes",
+    "front_padded_means",
+    "landmark_means",
+    "SEGMENTS",
     "pooled_attention",
     "pooled_weights",
     "query_reduced_attention",
@@ -119,6 +129,58 @@ def segment_expand(y, n, /, *, xp=None):
         rows = xp.broadcast_to(y[..., r:, None, :], lead + (m - r, c, e))
         parts.append(xp.reshape(rows, lead + (n - cut, e)))
     return parts[0] if len(parts) == 1 else xp.concat(parts, axis=-2)
+
+
+#: The two ways of cutting the sequence into landmark segments (``segments=`` of
+#: :func:`nystrom_attention`).
+SEGMENTS = ("balanced", "front-padded")
+
+
+def front_padded_sizes(n, m):
+    """Tokens per segment of ``n`` positions zero-padded at the front to ``m ceil(n / m)``,
+    padding left out: ``[l - pad] + [l] * (m - 1)``. Raises ``ValueError`` when the
+    padding fills the first segment (``pad >= l``: a landmark of no token)."""
+    check_positive_int("num_landmarks", m)
+    size = -(-n // m)
+    pad = m * size - n
+    if pad >= size:
+        raise ValueError(
+            f"segments='front-padded' needs a token in every segment: N = {n} with m = {m} "
+            f"pads {pad} positions at the front, at least a whole segment of ceil(N / m) = "
+            f"{size}; pass a num_landmarks with (m - 1) ceil(N / m) < N")
+    return [size - pad] + [size] * (m - 1)
+
+
+def front_padded_means(x, m, /, *, xp=None):
+    """Means of ``x (..., N, d)`` over the front-padded segments (module docstring).
+
+    lucidrains' nystrom-attention (0.0.14) with a key mask: zero rows in front up to
+    ``m ceil(N / m)``, sums over ``ceil(N / m)`` consecutive rows, divided by the number of
+    real rows. Returns ``(..., m, d)``; ``O(N d)``.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.reduced import front_padded_means
+    >>> front_padded_means(xp.reshape(xp.arange(5.0), (5, 1)), 2)[:, 0]   # [0,1] and [2,3,4]
+    Array([0.5, 3. ], dtype=array_api_strict.float64)
+    """
+    xp = array_api_compat.array_namespace(x) if xp is None else xp
+    n, d, lead = x.shape[-2], x.shape[-1], tuple(x.shape[:-2])
+    sizes = front_padded_sizes(n, m)
+    size, pad = sizes[-1], sizes[-1] - sizes[0]
+    dev = array_api_compat.device(x)
+    if pad:
+        x = xp.concat([xp.zeros(lead + (pad, d), dtype=x.dtype, device=dev), x], axis=-2)
+    sums = xp.sum(xp.reshape(x, lead + (m, size, d)), axis=-2)
+    counts = xp.asarray([float(c) for c in sizes], dtype=x.dtype, device=dev)
+    return sums / counts[:, None]
+
+
+def landmark_means(x, m, segments, /, *, xp=None):
+    """:func:`segment_means` (``"balanced"``) or :func:`front_padded_means`."""
+    return (front_padded_means(x, m, xp=xp) if segments == "front-padded"
+            else segment_means(x, m, xp=xp))
 
 
 def _membership(xp, n, m, dtype, device):
@@ -390,7 +452,7 @@ def iterative_pinv(a, /, *, iterations=6, pinv_init="matrix", xp=None):
 
 
 def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, fn,
-                    pinv_init="matrix"):
+                    pinv_init="matrix", segments="balanced"):
     """Check the inputs of :func:`nystrom_attention`: ``(xp, scale)``."""
     _refuse_causal(fn, causal, "every landmark is a mean over the whole sequence")
     xp, batch = check_qkv(q, k, v, xp=xp)
@@ -400,22 +462,27 @@ def prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp, 
     if pinv_iterations is not None:
         check_positive_int("pinv_iterations", pinv_iterations)
     check_pinv_init(pinv_init)
+    if segments not in SEGMENTS:
+        raise ValueError(f"segments must be one of {', '.join(map(repr, SEGMENTS))}, got {segments!r}")
+    if segments == "front-padded":
+        for n in dict.fromkeys((nq, nk)):
+            front_padded_sizes(n, num_landmarks)
     return xp, default_scale(q.shape[-1], scale)
 
 
-def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix"):
+def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix", segments="balanced"):
     """Nystromformer's three kernels and the pseudo-inverse: ``(K1, K2, Z, K3)``.
 
     ``K1 = softmax(scale Q Kl^T) (..., Nq, m)``, ``K2 = softmax(scale Ql Kl^T) (..., m, m)``,
     ``Z = pinv(K2)`` (iterative from ``pinv_init``'s start unless ``pinv_iterations`` is
     None) and
     ``K3 = softmax(scale Ql K^T) (..., m, Nk)``, with ``Ql``, ``Kl`` the segment means of
-    ``q``, ``k``. ``O((Nq + Nk) m d + m^3 pinv_iterations)`` time.
+    ``q``, ``k`` (:func:`landmark_means`). ``O((Nq + Nk) m d + m^3 pinv_iterations)`` time.
     """
     # The scale multiplies the products, not q (scale * q may overflow where the logits
     # do not); the landmarks are means, so those of the unscaled queries are the same.
-    ql = segment_means(q, m, xp=xp)
-    kl = segment_means(k, m, xp=xp)
+    ql = landmark_means(q, m, segments, xp=xp)
+    kl = landmark_means(k, m, segments, xp=xp)
     k1 = attention_weights(q, kl, scale=scale, xp=xp)
     k2 = attention_weights(ql, kl, scale=scale, xp=xp)
     k3 = attention_weights(ql, k, scale=scale, xp=xp)
@@ -427,7 +494,7 @@ def nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init="matrix"):
 
 
 def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                      causal=False, scale=None, xp=None):
+                      segments="balanced", causal=False, scale=None, xp=None):
     """Nystromformer attention: ``softmax(Q Kl^T) pinv(softmax(Ql Kl^T)) softmax(Ql K^T) V``.
 
     Parameters
@@ -447,6 +514,12 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init
         maxima over all batch entries and heads (``"global"``: HuggingFace's
         ``init_option="original"``, lucidrains' ``nystrom-attention``); see
         :func:`iterative_pinv`. Unused with ``pinv_iterations=None``.
+    segments : {"balanced", "front-padded"}
+        How the sequence is cut into the ``m`` segments: ``m`` segments whose sizes differ
+        by at most one (default), or lucidrains' nystrom-attention's, the sequence
+        zero-padded at the front to ``m ceil(N / m)`` and the padding left out of the
+        means (module docstring; needs ``(m - 1) ceil(N / m) < N``). The same when ``m``
+        divides ``N``.
     causal
         Not supported (landmarks average the whole sequence); raises ``ValueError``.
     scale : float, optional
@@ -476,21 +549,21 @@ def nystrom_attention(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv_init
     True
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention", pinv_init)
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init)
+                                "nystrom_attention", pinv_init, segments)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, segments)
     return k1 @ (z @ (k3 @ v))
 
 
 def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                    causal=False, scale=None, xp=None):
+                    segments="balanced", causal=False, scale=None, xp=None):
     """The implied ``(..., Nq, Nk)`` matrix ``softmax(Q Kl^T) pinv(...) softmax(Ql K^T)``.
 
     Rows sum to one only approximately, and entries may be negative. The options are
     those of :func:`nystrom_attention`.
     """
     xp, scale = prepare_nystrom(q, k, k, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_weights", pinv_init)
-    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init)
+                                "nystrom_weights", pinv_init, segments)
+    k1, _, z, k3 = nystrom_kernels(xp, q, k, num_landmarks, pinv_iterations, scale, pinv_init, segments)
     return (k1 @ z) @ k3
 
 

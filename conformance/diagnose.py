@@ -597,6 +597,191 @@ for _sig in (
     register_signature(_sig)
 
 
+# ------------------------------------------- conventions of widely used third-party code
+# Each is another function than the registered variant, which the kernel computes on
+# purpose: the diagnosis names the package and says how the function differs, so that a
+# user does not hunt for a rounding bug (tests/test_conformance_thirdparty.py).
+
+
+def _host_favor(x, w, over_rows, eps, scale):
+    """performer-pytorch's ``softmax_kernel`` (google-research's FAVOR+ code) in float64:
+    ``(exp(W x - |x|^2/2 - c) + eps) / sqrt(m)`` of ``x = sqrt(scale) q``, ``c`` the
+    maximum of ``W x`` over each row's features (queries) or over every key and feature
+    of the batch entry and head (``over_rows``, keys)."""
+    x = x * math.sqrt(scale)
+    u = x @ w.T
+    c = np.max(u, axis=(-1, -2) if over_rows else -1, keepdims=True)
+    return (np.exp(u - np.sum(x * x, axis=-1, keepdims=True) / 2 - c) + eps) / math.sqrt(w.shape[0])
+
+
+#: the feature floors of the FAVOR+ code in use: performer-pytorch's ``softmax_kernel``
+#: (1e-4) and google-research's ``numerical_stabilizer`` (1e-6)
+FEATURE_FLOORS = (1e-4, 1e-6)
+
+
+def _performer_eps_sigs(prep):
+    """FAVOR+ features with a floor added after the stabiliser
+    (:func:`attn_ref.performer_attention`'s ``feature_eps``), or without the declared
+    one; causal, performer-pytorch's form, which has no option: its key stabiliser is
+    taken over every key, and its denominator is ``q . (cumsum k + 1e-6)``."""
+    if prep.variant.name != "performer" or prep.options.get("kernel", "positive") != "positive":
+        return
+    declared = prep.options.get("feature_eps", 0.0)
+    causal = prep.kwargs.get("causal") not in (None, False)
+    if declared and not causal:
+        yield (f"features without the declared floor feature_eps={declared:g} (FAVOR+ as the "
+               f"paper defines it): drop options={{'feature_eps': {declared:g}}}",
+               prep.reference("float64", options={**prep.options, "feature_eps": 0.0}))
+        return
+    if not causal:
+        for eps in FEATURE_FLOORS:
+            yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
+                   f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}; "
+                   f"google-research's FAVOR+ code): pass options={{'feature_eps': {eps:g}}}",
+                   prep.reference("float64", options={**prep.options, "feature_eps": eps}))
+        return
+    if prep.case.nq != prep.case.nk:
+        return
+    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
+    for eps in FEATURE_FLOORS:
+        fq = _host_favor(a["q"], w, False, eps, prep.scale)
+        fk = _host_favor(a["k"], w, True, eps, prep.scale)
+        att = np.tril(fq @ np.swapaxes(fk, -1, -2))
+        den = np.sum(fq * (np.cumsum(fk, axis=-2) + 1e-6), -1, keepdims=True)
+        yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
+               f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}), in its "
+               f"causal form: the key stabiliser is the maximum over every key, future ones "
+               f"included, and the denominator q . (cumsum k + 1e-6); another function, which "
+               f"attn_ref does not define (a later key changes an earlier output)",
+               att @ a["v"] / den)
+
+
+def _generalized_kernel_sigs(prep):
+    """performer-pytorch's ``generalized_attention=True``: features ``relu(W x) + 0.001`` of
+    ``x = sqrt(scale) q`` (``generalized_kernel``, ``kernel_epsilon=0.001``), normalised
+    linear attention on them: a kernel of its own, no estimator of softmax."""
+    if prep.variant.name != "performer" or prep.kwargs.get("causal") not in (None, False):
+        return
+    a, w = prep.arrays, np.asarray(prep.params["projection"], dtype=np.float64)
+    root = math.sqrt(prep.scale)
+    fq, fk = (np.maximum((a[n] * root) @ w.T, 0.0) + 1e-3 for n in ("q", "k"))
+    yield ("features relu(W x) + 0.001 (performer-pytorch's generalized_attention=True, "
+           "generalized_kernel): linear attention with a ReLU random-feature kernel, another "
+           "function than FAVOR+'s estimate of softmax, not registered in attn_ref",
+           (fq @ (np.swapaxes(fk, -1, -2) @ a["v"])) / (fq @ np.sum(fk, axis=-2)[..., None]))
+
+
+def _efficient_attention_sigs(prep):
+    """Shen et al.'s efficient attention, ``softmax_d(Q) softmax_N(K)^T V`` (softmax of
+    each query over its features, of the keys over the sequence), as lucidrains'
+    linear-attention-transformer computes it (times ``d**-0.5``): no kernel feature map
+    of :func:`attn_ref.linear_attention`, so no option of the ``linear`` variant."""
+    if prep.variant.family != "linear" or prep.kwargs.get("causal") not in (None, False):
+        return
+    a = prep.arrays
+    eq = np.exp(a["q"] - np.max(a["q"], axis=-1, keepdims=True))
+    eq = eq / np.sum(eq, axis=-1, keepdims=True)
+    ek = np.exp(a["k"] - np.max(a["k"], axis=-2, keepdims=True))
+    ek = ek / np.sum(ek, axis=-2, keepdims=True)
+    out = eq @ (np.swapaxes(ek, -1, -2) @ a["v"])
+    for factor, words in ((prep.case.d ** -0.5, " times d**-0.5 (linear-attention-transformer's "
+                                                 "linear_attn)"), (1.0, "")):
+        yield ("efficient attention (Shen et al.): softmax of each query over its features and "
+               "of the keys over the sequence, softmax_d(Q) softmax_N(K)^T V" + words + "; not a "
+               "feature map of linear attention, which normalises phi(q) . phi(k) by its row "
+               "sum: another function, not registered in attn_ref", out * factor)
+
+
+def _window_padding_sigs(prep):
+    """lucidrains' local-attention with ``autopad=True`` and no key mask: the sequence is
+    zero-padded to a multiple of the window, and a non-causal window near the end reaches
+    zero keys of logit 0 that only a key mask would hide."""
+    if prep.variant.name != "local" or prep.kwargs.get("causal") not in (None, False):
+        return
+    w = prep.kwargs.get("window", prep.options.get("window"))
+    n = prep.case.nk
+    if not w or n % w == 0 or prep.case.nq != n:
+        return
+    size = n + (-n % w)
+    s = (prep.arrays["q"] @ np.swapaxes(prep.arrays["k"], -1, -2)) * prep.scale
+    lead = s.shape[:-2]
+    s = np.concatenate([s, np.zeros(lead + (n, size - n))], axis=-1)
+    v = prep.arrays["v"]
+    v = np.concatenate([v, np.zeros(v.shape[:-2] + (size - n, v.shape[-1]))], axis=-2)
+    near = np.abs(np.arange(n)[:, None] - np.arange(size)[None, :]) <= w
+    yield (f"the keys are zero-padded from N = {n} to {size} (a multiple of the window, "
+           f"{w}) and the padding is attended where a window reaches it (lucidrains' "
+           f"local-attention with autopad=True and no key mask: pass mask=)",
+           softmax_host(np.where(near, s, -np.inf), v))
+
+
+def _nystrom_exact_sigs(prep):
+    """HuggingFace's ``NystromformerSelfAttention`` computes exact softmax attention when
+    ``num_landmarks`` equals the sequence length (its ``segment_means_seq_len``), where the
+    reference still runs the iterative pseudo-inverse, which has not converged."""
+    if prep.variant.name != "nystrom" or prep.params.get("num_landmarks") != prep.case.nk:
+        return
+    yield ("exact softmax attention where num_landmarks == N (HuggingFace's "
+           "NystromformerSelfAttention skips the Nystrom approximation there; the reference "
+           "runs the 6-step iterative pseudo-inverse at every m): declare such cases "
+           "unsupported (supports={'cases': ...})", softmax_host(_logits(prep), prep.arrays["v"]))
+
+
+def _nystrom_front_padded_sigs(prep):
+    """lucidrains' nystrom-attention pads the sequence at the front with zero tokens to a
+    multiple ``m l`` of the landmarks (``l = ceil(N / m)``) and takes each landmark as the
+    mean of ``l`` consecutive tokens; with its key mask the zero tokens are left out
+    (``segments="front-padded"`` of :func:`attn_ref.nystrom_attention`), without it they
+    are averaged in and attended as keys of logit 0 (no option: a misuse). The default
+    segments are the ``m`` balanced ones; the two agree when ``m`` divides ``N``."""
+    if prep.variant.name != "nystrom" or prep.case.nq != prep.case.nk:
+        return
+    import array_api_compat.numpy as xnp
+
+    from attn_ref.reduced import iterative_pinv
+
+    m, n = prep.params["num_landmarks"], prep.case.nk
+    size = -(-n // m)
+    pad = m * size - n
+    if pad == 0:
+        return
+    declared = prep.options.get("segments", "balanced")
+    if declared == "front-padded":
+        yield ("landmarks of m balanced segments (attn_ref's default), not of the declared "
+               "front-padded ones: drop options={'segments': 'front-padded'}",
+               prep.reference("float64", options={**prep.options, "segments": "balanced"}))
+    elif pad < size:
+        yield ("landmarks of the sequence zero-padded at the front to a multiple of m, the "
+               f"padding masked (lucidrains' nystrom-attention, N = {n} not a multiple of "
+               f"m = {m}): pass options={{'segments': 'front-padded'}}",
+               prep.reference("float64", options={**prep.options, "segments": "front-padded"}))
+    a = prep.arrays
+    z = lambda x: np.concatenate([np.zeros(x.shape[:-2] + (pad, x.shape[-1])), x], -2)  # noqa: E731
+    q, k, v = z(a["q"] * prep.scale), z(a["k"]), z(a["v"])
+    ql = q.reshape(q.shape[:-2] + (m, size, q.shape[-1])).mean(-2)
+    kl = k.reshape(k.shape[:-2] + (m, size, k.shape[-1])).mean(-2)
+    k1 = softmax_host(q @ np.swapaxes(kl, -1, -2), np.eye(m))
+    k2 = softmax_host(ql @ np.swapaxes(kl, -1, -2), np.eye(m))
+    zinv = iterative_pinv(k2, iterations=prep.options.get("pinv_iterations", 6) or 6,
+                          pinv_init=prep.options.get("pinv_init", "matrix"), xp=xnp)
+    out = (k1 @ zinv @ softmax_host(ql @ np.swapaxes(k, -1, -2), v))[..., pad:, :]
+    yield ("landmarks of the sequence zero-padded at the front to a multiple of m, the padding "
+           "unmasked: averaged into the landmarks and attended as keys (lucidrains' "
+           f"nystrom-attention without its key mask, N = {n} not a multiple of m = {m}; no "
+           "option computes this: pass it a mask)", out)
+
+
+for _sig in (
+    Signature("performer eps", _performer_eps_sigs),
+    Signature("performer generalized kernel", _generalized_kernel_sigs),
+    Signature("efficient attention", _efficient_attention_sigs),
+    Signature("window padding", _window_padding_sigs),
+    Signature("nystrom exact at m == N", _nystrom_exact_sigs),
+    Signature("nystrom front-padded landmarks", _nystrom_front_padded_sigs),
+):
+    register_signature(_sig)
+
+
 # --------------------------------------------------------------------------- diagnose
 
 

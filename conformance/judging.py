@@ -588,6 +588,12 @@ class Form:
         ``ln 2``: the rounding of a kernel that works in base 2 (``exp2``) as
         FlashAttention does. The same function only where the logits are
         ``scale * q . k`` and ``q`` enters nowhere else but linearly.
+    split_scale : bool
+        Multiply ``q`` and ``k`` by ``sqrt(scale)`` each (both rounded to the dtype) and
+        use logits scale 1: the rounding of a kernel that scales both by ``d**-0.25``, as
+        the Nystromformer paper and HuggingFace's ``NystromformerSelfAttention`` do. The
+        same function only where ``q`` and ``k`` enter linearly and the logits are
+        ``scale * q . k``.
     fn : callable, optional
         Another function with the reference's signature (the online-softmax form).
     blockwise : bool
@@ -599,6 +605,7 @@ class Form:
     name: str
     options: tuple = ()
     fold_scale: bool = False
+    split_scale: bool = False
     fn: Any = None
     blockwise: bool = False
     applies: Any = None  # applies(prep) -> bool; None: every case
@@ -621,6 +628,10 @@ class Form:
             arrays = {**arrays, "q": round_to(arrays["q"] * (prep.scale * math.log2(math.e)),
                                               prep.dtype)}
             kwargs = {**kwargs, "scale": math.log(2.0)}
+        if self.split_scale:
+            root = math.sqrt(prep.scale)
+            arrays = {**arrays, **{n: round_to(arrays[n] * root, prep.dtype) for n in ("q", "k")}}
+            kwargs = {**kwargs, "scale": 1.0}
         return prep.reference(dtype, arrays=arrays, kwargs=kwargs, fn=self.fn,
                               options={**prep.options, **dict(self.options)})
 
@@ -838,6 +849,7 @@ PERTURBED = Form("inputs moved by one ulp", perturb=True,
                  applies=lambda prep: prep.dtype in ("float32", "float64"))
 FOLD = Form("scale folded into q, base 2", fold_scale=True)
 ONLINE = Form("online softmax, 64 x 32 blocks", fn=_online, blockwise=True)
+SPLIT = Form("sqrt(scale) on q and on k", split_scale=True)
 # a block larger than any case: one block, no running accumulator
 _ONE = 1 << 30
 
@@ -899,10 +911,14 @@ for _name in RECURRENT:
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED)
-for _name in ("compressed", "pooled", "query_reduced", "nystrom", "clustered",
+for _name in ("compressed", "pooled", "query_reduced", "clustered",
               "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
     register_forms(_name, AS_REGISTERED, FOLD)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
+# Nystromformer: the paper and HuggingFace scale q and k by d**-0.25 each; both enter the
+# landmark means and the three logit matrices linearly, so that is the same function. On
+# large logits in float32 HuggingFace's kernel erred 2.4x the fold's tolerance without it
+register_forms("nystrom", AS_REGISTERED, FOLD, SPLIT, PERTURBED)
 # Linformer: the projections E K and F V sum over all Nk keys, blocked (NumPy's BLAS) or
 # one by one (a loop, torch's float64 matmul on CPU); in float16/bfloat16 the plain
 # fp32-accumulating form already dominates
@@ -928,7 +944,7 @@ def forms(prep, dtype) -> list[Form]:
     if dtype in LOW_PRECISION:
         fs = tuple(f for f in fs if not f.blockwise) or fs[:1]
     if "scale" not in reference_features(prep.variant) or prep.case.d == 0:
-        fs = tuple(f for f in fs if not f.fold_scale)
+        fs = tuple(f for f in fs if not (f.fold_scale or f.split_scale))
     return [f for f in fs if f.applies is None or f.applies(prep)]
 
 

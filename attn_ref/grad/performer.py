@@ -13,7 +13,12 @@ features. For ``x = sqrt(scale) q`` (or ``k``) and ``u = x W^T``:
 
 The stabiliser offsets are treated as constants (``stop_gradient``): a per-query
 offset, or one shared by every key a query sees, cancels in the normalised output, so
-its exact gradient is zero. The gradient of the projection ``W`` is returned too: it
+its exact gradient is zero. With a feature floor (``feature_eps > 0``) the features are
+``(exp(...) + feature_eps) / sqrt(m)``: the exponential's part is ``phi - feature_eps /
+sqrt(m)``, and the offsets, which no longer cancel, are held constant as
+google-research's code (``stop_gradient``) and performer-pytorch (``.detach()``) hold
+them: this is the gradient those implementations compute, not the derivative of the
+offsets' maxima. The gradient of the projection ``W`` is returned too: it
 is an input, and a model that learns its features needs it.
 """
 
@@ -28,11 +33,11 @@ from .linear import linear_from_features
 __all__ = ["performer_attention"]
 
 
-def _features_vjp(xp, x, projection, phi, dphi, kernel):
+def _features_vjp(xp, x, projection, phi, dphi, kernel, feature_eps=0.0):
     """``(dx, dW)`` for ``phi = features(x, W)`` (offset held constant)."""
     m = projection.shape[0]
     if kernel == "positive":
-        de = dphi * phi
+        de = dphi * (phi - feature_eps / math.sqrt(m) if feature_eps else phi)
         dx = de @ projection - xp.sum(de, axis=-1, keepdims=True) * x
         return dx, transpose(xp, de) @ x
     u = x @ transpose(xp, projection)
@@ -45,12 +50,12 @@ def _features_vjp(xp, x, projection, phi, dphi, kernel):
 
 
 def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal=False, stabilize=True,
-                        scale=None, order="linear", chunk_size=64, eps=None, xp=None):
+                        scale=None, order="linear", chunk_size=64, eps=None, feature_eps=0.0, xp=None):
     """VJP of :func:`attn_ref.performer_attention`: ``{"q", "k", "v", "projection"}``.
 
     Parameters
     ----------
-    q, k, v, projection, kernel, causal, stabilize, scale, order, chunk_size, eps, xp
+    q, k, v, projection, kernel, causal, stabilize, scale, order, chunk_size, eps, feature_eps, xp
         As in :func:`attn_ref.performer_attention`.
     do : array, shape (..., Nq, dv)
         Cotangent of the output.
@@ -77,13 +82,14 @@ def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal
     >>> sorted(g), g["projection"].shape
     (['k', 'projection', 'q', 'v'], (8, 4))
     """
-    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp)
-    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale)
+    xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp,
+                                                  feature_eps, stabilize)
+    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
     g = linear_from_features(fq, fk, v, do, causal=alignment or False, order=order, chunk_size=chunk_size,
                              eps=eps, xp=xp)
     root = math.sqrt(scale)
-    dxq, dwq = _features_vjp(xp, q * root, projection, fq, g["fq"], kernel)
-    dxk, dwk = _features_vjp(xp, k * root, projection, fk, g["fk"], kernel)
+    dxq, dwq = _features_vjp(xp, q * root, projection, fq, g["fq"], kernel, feature_eps)
+    dxk, dwk = _features_vjp(xp, k * root, projection, fk, g["fk"], kernel, feature_eps)
     dw = unbroadcast(xp, dwq, projection.shape) + unbroadcast(xp, dwk, projection.shape)
     return {"q": unbroadcast(xp, dxq * root, q.shape), "k": unbroadcast(xp, dxk * root, k.shape),
             "v": g["v"], "projection": dw}

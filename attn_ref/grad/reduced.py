@@ -30,7 +30,9 @@ from ..random import permutation
 from ..reduced import (
     assign_clusters,
     check_pinv_init,
+    front_padded_sizes,
     gather_rows,
+    landmark_means,
     nystrom_kernels,
     pinv_norms,
     prepare_clustered,
@@ -53,6 +55,7 @@ __all__ = [
     "iterative_pinv_vjp",
     "pinv_vjp",
     "segment_means_vjp",
+    "front_padded_means_vjp",
 ]
 
 
@@ -62,6 +65,22 @@ def segment_means_vjp(xp, dy, n):
     inv = xp.asarray([1.0 / s for s in segment_sizes(n, m)], dtype=dy.dtype,
                      device=array_api_compat.device(dy))
     return segment_expand(dy * inv[:, None], n, xp=xp)
+
+
+def front_padded_means_vjp(xp, dy, n):
+    """Cotangent of ``x (..., n, e)`` for ``y = front_padded_means(x, m)``: ``dy_j / |j|``
+    copied to the real rows of segment ``j``."""
+    m, e, lead = dy.shape[-2], dy.shape[-1], tuple(dy.shape[:-2])
+    sizes = front_padded_sizes(n, m)
+    size, pad = sizes[-1], sizes[-1] - sizes[0]
+    inv = xp.asarray([1.0 / c for c in sizes], dtype=dy.dtype, device=array_api_compat.device(dy))
+    rows = xp.broadcast_to((dy * inv[:, None])[..., None, :], lead + (m, size, e))
+    return xp.reshape(rows, lead + (m * size, e))[..., pad:, :]
+
+
+def _landmark_vjp(xp, dy, n, segments):
+    return (front_padded_means_vjp(xp, dy, n) if segments == "front-padded"
+            else segment_means_vjp(xp, dy, n))
 
 
 def _segment_sums(xp, dx, m):
@@ -172,7 +191,7 @@ def pinv_vjp(a, z, dz, /, *, xp=None):
 
 
 def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_init="matrix",
-                      causal=False, scale=None, xp=None):
+                      segments="balanced", causal=False, scale=None, xp=None):
     """VJP of :func:`attn_ref.reduced.nystrom_attention`: ``{"q", "k", "v"}``.
 
     Differentiates through the landmarks (segment means), the three row softmaxes and
@@ -189,12 +208,12 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_
     ((6, 4), (6, 4), (6, 4))
     """
     xp, scale = prepare_nystrom(q, k, v, num_landmarks, pinv_iterations, causal, scale, xp,
-                                "nystrom_attention", pinv_init)
+                                "nystrom_attention", pinv_init, segments)
     _, batch = check_qkv(q, k, v, xp=xp)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     m = num_landmarks
-    ql, kl = segment_means(q, m, xp=xp), segment_means(k, m, xp=xp)
-    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init)
+    ql, kl = landmark_means(q, m, segments, xp=xp), landmark_means(k, m, segments, xp=xp)
+    k1, k2, z, k3 = nystrom_kernels(xp, q, k, m, pinv_iterations, scale, pinv_init, segments)
     w3 = k3 @ v
     w2 = z @ w3
     # out = k1 @ w2
@@ -213,8 +232,8 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_
     # the end (a scaled copy of q could overflow where the logits do not).
     dkl = transpose(xp, ds1) @ q + transpose(xp, ds2) @ ql
     dql = ds2 @ kl + ds3 @ k
-    dq = ds1 @ kl + segment_means_vjp(xp, dql, q.shape[-2])
-    dk = transpose(xp, ds3) @ ql + segment_means_vjp(xp, dkl, k.shape[-2])
+    dq = ds1 @ kl + _landmark_vjp(xp, dql, q.shape[-2], segments)
+    dk = transpose(xp, ds3) @ ql + _landmark_vjp(xp, dkl, k.shape[-2], segments)
     if scale != 1.0:
         dq, dk = dq * scale, dk * scale
     return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
