@@ -195,3 +195,40 @@ def test_planted_mistakes_fail_on_their_row(plant, dtype):
     assert failed == rows, (label, failed, rep.table())
     if words is not None and dtype == "float32":
         assert any(words in r.diagnosis for r in rep.failures), rep.table()
+
+
+# ------------------------------------------------------------- long memory (slow decay)
+
+_CARRY = ("last_recurrent_state = last_recurrent_state * chunk_decay[:, :, i] + "
+          "key[:, :, i].transpose(-1, -2) @ v_new")
+_SSD_HANDOVER = ("decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0))))"
+                 ".transpose(1, 3)")
+#: kernels whose state reaches one chunk of 64 back, no further: the hand-over keeps the
+#: last chunk's writes and drops the decayed state it received
+ONE_CHUNK = {
+    "gated_deltanet": lambda: tp.hf_gated_delta_rule("chunk", edits=[(
+        _CARRY, "last_recurrent_state = key[:, :, i].transpose(-1, -2) @ v_new")]),
+    "ssd": lambda: tp.hf_mamba2_chunk_scan(edits=[(_SSD_HANDOVER, _SSD_HANDOVER + (
+        "\n    decay_chunk = decay_chunk * torch.eye(decay_chunk.shape[1])[None, :, :, None]"))]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_CHUNK))
+def test_a_state_reaching_one_chunk_back_fails_the_slow_decay_output(name):
+    """With the gates fla's tests draw (logsigmoid(randn), e^-50 over 64 steps) what lies
+    two chunks back is invisible: such a kernel passed every output row (its final state
+    failed where it dropped an initial state). The slow-decay cases (gates / 64) fail its
+    output, and only they do."""
+    rep = _verify(ONE_CHUNK[name](), name, "float32", 0,
+                  [c for c in cases(name, "standard") if c.family == "recurrent"])
+    out_fails = {r.case.split(":")[0] for r in rep.failures if r.output == "out"}
+    assert out_fails == {"slow-decay"}, rep.table()
+    # the gates of a slow-decay case are the others' divided by GATE_NORMALIZER
+    from conformance.catalogue import GATE_NORMALIZER
+    from conformance.judging import prepare
+
+    slow = [c for c in cases(name, "standard") if c.tag == "slow-decay"][0]
+    plain = prepare([c for c in cases(name, "standard") if c.tag == "chunks"][0], name)
+    g = prepare(slow, name).params["g"]
+    assert GATE_NORMALIZER == 64 and -0.03 < float(g.mean()) < -0.005, float(g.mean())
+    assert float(plain.params["g"].mean()) < -0.5

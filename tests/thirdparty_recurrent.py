@@ -21,7 +21,8 @@ kernels: the recurrent family"):
   ``d_v x d_k``: transposed in and out; it returns a float32 output: cast to the input
   dtype. ``x``, ``dt`` and ``C`` are handed over in float32 (float64 for float64), the
   precision the kernel computes them in: the division and the scale are the wrapper's
-  and must not round to a half dtype.
+  and must not round to a half dtype. ``dt`` is detached where it meets ``x`` (the
+  forward unchanged), so that ``dg`` is that of ``dt * A = g`` alone.
 
 ``compute="input"`` runs the same source with its float32 casts replaced by the input's
 dtype (the float64 calibration, as for fla's naive files); ``edits`` plant a mistake by
@@ -131,7 +132,14 @@ def hf_mamba2_chunk_scan(*, module="mamba2", chunk_size=64, edits=(), compute="f
     Mamba-2's names (module docstring); plants as :func:`hf_gated_delta_rule`."""
     import torch
 
-    fn = edited(module, "mamba2_chunk_scan", edits, compute)
+    # x = v / dt and x * dt inside: in exact arithmetic the two paths of dt's gradient
+    # through x cancel (x * dt = v); in float32 they are terms of size |dx| |v| / dt that
+    # cancel to within their rounding (dg off 2 to 4 times its bound at dt ~ 0.01).
+    # Both are cut (dt detached in x and in x * dt, the forward unchanged): dt's gradient
+    # is then that of dt * A = g alone, as the mapping means it.
+    fn = edited(module, "mamba2_chunk_scan", ((
+        "hidden_states = hidden_states * dt[..., None].float()",
+        "hidden_states = hidden_states * dt[..., None].float().detach()"),) + tuple(edits), compute)
 
     def call(q, k, v, steps, s0, scale):
         if compute == "input":
@@ -139,7 +147,7 @@ def hf_mamba2_chunk_scan(*, module="mamba2", chunk_size=64, edits=(), compute="f
         w = torch.float64 if q.dtype == torch.float64 else torch.float32
         g = steps["g"].to(w)                         # (B, H, T), log decays < 0
         dt = -g
-        x = v.to(w) / dt[..., None]                  # x * dt = v
+        x = v.to(w) / dt.detach()[..., None]         # x * dt = v
         C = q.to(w) * scale
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         A = -torch.ones(q.shape[1], dtype=w)
