@@ -58,6 +58,11 @@ _OFFSET_Q, _OFFSET_V, _OFFSET_SPREAD = 0.1, 4.0, 0.5
 # small_qk: the size of q and k (norms ~3e-3 at d = 16..64, where an l2 normalisation's
 # eps of 1e-6 moves the result by a few per cent)
 _SMALL_QK = 1e-3
+#: slow-decay cases: the recurrent family's log gates ``g`` divided by this, as fla's GLA
+#: layer divides ``logsigmoid`` by its ``gate_logit_normalizer`` (16 by default); 64 gives
+#: -0.013 a step on average, the long-memory heads of Mamba-2 (``dt A`` with ``dt`` drawn
+#: in [1e-3, 0.1]) and Gated DeltaNet
+GATE_NORMALIZER = 64
 DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values",
                  "small_qk")
 MASKS = (None, "padding", "random", "fully_masked_rows")
@@ -523,6 +528,16 @@ def _recurrent():
         C("varlen-packed", (1, 2), 100, 100, 32, 32, causal=tl, family=fam,
           params=(("cu_seqlens", (0, 15, 16, 81, 100)),), features=cu + init),
     ]
+    # Long memory: the gates g divided by GATE_NORMALIZER (conformance.judging.prepare).
+    # logsigmoid(randn) forgets in a few steps (mean -0.8 a step, 64 steps decay by
+    # e^-50), so a kernel whose state reaches only one chunk back - or that decays the
+    # far past wrongly - matched every other case; a Mamba-2 or Gated DeltaNet head with
+    # dt ~ 1e-2 keeps its state for hundreds of steps. At -0.013 a step a chunk of 64
+    # decays by 0.45: three chunks of 64 and an initial state still show through.
+    out += [C("slow-decay", (1, 2), 200, 200, 32, 32, causal=tl, family=fam,
+              params=(("gate_normalizer", GATE_NORMALIZER),)),
+            C("slow-decay", (1, 2), 150, 150, 16, 16, causal=tl, family=fam, features=init,
+              params=(("gate_normalizer", GATE_NORMALIZER),))]
     return out
 
 

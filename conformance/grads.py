@@ -220,6 +220,23 @@ def _baselines(prep):
             forms.append(lambda prep, do, dtype, ds=None: _fp32_state_grads(
                 prep, do, dtype, ds, normalized_in_dtype=True))
         return forms
+    if prep.variant.name in RECURRENT:
+        # As the forward's baseline is the token loop, the parallel form and chunks of 64
+        # (conformance.judging, FORMS), the backward's is the VJP in chunks of the
+        # registered size (16), in chunks of 64 (fla's and HF's kernels' size) and token by
+        # token: one function, three roundings. Chunks of 64 round more (decays and the UT
+        # transform over 64 steps): SSD's dv in float64 erred 3.9e-14 against a bound of
+        # 3.6e-14 from chunks of 16 alone, and HF's mamba2_chunk_scan failed it.
+        from .judging import FLA_CHUNK
+
+        def form(**options):
+            def run(prep, do, dtype, ds=None):
+                sub = _with_arrays(prep, {})
+                sub.options = {**prep.options, **options}
+                return _reference_grads(sub, do, dtype, dfinal_state=ds)
+            return run
+
+        return [form(), form(chunk_size=FLA_CHUNK), form(form="recurrent")]
     if prep.variant.name not in ("softmax", "online_softmax"):
         return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
     return [

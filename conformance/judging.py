@@ -489,6 +489,9 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
         raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
+        if case.param("gate_normalizer") is not None and "g" in raw:
+            # the slow-decay cases: long memory (conformance.catalogue, GATE_NORMALIZER)
+            raw = {**raw, "g": np.asarray(raw["g"]) / case.param("gate_normalizer")}
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
