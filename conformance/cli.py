@@ -458,6 +458,7 @@ def _run_units(units, settings, jobs, on_done):
     """
     import concurrent.futures as cf
     import multiprocessing
+    import threading
     import time
 
     # spawn, not fork: a forked child would inherit JAX's and torch's threads
@@ -469,6 +470,7 @@ def _run_units(units, settings, jobs, on_done):
     has_jax = [False] * jobs
     paces = []  # seconds of each JAX unit a worker ran after its first
     running = {}
+    closing = []  # threads shutting down the pools of workers with nothing more to run
 
     def start(w, unit):
         running[pools[w].submit(_verify_tasks, unit, settings)] = (w, unit, time.perf_counter())
@@ -490,11 +492,19 @@ def _run_units(units, settings, jobs, on_done):
                 if unit is not None:
                     start(w, unit)
                 else:  # nothing more for it: let it exit while the others work
-                    pools[w].shutdown(wait=False)
+                    closing.append(threading.Thread(target=pools[w].shutdown))
+                    closing[-1].start()
     except BaseException:
         for pool in pools:  # Ctrl-C reached the workers too; nothing left to wait for
             pool.shutdown(wait=False, cancel_futures=True)
         raise
+    # Every pool is shut down with wait=True (in a thread of its own for the workers that
+    # finished early) and joined here: a pool left to the interpreter's exit, after a
+    # shutdown(wait=False), races CPython's exit handler (it wakes the pool's manager
+    # thread through a pipe that thread may be closing: "OSError: [Errno 9] Bad file
+    # descriptor" after the report, in about one run of three on 3.11).
+    for t in closing:
+        t.join()
     for pool in pools:
         pool.shutdown()
 

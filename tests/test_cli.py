@@ -173,6 +173,11 @@ def test_units_run_in_workers_give_the_reports_of_one_process():
     got = {}
     cli._run_units(units, settings, 2, lambda unit, res: got.update({tuple(unit): res}))
     assert set(got) == {tuple(u) for u in units}
+    # Every worker has exited when it returns (each pool shut down and joined): a pool
+    # left to the interpreter's exit races CPython's exit handler ("Bad file descriptor").
+    import multiprocessing
+
+    assert multiprocessing.active_children() == []
 
     def verdicts(results):
         return {t: [(r.case, r.dtype, r.output, r.verdict, r.max_err) for rep in reps
