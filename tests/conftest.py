@@ -141,9 +141,7 @@ def xp(backend):
 def pytest_collection_modifyitems(config, items):
     """On JAX, a sweep marked ``jax_subset(*params)`` keeps one case (the first collected)
     per distinct value of ``params`` (no params: one case in all); the others are
-    deselected, and pytest counts them as such. ``jax_subset(param=values)`` instead keeps
-    on JAX every case whose ``param`` is one of ``values`` (the variants whose code
-    differs, say), and only those.
+    deselected, and pytest counts them as such.
 
     Eager JAX compiles every operation it meets at a new shape or with new static
     arguments: one delta-rule backward of 7 tokens compiles 267 XLA programs (9 s of
@@ -159,11 +157,6 @@ def pytest_collection_modifyitems(config, items):
         spec = getattr(item, "callspec", None)
         if marker is None or spec is None or spec.params.get("backend") != "jax":
             kept.append(item)
-            continue
-        if marker.kwargs:
-            # jax_subset(param=values): the cases with those values, all of them.
-            ok = all(spec.params.get(p) in values for p, values in marker.kwargs.items())
-            (kept if ok else dropped).append(item)
             continue
         key = (item.originalname, item.path) + tuple(spec.params[p] for p in marker.args)
         (dropped if key in seen else kept).append(item)
