@@ -15,11 +15,8 @@ So a test extra that lacks a package (matplotlib), or a committed file gone miss
 fails CI instead of skipping quietly.
 """
 
-import atexit
 import os
 import re
-import shutil
-import tempfile
 
 # JAX compiles every traced function for the CPU; the tests' arrays are tiny, so LLVM's
 # expensive optimisation passes buy nothing and cost most of the suite's time (compiles
@@ -41,22 +38,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_llvm_disable_expensive_passes=true "
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
-
-# One persistent JAX compilation cache for the run, in a new temporary directory that
-# the xdist workers and the processes the tests start (the docs' JAX tutorial) inherit
-# through the environment. Eager JAX compiles every operation at every new shape, each
-# worker on its own, and the JAX tutorial compiles the very programs of
-# tests/test_conformance_calibration.py's jax.nn.dot_product_attention; a hit costs
-# about a tenth of a compilation (tests/test_recurrent.py -k "jax and (qk_l2norm or
-# chunk_states_scan)", 378 compilations: 12.8-14.3 s of compile CPU, 1.1 s from a
-# filled cache, and writing it costs no measurable time). Every compilation is kept
-# (JAX's default keeps those over 1 s only). It starts empty, so a run's cost is a first
-# run's, and the process that made it deletes it at exit. A JAX_COMPILATION_CACHE_DIR
-# set by the user wins (and is left alone).
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-ref-tests-jax-")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 
