@@ -279,7 +279,11 @@ def test_matches_directional_finite_differences(backend, variant, name):
 
 def test_the_gradients_keys(backend):
     # initial_state's gradient only when it is given; each variant its own gate names.
+    # The keys are Python bookkeeping, the same on every library: on JAX (eager, ~7
+    # compilations a VJP) only Gated DeltaNet, which has both gates.
     for variant, (_, gates) in VARIANTS.items():
+        if backend.name == "jax" and variant != "gated_delta":
+            continue
         for h0 in (False, True):
             inputs, static, do, dfinal = _case(variant, T=3, batch=(2,), h0=h0)
             got = _run(backend, variant, inputs, static, do, dfinal, jit=False)
@@ -481,10 +485,13 @@ def test_chunked_backward_is_the_token_loop(backend, variant, name):
     inputs, static, do, dfinal = _make(variant, name)
     static = {n: a for n, a in static.items() if n != "chunk_size"}
     # Eager on JAX: one jit per chunking compiles longer than it runs (the other tests
-    # check that both backwards trace).
+    # check that both backwards trace). There chunk_size=3 alone: in the case JAX keeps
+    # (T = 7) its chunks of 3, 3 and 1 take the branches of the other two (a one-token
+    # chunk; the odd and even blocks that _decayed_products halves, as the one chunk of
+    # 64 does), which cost ~15 eager compilations each a variant.
     loop = {n: host(x) for n, x in _run(backend, variant, inputs, dict(static, form="recurrent"),
                                         do, dfinal, jit=False).items()}
-    for opts in CHUNKINGS:
+    for opts in CHUNKINGS[1:2] if backend.name == "jax" else CHUNKINGS:
         got = _run(backend, variant, inputs, dict(static, **opts), do, dfinal, jit=False)
         try:
             assert_grads_close(got, loop, backend, rtol=1e-12, atol=1e-12)

@@ -428,6 +428,10 @@ def test_property_convex_combination(backend):
 # ---------------------------------------------------------------- the thread pool
 
 
+# On JAX the pool never runs (pool_helps: its arrays count as lazy), so each case is
+# the serial form, which test_blocks_equal_one_pass checks there, causal too: one case
+# (the eager form's ~55 compilations a case).
+@pytest.mark.jax_subset()
 @pytest.mark.parametrize("causal", [False, True, "bottom-right"])
 def test_heads_on_the_thread_pool_give_the_serial_bits(backend, monkeypatch, causal):
     # POOL_MIN_ROWS = 1 makes every call "large": the heads are split among the CPUs,

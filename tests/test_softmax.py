@@ -880,6 +880,10 @@ def test_modern_inputs_not_modified(backend):
 # ---------------------------------------------------------------- the fast path
 
 
+# On JAX the pool never runs (pool_helps: its arrays count as lazy), so each case is
+# the serial form, which test_online_block_sizes (causal) and the FORMS tests (masks,
+# bias) check there: one case (the eager form's ~16 compilations a case).
+@pytest.mark.jax_subset()
 @pytest.mark.parametrize("opts", [{}, {"causal": "bottom-right"}, {"mask": "random"}])
 def test_online_thread_pool_is_deterministic(backend, monkeypatch, opts):
     # Every call here is "large": on a library whose elementwise operations run on one
