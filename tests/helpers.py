@@ -174,6 +174,21 @@ def fla_naive_path(family):
     return f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
 
 
+def casts_to_input_dtype(source, casts, where):
+    """``source`` (a reference's Python text) with each float32 cast replaced as ``casts``
+    says (``(regex, replacement)`` pairs, the replacements casting to ``_DTYPE``, which the
+    caller defines), so that the reference computes in the input dtype; AssertionError
+    naming ``where`` when no cast is found (the third party's source changed)."""
+    import re
+
+    found = 0
+    for pattern, repl in casts:
+        source, n = re.subn(pattern, repl, source)
+        found += n
+    assert found, f"{where}: no float32 cast found; the source changed"
+    return source
+
+
 def fla_naive_module(family, source=None, name=None):
     """``fla/ops/<family>/naive.py`` as a module, executed from ``source`` when given (the
     file's text, edited) else from the file."""

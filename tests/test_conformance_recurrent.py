@@ -38,7 +38,7 @@ from conformance.mutants import (
     variant_mutants,
 )
 from conformance.tolerance import ulp
-from tests.helpers import FLA_NAIVE, fla_naive_module, fla_naive_path
+from tests.helpers import FLA_NAIVE, casts_to_input_dtype, fla_naive_module, fla_naive_path
 
 SEEDS = int(os.environ.get("ATTN_REF_CALIBRATION_SEEDS", "1"))
 RECURRENT = [c for c in cases("gla", "standard") if c.family == "recurrent"]
@@ -238,11 +238,7 @@ def _fla_module(family, compute):
     with open(path) as f:
         source = f.read()
     if compute == "input":
-        found = 0
-        for pattern, cast in _DOWNCASTS:
-            source, n = re.subn(pattern, cast, source)
-            found += n
-        assert found, f"{path}: no float32 downcast found; fla's naive file changed"
+        source = casts_to_input_dtype(source, _DOWNCASTS, path)
     mod = fla_naive_module(family, source, f"_fla_naive_{family}_{compute}")
     mod._SOURCE = source
     return mod

@@ -30,8 +30,9 @@ replacing one line of the source (:func:`edited`), each asserted to match exactl
 """
 
 import inspect
-import re
 import textwrap
+
+from tests.helpers import casts_to_input_dtype
 
 #: the transformers modules holding a copy of each function (the audit checks they agree)
 GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid", "lara_mini")
@@ -66,11 +67,7 @@ def edited(module, fn_name, edits=(), compute="float32"):
         assert src.count(old) == 1, f"{fn_name}: {old!r} found {src.count(old)} times"
         src = src.replace(old, new)
     if compute == "input":
-        found = 0
-        for pattern, repl in _DOWNCASTS:
-            src, n = re.subn(pattern, repl, src)
-            found += n
-        assert found, f"{fn_name}: no float32 cast found; the source changed"
+        src = casts_to_input_dtype(src, _DOWNCASTS, fn_name)
     if not edits and compute == "float32":
         return fn
     scope = dict(fn.__globals__)
