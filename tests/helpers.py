@@ -174,6 +174,27 @@ def fla_naive_path(family):
     return f"{spec.submodule_search_locations[0]}/ops/{family}/naive.py"
 
 
+def per_sequence(call, q, k, v, steps, initial_state, cu_seqlens):
+    """``(o, S)`` of a torch recurrent kernel run once per packed sequence (``cu_seqlens``,
+    or the whole of ``T`` when None), each with its slice of ``q, k, v`` and of the
+    per-step inputs ``steps`` (``(B, H, T, ...)``) and its own row of ``initial_state``:
+    ``call(q, k, v, steps, s0) -> (o, s)``. ``S`` stacks the final states along the
+    packing axis, None when ``call`` returns none."""
+    import torch
+
+    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, q.shape[-2]]
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        s0 = initial_state if cu_seqlens is None or initial_state is None else \
+            initial_state[i:i + 1]
+        o, s = call(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                    {n: x[:, :, a:b] for n, x in steps.items()}, s0)
+        outs.append(o)
+        finals.append(s)
+    final = None if any(s is None for s in finals) else torch.cat(finals, dim=0)
+    return torch.cat(outs, dim=-2), final
+
+
 def casts_to_input_dtype(source, casts, where):
     """``source`` (a reference's Python text) with each float32 cast replaced as ``casts``
     says (``(regex, replacement)`` pairs, the replacements casting to ``_DTYPE``, which the

@@ -38,7 +38,7 @@ from conformance.mutants import (
     variant_mutants,
 )
 from conformance.tolerance import ulp
-from tests.helpers import FLA_NAIVE, casts_to_input_dtype, fla_naive_module, fla_naive_path
+from tests.helpers import FLA_NAIVE, casts_to_input_dtype, fla_naive_module, fla_naive_path, per_sequence
 
 SEEDS = int(os.environ.get("ATTN_REF_CALIBRATION_SEEDS", "1"))
 RECURRENT = [c for c in cases("gla", "standard") if c.family == "recurrent"]
@@ -296,19 +296,9 @@ def fla_naive_kernel(name, *, compute="float32"):
             w = {torch.float16: torch.float32, torch.bfloat16: torch.float32}.get(q.dtype, q.dtype)
             q, k = ((x.to(w) / torch.sqrt((x.to(w) ** 2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
                     for x in (q, k))
-        bounds = list(cu_seqlens) if cu_seqlens is not None else [0, q.shape[-2]]
-        outs, finals = [], []
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            s0 = initial_state if cu_seqlens is None or initial_state is None else \
-                initial_state[i:i + 1]
-            o, s = call(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
-                        {n: x[:, :, a:b] for n, x in steps.items()}, s0, output_final_state)
-            outs.append(o)
-            finals.append(s)
-        o = torch.cat(outs, dim=-2)
-        if output_final_state and finals[0] is not None:
-            return o, torch.cat(finals, dim=0)
-        return o
+        o, final = per_sequence(lambda *a: call(*a, output_final_state), q, k, v, steps,
+                                initial_state, cu_seqlens)
+        return (o, final) if output_final_state and final is not None else o
 
     params = ["q", "k", "v"]
     sig = inspect.signature(get(name).fn)

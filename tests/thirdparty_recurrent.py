@@ -32,7 +32,7 @@ replacing one line of the source (:func:`edited`), each asserted to match exactl
 import inspect
 import textwrap
 
-from tests.helpers import casts_to_input_dtype
+from tests.helpers import casts_to_input_dtype, per_sequence
 
 #: the transformers modules holding a copy of each function (the audit checks they agree)
 GDN_MODULES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid", "lara_mini")
@@ -79,19 +79,8 @@ def edited(module, fn_name, edits=(), compute="float32"):
 
 def _per_sequence(call, q, k, v, steps, initial_state, cu_seqlens, want_state):
     """One call per packed sequence (``cu_seqlens``), each with its own initial state."""
-    import torch
-
-    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, q.shape[-2]]
-    outs, finals = [], []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        s0 = initial_state if cu_seqlens is None or initial_state is None else \
-            initial_state[i:i + 1]
-        o, s = call(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
-                    {n: x[:, :, a:b] for n, x in steps.items()}, s0)
-        outs.append(o)
-        finals.append(s)
-    o = torch.cat(outs, dim=-2)
-    return (o, torch.cat(finals, dim=0)) if want_state else o
+    o, s = per_sequence(call, q, k, v, steps, initial_state, cu_seqlens)
+    return (o, s) if want_state else o
 
 
 def hf_gated_delta_rule(form="chunk", *, module="qwen3_next", chunk_size=64, edits=(),
