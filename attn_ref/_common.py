@@ -34,6 +34,7 @@ __all__ = [
     "blas_one_thread",
     "blas_controllable",
     "batch_rows",
+    "row_groups",
     "is_lazy",
     "pool_helps",
     "owned_writeable",
@@ -273,6 +274,14 @@ def blas_controllable():
     """Whether threadpoolctl finds a BLAS library in this process whose threads it can
     limit (without one, a pool's workers would compete with BLAS's own threads)."""
     return bool(_BLAS_LIMIT.controller().lib_controllers)
+
+
+def row_groups(rows):
+    """``[(a, b)]``: ``range(rows)`` cut into one contiguous, near-equal range per CPU
+    (fewer when there are fewer rows), the pieces :func:`parallel_map` runs a batch in."""
+    groups = min(cpu_count(), rows)
+    cuts = [rows * i // groups for i in range(groups + 1)]
+    return list(zip(cuts, cuts[1:]))
 
 
 def batch_rows(arrays):

@@ -74,11 +74,11 @@ from ._common import (
     causal_alignment,
     causal_offset,
     ceil_div,
-    cpu_count,
     is_lazy,
     owned_writeable,
     parallel_map,
     pool_helps,
+    row_groups,
 )
 from .softmax.tiles import logit_dtype, transposed_copy
 
@@ -703,11 +703,9 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     # The heads are independent problems: a few contiguous groups of them, one per CPU,
     # each the same computation as the batched call on its rows.
     flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, k, v)]
-    groups = min(cpu_count(), rows)
-    cuts = [rows * i // groups for i in range(groups + 1)]
 
-    def run(i):
-        a, b = cuts[i], cuts[i + 1]
+    def run(group):
+        a, b = group
         qi, ki, vi = (x[a:b, ...] for x in flat)
         return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
                        normalize, eps)
@@ -718,7 +716,7 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     # medians of 5: 909 and 748 ms wall, 470 and 584 ms CPU, against 673 and 513 ms
     # wall, 330 and 332 ms CPU without the limit; no pool 640 and 592 ms). Not
     # understood: the same small GEMMs alone on two threads cost the same either way.
-    outs = parallel_map(run, range(groups), pooled=True, one_blas_thread=False)
+    outs = parallel_map(run, row_groups(rows), pooled=True, one_blas_thread=False)
     out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
     return xp.reshape(out, batch + (nq, dv))
 

@@ -568,7 +568,6 @@ def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend
     kw = dict(causal=causal, chunk_size=4, block_size=8)
     serial = host(linear_attention(q, k, v, **kw))
     monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
-    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
     seen = []
     real = lin._stream
@@ -617,7 +616,6 @@ def test_row_maps_holding_whole_batch_arrays_are_not_pooled(monkeypatch):
     want = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
             performer_attention(q, k, v, projection=w))
     monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
-    monkeypatch.setattr(lin, "cpu_count", lambda: 2)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
     got = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
            performer_attention(q, k, v, projection=w))

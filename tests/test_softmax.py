@@ -904,8 +904,10 @@ def test_online_thread_pool_is_deterministic(backend, monkeypatch, opts):
     serial = host(call(backend, online_softmax_attention, q, k, v, block_q=8, block_k=16, **kw))
     monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
     want, _ = naive_attention(qh, kh, vh, mask=mask_h, causal=kw.get("causal"))
+    import attn_ref._common as common
+
     for cpus in (2, 3):
-        monkeypatch.setattr(online, "cpu_count", lambda cpus=cpus: cpus)
+        monkeypatch.setattr(common, "cpu_count", lambda cpus=cpus: cpus)
         pooled = [host(online_softmax_attention(q, k, v, block_q=8, block_k=16, **kw))
                   for _ in range(3)]
         assert all(np.array_equal(p, pooled[0]) for p in pooled[1:])
@@ -988,7 +990,6 @@ def test_online_heads_pool_gives_the_unpooled_bits(backend, monkeypatch, opts):
                   seqlens_k=from_numpy(np.array([41, 20]), backend))
     serial = host(call(backend, online_softmax_attention, q, k, v, block_q=8, block_k=16, **kw))
     monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
-    monkeypatch.setattr(online, "cpu_count", lambda: 2)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
     calls = _spy_pool(monkeypatch, online)
     with threadpool_limits(2, "blas"):
@@ -1010,7 +1011,6 @@ def test_online_heads_pool_restores_blas_after_an_error(monkeypatch):
 
     monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
-    monkeypatch.setattr(online, "cpu_count", lambda: 2)
     real = online._query_blocks
 
     def failing(xp, spec, q, *args):

@@ -14,7 +14,6 @@ from .._checks import check_positive_int
 from .._common import (
     add_into,
     batch_rows,
-    cpu_count,
     finish_partial,
     is_lazy,
     mul_into,
@@ -23,6 +22,7 @@ from .._common import (
     parallel_map,
     partial_lse,
     pool_helps,
+    row_groups,
 )
 from .options import prepare_problem
 from .tiles import dropout_scale, keep_tile, logit_dtype, tile_coverage, tile_logits, transposed_copy
@@ -153,12 +153,10 @@ def _head_groups(xp, spec, batch, rows):
         if x is False:
             return None
         flat[name] = x
-    groups = min(cpu_count(), rows)
-    cuts = [rows * i // groups for i in range(groups + 1)]
     return [(a, b, dataclasses.replace(spec, **{
         name: (x if x is None or not hasattr(x, "shape") or x.shape[0] == 1 else x[a:b, ...])
         for name, x in flat.items()}))
-        for a, b in zip(cuts, cuts[1:])]
+        for a, b in row_groups(rows)]
 
 
 def online_forward(pb, block_q, block_k):
