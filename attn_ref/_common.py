@@ -276,10 +276,14 @@ def blas_controllable():
     return bool(_BLAS_LIMIT.controller().lib_controllers)
 
 
-def row_groups(rows):
-    """``[(a, b)]``: ``range(rows)`` cut into one contiguous, near-equal range per CPU
-    (fewer when there are fewer rows), the pieces :func:`parallel_map` runs a batch in."""
+def row_groups(rows, most=None):
+    """``[(a, b)]``: ``range(rows)`` cut into contiguous, near-equal ranges, the pieces
+    :func:`parallel_map` runs a batch in: one per CPU (fewer when there are fewer rows),
+    or more, so that none holds more than ``most`` rows (the pool's workers then take
+    the pieces in turn)."""
     groups = min(cpu_count(), rows)
+    if most is not None:
+        groups = max(groups, -(-rows // most))
     cuts = [rows * i // groups for i in range(groups + 1)]
     return list(zip(cuts, cuts[1:]))
 

@@ -255,3 +255,17 @@ def test_pool_helps_only_eager_numpy_arrays(backend):
     if backend.name == "numpy":
         torch = pytest.importorskip("torch")
         assert not pool_helps(x, torch.ones(2))  # one torch array among them is enough
+
+
+@pytest.mark.parametrize("rows, cpus, most, want", [
+    (8, 2, None, [(0, 4), (4, 8)]),  # one contiguous range per CPU
+    (3, 4, None, [(0, 1), (1, 2), (2, 3)]),  # never an empty range
+    (8, 2, 1, [(i, i + 1) for i in range(8)]),  # one row each: tiles of one head
+    (8, 2, 3, [(0, 2), (2, 5), (5, 8)]),  # near-equal, none above three rows
+    (8, 2, 100, [(0, 4), (4, 8)]),  # a loose limit keeps one range per CPU
+])
+def test_row_groups_cover_the_rows_in_order(monkeypatch, rows, cpus, most, want):
+    import attn_ref._common as common
+
+    monkeypatch.setattr(common, "cpu_count", lambda: cpus)
+    assert common.row_groups(rows, most=most) == want

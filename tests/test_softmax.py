@@ -1002,6 +1002,25 @@ def test_online_heads_pool_gives_the_unpooled_bits(backend, monkeypatch, opts):
         assert calls == []
 
 
+@pytest.mark.parametrize("tile_logits, groups", [(1 << 19, 2), (8 * 16, 6), (2 * 8 * 16, 3)])
+def test_online_heads_pool_groups_keep_tiles_small(monkeypatch, tile_logits, groups):
+    # A group of heads holds at most GROUP_TILE_LOGITS logits per tile (here 8 x 16 per
+    # head), at least one group per CPU; any grouping gives the unpooled call's bits.
+    import attn_ref._common as common
+    from attn_ref.softmax import online
+
+    rng = np.random.default_rng(30)
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for n in (37, 41, 41))
+    serial = online_softmax_attention(q, k, v, block_q=8, block_k=16, causal=True)
+    monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
+    monkeypatch.setattr(online, "GROUP_TILE_LOGITS", tile_logits)
+    monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    calls = _spy_pool(monkeypatch, online)
+    pooled = online_softmax_attention(q, k, v, block_q=8, block_k=16, causal=True)
+    assert [(p, n) for p, n, _ in calls] == [(True, groups)]
+    assert np.array_equal(pooled, serial)
+
+
 def test_online_heads_pool_restores_blas_after_an_error(monkeypatch):
     # An exception inside a worker reaches the caller, and BLAS has its threads back.
     from threadpoolctl import threadpool_limits
@@ -1014,7 +1033,7 @@ def test_online_heads_pool_restores_blas_after_an_error(monkeypatch):
     real = online._query_blocks
 
     def failing(xp, spec, q, *args):
-        if q.shape[0] == 1:  # the second group of heads
+        if q.shape[0] == 1:  # the first group of heads (rows 0:1 of 3, on 2 CPUs)
             raise FloatingPointError("head group failed")
         return real(xp, spec, q, *args)
 

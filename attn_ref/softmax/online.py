@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 # From this many logits (all heads) on, a call on NumPy arrays with several heads runs
-# contiguous groups of heads on a thread pool, one group per CPU, BLAS held to one thread
+# contiguous groups of heads on a thread pool, at least one group per CPU (at most
+# ``GROUP_TILE_LOGITS`` logits per tile each), BLAS held to one thread
 # per worker (``online_forward``; :func:`attn_ref._common.parallel_map`). N = 4096, 8
 # heads: 377 ms against 617 ms for one call on OpenBLAS's two threads (quiet 2-core
 # machine, ``docs/comparison.md``). The threshold: under load 9-10 (``tools/targets.py
@@ -41,6 +42,14 @@ __all__ = [
 # won from N = 128 (11.8 against 25.5 ms; 131K logits) and lost at N = 64 (1.10 against
 # 0.41 ms: starting the threads costs about 1 ms); to be re-taken quiet.
 POOL_MIN_LOGITS = 1 << 18
+# The most logits one piece of the heads pool takes per tile (its heads times
+# ``block_q x block_k``): one head's default 512 x 1024 tile, 2 MiB in float32. A piece of
+# four heads (one per CPU at 8 heads) made 8 MiB tiles, which left the cache and which
+# glibc's allocator returned to the system between tiles and faulted in again: N = 4096,
+# 8 heads, d = 64, NumPy, medians of 5 interleaved calls under load 3.6-3.8 (2 CPUs), one
+# head per piece took 377 against 449 ms wall, 0.64 against 0.80 s CPU, 6 against 23K page
+# faults per call, the same bits (1024 x 1024 tiles of one head: 419 ms, 1036 faults).
+GROUP_TILE_LOGITS = 1 << 19
 
 
 def _folded_scale(xp, pb, dtype):
@@ -144,8 +153,9 @@ def _rows_of(xp, x, batch, rows):
 _SPEC_ARRAYS = ("mask", "bias", "alibi", "len_q", "len_k", "keep")
 
 
-def _head_groups(xp, spec, batch, rows):
-    """``[(a, b, spec_ab)]``: one contiguous range of the flattened batch rows per CPU,
+def _head_groups(xp, spec, batch, rows, tile):
+    """``[(a, b, spec_ab)]``: contiguous ranges of the flattened batch rows, at least one
+    per CPU and none whose tiles (``tile`` logits per row) exceed :data:`GROUP_TILE_LOGITS`,
     each with the spec arrays cut to it; None when an array cannot be cut."""
     flat = {}
     for name in _SPEC_ARRAYS:
@@ -156,7 +166,7 @@ def _head_groups(xp, spec, batch, rows):
     return [(a, b, dataclasses.replace(spec, **{
         name: (x if x is None or not hasattr(x, "shape") or x.shape[0] == 1 else x[a:b, ...])
         for name, x in flat.items()}))
-        for a, b in row_groups(rows)]
+        for a, b in row_groups(rows, most=max(1, GROUP_TILE_LOGITS // tile))]
 
 
 def online_forward(pb, block_q, block_k):
@@ -176,8 +186,10 @@ def online_forward(pb, block_q, block_k):
     to a narrower ``V`` (float16) before the product.
 
     A large call (``POOL_MIN_LOGITS``) on eager NumPy arrays with several heads
-    (:func:`attn_ref._common.pool_helps`) runs contiguous groups of heads, one per CPU,
-    each a whole call of the query-block loop on its rows, on a thread pool whose
+    (:func:`attn_ref._common.pool_helps`) runs contiguous groups of heads, at least one
+    per CPU and each small enough that its tiles stay near one head's
+    (``GROUP_TILE_LOGITS``), each a whole call of the query-block loop on its rows, on a
+    thread pool whose
     workers' GEMMs run on one BLAS thread each: the heads are independent, so the cores
     share nothing but the memory bus, where BLAS's own threads would synchronise on
     every tile's GEMM and leave the exponentials on one core. Set up (the transposed
@@ -211,12 +223,12 @@ def online_forward(pb, block_q, block_k):
     rows = batch_rows((q, kt, v))
     groups = None
     if rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v):
-        groups = _head_groups(xp, spec, pb.batch_g, rows)
+        groups = _head_groups(xp, spec, pb.batch_g, rows, min(block_q, nq) * min(block_k, nk))
     if groups is None:
         out, lse = _query_blocks(xp, spec, q, kt, v, block_q, block_k, dtype, pb.q.dtype, ones_column)
     else:
-        # The heads are independent problems: a few contiguous groups of them, one per
-        # CPU, each the same operations as the whole call's on its rows.
+        # The heads are independent problems: contiguous groups of them, taken by the
+        # workers in turn, each the same operations as the whole call's on its rows.
         flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, kt, v)]
 
         def run(group):
@@ -284,7 +296,8 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
     it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
     column (``[V | 1]``). On NumPy a call with at least ``POOL_MIN_LOGITS`` logits and
-    several heads runs groups of heads on a thread pool, one per CPU, with BLAS held to
+    several heads runs groups of heads (one head each at the default tiles) on a thread
+    pool of one worker per CPU, with BLAS held to
     one thread per worker for the duration (process-wide: see
     :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
     for bit (``online_forward``). Other libraries run all heads' tiles at once, which
