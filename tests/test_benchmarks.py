@@ -687,3 +687,26 @@ def test_targets_roofline_rates_are_the_better_of_one_caller_and_all_cores():
     assert all(rates[k] == max(detail["numpy"][k]) for k in rates)
     old = targets.one_caller_rates({"numpy": rates}, detail)["numpy"]
     assert all(old[k] == detail["numpy"][k][0] <= rates[k] for k in rates)
+
+
+def test_targets_buffered_linear_is_the_library_loop_bit_for_bit(monkeypatch):
+    # ``tools/targets.py linear --buffered`` prices attn_ref.linear's non-causal loop
+    # with NumPy's out= buffers: it must re-spell the same operations in the same order,
+    # so any change to the library's loop that it misses shows here as different bits.
+    import importlib.util
+
+    import attn_ref._common as common
+    from attn_ref import linear_attention
+
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "tools", "targets.py"))
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    rng = np.random.default_rng(40)
+    q, k, v = (rng.standard_normal((4, 1024, 64), dtype=np.float32) for _ in range(3))
+    want = linear_attention(q, k, v)
+    for cpus in (1, 2):
+        monkeypatch.setattr(common, "cpu_count", lambda cpus=cpus: cpus)
+        assert np.array_equal(targets._buffered_linear(q, k, v), want)
+    # and it is not trivially equal: elu+1 with the maximum left out differs
+    monkeypatch.setattr(targets.np, "maximum", lambda x, y, out: np.multiply(x, 0.0, out=out))
+    assert not np.array_equal(targets._buffered_linear(q, k, v), want)

@@ -2,6 +2,7 @@
 
     python tools/targets.py linear   [--ns 1024,4096,16384,65536] [--reps 5] [--fla PATH] [--cpu]
                                      [--pool] [--pool-ns 1024,4096] [--phases] [--gemm-rows 0,64,128]
+                                     [--buffered]
     python tools/targets.py backward [--n 4096] [--mem-n 16384] [--reps 3]
     python tools/targets.py rates    [--backends numpy,torch] [--json PATH]
     python tools/targets.py recurrent [--n 16384] [--fla-n 2048] [--grad-n 2048] [--reps 3]
@@ -197,6 +198,8 @@ def linear(args):
           f"{n * H * D * D * 4 / 2**20:.0f} MiB)")
     if args.pool:
         _linear_pool(q, k, v, args.reps)
+    if args.buffered:
+        _linear_buffered(q, k, v, args.reps, variant_work("linear", n, {}, d=D, heads=H).seconds(rates))
     if args.gemm_rows:
         _linear_gemm_rows(q, k, v, [int(r) for r in args.gemm_rows.split(",")], args.reps)
     if args.pool_ns:
@@ -229,6 +232,77 @@ def _linear_pool(q, k, v, reps):
                         "causal, heads on the pool": with_rows(True, 1)}, reps)
     print(f"N={q.shape[-2]}, interleaved, medians of {reps} (wall): "
           + " | ".join(f"{name} {t * 1e3:.1f} ms" for name, t in med.items()))
+
+
+def _buffered_linear(q, k, v, block=512, rows=128):
+    """Non-causal elu+1 linear attention as ``attn_ref.linear`` takes it (blocks of
+    ``block`` rows, GEMMs in ``rows``-row chunks, ``[V | 1]``, the heads in one
+    contiguous group per CPU), written in plain NumPy with every block's arrays made
+    once and reused through ``out=``, which the array API standard lacks: no fresh array
+    per operation, no page faults after the first block. The same operations in the same
+    order, so the same bits; what NumPy's one-pass-per-operation execution reaches
+    without allocation, the ceiling of any array-API form of this loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import array_api_compat.numpy as xp
+
+    from attn_ref._common import cpu_count, row_groups
+    from attn_ref.linear import DEFAULT_EPS, safe_denominator
+
+    n, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+
+    def features(x, zero, m, e, r):
+        np.minimum(x, zero, out=m)
+        np.exp(m, out=e)
+        np.maximum(x, zero, out=r)
+        e += r
+        return e
+
+    def run(group):
+        a, b = group
+        qh, kh, vh = q[a:b], k[a:b], v[a:b]
+        h = b - a
+        zero = np.zeros((h, block, d), q.dtype)
+        m, e, r = np.empty_like(zero), np.empty_like(zero), np.empty_like(zero)
+        v1 = np.ones((h, block, dv + 1), q.dtype)
+        chunks = np.empty((h, block // rows, dv + 1, d), q.dtype)
+        state_t = np.zeros((h, dv + 1, d), q.dtype)
+        for lo in range(0, n, block):
+            fk = features(kh[:, lo:lo + block], zero, m, e, r)
+            v1[..., :dv] = vh[:, lo:lo + block]
+            np.matmul(np.swapaxes(v1.reshape(h, -1, rows, dv + 1), -1, -2),
+                      fk.reshape(h, -1, rows, d), out=chunks)
+            state_t += chunks.sum(axis=1)
+        state = np.ascontiguousarray(np.swapaxes(state_t, -1, -2))
+        out = np.empty((h, n, dv), q.dtype)
+        read = np.empty((h, block // rows, rows, dv + 1), q.dtype)
+        for lo in range(0, n, block):
+            fq = features(qh[:, lo:lo + block], zero, m, e, r)
+            np.matmul(fq.reshape(h, -1, rows, d), state[:, None], out=read)
+            num_den = read.reshape(h, block, dv + 1)
+            den = num_den[..., dv:]
+            np.divide(num_den[..., :dv], safe_denominator(xp, den, DEFAULT_EPS), out=out[:, lo:lo + block])
+        return out
+
+    assert n % block == 0 and block % rows == 0
+    groups = row_groups(q.shape[0])
+    if len(groups) < 2 or cpu_count() < 2:
+        return run((0, q.shape[0]))
+    with ThreadPoolExecutor(len(groups)) as pool:
+        return np.concatenate(list(pool.map(run, groups)))
+
+
+def _linear_buffered(q, k, v, reps, roof):
+    """``linear_attention`` (non-causal) next to :func:`_buffered_linear`, interleaved."""
+    from attn_ref import linear_attention
+
+    ours = linear_attention(q, k, v)
+    mine = _buffered_linear(q, k, v)
+    same = bool(np.array_equal(ours, mine))
+    med = _interleaved({"attn_ref": lambda: linear_attention(q, k, v),
+                        "NumPy with out= buffers": lambda: _buffered_linear(q, k, v)}, reps)
+    print(f"N={q.shape[-2]} non-causal, interleaved, medians of {reps} (wall; the same bits: {same}): "
+          + " | ".join(f"{name} {t * 1e3:.1f} ms ({t / roof:.2f}x roofline)" for name, t in med.items()))
 
 
 def _linear_gemm_rows(q, k, v, choices, reps):
@@ -993,6 +1067,8 @@ def main(argv=None):
                      "split among the CPUs (attn_ref.linear.POOL_MIN_ROWS), interleaved")
     lin.add_argument("--pool-ns", default="", help="also time the heads pool against none at "
                      "each of these N, e.g. 256,1024,4096 (the threshold's measurement)")
+    lin.add_argument("--buffered", action="store_true", help="also time non-causal at the largest N "
+                     "next to the same loop in plain NumPy with out= buffers (the same bits)")
     lin.add_argument("--phases", action="store_true", help="time each phase of the non-causal "
                      "block loop at the largest N, with its page faults")
     lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
