@@ -34,6 +34,7 @@ __all__ = [
     "blas_one_thread",
     "blas_controllable",
     "batch_rows",
+    "numpy_backed",
     "row_groups",
     "is_lazy",
     "pool_helps",
@@ -311,14 +312,15 @@ def pool_helps(*arrays):
     JAX's eager arrays (XLA's own threads) nor CuPy's (the GPU, not the CPU's cores)."""
     if not arrays or is_lazy(*arrays):
         return False
-    if not all(array_api_compat.is_numpy_array(x) or _is_strict_array(x) for x in arrays):
+    if not all(numpy_backed(x) for x in arrays):
         return False
     return blas_controllable()
 
 
-def _is_strict_array(x):
-    """An array-api-strict array: NumPy's underneath, whatever its (simulated) device."""
-    return type(x).__module__.split(".")[0] == "array_api_strict"
+def numpy_backed(x):
+    """Whether NumPy computes on ``x``: a NumPy array, or array-api-strict's (NumPy's
+    underneath, whatever its simulated device)."""
+    return array_api_compat.is_numpy_array(x) or type(x).__module__.split(".")[0] == "array_api_strict"
 
 
 def is_lazy(*arrays):

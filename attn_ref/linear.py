@@ -75,6 +75,7 @@ from ._common import (
     causal_offset,
     ceil_div,
     is_lazy,
+    numpy_backed,
     owned_writeable,
     parallel_map,
     pool_helps,
@@ -158,16 +159,32 @@ GEMM_ROWS = 128
 # ---------------------------------------------------------------- feature maps
 
 
+def _zero_like(xp, x):
+    """A zero to compare ``x`` with: ``x``'s shape on NumPy, else one 0-d zero.
+
+    NumPy (2.4) takes a loop without SIMD for ``minimum`` and ``maximum`` when one
+    operand is a broadcast scalar: on an ``(8, 128, 64)`` float32 block, 39 us against
+    5 us with a full-size operand, as slow as ``exp`` (37 us); making the zeros costs
+    6 us. Linear attention at N = 65536, 8 heads, d = 64, non-causal: 0.32 against
+    0.39 s of CPU (medians of 8 interleaved calls, the same bits). PyTorch is the other
+    way round (1.44 against 1.01 ms for the feature map of an ``(8, 512, 64)`` block),
+    so only NumPy's arrays (and array-api-strict's) take the full-size zeros.
+    """
+    if numpy_backed(x):
+        return xp.zeros_like(x)
+    return xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
+
+
 def _elu_plus_one(xp, x):
     # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
     # so it cannot overflow (and its derivative stays finite for the VJP).
-    zero = xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
+    zero = _zero_like(xp, x)
     # into exp's own array: one fresh array fewer per call, the same sums (addition commutes)
     return add_into(xp.exp(xp.minimum(x, zero)), xp.maximum(x, zero))
 
 
 def _relu(xp, x):
-    return xp.maximum(x, xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x)))
+    return xp.maximum(x, _zero_like(xp, x))
 
 
 _NAMED = {"elu+1": _elu_plus_one, "relu": _relu, "identity": lambda xp, x: x}

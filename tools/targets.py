@@ -393,7 +393,6 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
     from attn_ref.linear import DEFAULT_EPS, GEMM_ROWS, safe_denominator
 
     h, n, d = q.shape
-    zero = np.float32(0)
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
              "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
     # As the library: GEMM_ROWS-row chunks of each block (at d = dv = 64 the rows are
@@ -416,6 +415,7 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
         def phi(x, lo, hi, first, tick=tick):
             """elu + 1 of rows lo:hi as the reference computes it, its two passes timed
             as names[first] and names[first + 1]."""
+            zero = np.zeros_like(x[:, lo:hi])  # full-size, as attn_ref.linear's on NumPy
             f = np.exp(np.minimum(x[:, lo:hi], zero))
             tick(names[first])
             f += np.maximum(x[:, lo:hi], zero)
