@@ -1021,6 +1021,29 @@ def test_online_heads_pool_groups_keep_tiles_small(monkeypatch, tile_logits, gro
     assert np.array_equal(pooled, serial)
 
 
+@pytest.mark.parametrize("tile_logits, groups", [(8 * 16, 6), (2 * 8 * 16, 3), (6 * 8 * 16, 0)])
+def test_online_torch_heads_run_in_groups_with_the_same_bits(monkeypatch, tile_logits, groups):
+    # PyTorch CPU tensors are never pooled, but their heads run in groups one after
+    # another when all heads' tiles exceed TORCH_TILE_LOGITS (0: one group, no split),
+    # with the bits of all heads at once.
+    import torch
+
+    from attn_ref.softmax import online
+
+    rng = np.random.default_rng(31)
+    q, k, v = (torch.from_numpy(rng.standard_normal((2, 3, n, 8), dtype=np.float32)) for n in (37, 41, 41))
+    mask = torch.from_numpy(rng.random((2, 3, 37, 41)) < 0.6)
+    whole = online_softmax_attention(q, k, v, block_q=8, block_k=16, mask=mask)
+    monkeypatch.setattr(online, "TORCH_TILE_LOGITS", tile_logits)
+    calls = _spy_pool(monkeypatch, online)
+    grouped = online_softmax_attention(q, k, v, block_q=8, block_k=16, mask=mask)
+    assert [(p, n) for p, n, _ in calls] == ([(False, groups)] if groups else [])
+    assert torch.equal(grouped, whole)
+    assert torch.equal(whole, torch.cat([online_softmax_attention(
+        q[:, h:h + 1], k[:, h:h + 1], v[:, h:h + 1], block_q=8, block_k=16, mask=mask[:, h:h + 1])
+        for h in range(3)], dim=1))
+
+
 def test_online_heads_pool_restores_blas_after_an_error(monkeypatch):
     # An exception inside a worker reaches the caller, and BLAS has its threads back.
     from threadpoolctl import threadpool_limits

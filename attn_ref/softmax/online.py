@@ -17,6 +17,7 @@ from .._common import (
     finish_partial,
     is_lazy,
     mul_into,
+    numpy_backed,
     online_step,
     owned_writeable,
     parallel_map,
@@ -50,6 +51,20 @@ POOL_MIN_LOGITS = 1 << 18
 # head per piece took 377 against 449 ms wall, 0.64 against 0.80 s CPU, 6 against 23K page
 # faults per call, the same bits (1024 x 1024 tiles of one head: 419 ms, 1036 faults).
 GROUP_TILE_LOGITS = 1 << 19
+# On PyTorch's CPU tensors, which are never pooled (their operators run on every core),
+# the heads still run in groups, one after another, of at most this many logits per
+# tile: two heads at the default tiles, 4 MiB float32 arrays. An all-heads tile at 8
+# heads is 16 MiB per array, which glibc's allocator hands back to the system between
+# tiles: 128K page faults per call at N = 4096, 8 heads, d = 64 against 2K in groups of
+# two heads, 532 against 647 ms (groups of one head: 552-608 ms, the operators too
+# small for torch's two threads); medians of 7 interleaved calls under load 4-4.4, the
+# same bits.
+TORCH_TILE_LOGITS = 1 << 20
+
+
+def _torch_cpu(*arrays):
+    """Eager PyTorch tensors on the CPU."""
+    return all(array_api_compat.is_torch_array(x) and x.device.type == "cpu" for x in arrays)
 
 
 def _folded_scale(xp, pb, dtype):
@@ -153,10 +168,10 @@ def _rows_of(xp, x, batch, rows):
 _SPEC_ARRAYS = ("mask", "bias", "alibi", "len_q", "len_k", "keep")
 
 
-def _head_groups(xp, spec, batch, rows, tile):
+def _head_groups(xp, spec, batch, rows, most):
     """``[(a, b, spec_ab)]``: contiguous ranges of the flattened batch rows, at least one
-    per CPU and none whose tiles (``tile`` logits per row) exceed :data:`GROUP_TILE_LOGITS`,
-    each with the spec arrays cut to it; None when an array cannot be cut."""
+    per CPU and none longer than ``most`` rows, each with the spec arrays cut to it; None
+    when an array cannot be cut."""
     flat = {}
     for name in _SPEC_ARRAYS:
         x = _rows_of(xp, getattr(spec, name), batch, rows)
@@ -166,7 +181,7 @@ def _head_groups(xp, spec, batch, rows, tile):
     return [(a, b, dataclasses.replace(spec, **{
         name: (x if x is None or not hasattr(x, "shape") or x.shape[0] == 1 else x[a:b, ...])
         for name, x in flat.items()}))
-        for a, b in row_groups(rows, most=max(1, GROUP_TILE_LOGITS // tile))]
+        for a, b in row_groups(rows, most=most)]
 
 
 def online_forward(pb, block_q, block_k):
@@ -178,10 +193,12 @@ def online_forward(pb, block_q, block_k):
     The forward discards it (a few ``O(Nq)`` operations). ``out`` has q's dtype; ``lse``
     and the running statistics are in :func:`logit_dtype` (float32 for float16).
 
-    Per tile, all heads at once: the logits GEMM, the row maximum, the shift (in place)
-    and ``exp``, and the ``P V`` GEMM, whose extra column of ones gives the row sums
-    (``[V | 1]``: no separate pass for them), so three passes over each tile besides
-    the GEMMs' (:func:`attn_ref._common.online_step`). The sum stays a separate pass
+    Per tile, all heads at once (or a group of them, below): the logits GEMM, the row
+    maximum, the shift (in place) and ``exp``, and the ``P V`` GEMM, on NumPy with an
+    extra column of ones that gives the row sums (``[V | 1]``: no separate pass for
+    them), so three passes over each tile besides the GEMMs'
+    (:func:`attn_ref._common.online_step`); other libraries take the row sums as a
+    fourth pass, cheaper there than a 65th GEMM column. The sum is also a separate pass
     with dropout (the normaliser counts the dropped weights) and when ``P`` is rounded
     to a narrower ``V`` (float16) before the product.
 
@@ -215,20 +232,31 @@ def online_forward(pb, block_q, block_k):
         q, spec = q * folded, dataclasses.replace(spec, scale=1.0)
     v = pb.v
     # P V's extra column of ones sums P's rows: not with dropout (the sum is taken
-    # before the keep-mask) nor when P is rounded to V's narrower dtype first.
-    ones_column = spec.keep is None and v.dtype == dtype
+    # before the keep-mask) nor when P is rounded to V's narrower dtype first; and only
+    # on NumPy, where one (512 x 1024) @ (1024 x 65) product took 0.72 ms against 0.68 +
+    # 0.09 ms for 64 columns and a row-sum pass (one BLAS thread). PyTorch's GEMM pays
+    # for a 65th column as for a partial tile of them: an (8, 512, 1024) tile's product
+    # took 4.42 ms against 3.58 + 0.11 ms (the whole call, in groups of two heads: 488
+    # against 532 ms, medians of 7 interleaved, load 4-4.4); GPU GEMMs tile their
+    # columns too, so other libraries take the row sums.
+    ones_column = spec.keep is None and v.dtype == dtype and numpy_backed(v)
     if ones_column:
         ones = xp.ones(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=device)
         v = xp.concat((v, ones), axis=-1)
     rows = batch_rows((q, kt, v))
     groups = None
-    if rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v):
-        groups = _head_groups(xp, spec, pb.batch_g, rows, min(block_q, nq) * min(block_k, nk))
+    tile = min(block_q, nq) * min(block_k, nk)
+    pooled = rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v)
+    if pooled:
+        groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, GROUP_TILE_LOGITS // tile))
+    elif rows > 1 and rows * tile > TORCH_TILE_LOGITS and _torch_cpu(q, kt, v):
+        groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, TORCH_TILE_LOGITS // tile))
     if groups is None:
         out, lse = _query_blocks(xp, spec, q, kt, v, block_q, block_k, dtype, pb.q.dtype, ones_column)
     else:
         # The heads are independent problems: contiguous groups of them, taken by the
-        # workers in turn, each the same operations as the whole call's on its rows.
+        # workers in turn (or one after another, unpooled), each the same operations as
+        # the whole call's on its rows.
         flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, kt, v)]
 
         def run(group):
@@ -236,7 +264,7 @@ def online_forward(pb, block_q, block_k):
             return _query_blocks(xp, spec_ab, *(x[a:b, ...] for x in flat), block_q, block_k,
                                  dtype, pb.q.dtype, ones_column)
 
-        parts = parallel_map(run, groups, pooled=True)
+        parts = parallel_map(run, groups, pooled=pooled)
         out = xp.reshape(_join(xp, [o for o, _ in parts], 0), pb.batch_g + (nq, dv))
         lse = xp.reshape(_join(xp, [lse for _, lse in parts], 0), pb.batch_g + (nq,))
     drop = dropout_scale(spec)
@@ -294,14 +322,17 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     ``q`` once instead of every tile when no logit can overflow (otherwise each tile's
     logits are clamped as in :func:`softmax_attention`). Each ``(..., block_q,
     block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
-    it (in place) and ``exp``; the row sums come out of the ``P V`` GEMM as an extra
-    column (``[V | 1]``). On NumPy a call with at least ``POOL_MIN_LOGITS`` logits and
+    it (in place) and ``exp``; on NumPy the row sums come out of the ``P V`` GEMM as an
+    extra column (``[V | 1]``), elsewhere from a row-sum pass. On NumPy a call with at
+    least ``POOL_MIN_LOGITS`` logits and
     several heads runs groups of heads (one head each at the default tiles) on a thread
     pool of one worker per CPU, with BLAS held to
     one thread per worker for the duration (process-wide: see
     :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
-    for bit (``online_forward``). Other libraries run all heads' tiles at once, which
-    keeps the GEMMs large enough for the library's threads.
+    for bit (``online_forward``). PyTorch's CPU tensors run their heads in groups one
+    after another, at most ``TORCH_TILE_LOGITS`` logits per tile (two heads at the
+    default tiles), with the same bits as all heads at once; other libraries run all
+    heads' tiles at once.
 
     Examples
     --------
