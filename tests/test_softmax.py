@@ -1002,10 +1002,13 @@ def test_online_heads_pool_gives_the_unpooled_bits(backend, monkeypatch, opts):
         assert calls == []
 
 
+@pytest.mark.parametrize("pool", [True, False])
 @pytest.mark.parametrize("tile_logits, groups", [(1 << 19, 2), (8 * 16, 6), (2 * 8 * 16, 3)])
-def test_online_heads_pool_groups_keep_tiles_small(monkeypatch, tile_logits, groups):
+def test_online_heads_pool_groups_keep_tiles_small(monkeypatch, tile_logits, groups, pool):
     # A group of heads holds at most GROUP_TILE_LOGITS logits per tile (here 8 x 16 per
     # head), at least one group per CPU; any grouping gives the unpooled call's bits.
+    # Without the pool (a BLAS threadpoolctl cannot hold) the groups run one after
+    # another when all heads' tiles exceed the limit.
     import attn_ref._common as common
     from attn_ref.softmax import online
 
@@ -1015,9 +1018,14 @@ def test_online_heads_pool_groups_keep_tiles_small(monkeypatch, tile_logits, gro
     monkeypatch.setattr(online, "POOL_MIN_LOGITS", 1)
     monkeypatch.setattr(online, "GROUP_TILE_LOGITS", tile_logits)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
+    if not pool:
+        monkeypatch.setattr(online, "pool_helps", lambda *arrays: False)
     calls = _spy_pool(monkeypatch, online)
     pooled = online_softmax_attention(q, k, v, block_q=8, block_k=16, causal=True)
-    assert [(p, n) for p, n, _ in calls] == [(True, groups)]
+    if pool:
+        assert [(p, n) for p, n, _ in calls] == [(True, groups)]
+    else:  # all six heads' tiles (768 logits) within the limit: one call, no groups
+        assert [(p, n) for p, n, _ in calls] == ([(False, groups)] if tile_logits < 6 * 8 * 16 else [])
     assert np.array_equal(pooled, serial)
 
 

@@ -50,6 +50,8 @@ POOL_MIN_LOGITS = 1 << 18
 # 8 heads, d = 64, NumPy, medians of 5 interleaved calls under load 3.6-3.8 (2 CPUs), one
 # head per piece took 377 against 449 ms wall, 0.64 against 0.80 s CPU, 6 against 23K page
 # faults per call, the same bits (1024 x 1024 tiles of one head: 419 ms, 1036 faults).
+# Unpooled NumPy calls (one CPU, a BLAS threadpoolctl cannot limit) run their groups
+# one after another, for the same reason.
 GROUP_TILE_LOGITS = 1 << 19
 # On PyTorch's CPU tensors, which are never pooled (their operators run on every core),
 # the heads still run in groups, one after another, of at most this many logits per
@@ -247,10 +249,11 @@ def online_forward(pb, block_q, block_k):
     groups = None
     tile = min(block_q, nq) * min(block_k, nk)
     pooled = rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v)
-    if pooled:
-        groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, GROUP_TILE_LOGITS // tile))
-    elif rows > 1 and rows * tile > TORCH_TILE_LOGITS and _torch_cpu(q, kt, v):
-        groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, TORCH_TILE_LOGITS // tile))
+    # the most logits per tile of a group of heads on the CPU; None: all heads at once
+    most = (GROUP_TILE_LOGITS if all(numpy_backed(x) for x in (q, kt, v))
+            else TORCH_TILE_LOGITS if _torch_cpu(q, kt, v) else None)
+    if rows > 1 and most is not None and (pooled or rows * tile > most):
+        groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, most // tile))
     if groups is None:
         out, lse = _query_blocks(xp, spec, q, kt, v, block_q, block_k, dtype, pb.q.dtype, ones_column)
     else:
@@ -329,10 +332,12 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     pool of one worker per CPU, with BLAS held to
     one thread per worker for the duration (process-wide: see
     :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
-    for bit (``online_forward``). PyTorch's CPU tensors run their heads in groups one
-    after another, at most ``TORCH_TILE_LOGITS`` logits per tile (two heads at the
-    default tiles), with the same bits as all heads at once; other libraries run all
-    heads' tiles at once.
+    for bit (``online_forward``). Unpooled, NumPy arrays and PyTorch's CPU tensors run
+    their heads in groups one after another, at most ``GROUP_TILE_LOGITS`` and
+    ``TORCH_TILE_LOGITS`` logits per tile (one and two heads at the default tiles):
+    all heads' tiles at once are arrays the allocator hands back to the system between
+    tiles. The same bits as all heads at once; other libraries run all heads' tiles at
+    once.
 
     Examples
     --------
