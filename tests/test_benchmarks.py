@@ -710,3 +710,26 @@ def test_targets_buffered_linear_is_the_library_loop_bit_for_bit(monkeypatch):
     # and it is not trivially equal: elu+1 with the maximum left out differs
     monkeypatch.setattr(targets.np, "maximum", lambda x, y, out: np.multiply(x, 0.0, out=out))
     assert not np.array_equal(targets._buffered_linear(q, k, v), want)
+
+
+def test_targets_softmax_passes_follow_the_library(capsys):
+    # ``tools/targets.py softmax --passes`` re-spells the online softmax's tile loop:
+    # NumPy with the row sums in P [V | 1], one head at a time at these tiles; torch with
+    # a row-sum pass, in groups of TORCH_TILE_LOGITS.
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("targets", os.path.join(ROOT, "tools", "targets.py"))
+    targets = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(targets)
+    rate = {"gemm_flops": 1e11, "exp": 1e9, "elementwise": 1e10}
+    q, k, v = (np.random.default_rng(41).standard_normal((4, 1024, 16), dtype=np.float32) for _ in range(3))
+    targets._softmax_passes("numpy", q, k, v, 512, 1024, rate)  # the default tiles
+    out = capsys.readouterr().out
+    assert "1 head(s) at a time" in out and "row sums in P [V | 1]" in out
+    targets._softmax_passes("torch", *(torch.from_numpy(x) for x in (q, k, v)), 512, 1024, rate)
+    out = capsys.readouterr().out
+    assert "2 head(s) at a time" in out and "row sums as a pass" in out
+    for phase in ("logits GEMM", "row max", "shift (in place)", "exp", "P V GEMM", "row sums", "rescale acc"):
+        assert f"    {phase} " in out, phase

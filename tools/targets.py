@@ -962,49 +962,65 @@ def softmax(args):
 def _softmax_passes(name, q, k, v, block_q, block_k, rate, xp=None):
     """Time each operation of the online softmax's tile loop, summed over the tiles, on
     one thread of control (no pool): the same operations as
-    ``attn_ref.softmax.online._query_block`` on the default path (scale folded, no mask,
-    ``[V | 1]``), each against its share of the roofline at ``rate``."""
+    ``attn_ref.softmax.online._query_block`` on the default path (scale folded, no mask),
+    in the library's groups of heads (``GROUP_TILE_LOGITS`` on NumPy, ``TORCH_TILE_LOGITS``
+    on torch), the row sums from ``P [V | 1]`` on NumPy and from a pass elsewhere, each
+    against its share of the roofline at ``rate``."""
     import array_api_compat
 
+    from attn_ref._common import numpy_backed
+    from attn_ref.softmax.online import GROUP_TILE_LOGITS, TORCH_TILE_LOGITS
     from attn_ref.softmax.tiles import transposed_copy
 
     xp = xp or array_api_compat.array_namespace(q)
     h, n, d = q.shape
+    ones_column = numpy_backed(q)
+    most = GROUP_TILE_LOGITS if ones_column else TORCH_TILE_LOGITS
+    per_group = min(h, max(1, most // (min(block_q, n) * min(block_k, n))))
     q = q * (d ** -0.5)
     kt = transposed_copy(xp, k)
-    v1 = xp.concat((v, xp.ones((h, n, 1), dtype=v.dtype)), axis=-1)
-    spent = dict.fromkeys(("logits GEMM", "row max", "shift (in place)", "exp", "P [V|1] GEMM",
-                           "rescale acc"), 0.0)
+    if ones_column:
+        v = xp.concat((v, xp.ones((h, n, 1), dtype=v.dtype)), axis=-1)
+    spent = dict.fromkeys(("logits GEMM", "row max", "shift (in place)", "exp", "P V GEMM",
+                           "row sums", "rescale acc"), 0.0)
 
     clock = time.perf_counter
-    for q0 in range(0, n, block_q):
-        qb, m, acc = q[:, q0:q0 + block_q, :], None, None
-        for k0 in range(0, n, block_k):
-            t0 = clock()
-            s = qb @ kt[..., k0:k0 + block_k]
-            t1 = clock()
-            bm = xp.max(s, axis=-1, keepdims=True)
-            mn = bm if m is None else xp.maximum(m, bm)
-            t2 = clock()
-            s -= mn
-            t3 = clock()
-            p = xp.exp(s)
-            del s
-            t4 = clock()
-            pv = p @ v1[:, k0:k0 + block_k, :]
-            t5 = clock()
-            acc = pv if m is None else acc * xp.exp(m - mn) + pv
-            m = mn
-            t6 = clock()
-            for key, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
-                spent[key] += dt
+    for h0 in range(0, h, per_group):
+        hs = slice(h0, h0 + per_group)
+        for q0 in range(0, n, block_q):
+            qb, m, acc, lsum = q[hs, q0:q0 + block_q, :], None, None, None
+            for k0 in range(0, n, block_k):
+                t0 = clock()
+                s = qb @ kt[hs, :, k0:k0 + block_k]
+                t1 = clock()
+                bm = xp.max(s, axis=-1, keepdims=True)
+                mn = bm if m is None else xp.maximum(m, bm)
+                t2 = clock()
+                s -= mn
+                t3 = clock()
+                p = xp.exp(s)
+                del s
+                t4 = clock()
+                pv = p @ v[hs, k0:k0 + block_k, :]
+                t5 = clock()
+                ps = None if ones_column else xp.sum(p, axis=-1, keepdims=True)
+                t6 = clock()
+                alpha = None if m is None else xp.exp(m - mn)
+                acc = pv if m is None else acc * alpha + pv
+                if ps is not None:
+                    lsum = ps if m is None else lsum * alpha + ps
+                m = mn
+                t7 = clock()
+                for key, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6)):
+                    spent[key] += dt
     pairs = h * n * n
     roof = {"logits GEMM": 2 * pairs * d / rate["gemm_flops"],
-            "P [V|1] GEMM": 2 * pairs * d / rate["gemm_flops"],
+            "P V GEMM": 2 * pairs * d / rate["gemm_flops"],
             "row max": pairs / rate["elementwise"], "shift (in place)": pairs / rate["elementwise"],
-            "exp": pairs / rate["exp"], "rescale acc": 0.0}
+            "exp": pairs / rate["exp"], "row sums": 0.0, "rescale acc": 0.0}
     total = sum(spent.values())
-    print(f"  {name}: passes of the tile loop, {block_q}x{block_k} tiles, one thread of control "
+    print(f"  {name}: passes of the tile loop, {block_q}x{block_k} tiles, {per_group} head(s) at a time, "
+          f"one thread of control, row sums {'in P [V | 1]' if ones_column else 'as a pass'} "
           f"(total {total * 1e3:.1f} ms; roofline {sum(roof.values()) * 1e3:.1f} ms)")
     for key, t in spent.items():
         print(f"    {key:18s} {t * 1e3:8.1f} ms | roofline share {roof[key] * 1e3:7.1f} ms")
