@@ -782,6 +782,57 @@ for _sig in (
     register_signature(_sig)
 
 
+# ------------------------------------- BigBird and Reformer conventions (transformers)
+
+
+def _bigbird_sigs(prep):
+    """BigBird's global blocks at both ends (``last_global_blocks`` of
+    :func:`attn_ref.sparse.bigbird_attention`: google-research's and HuggingFace's ITC
+    layout) against the declared ones; and HuggingFace's ``BigBirdBlockSparseAttention``
+    in ``eval()``, whose random blocks are a constant all-zero list: each of a row's
+    ``r`` random blocks is block 0 again, so block 0's keys enter the softmax ``1 + r``
+    times (its logits raised by ``log(1 + r)``) in every row that is not global."""
+    if prep.variant.name != "bigbird" or prep.kwargs.get("causal") not in (None, False):
+        return
+    from attn_ref.sparse import bigbird_mask
+
+    o = {"window": 1, "global_blocks": 1, "random_blocks": 1, **prep.options}
+    declared = o.get("last_global_blocks", 0)
+    if declared == 0:
+        yield ("the last block is global too, rows and columns, and the random blocks are drawn "
+               "past it (the ITC layout of google-research's BigBird and HuggingFace's "
+               "BigBirdBlockSparseAttention: global blocks first and last): pass "
+               "options={'last_global_blocks': 1}",
+               prep.reference("float64", options={**prep.options, "last_global_blocks": 1}))
+    else:
+        yield (f"the last {declared} block(s) not global (the declared last_global_blocks="
+               f"{declared} missing): drop options={{'last_global_blocks': {declared}}}",
+               prep.reference("float64", options={**prep.options, "last_global_blocks": 0}))
+    r, B, n = o["random_blocks"], o["block_size"], prep.case.nk
+    if not r:
+        return
+    for lg in sorted({declared, 1}):
+        keep = np.asarray(bigbird_mask(n, block_size=B, window=o["window"], global_blocks=o["global_blocks"],
+                                       random_blocks=0, last_global_blocks=lg, xp=np))
+        nb = -(-n // B)
+        rows = np.arange(n) // B
+        plain = (rows >= o["global_blocks"]) & (rows < nb - lg)  # rows that are not global
+        extra = np.where(plain[:, None] & (np.arange(n)[None, :] < B), math.log(1 + r), 0.0)
+        how = "" if lg == declared else ", and the last block global (pass options={'last_global_blocks': 1})"
+        yield (f"every random block is block 0 again, its keys counted 1 + r = {1 + r} times in each "
+               f"row that is not global (HuggingFace's BigBirdBlockSparseAttention in eval(): "
+               f"'During inference (eval) no randomness', its random blocks a constant all-zero "
+               f"list{how}); another function, which attn_ref does not define: run it with "
+               f"num_random_blocks' draw replaced by the layout's random blocks",
+               softmax_host(_logits(prep, allowed=keep) + extra, prep.arrays["v"]))
+
+
+for _sig in (
+    Signature("bigbird global blocks and eval draw", _bigbird_sigs),
+):
+    register_signature(_sig)
+
+
 # --------------------------------------------------------------------------- diagnose
 
 

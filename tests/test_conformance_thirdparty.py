@@ -18,6 +18,7 @@ import contextlib
 import functools
 import io
 
+import numpy as np
 import pytest
 
 from conformance import cases, verify
@@ -431,3 +432,127 @@ def test_linear_attention_transformer_is_efficient_attention_named_as_such():
     rows = _run(kernel, "linear", ["basic:b2h3-q17k17-d16", "cross:b2h1-q63k129-d32"])
     _fails(rows, "efficient attention (Shen et al.)")
     assert all("times d**-0.5 (linear-attention-transformer" in r.diagnosis for r in rows)
+
+
+# ------------------------------------------------------------------- HuggingFace BigBird
+
+
+def hf_bigbird_kernel(q, k, v, *, block_size, random_blocks, seed, draw="oracle", q_factor=1.0, drop=None):
+    """transformers 5.24.0 ``BigBirdBlockSparseAttention`` (ITC): query/key/value to
+    identity, global blocks the first and the last, a window of one block per side,
+    ``num_random_blocks = random_blocks``. Its random blocks come from
+    ``_bigbird_block_rand_mask_with_head``, replaced here (``draw="oracle"``) by those of
+    the oracle's layout: ``bigbird_layout(..., global_blocks=1, last_global_blocks=1,
+    seed=seed)`` past HF's fixed blocks, the layout the exported vectors carry. With
+    ``draw="eval"`` its own ``eval()`` draw runs: a constant all-zero list, every random
+    block block 0 again. The sequence is zero-padded to a multiple of ``block_size`` and
+    the padding masked, as ``BigBirdModel`` does (its ``-10000`` penalty). Plants:
+    ``drop="window"`` masks the right window block of the middle rows (its band mask),
+    ``drop="global"`` the last block's keys (its ``to_mask``)."""
+    from transformers import BigBirdConfig, BigBirdModel
+    from transformers.models.big_bird.modeling_big_bird import BigBirdBlockSparseAttention
+
+    from attn_ref.sparse import bigbird_layout
+
+    b, h, n, d = q.shape
+    hd, nb = h * d, -(-n // block_size)
+    cfg = BigBirdConfig(hidden_size=hd, num_attention_heads=h, block_size=block_size,
+                        num_random_blocks=random_blocks, attention_type="block_sparse", use_bias=False)
+    att = BigBirdBlockSparseAttention(cfg, seed=0).eval()
+    att.query, att.key, att.value = (_select(3 * hd, i * hd, hd, q.dtype) for i in range(3))
+    if draw == "oracle":
+        lay = bigbird_layout(nb, window=1, global_blocks=1, last_global_blocks=1, random_blocks=random_blocks,
+                             seed=seed)
+        rand = np.array([[c for c in range(nb) if lay[a][c] and c not in (0, a - 1, a, a + 1, nb - 1)]
+                         for a in range(1, nb - 1)], dtype=np.int32)
+        att._bigbird_block_rand_mask_with_head = lambda **kw: [rand] * h
+    mask = torch.ones(b, nb * block_size, dtype=q.dtype)
+    mask[:, n:] = 0
+    blocked, band, from_mask, to_mask = BigBirdModel.create_masks_for_block_sparse_attn(mask, block_size)
+    if drop == "window":
+        band = band.clone()
+        band[..., 2 * block_size:] = 0
+    if drop == "global":
+        to_mask = to_mask.clone()
+        to_mask[..., (nb - 1) * block_size:] = 0
+    x = nn.functional.pad(_tokens(q * q_factor, k, v), (0, 0, 0, nb * block_size - n))
+    with torch.no_grad():
+        out = att(x, band_mask=band, from_mask=from_mask, to_mask=to_mask, from_blocked_mask=blocked,
+                  to_blocked_mask=blocked)[0]
+    return _heads(out[:, :n], h)
+
+
+def _bigbird_sparse(case, r=1, block_size=4):
+    # HF's BigBirdModel runs full attention up to (5 + 2 r) blocks (the block-sparse code
+    # needs 5 blocks and r candidates per row); the case must be past it
+    return -(-case.nq // block_size) > 5 + 2 * r
+
+
+HF_BIGBIRD = {"value_dim": False, "cases": _bigbird_sparse}
+HF_BIGBIRD_OPTIONS = {"last_global_blocks": 1}
+
+
+def test_huggingface_bigbird_passes_with_its_last_global_block_declared():
+    rows = _run(hf_bigbird_kernel, "bigbird", options=HF_BIGBIRD_OPTIONS, supports=HF_BIGBIRD)
+    ratio = _passes(rows, 40)
+    print(f"THIRDPARTY hf-bigbird (last_global_blocks=1, the layout's random blocks) worst ratio {ratio:.2f}")
+    few = ["length:b1h2-q61k61-d32", "range:b3h5-q37k37-d16"]
+    for plant in ({"q_factor": 1.01}, {"drop": "window"}, {"drop": "global"}):
+        _fails(_run(functools.partial(hf_bigbird_kernel, **plant), "bigbird", few, ("float32",),
+                    options=HF_BIGBIRD_OPTIONS, supports=HF_BIGBIRD))
+
+
+def test_huggingface_bigbird_layout_and_eval_draw_are_named():
+    few = ["length:b1h2-q61k61-d32", "range:b3h5-q37k37-d16"]
+    _fails(_run(hf_bigbird_kernel, "bigbird", few, supports=HF_BIGBIRD),
+           "(the ITC layout of google-research's BigBird and HuggingFace's BigBirdBlockSparseAttention: "
+           "global blocks first and last): pass options={'last_global_blocks': 1}")
+    # in eval() its own draw makes every random block block 0: block 0 counted twice
+    _fails(_run(functools.partial(hf_bigbird_kernel, draw="eval"), "bigbird", few, options=HF_BIGBIRD_OPTIONS,
+                supports=HF_BIGBIRD),
+           "every random block is block 0 again, its keys counted 1 + r = 2 times")
+    # a kernel of the default layout (no last_global_blocks parameter to take the
+    # option) declared last_global_blocks=1 is named too
+    from attn_ref import bigbird_attention
+
+    def first_only(q, k, v, *, block_size, window, global_blocks, random_blocks, seed):
+        return bigbird_attention(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
+                                 random_blocks=random_blocks, seed=seed)
+
+    _fails(_run(first_only, "bigbird", few[:1], ("float64",), options=HF_BIGBIRD_OPTIONS),
+           "the last 1 block(s) not global")
+
+
+def test_last_global_blocks_is_the_layout_with_both_ends_global():
+    from attn_ref import grad
+    from attn_ref.sparse import bigbird_attention, bigbird_layout, bigbird_mask
+
+    # the option at 0 is the layout without it, random draw included
+    for nb in (1, 5, 9):
+        assert bigbird_layout(nb, random_blocks=2, seed=3) == bigbird_layout(nb, random_blocks=2, seed=3,
+                                                                             last_global_blocks=0)
+    nb, w, g, r = 9, 1, 1, 2
+    lay = bigbird_layout(nb, window=w, global_blocks=g, random_blocks=r, seed=5, last_global_blocks=1)
+    for a, row in enumerate(lay):
+        if a in (0, nb - 1):
+            assert all(row)
+            continue
+        fixed = {b for b in range(nb) if abs(a - b) <= w or b in (0, nb - 1)}
+        assert fixed <= {b for b in range(nb) if row[b]}
+        assert sum(row) - len(fixed) == min(r, nb - len(fixed))  # r random blocks past the fixed ones
+    rng = np.random.default_rng(0)
+    q, k, v, do = (rng.standard_normal((2, 35, 4)) for _ in range(4))
+    kw = {"block_size": 4, "random_blocks": 1, "seed": 5, "last_global_blocks": 1}
+    mask = bigbird_mask(35, xp=np, **kw)
+    first_only = bigbird_mask(35, xp=np, **{**kw, "last_global_blocks": 0})
+    assert mask[-1].all() and mask[:, 32:].all() and not first_only[:-4, 32:].all()
+    s = np.where(mask, q @ np.swapaxes(k, -1, -2) / 2, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(bigbird_attention(q, k, v, **kw), p @ v, rtol=1e-12, atol=1e-12)
+    want = grad.softmax_attention(q, k, v, do, mask=mask)
+    got = grad.bigbird_attention(q, k, v, do, **kw)
+    for name in "qkv":
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-11, atol=1e-11)
+    with pytest.raises(ValueError, match="last_global_blocks"):
+        bigbird_layout(4, last_global_blocks=-1)
