@@ -827,8 +827,34 @@ def _bigbird_sigs(prep):
                softmax_host(_logits(prep, allowed=keep) + extra, prep.arrays["v"]))
 
 
+def _reformer_sigs(prep):
+    """The Reformer's look-back over the rounds as one sequence and its pairs counted as
+    often as found (``look_back`` and ``dedup`` of
+    :func:`attn_ref.hashing.reformer_attention`), against the declared ones: trax,
+    HuggingFace's ``LSHSelfAttention`` and reformer-pytorch sort all rounds as one
+    sequence; HuggingFace and reformer-pytorch's default do not de-duplicate."""
+    if prep.variant.name != "reformer":
+        return
+    declared = {"look_back": prep.options.get("look_back", "round"), "dedup": prep.options.get("dedup", True)}
+    say = {("look_back", "sequence"): "the first chunk of each round looks back at the last chunk of the "
+                                      "round before (the rounds sorted as one sequence: trax, "
+                                      "HuggingFace's LSHSelfAttention, reformer-pytorch)",
+           ("look_back", "round"): "the first chunk of each round looks back at the same round's last chunk",
+           ("dedup", False): "a pair found in several rounds (or twice in a window) counted as often as "
+                             "found, not once (HuggingFace's LSHSelfAttention, reformer-pytorch's "
+                             "allow_duplicate_attention=True)",
+           ("dedup", True): "each pair counted once however often found (the duplicate correction)"}
+    other = {"look_back": {"round": "sequence", "sequence": "round"}, "dedup": {True: False, False: True}}
+    for names in (("look_back", "dedup"), ("look_back",), ("dedup",)):
+        change = {n: other[n][declared[n]] for n in names}
+        what = "; ".join(say[(n, change[n])] for n in names)
+        yield (f"{what}: pass options={change!r}",
+               prep.reference("float64", options={**prep.options, **change}))
+
+
 for _sig in (
     Signature("bigbird global blocks and eval draw", _bigbird_sigs),
+    Signature("reformer look-back and duplicates", _reformer_sigs),
 ):
     register_signature(_sig)
 

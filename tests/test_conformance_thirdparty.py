@@ -556,3 +556,179 @@ def test_last_global_blocks_is_the_layout_with_both_ends_global():
         np.testing.assert_allclose(got[name], want[name], rtol=1e-11, atol=1e-11)
     with pytest.raises(ValueError, match="last_global_blocks"):
         bigbird_layout(4, last_global_blocks=-1)
+
+
+# ------------------------------------------------------------------- HuggingFace Reformer
+
+
+@contextlib.contextmanager
+def _drawn(rotations, heads):
+    """``torch.randn``, which ``LSHSelfAttention._hash_vectors`` draws its rotations
+    ``(heads, d, n_hashes, n_buckets / 2)`` with, returning the oracle's ``(d, n_hashes,
+    n_buckets / 2)`` for every head (the rounds it asks for: a plant may ask fewer)."""
+    draw = torch.randn
+
+    def fixed(shape, device=None, dtype=None):
+        return rotations[:, :shape[2]].to(dtype).expand(heads, *rotations[:, :shape[2]].shape).clone()
+
+    torch.randn = fixed
+    try:
+        yield
+    finally:
+        torch.randn = draw
+
+
+def hf_lsh_kernel(q, k, v, *, rotations, chunk_size, causal=False, shared_qk=False, q_factor=1.0,
+                  self_mask_value=None, num_hashes=None):
+    """transformers 5.24.0 ``LSHSelfAttention``: its sort (``_stable_argsort`` of the
+    buckets offset per round), chunks of ``lsh_attn_chunk_length = chunk_size`` with one
+    chunk before (``lsh_num_chunks_before=1``, over the rounds as one sequence), causal
+    and padding masks (``-1e9``), own-position mask (``-1e5``), per-round log-sum-exps
+    and their combination, with the oracle's ``rotations`` as its draw. It is shared-QK
+    (keys ``q / sqrt(mean(q^2) + 1e-6) / sqrt(d)``, buckets of ``q``): here, unless
+    ``shared_qk``, the oracle's keys take that place (the buckets of ``k``, the keys
+    ``k / sqrt(d)``), the reference's convention of given keys. ``N`` not a multiple of
+    the chunk: zero tokens appended and masked (``attention_mask``), which it sorts into
+    a bucket of their own after every round's tokens."""
+    from transformers import ReformerConfig
+    from transformers.models.reformer.modeling_reformer import LSHSelfAttention
+
+    b, h, n, d = q.shape
+    hd, pad = h * d, (-n) % chunk_size
+    cfg = ReformerConfig(hidden_size=2 * hd, num_attention_heads=h, attention_head_size=d,
+                         lsh_attn_chunk_length=chunk_size, num_hashes=rotations.shape[1],
+                         num_buckets=2 * rotations.shape[2], lsh_num_chunks_before=1, lsh_num_chunks_after=0,
+                         is_decoder=bool(causal), lsh_attention_probs_dropout_prob=0.0, hash_seed=None)
+    att = LSHSelfAttention(cfg).eval()
+    att.query_key, att.value = _select(2 * hd, 0, hd, q.dtype), _select(2 * hd, hd, hd, q.dtype)
+    if self_mask_value is not None:
+        att.self_mask_value_float32 = torch.tensor(self_mask_value)
+    if not shared_qk:
+        kp = nn.functional.pad(k, (0, 0, 0, pad))
+        hash_vectors, gather = att._hash_vectors, att._gather_by_expansion
+        sorted_at = []
+
+        def gather_keys(vectors, idxs, hashes):
+            if not sorted_at:  # the first gather is the query-key one: where each key went
+                sorted_at.append(idxs)
+            return gather(vectors, idxs, hashes)
+
+        att._hash_vectors = lambda vectors, *a, **kw: hash_vectors(kp, *a, **kw)
+        att._gather_by_expansion = gather_keys
+        att._len_and_dim_norm = lambda vectors, sqrt_num: (
+            gather(kp, sorted_at[0], vectors.shape[2] * vectors.shape[3] // (n + pad)) if sorted_at
+            else kp).reshape(vectors.shape) / sqrt_num
+    x = nn.functional.pad(_tokens(q * q_factor, v), (0, 0, 0, pad))
+    mask = torch.ones(b, n + pad, dtype=torch.long)
+    mask[:, n:] = 0
+    with torch.no_grad(), _drawn(rotations, h):
+        out = att(x, attention_mask=mask if pad else None, num_hashes=num_hashes).hidden_states
+    return _heads(out[:, :n], h)
+
+
+HF_LSH = {"value_dim": False, "scale": False}
+HF_LSH_OPTIONS = {"look_back": "sequence", "dedup": False, "self_logit": -1e5}
+
+
+def _small_lse(case):
+    # a causal token alone in its windows has the round log-sum-exp -1e5 (the self
+    # logit), a large-logits case ~1e3: see test_huggingface_lsh_fails_where_the_round_lse_is_large
+    return case.causal is None and case.dist != "large_logits"
+
+
+def test_huggingface_lsh_passes_with_its_look_back_and_duplicates_declared():
+    rows = _run(hf_lsh_kernel, "reformer", options=HF_LSH_OPTIONS, supports={**HF_LSH, "cases": _small_lse})
+    ratio = _passes(rows, 50)
+    print(f"THIRDPARTY hf-lsh (look_back=sequence, dedup=False, self_logit=-1e5) worst ratio {ratio:.2f}")
+    few = ["basic:b2h3-q17k17-d16", "length:b1h2-q64k64-d32"]
+    for plant in ({"q_factor": 1.01}, {"self_mask_value": 0.0}, {"num_hashes": 1}):
+        _fails(_run(functools.partial(hf_lsh_kernel, **plant), "reformer", few, ("float32",),
+                    options=HF_LSH_OPTIONS, supports=HF_LSH))
+    _fails(_run(hf_lsh_kernel, "reformer", few, ("float64",), supports=HF_LSH),
+           "pass options={'look_back': 'sequence', 'dedup': False}")
+    _fails(_run(hf_lsh_kernel, "reformer", few, ("float64",), options={"dedup": False}, supports=HF_LSH),
+           "the rounds sorted as one sequence: trax, HuggingFace's LSHSelfAttention, reformer-pytorch): "
+           "pass options={'look_back': 'sequence'}")
+
+
+def test_huggingface_lsh_fails_where_the_round_lse_is_large():
+    # It combines the rounds as exp(lse_r - logsumexp(lse)) without dividing by their
+    # sum, so the weights err by |lse| eps: 1e5 eps for a causal token alone in every
+    # window (its self logit), 1e3 eps on large logits. A real loss of accuracy (0.6 %
+    # in float32), which the reference's combination (normalised weights) avoids.
+    few = ["causal:b2h1-q16k16-d8-causal-tl", "large-logits:b1h2-q16k16-d8-large_logits"]
+    _fails(_run(hf_lsh_kernel, "reformer", few, options=HF_LSH_OPTIONS, supports=HF_LSH))
+
+
+def test_huggingface_lsh_shared_qk_is_the_reference_with_rms_normalised_keys():
+    # unpatched, LSHSelfAttention is shared-QK: keys q / sqrt(mean(q^2) + 1e-6) (trax's
+    # length normalisation, length sqrt(d)) times d**-0.5, the buckets of q (= of the keys)
+    from attn_ref.hashing import lsh_rotations, reformer_attention
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((2, 3, 32, 8)) for _ in range(3))
+    r = lsh_rotations(8, 2, 8, seed=1, xp=np)
+    got = hf_lsh_kernel(*(torch.tensor(x) for x in (q, k, v)), rotations=torch.tensor(r), chunk_size=4,
+                        shared_qk=True).numpy()
+    keys = q / np.sqrt(np.mean(q * q, -1, keepdims=True) + 1e-6)
+    want = reformer_attention(q, keys, v, rotations=r, chunk_size=4, **HF_LSH_OPTIONS)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    unit = reformer_attention(q, q / np.linalg.norm(q, axis=-1, keepdims=True), v, rotations=r, chunk_size=4,
+                              **HF_LSH_OPTIONS)
+    assert np.abs(got - unit).max() > 1e-2  # reformer-pytorch's unit keys are another scale
+
+
+def _plain_rounds(q, k, v, r, c, look_back, dedup):
+    """HuggingFace's LSH by loops: all rounds sorted as one sequence of chunks of ``c``,
+    each chunk with the one before (over the rounds with ``look_back="sequence"``), no
+    self logit; a pair's weight its multiplicity (``dedup=False``) or 1."""
+    from attn_ref.hashing import lsh_buckets
+
+    n, h = q.shape[0], r.shape[1]
+    b = lsh_buckets(k, r)
+    size = -(-n // c) * c
+    order = [sorted(range(n), key=lambda j, t=t: (b[t, j], j)) + [None] * (size - n) for t in range(h)]
+    chunks = [order[t][i:i + c] for t in range(h) for i in range(0, size, c)]
+    per = size // c
+    count = np.zeros((n, n))
+    for g, ch in enumerate(chunks):
+        t, i = divmod(g, per)
+        before = chunks[g - 1] if look_back == "sequence" else chunks[t * per + (i - 1) % per]
+        for a in ch:
+            for j in ch + before:
+                if a is not None and j is not None:
+                    count[a, j] += 1
+    s = q @ k.T / np.sqrt(q.shape[-1]) + np.log(np.where(count > 0, count, 1) if not dedup else 1)
+    s = np.where(count > 0, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True) @ v
+
+
+@pytest.mark.parametrize("n", [16, 18])
+def test_look_back_and_dedup_options_are_the_plain_loops(n):
+    from attn_ref import grad
+    from attn_ref.hashing import lsh_rotations, reformer_attention, reformer_weights
+
+    rng = np.random.default_rng(n)
+    q, k, v, do = (rng.standard_normal((n, 4)) for _ in range(4))
+    r = lsh_rotations(4, 3, 4, seed=n, xp=np)
+    outs = []
+    for look_back in ("round", "sequence"):
+        for dedup in (True, False):
+            kw = {"rotations": r, "chunk_size": 4, "look_back": look_back, "dedup": dedup, "self_logit": None}
+            want = _plain_rounds(q, k, v, r, 4, look_back, dedup)
+            np.testing.assert_allclose(reformer_attention(q, k, v, **kw), want, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(reformer_weights(q, k, **kw) @ v, want, rtol=1e-12, atol=1e-12)
+            # the VJP against central differences of the forward
+            g = grad.reformer_attention(q, k, v, do, **kw)
+            e = np.zeros_like(q)
+            e[3, 1] = 1e-6
+            diff = reformer_attention(q + e, k, v, **kw) - reformer_attention(q - e, k, v, **kw)
+            fd = np.sum(diff * do) / 2e-6
+            assert abs(g["q"][3, 1] - fd) < 1e-6, (look_back, dedup)
+            outs.append(want)
+    assert all(np.abs(a - b).max() > 1e-3 for i, a in enumerate(outs) for b in outs[i + 1:])
+    with pytest.raises(ValueError, match="look_back must be 'round' or 'sequence'"):
+        reformer_attention(q, k, v, rotations=r, chunk_size=4, look_back="rounds")
+    with pytest.raises(TypeError, match="dedup must be a bool"):
+        reformer_attention(q, k, v, rotations=r, chunk_size=4, dedup=0)
