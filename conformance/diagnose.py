@@ -852,8 +852,37 @@ def _reformer_sigs(prep):
                prep.reference("float64", options={**prep.options, **change}))
 
 
+def _reformer_weights_sigs(prep):
+    """The rounds combined with ``exp(lse_r - logsumexp_r lse)`` in the kernel's dtype and
+    not divided by their sum (trax, HuggingFace's ``LSHSelfAttention``, reformer-pytorch):
+    the weights then err by ``|lse| eps``, which is large where a round's log-sum-exp is
+    (``self_logit`` for a token alone in its windows, large logits)."""
+    if prep.variant.name != "reformer" or prep.dtype not in ("float32", "float64"):
+        return
+    from attn_ref.hashing import reformer_rounds
+
+    t = np.dtype(prep.dtype)
+
+    def unnormalised(q, k, v, /, *, xp, **kw):
+        o, lse = reformer_rounds(q, k, v, xp=xp, **kw)
+        lse = np.asarray(lse).astype(t)
+        top = np.max(lse, axis=-2, keepdims=True)
+        with np.errstate(invalid="ignore"):
+            total = top + np.log(np.sum(np.exp(lse - top), axis=-2, keepdims=True))
+            w = np.exp(lse - total)
+        return np.sum(np.asarray(o) * np.nan_to_num(w)[..., None].astype(np.float64), axis=-3)
+
+    yield ("the rounds combined with weights exp(lse_r - logsumexp(lse)) computed in the kernel's dtype "
+           "and not divided by their sum (HuggingFace's LSHSelfAttention, trax, reformer-pytorch): they "
+           "err by |lse| eps, large where a round's log-sum-exp is (a token alone in its windows has "
+           "lse = self_logit; large logits); another computation than the reference's normalised "
+           "weights, less accurate, not another function: no option",
+           prep.reference("float64", fn=unnormalised))
+
+
 for _sig in (
     Signature("bigbird global blocks and eval draw", _bigbird_sigs),
+    Signature("reformer round weights", _reformer_weights_sigs),
     Signature("reformer look-back and duplicates", _reformer_sigs),
 ):
     register_signature(_sig)

@@ -657,7 +657,9 @@ def test_huggingface_lsh_fails_where_the_round_lse_is_large():
     # window (its self logit), 1e3 eps on large logits. A real loss of accuracy (0.6 %
     # in float32), which the reference's combination (normalised weights) avoids.
     few = ["causal:b2h1-q16k16-d8-causal-tl", "large-logits:b1h2-q16k16-d8-large_logits"]
-    _fails(_run(hf_lsh_kernel, "reformer", few, options=HF_LSH_OPTIONS, supports=HF_LSH))
+    _fails(_run(hf_lsh_kernel, "reformer", few, options=HF_LSH_OPTIONS, supports=HF_LSH),
+           "the rounds combined with weights exp(lse_r - logsumexp(lse)) computed in the kernel's dtype and "
+           "not divided by their sum (HuggingFace's LSHSelfAttention")
 
 
 def test_huggingface_lsh_shared_qk_is_the_reference_with_rms_normalised_keys():
