@@ -532,6 +532,22 @@ def test_huggingface_bigbird_layout_and_eval_draw_are_named():
            "the last 1 block(s) not global")
 
 
+def test_exported_bigbird_vectors_carry_the_last_global_block(tmp_path):
+    # a C++/CUDA port of HF's layout reads the layout the golden was computed with
+    from attn_ref.sparse import bigbird_layout
+    from conformance import export_vectors
+    from conformance.vectors import load_vectors
+
+    chosen = [c for c in cases("bigbird", "standard") if c.id == "length:b1h2-q61k61-d32"]
+    manifest = export_vectors(str(tmp_path), "bigbird", dtypes=("float64",), cases=chosen,
+                              options=HF_BIGBIRD_OPTIONS)
+    assert manifest["variant_options"]["last_global_blocks"] == 1
+    (entry, arrays), = load_vectors(str(tmp_path))
+    lay = np.asarray(bigbird_layout(16, seed=entry["params"]["seed"], last_global_blocks=1))
+    np.testing.assert_array_equal(arrays["layout"], lay)
+    assert arrays["layout"][-1].all() and arrays["layout"][:, -1].all()
+
+
 def test_last_global_blocks_is_the_layout_with_both_ends_global():
     from attn_ref import grad
     from attn_ref.sparse import bigbird_attention, bigbird_layout, bigbird_mask
