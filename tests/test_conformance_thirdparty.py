@@ -832,3 +832,26 @@ def test_a_block_layout_option_is_tried_at_its_own_length():
     assert chosen.options["layout"] == _chunk_layout(4)
     with pytest.raises(ValueError, match="refuses options"):
         with_options("block_sparse", {"layout": ((True, False), (True,)), "block_size": 16})
+
+
+def test_the_conventions_run_on_every_backend(backend):
+    # the options in array-API code: forward, VJP and the BigBird layout, against NumPy
+    from attn_ref import grad
+    from attn_ref.hashing import lsh_rotations, reformer_attention
+    from attn_ref.sparse import bigbird_attention
+    from conformance.backends import from_numpy
+    from tests.helpers import assert_close, call, randn
+
+    (q, qh), (k, kh), (v, vh), (do, doh) = (randn(backend, (2, 18, 4), seed=s) for s in range(4))
+    rh = lsh_rotations(4, 3, 4, seed=1, xp=np)
+    kw = {"chunk_size": 4, "look_back": "sequence", "dedup": False}
+    r = from_numpy(rh, backend)
+    assert_close(call(backend, reformer_attention, q, k, v, rotations=r, **kw),
+                 reformer_attention(qh, kh, vh, rotations=rh, **kw), backend, rtol=1e-12, atol=1e-12)
+    got = call(backend, grad.reformer_attention, q, k, v, do, rotations=r, **kw)
+    want = grad.reformer_attention(qh, kh, vh, doh, rotations=rh, **kw)
+    for name in "qkv":
+        assert_close(got[name], want[name], backend, rtol=1e-11, atol=1e-11)
+    bb = {"block_size": 4, "last_global_blocks": 1, "seed": 2}
+    assert_close(call(backend, bigbird_attention, q, k, v, **bb), bigbird_attention(qh, kh, vh, **bb),
+                 backend, rtol=1e-12, atol=1e-12)
