@@ -6,7 +6,9 @@ or passes the oracle's generated parameters (Linformer's ``E``, ``F``; the Perfo
 random rows; Nystromformer's landmark count) into the package's module. Installed by
 CI without their dependency pins (``.ci/run``): performer-pytorch 1.1.4, linformer 0.2.3,
 nystrom-attention 0.0.14, linear-attention-transformer 0.19.1, local-attention 1.11.2;
-HuggingFace transformers 5.24.0 comes with the ``model`` extra.
+HuggingFace transformers 5.24.0 comes with the ``model`` extra. Where a package draws
+what the oracle passes (BigBird's random blocks, the Reformer's rotations), the adapter
+replaces that draw by the oracle's (a monkeypatch, named in its docstring).
 
 Outcomes (docs/conformance.md, "Third-party kernels"): a kernel computing the
 registered function passes; one computing another function (a convention of its
