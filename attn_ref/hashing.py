@@ -33,6 +33,19 @@ Conventions of this reference
   ``out_i = sum_{j in U_i} exp(s_ij) v_j / sum_{j in U_i} exp(s_ij)``. That dense
   masked softmax is the defining form (:func:`reformer_weights`); the sort-chunk-attend
   form (:func:`reformer_attention`) is tested to agree.
+
+Two conventions of widely used code are options (``docs/hashing.md``):
+
+* ``look_back="sequence"``: the rounds are sorted as one sequence of ``H`` rounds and
+  the look-back runs over it, so the first chunk of round ``r`` looks back at the last
+  chunk of round ``r - 1`` (round 0's at the last round's). trax, HuggingFace
+  ``transformers``' ``LSHSelfAttention`` and reformer-pytorch do this; the default
+  ``"round"`` wraps within the round.
+* ``dedup=False``: a pair found ``c`` times (in several rounds, or twice in one window)
+  enters the softmax ``c`` times, its logit raised by ``log c`` instead of counted
+  once: the rounds combined by their log-sum-exps without the duplicate correction.
+  HuggingFace's ``LSHSelfAttention`` and reformer-pytorch's default
+  (``allow_duplicate_attention=True``) do this.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ __all__ = [
     "lsh_buckets",
     "lsh_chunks",
     "lsh_attention_mask",
+    "lsh_pair_counts",
     "reformer_rounds",
     "combine_rounds",
     "reformer_attention",
@@ -165,29 +179,70 @@ def lsh_chunks(buckets, chunk_size, /, *, xp=None):
     return order, rank // chunk_size
 
 
-def lsh_attention_mask(chunk, chunk_size, /, *, causal=False, xp=None):
-    """The ``(..., N, N)`` union mask: key ``j`` is in query ``i``'s chunk or the one
-    before it (cyclically) in at least one round, and ``j <= i`` when causal.
+def lsh_pair_counts(chunk, chunk_size, /, *, look_back="round", xp=None):
+    """How many times query ``i`` meets key ``j``: ``(..., N, N)`` integers.
 
-    ``chunk`` is the second output of :func:`lsh_chunks`. ``O(H N^2)`` time.
+    The sum over rounds of ``[j in i's chunk] + [j in the chunk before it]``; with
+    ``look_back="round"`` the chunk before chunk 0 is the round's last chunk, with
+    ``"sequence"`` it is the last chunk of the round before (the rounds sorted as one
+    sequence, the last round before round 0). ``chunk`` is the second output of
+    :func:`lsh_chunks`. ``O(H N^2)`` time.
+
+    Examples
+    --------
+    >>> import array_api_strict as xp
+    >>> from attn_ref.hashing import lsh_pair_counts
+    >>> chunk = xp.asarray([[0, 0, 1, 1, 2, 2], [2, 0, 1, 0, 1, 2]])  # 2 rounds, 3 chunks of 2
+    >>> lsh_pair_counts(chunk, 2)[0, :]  # round 0: {0, 1} + {4, 5}; round 1: {0, 5} + {2, 4}
+    Array([2, 1, 1, 0, 2, 2], dtype=array_api_strict.int64)
+    >>> lsh_pair_counts(chunk, 2, look_back="sequence")[0, :]  # round 0 looks back at {0, 5}
+    Array([3, 1, 1, 0, 1, 2], dtype=array_api_strict.int64)
     """
     xp = array_api_compat.array_namespace(chunk) if xp is None else xp
+    _check_look_back(look_back)
     n = chunk.shape[-1]
     n_chunks = max(ceil_div(n, chunk_size), 1)
     ci, cj = chunk[..., :, :, None], chunk[..., :, None, :]
-    found = xp.any((cj == ci) | (cj == (ci - 1) % n_chunks), axis=-3)
+    back = cj == (ci - 1) % n_chunks
+    if look_back == "sequence":
+        # chunk 0 of round r looks back at the last chunk of round r - 1
+        cj_before = xp.roll(chunk, 1, axis=-2)[..., :, None, :]
+        back = xp.where(ci > 0, back, cj_before == n_chunks - 1)
+    found = xp.astype(cj == ci, xp.int64) + xp.astype(back, xp.int64)
+    return xp.sum(found, axis=-3)
+
+
+def _check_look_back(look_back):
+    if look_back not in ("round", "sequence"):
+        raise ValueError(f"look_back must be 'round' or 'sequence', got {look_back!r}")
+
+
+def lsh_attention_mask(chunk, chunk_size, /, *, causal=False, look_back="round", xp=None):
+    """The ``(..., N, N)`` union mask: key ``j`` is in query ``i``'s chunk or the one
+    before it (cyclically) in at least one round, and ``j <= i`` when causal.
+
+    ``chunk`` is the second output of :func:`lsh_chunks`; ``look_back`` as in
+    :func:`lsh_pair_counts`. ``O(H N^2)`` time.
+    """
+    xp = array_api_compat.array_namespace(chunk) if xp is None else xp
+    n = chunk.shape[-1]
+    found = lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp) > 0
     if causal_alignment(causal) is not None:
         dev = array_api_compat.device(chunk)
         found = found & (xp.arange(n, device=dev)[None, :] <= xp.arange(n, device=dev)[:, None])
     return found
 
 
-def prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit, scale, xp):
+def prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit, scale, xp, look_back="round",
+                     dedup=True):
     """Check the inputs of :func:`reformer_attention`: ``(xp, batch, alignment, scale)``."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     xp = namespace(("q", q), ("rotations", rotations), xp=xp)
     _check_rotations(rotations, k.shape[-1], k)
     check_positive_int("chunk_size", chunk_size)
+    _check_look_back(look_back)
+    if not isinstance(dedup, bool):
+        raise TypeError(f"dedup must be a bool, got {type(dedup).__name__}")
     if self_logit is not None:
         check_real("self_logit", self_logit)
     alignment = causal_alignment(causal)
@@ -206,18 +261,27 @@ def _gather(xp, x, idx):
     return xp.take_along_axis(x, xp.broadcast_to(idx[..., None], shape), axis=-2)
 
 
-def _look_back(xp, x, axis):
-    """Each chunk next to the chunk before it (cyclically), along the chunk ``axis``."""
-    return xp.concat([x, xp.roll(x, 1, axis=axis)], axis=axis + 1)
+def _look_back(xp, x, axis, look_back="round"):
+    """Each chunk next to the chunk before it (cyclically), along the chunk ``axis``;
+    with ``look_back="sequence"`` over the rounds (``axis - 1``) and chunks as one
+    sequence, so that chunk 0 of round ``r`` gets the last chunk of round ``r - 1``."""
+    if look_back == "round":
+        return xp.concat([x, xp.roll(x, 1, axis=axis)], axis=axis + 1)
+    axis = axis % x.ndim
+    shape = tuple(x.shape)
+    flat = xp.reshape(x, shape[:axis - 1] + (shape[axis - 1] * shape[axis],) + shape[axis + 1:])
+    before = xp.reshape(xp.roll(flat, 1, axis=axis - 1), shape)
+    return xp.concat([x, before], axis=axis + 1)
 
 
 def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                    scale=None, xp=None):
+                    scale=None, look_back="round", dedup=True, xp=None):
     """Each round's output and log-sum-exp, before the rounds are combined.
 
     Sort, chunk, attend to the chunk and the one before, unsort: the efficient form of
     one round, with each pair's logit lowered by ``log`` of the number of times the
-    pair is found over all rounds (the duplicate correction).
+    pair is found over all rounds (the duplicate correction; none with ``dedup=False``).
+    ``look_back`` as in :func:`reformer_attention`.
 
     Returns
     -------
@@ -232,7 +296,7 @@ def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_log
     the duplicate count), ``O(H N c)`` extra memory.
     """
     xp, batch, alignment, scale = prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit,
-                                                   scale, xp)
+                                                   scale, xp, look_back, dedup)
     n, dv = q.shape[-2], v.shape[-1]
     q, k, v = (xp.broadcast_to(x, batch + tuple(x.shape[-2:])) for x in (q, k, v))
     c = chunk_size
@@ -252,8 +316,9 @@ def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_log
 
     qs, ks, vs = (chunked(_gather(xp, x, order)) for x in (q, k, v))  # (..., H, C, c, e)
     pos_q = chunked(order)  # (..., H, C, c)
-    pos_k = _look_back(xp, pos_q, -2)  # (..., H, C, 2c)
-    ks, vs = _look_back(xp, ks, -3), _look_back(xp, vs, -3)
+    pos_k = _look_back(xp, pos_q, -2, look_back)  # (..., H, C, 2c)
+    ks, vs = _look_back(xp, ks, -3, look_back), _look_back(xp, vs, -3, look_back)
+    # every round is padded alike: the chunk before is padded as the same round's would be
     valid_k = _look_back(xp, xp.reshape(valid, (n_chunks, c)), -2)  # (C, 2c)
 
     s = scaled_logits(xp, qs @ xp.matrix_transpose(ks), scale)  # (..., H, C, c, 2c)
@@ -263,18 +328,23 @@ def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_log
     # The duplicate count: in how many (round, window slot) places query i meets key j.
     chunk_all = xp.matrix_transpose(chunk)  # (..., N, H): each position's chunk per round
     cq = chunked(_gather(xp, chunk_all, order))  # (..., H, C, c, H')
-    ck = _look_back(xp, cq, -3)  # (..., H, C, 2c, H')
+    ck = _look_back(xp, cq, -3, look_back)  # (..., H, C, 2c, H')
     count = xp.zeros_like(s)
-    for t in range(cq.shape[-1]):  # a loop over rounds t keeps the memory at O(H N c)
+    n_rounds = cq.shape[-1]
+    for t in range(n_rounds if dedup else 0):  # a loop over rounds t keeps the memory at O(H N c)
         a, b = cq[..., :, None, t], ck[..., None, :, t]
-        count = count + xp.astype(b == a, s.dtype) + xp.astype(b == (a - 1) % n_chunks, s.dtype)
+        back = b == (a - 1) % n_chunks
+        if look_back == "sequence":
+            back = xp.where(a > 0, back, ck[..., None, :, (t - 1) % n_rounds] == n_chunks - 1)
+        count = count + xp.astype(b == a, s.dtype) + xp.astype(back, s.dtype)
     # padded places are no key, and no query either (their duplicate counts are not theirs)
     valid_q = xp.reshape(valid, (n_chunks, c))
     allowed = xp.broadcast_to(valid_k[:, None, :] & valid_q[:, :, None], s.shape)
     if alignment is not None:
         allowed = allowed & (pos_k[..., None, :] <= pos_q[..., :, None])
-    s = xp.where(allowed, s - xp.log(xp.where(allowed, count, xp.ones_like(count))),
-                 _const(xp, -math.inf, s))
+    if dedup:
+        s = s - xp.log(xp.where(allowed, count, xp.ones_like(count)))
+    s = xp.where(allowed, s, _const(xp, -math.inf, s))
     m = xp.max(s, axis=-1, keepdims=True)
     p = xp.exp(s - finite_max(xp, m))
     den = xp.sum(p, axis=-1, keepdims=True)
@@ -304,7 +374,7 @@ def combine_rounds(out, lse, /, *, xp=None):
 
 
 def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                       scale=None, xp=None):
+                       scale=None, look_back="round", dedup=True, xp=None):
     """Reformer LSH attention: hash, sort, attend in chunks with one chunk of look-back.
 
     Parameters
@@ -327,6 +397,14 @@ def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_
         itself only when it has no other key); ``None`` keeps the ordinary logit.
     scale : float, optional
         Logit scale, default ``1/sqrt(d)``.
+    look_back : {"round", "sequence"}
+        The chunk before a round's first chunk: the round's last (default), or the last
+        chunk of the round before, the rounds sorted as one sequence (trax, HuggingFace's
+        ``LSHSelfAttention``, reformer-pytorch).
+    dedup : bool
+        Count a pair found several times once (default), or as often as it is found
+        (``False``: HuggingFace's ``LSHSelfAttention``, reformer-pytorch's
+        ``allow_duplicate_attention=True``).
 
     Returns
     -------
@@ -351,16 +429,18 @@ def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
     out, lse = reformer_rounds(q, k, v, rotations=rotations, chunk_size=chunk_size, causal=causal,
-                               self_logit=self_logit, scale=scale, xp=xp)
+                               self_logit=self_logit, scale=scale, look_back=look_back, dedup=dedup, xp=xp)
     return combine_rounds(out, lse, xp=xp)
 
 
 def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                     scale=None, xp=None):
+                     scale=None, look_back="round", dedup=True, xp=None):
     """The defining form: the ``(..., N, N)`` masked softmax the buckets imply.
 
     ``softmax`` of ``scale q_i . k_j`` (``self_logit`` on the diagonal) over the union
-    mask :func:`lsh_attention_mask`; ``reformer_attention(q, k, v, ...) == weights @ v``.
+    mask :func:`lsh_attention_mask`, plus ``log c_ij`` with ``dedup=False`` (``c_ij``
+    from :func:`lsh_pair_counts`: the pair entered ``c_ij`` times);
+    ``reformer_attention(q, k, v, ...) == weights @ v``.
     Arguments as in :func:`reformer_attention`. ``O(N^2 (d + H))`` time, ``O(N^2)`` memory.
 
     Examples
@@ -373,14 +453,22 @@ def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit
     True
     """
     xp, batch, alignment, scale = prepare_reformer(q, k, k, rotations, chunk_size, causal, self_logit,
-                                                   scale, xp)
+                                                   scale, xp, look_back, dedup)
     _, chunk = lsh_chunks(lsh_buckets(k, rotations, xp=xp), chunk_size, xp=xp)
-    allowed = lsh_attention_mask(chunk, chunk_size, causal=alignment or False, xp=xp)
+    count = lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp)
+    allowed = count > 0
+    if alignment is not None:
+        n = q.shape[-2]
+        dev = array_api_compat.device(q)
+        allowed = allowed & (xp.arange(n, device=dev)[None, :] <= xp.arange(n, device=dev)[:, None])
     s = scaled_logits(xp, q @ xp.matrix_transpose(k), scale)
     if self_logit is not None:
         n = q.shape[-2]
         eye = xp.eye(n, dtype=xp.bool, device=array_api_compat.device(q))
         s = xp.where(eye, _const(xp, self_logit, s), s)
+    if not dedup:
+        # a pair found c times enters the softmax c times (the self logit too)
+        s = s + xp.log(xp.astype(xp.where(allowed, count, xp.ones_like(count)), s.dtype))
     s = xp.where(allowed, s, _const(xp, -math.inf, s))
     m = xp.max(s, axis=-1, keepdims=True)
     p = xp.exp(s - finite_max(xp, m))

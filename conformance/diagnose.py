@@ -782,6 +782,112 @@ for _sig in (
     register_signature(_sig)
 
 
+# ------------------------------------- BigBird and Reformer conventions (transformers)
+
+
+def _bigbird_sigs(prep):
+    """BigBird's global blocks at both ends (``last_global_blocks`` of
+    :func:`attn_ref.sparse.bigbird_attention`: google-research's and HuggingFace's ITC
+    layout) against the declared ones; and HuggingFace's ``BigBirdBlockSparseAttention``
+    in ``eval()``, whose random blocks are a constant all-zero list: each of a row's
+    ``r`` random blocks is block 0 again, so block 0's keys enter the softmax ``1 + r``
+    times (its logits raised by ``log(1 + r)``) in every row that is not global."""
+    if prep.variant.name != "bigbird" or prep.kwargs.get("causal") not in (None, False):
+        return
+    from attn_ref.sparse import bigbird_mask
+
+    o = {"window": 1, "global_blocks": 1, "random_blocks": 1, **prep.options}
+    declared = o.get("last_global_blocks", 0)
+    if declared == 0:
+        yield ("the last block is global too, rows and columns, and the random blocks are drawn "
+               "past it (the ITC layout of google-research's BigBird and HuggingFace's "
+               "BigBirdBlockSparseAttention: global blocks first and last): pass "
+               "options={'last_global_blocks': 1}",
+               prep.reference("float64", options={**prep.options, "last_global_blocks": 1}))
+    else:
+        yield (f"the last {declared} block(s) not global (the declared last_global_blocks="
+               f"{declared} missing): drop options={{'last_global_blocks': {declared}}}",
+               prep.reference("float64", options={**prep.options, "last_global_blocks": 0}))
+    r, B, n = o["random_blocks"], o["block_size"], prep.case.nk
+    if not r:
+        return
+    for lg in sorted({declared, 1}):
+        keep = np.asarray(bigbird_mask(n, block_size=B, window=o["window"], global_blocks=o["global_blocks"],
+                                       random_blocks=0, last_global_blocks=lg, xp=np))
+        nb = -(-n // B)
+        rows = np.arange(n) // B
+        plain = (rows >= o["global_blocks"]) & (rows < nb - lg)  # rows that are not global
+        extra = np.where(plain[:, None] & (np.arange(n)[None, :] < B), math.log(1 + r), 0.0)
+        how = "" if lg == declared else ", and the last block global (pass options={'last_global_blocks': 1})"
+        yield (f"every random block is block 0 again, its keys counted 1 + r = {1 + r} times in each "
+               f"row that is not global (HuggingFace's BigBirdBlockSparseAttention in eval(): "
+               f"'During inference (eval) no randomness', its random blocks a constant all-zero "
+               f"list{how}); another function, which attn_ref does not define: run it with "
+               f"num_random_blocks' draw replaced by the layout's random blocks",
+               softmax_host(_logits(prep, allowed=keep) + extra, prep.arrays["v"]))
+
+
+def _reformer_sigs(prep):
+    """The Reformer's look-back over the rounds as one sequence and its pairs counted as
+    often as found (``look_back`` and ``dedup`` of
+    :func:`attn_ref.hashing.reformer_attention`), against the declared ones: trax,
+    HuggingFace's ``LSHSelfAttention`` and reformer-pytorch sort all rounds as one
+    sequence; HuggingFace and reformer-pytorch's default do not de-duplicate."""
+    if prep.variant.name != "reformer":
+        return
+    declared = {"look_back": prep.options.get("look_back", "round"), "dedup": prep.options.get("dedup", True)}
+    say = {("look_back", "sequence"): "the first chunk of each round looks back at the last chunk of the "
+                                      "round before (the rounds sorted as one sequence: trax, "
+                                      "HuggingFace's LSHSelfAttention, reformer-pytorch)",
+           ("look_back", "round"): "the first chunk of each round looks back at the same round's last chunk",
+           ("dedup", False): "a pair found in several rounds (or twice in a window) counted as often as "
+                             "found, not once (HuggingFace's LSHSelfAttention, reformer-pytorch's "
+                             "allow_duplicate_attention=True)",
+           ("dedup", True): "each pair counted once however often found (the duplicate correction)"}
+    other = {"look_back": {"round": "sequence", "sequence": "round"}, "dedup": {True: False, False: True}}
+    for names in (("look_back", "dedup"), ("look_back",), ("dedup",)):
+        change = {n: other[n][declared[n]] for n in names}
+        what = "; ".join(say[(n, change[n])] for n in names)
+        yield (f"{what}: pass options={change!r}",
+               prep.reference("float64", options={**prep.options, **change}))
+
+
+def _reformer_weights_sigs(prep):
+    """The rounds combined with ``exp(lse_r - logsumexp_r lse)`` in the kernel's dtype and
+    not divided by their sum (trax, HuggingFace's ``LSHSelfAttention``, reformer-pytorch):
+    the weights then err by ``|lse| eps``, which is large where a round's log-sum-exp is
+    (``self_logit`` for a token alone in its windows, large logits)."""
+    if prep.variant.name != "reformer" or prep.dtype not in ("float32", "float64"):
+        return
+    from attn_ref.hashing import reformer_rounds
+
+    t = np.dtype(prep.dtype)
+
+    def unnormalised(q, k, v, /, *, xp, **kw):
+        o, lse = reformer_rounds(q, k, v, xp=xp, **kw)
+        lse = np.asarray(lse).astype(t)
+        top = np.max(lse, axis=-2, keepdims=True)
+        with np.errstate(invalid="ignore"):
+            total = top + np.log(np.sum(np.exp(lse - top), axis=-2, keepdims=True))
+            w = np.exp(lse - total)
+        return np.sum(np.asarray(o) * np.nan_to_num(w)[..., None].astype(np.float64), axis=-3)
+
+    yield ("the rounds combined with weights exp(lse_r - logsumexp(lse)) computed in the kernel's dtype "
+           "and not divided by their sum (HuggingFace's LSHSelfAttention, trax, reformer-pytorch): they "
+           "err by |lse| eps, large where a round's log-sum-exp is (a token alone in its windows has "
+           "lse = self_logit; large logits); another computation than the reference's normalised "
+           "weights, less accurate, not another function: no option",
+           prep.reference("float64", fn=unnormalised))
+
+
+for _sig in (
+    Signature("bigbird global blocks and eval draw", _bigbird_sigs),
+    Signature("reformer round weights", _reformer_weights_sigs),
+    Signature("reformer look-back and duplicates", _reformer_sigs),
+):
+    register_signature(_sig)
+
+
 # --------------------------------------------------------------------------- diagnose
 
 

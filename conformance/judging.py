@@ -364,7 +364,9 @@ def with_options(variant, options=None):
         ``options`` is not a dict with string keys.
     ValueError
         A name the reference function does not take, one a case sets, or a value the
-        function refuses on a plain 8 x 4 input (its message is kept).
+        function refuses on a plain 8 x 4 input (its message is kept); a fixed block
+        ``layout`` is tried on the input it is for (rows x ``block_size`` queries,
+        columns x ``block_size`` keys), as only the cases of that length can take it.
     """
     v = variant_of(variant)
     if not options:
@@ -383,8 +385,9 @@ def with_options(variant, options=None):
                              f"options: {', '.join(allowed) or 'none'}")
     merged = replace(v, options={**v.options, **options})
     rng = np.random.default_rng(0)
-    q, k, val = (rng.standard_normal((1, 1, _TRIAL_N, _TRIAL_D)) for _ in BASE_KEYS)
     params, opts = _split_params(_trial_params(v), merged.options)
+    nq, nk = _trial_lengths(options.get("layout"), opts.get("block_size", params.get("block_size")))
+    q, k, val = (rng.standard_normal((1, 1, n, _TRIAL_D)) for n in (nq, nk, nk))
     try:
         with np.errstate(all="ignore"):
             v.fn(q, k, val, **params, **opts, xp=_np_compat())
@@ -393,6 +396,20 @@ def with_options(variant, options=None):
         raise ValueError(f"variant {v.name!r} ({fn_name}) refuses options {shown}: "
                          f"{type(exc).__name__}: {exc}") from exc
     return merged
+
+
+def _trial_lengths(layout, block_size):
+    """``(Nq, Nk)`` of the trial input: 8 and 8, or those a fixed block layout is for (a
+    layout of HuggingFace's Reformer ``LocalSelfAttention`` chunks, say, is one length's)."""
+    if layout is None or not isinstance(block_size, int):
+        return _TRIAL_N, _TRIAL_N
+    try:
+        shape = np.shape(np.asarray(layout, dtype=bool))
+    except (TypeError, ValueError):
+        return _TRIAL_N, _TRIAL_N
+    if len(shape) != 2 or not all(shape):
+        return _TRIAL_N, _TRIAL_N
+    return shape[0] * block_size, shape[1] * block_size
 
 
 def _split_params(params, options):

@@ -265,7 +265,8 @@ def seeded_structures(prep) -> dict:
         nb = -(-prep.case.nk // p["block_size"])
         return {"layout": np.array(bigbird_layout(
             nb, window=p["window"], global_blocks=p["global_blocks"],
-            random_blocks=p["random_blocks"], seed=p["seed"]), dtype=bool).reshape(nb, nb)}
+            random_blocks=p["random_blocks"], seed=p["seed"],
+            last_global_blocks=p.get("last_global_blocks", 0)), dtype=bool).reshape(nb, nb)}
     if name in ("clustered", "clustered_topk"):
         from attn_ref.reduced import kmeans_initial_rows
 

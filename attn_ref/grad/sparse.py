@@ -295,7 +295,7 @@ def longformer_attention(q, k, v, do, /, *, window, global_tokens, causal=False,
 
 
 def bigbird_attention(q, k, v, do, /, *, block_size, window=1, global_blocks=1, random_blocks=1,
-                      seed=0, causal=False, scale=None, xp=None):
+                      seed=0, last_global_blocks=0, causal=False, scale=None, xp=None):
     """VJP of :func:`attn_ref.sparse.bigbird_attention` (Zaheer et al. 2020).
 
     Parameters
@@ -304,7 +304,7 @@ def bigbird_attention(q, k, v, do, /, *, block_size, window=1, global_blocks=1, 
     v : array, shape (..., N, dv)
     do : array, shape (..., N, dv)
         Cotangent of the output.
-    block_size, window, global_blocks, random_blocks, seed, causal, scale, xp
+    block_size, window, global_blocks, random_blocks, seed, last_global_blocks, causal, scale, xp
         As in :func:`attn_ref.sparse.bigbird_attention`; not differentiated (the
         random blocks are the same seeded draw as the forward's).
 
@@ -334,7 +334,8 @@ def bigbird_attention(q, k, v, do, /, *, block_size, window=1, global_blocks=1, 
     True
     """
     plan = plans.bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
-                            random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
+                            random_blocks=random_blocks, seed=seed, last_global_blocks=last_global_blocks,
+                            causal=causal, scale=scale, xp=xp)
     return _vjp(plan, q, k, v, do)
 
 

@@ -182,7 +182,7 @@ def longformer_attention(q, k, v, /, *, window, global_tokens, causal=False, dil
 
 
 def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
-                      causal=False, scale=None, xp=None):
+                      last_global_blocks=0, causal=False, scale=None, xp=None):
     """BigBird attention (Zaheer et al. 2020): sliding, global and random blocks.
 
     Block-sparse attention with :func:`bigbird_layout`; equal to dense masked softmax
@@ -194,8 +194,10 @@ def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, rand
     v : array, shape (..., N, dv)
     block_size : int
         ``B >= 1``; ``N`` need not be a multiple.
-    window, global_blocks, random_blocks, seed
-        As in :func:`bigbird_layout` (counted in blocks).
+    window, global_blocks, random_blocks, seed, last_global_blocks
+        As in :func:`bigbird_layout` (counted in blocks); ``last_global_blocks=1`` with
+        ``global_blocks=1`` is HuggingFace's and google-research's layout (global blocks
+        first and last).
     causal : {False, True, "top-left", "bottom-right"}
         Intersects the pattern with the causal mask.
     scale, xp
@@ -207,11 +209,12 @@ def bigbird_attention(q, k, v, /, *, block_size, window=1, global_blocks=1, rand
 
     Notes
     -----
-    ``O(N B (2 window + 1 + global_blocks + random_blocks) d)`` time for the ordinary
-    rows plus ``O(global_blocks B N d)`` for the global rows.
+    ``O(N B (2 window + 1 + g + random_blocks) d)`` time for the ordinary rows plus
+    ``O(g B N d)`` for the global rows, ``g = global_blocks + last_global_blocks``.
     """
     plan = bigbird_plan(q, k, v, block_size=block_size, window=window, global_blocks=global_blocks,
-                        random_blocks=random_blocks, seed=seed, causal=causal, scale=scale, xp=xp)
+                        random_blocks=random_blocks, seed=seed, last_global_blocks=last_global_blocks,
+                        causal=causal, scale=scale, xp=xp)
     return attend_plan(plan, q, k, v)
 
 
@@ -322,12 +325,12 @@ def longformer_weights(q, k, /, *, window, global_tokens, causal=False, dilation
 
 
 def bigbird_weights(q, k, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
-                    causal=False, scale=None, xp=None):
+                    last_global_blocks=0, causal=False, scale=None, xp=None):
     """The attention matrix implied by :func:`bigbird_attention`, ``(..., N, N)``."""
     xp, device = _ns_device(q, k, xp)
     mask = bigbird_mask(q.shape[-2], block_size=block_size, window=window,
                         global_blocks=global_blocks, random_blocks=random_blocks, seed=seed, xp=xp,
-                        device=device)
+                        device=device, last_global_blocks=last_global_blocks)
     return _weights(q, k, mask, causal, scale, xp)
 
 

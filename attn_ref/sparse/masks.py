@@ -314,7 +314,8 @@ def longformer_mask(n, /, *, window, global_tokens, dilation=1, xp, device=None)
     return xp.logical_or(local, global_mask(n, global_tokens=global_tokens, xp=xp, device=device))
 
 
-def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1, seed=0):
+def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1, seed=0,
+                   last_global_blocks=0):
     """BigBird's block layout (Zaheer et al. 2020, ITC form), built on the host.
 
     Query block ``a`` sees key blocks ``b`` with ``|a - b| <= window`` (sliding
@@ -322,6 +323,14 @@ def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1,
     ``random_blocks`` further blocks drawn without replacement from the rest; the first
     ``global_blocks`` query blocks see every block (global rows). The draw is a
     function of ``seed`` only (through :func:`attn_ref.random.permutation`).
+
+    ``last_global_blocks`` (default 0) makes the last blocks global too, rows and
+    columns: the ITC layout of google-research's BigBird code and of HuggingFace
+    ``transformers``' ``BigBirdBlockSparseAttention`` (``global_block_top`` / ``bottom`` /
+    ``left`` / ``right``), whose global blocks are the first and the last one
+    (``global_blocks=1, last_global_blocks=1``); the random blocks are then drawn from
+    the blocks neither in the window nor global. At 0 the layout, random draw included,
+    is the one without the option.
 
     Returns
     -------
@@ -341,15 +350,17 @@ def bigbird_layout(num_blocks, /, *, window=1, global_blocks=1, random_blocks=1,
     check_nonnegative_int("window", window)
     check_nonnegative_int("global_blocks", global_blocks)
     check_nonnegative_int("random_blocks", random_blocks)
+    check_nonnegative_int("last_global_blocks", last_global_blocks)
     nb = num_blocks
+    first_last = nb - last_global_blocks  # blocks from here on are global (none at 0)
     # One permutation of all (a, b) cells ranks the candidates of every row.
     rank = permutation(nb * nb, seed=seed) if random_blocks and nb else []
     rows = []
     for a in range(nb):
-        if a < global_blocks:
+        if a < global_blocks or a >= first_last:
             rows.append((True,) * nb)
             continue
-        active = [abs(a - b) <= window or b < global_blocks for b in range(nb)]
+        active = [abs(a - b) <= window or b < global_blocks or b >= first_last for b in range(nb)]
         if random_blocks:
             rest = sorted((b for b in range(nb) if not active[b]), key=lambda b: rank[a * nb + b])
             for b in rest[:random_blocks]:
@@ -405,7 +416,7 @@ def _rows_mask(xp, rows, block_size, nq, nk, device):
 
 
 def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0, xp,
-                 device=None):
+                 device=None, last_global_blocks=0):
     """The element mask of :func:`bigbird_layout` for a sequence of length ``n``.
 
     Blocks have ``block_size`` positions; the last one may be ragged.
@@ -416,15 +427,15 @@ def bigbird_mask(n, /, *, block_size, window=1, global_blocks=1, random_blocks=1
     """
     check_nonnegative_int("n", n)
     check_positive_int("block_size", block_size)
-    rows = bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
+    rows = bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed, last_global_blocks)
     return _rows_mask(xp, rows, block_size, n, n, device)
 
 
-def bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed):
+def bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed, last_global_blocks=0):
     """Per query block, the key blocks of :func:`bigbird_layout` for a sequence of length ``n``."""
     nb = ceil_div(n, block_size)
     lay = bigbird_layout(nb, window=window, global_blocks=global_blocks,
-                         random_blocks=random_blocks, seed=seed)
+                         random_blocks=random_blocks, seed=seed, last_global_blocks=last_global_blocks)
     return tuple(tuple(b for b, x in enumerate(row) if x) for row in lay)
 
 

@@ -383,12 +383,12 @@ def longformer_plan(q, k, v, *, window, global_tokens, causal=False, dilation=1,
 
 
 def bigbird_plan(q, k, v, *, block_size, window=1, global_blocks=1, random_blocks=1, seed=0,
-                 causal=False, scale=None, xp=None):
+                 last_global_blocks=0, causal=False, scale=None, xp=None):
     """The checked inputs and parts of :func:`bigbird_attention` (same arguments)."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     check_positive_int("block_size", block_size)
     n = q.shape[-2]
-    rows = bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed)
+    rows = bigbird_rows(n, block_size, window, global_blocks, random_blocks, seed, last_global_blocks)
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     parts = (Blocks(rows, block_size, _causal_pred(xp, alignment, n, n)),)
