@@ -462,6 +462,34 @@ def _softcap_sigs(prep):
                _capped_after_bias(prep, c, s))
 
 
+def _alibi_sigs(prep):
+    """ALiBi's other forms: attention-gym's signed distance (FlexAttention's usual
+    ``score_mod``), the sign flipped, distances from the top-left corner."""
+    slopes = prep.arrays.get("alibi_slopes")
+    if slopes is None:
+        return
+    lq, lk = sequence_lengths(prep.case, prep.kwargs)
+    i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
+    m = np.asarray(slopes, dtype=np.float64).reshape((1, -1, 1, 1))
+
+    def as_bias(add):
+        # the ALiBi term replaced by a bias at the same place in the pipeline (after the cap)
+        a = {n: x for n, x in prep.arrays.items() if n != "alibi_slopes"}
+        a["bias"] = a.get("bias", 0.0) + add
+        return prep.reference("float64", arrays=a, kwargs=dict(prep.kwargs))
+
+    yield ("ALiBi as the signed distance + slope (j - i) (attention-gym's generate_alibi_bias, "
+           "the usual FlexAttention score_mod: score + slope * (kv_idx - q_idx)), not "
+           "-slope |i + Lk - Lq - j|: the same function under a causal mask, another one where "
+           "a query sees later keys (it favours them, the farther the more); no option: for "
+           "non-causal attention use -slope * abs(q_idx + Lk - Lq - kv_idx)", as_bias(m * (j - i)))
+    yield ("ALiBi with the opposite sign (+slope |i + Lk - Lq - j|: distant keys favoured)",
+           as_bias(m * np.abs(i + lk - lq - j)))
+    if prep.case.nq != prep.case.nk or "seqlens_k" in prep.kwargs or "seqlens_q" in prep.kwargs:
+        yield ("ALiBi distances from the top-left corner (-slope |i - j|), not from query i's key "
+               "position i + Lk - Lq of its sequence", as_bias(-m * np.abs(i - j)))
+
+
 def _capped_after_bias(prep, c, s):
     """The output of ``c tanh((s q.k + bias + alibi) / c)``: the reference fed, with no
     cap and no slopes, the bias that turns its ``s q.k + bias`` into those logits."""
@@ -589,6 +617,7 @@ for _sig in (
     Signature("window", _window_sigs),
     Signature("gqa", _gqa_sigs),
     Signature("softcap", _softcap_sigs),
+    Signature("alibi", _alibi_sigs),
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
