@@ -490,6 +490,48 @@ def _alibi_sigs(prep):
                "position i + Lk - Lq of its sequence", as_bias(-m * np.abs(i - j)))
 
 
+def _fit_factor(prep, got, at):
+    """The factor ``a`` in :data:`SCALE_FIT_RANGE` (not 1) whose output ``at(a)`` is
+    closest to ``got`` in least squares, and that output; None when there is none."""
+    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
+    ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
+    lo, hi = SCALE_FIT_RANGE[0] * 0.9, SCALE_FIT_RANGE[1] * 1.1
+    a, f, h = 1.0, at(1.0), 1e-4
+    for _ in range(4):  # Gauss-Newton on the scalar factor: the output is smooth in it
+        jac = (at(a + h) - f) / h
+        den = float(np.sum(np.where(ok, jac * jac, 0.0)))
+        if not den > 0:
+            return None
+        step = float(np.sum(np.where(ok, jac * (got - f), 0.0))) / den
+        if abs(step) < 1e-6:
+            break
+        a = min(max(a + step, lo), hi)
+        f = at(a)
+    if not SCALE_FIT_RANGE[0] <= a <= SCALE_FIT_RANGE[1] or abs(a - 1.0) < 1e-6:
+        return None
+    return a, f
+
+
+def _option_factor_sigs(prep, got):
+    """The ALiBi slopes or the soft-cap off by a factor (a slope table or cap constant
+    rounded, copied wrong): fitted as the scale is, else named as low precision."""
+    slopes, cap = prep.arrays.get("alibi_slopes"), prep.kwargs.get("softcap")
+    if slopes is not None:
+        def at(a):
+            arrays = {**prep.arrays, "alibi_slopes": np.asarray(slopes) * a}
+            return _finish(prep, prep.reference("float64", arrays=arrays, kwargs=dict(prep.kwargs)))
+        fit = _fit_factor(prep, got, at)
+        if fit is not None:
+            yield (f"the ALiBi slopes are {100 * abs(fit[0] - 1):.2g} % too "
+                   f"{'large' if fit[0] > 1 else 'small'} (a factor of {fit[0]:.5g})", fit[1])
+    if cap is not None:
+        fit = _fit_factor(prep, got, lambda a: _finish(prep, _ref(prep, softcap=cap * a)))
+        if fit is not None:
+            yield (f"the soft-cap is {100 * abs(fit[0] - 1):.2g} % too "
+                   f"{'large' if fit[0] > 1 else 'small'}: c tanh(s / c) with c = {cap * fit[0]:.6g} "
+                   f"where the case's is {cap:.6g}", fit[1])
+
+
 def _capped_after_bias(prep, c, s):
     """The output of ``c tanh((s q.k + bias + alibi) / c)``: the reference fed, with no
     cap and no slopes, the bias that turns its ``s q.k + bias`` into those logits."""
@@ -618,6 +660,7 @@ for _sig in (
     Signature("gqa", _gqa_sigs),
     Signature("softcap", _softcap_sigs),
     Signature("alibi", _alibi_sigs),
+    Signature("alibi or soft-cap factor", _option_factor_sigs, needs_output=True, fit=True),
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),

@@ -77,8 +77,10 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
         # one sequence of documents: batch entry b of the oracle is document b
         doc_q, pos_q = _documents(lq, dev)
         doc_k, pos_k = _documents(lk, dev)
+        same_q, same_k = doc_q, doc_k
         if plant == "document":
-            doc_k = torch.where(doc_k == 1, 0, doc_k)  # one boundary ignored on the key side
+            # the boundary between sequences 0 and 1 ignored: one document for the mask
+            same_q, same_k = torch.where(doc_q == 1, 0, doc_q), torch.where(doc_k == 1, 0, doc_k)
         off = torch.tensor(lk, device=dev) - torch.tensor(lq, device=dev)
         q, k, v = _pack(q, lq), _pack(k, lk), _pack(v, lk)
 
@@ -93,7 +95,7 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
 
     def mask_mod(b, h, qi, ki):
         s, i, j = where(b, qi, ki)
-        ok = doc_q[qi] == doc_k[ki] if packed else i >= 0
+        ok = same_q[qi] == same_k[ki] if packed else i >= 0
         if causal:
             ok = ok & (j <= i + (0 if causal == "top-left" else off[s]) + reach)
         if window is not None:
@@ -186,3 +188,65 @@ def test_flex_attention_passes(dtype):
     assert not bad, bad
     assert len(rows) == 2 * len(OPTIONS)
     print(f"FLEX {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
+
+
+# float16 and bfloat16: FlexAttention computes the logits and the softmax in float32 and
+# rounds P to the input dtype before P V, as the oracle's low-precision baselines do
+LOW = ("combo:b2h2-q65k129-d32-causal-tl-mask-random-bias", "gqa:b2h6-q63k63-d32-mask-random-kv_heads3",
+       "softcap:b1h4-q65k65-d32-causal-br-softcap5", "alibi:b1h4-q65k129-d32",
+       "varlen:b3h2-q64k64-d32-causal-br-seqlens_q5x64x33-seqlens_k5x64x33",
+       "seqlens:b2h4-q4k200-d32-seqlens_k200x77-window16x1")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_flex_attention_passes_in_low_precision(dtype):
+    rows = _run(LOW, dtype)
+    bad = [(r.case, r.output, r.verdict, r.ratio, r.diagnosis) for r in rows if r.verdict != "pass"]
+    assert not bad, bad
+    assert len(rows) == 2 * len(LOW)
+    print(f"FLEX {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
+
+
+# Each planted bug, the cases where it shows, and the words its `out` rows must carry.
+# The ALiBi and soft-cap factors were named "a plain bfloat16/float16 implementation"
+# before the oracle fitted them (conformance.diagnose._option_factor_sigs).
+PLANTS = {
+    "window": (("window:b1h2-q65k129-d32-window0x5",
+                "seqlens:b2h4-q4k200-d32-seqlens_k200x77-window16x1"),
+               "the sliding window's left extent is off by one"),
+    "alibi": (("alibi:b1h4-q65k129-d32", "alibi:b2h4-q65k65-d32-causal-br"),
+              "the ALiBi slopes are 1 % too large"),
+    "softcap": (("softcap:b2h2-q65k65-d32-bias-softcap5",
+                 "softcap:b1h2-q64k64-d64-large_logits-softcap50"),
+                "the soft-cap is 1 % too large"),
+    "causal": (("causal:b1h2-q13k21-d8-causal-tl", "range:b3h5-q29k37-d16-causal-br"),
+               "the causal mask is off by one"),
+    "scale": (("scale:b1h2-q65k65-d32-scale0.05", "basic:b2h3-q17k17-d16"),
+              "the logit scale is 1 % too large"),
+    "document": (("varlen:b3h2-q64k64-d32-seqlens_q64x17x1-seqlens_k64x17x1",),
+                 "wrong only on batch entries 0..1"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_flex_attention_planted_bug_fails(plant):
+    ids, words = PLANTS[plant]
+    rows = _run(ids, "float32", plant=plant)
+    assert len(rows) == 2 * len(ids)
+    # the bug changes the output and the log-sum-exp: both rows fail
+    assert all(r.verdict == "fail" for r in rows), [(r.case, r.output, r.verdict) for r in rows]
+    out = {r.case: r.diagnosis for r in rows if r.output == "out"}
+    assert all(words in d for d in out.values()), out
+
+
+def test_attention_gym_alibi_is_another_function_off_causal():
+    """attention-gym's ALiBi ``score + slope * (kv_idx - q_idx)`` rewards later keys: it is
+    ALiBi only under a causal mask (there the two differ by a constant per row, which the
+    softmax cancels; Nq = Nk here, so the lse agrees too)."""
+    causal = ("alibi:b2h4-q65k65-d32-causal-br", "softcap:b1h4-q65k65-d32-causal-br-softcap5")
+    other = ("alibi:b1h4-q65k129-d32", "seqlens:b2h4-q4k200-d32-seqlens_k200x77")
+    rows = _run(causal + other, "float32", alibi="gym")
+    assert all(r.verdict == "pass" for r in rows if r.case in causal), rows
+    failed = [r for r in rows if r.case in other]
+    assert len(failed) == 4 and all(r.verdict == "fail" for r in failed), failed
+    assert all("attention-gym's generate_alibi_bias" in r.diagnosis for r in failed if r.output == "out")
