@@ -61,7 +61,8 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
     ``seqlens_q``/``seqlens_k`` the batch is packed into one sequence and a document mask
     keeps each query in its own sequence. ``alibi="flash"``: ``-slope |i + Lk - Lq - j|``
     (FlashAttention's, the oracle's); ``"gym"``: attention-gym's ``generate_alibi_bias``,
-    ``+ slope (j - i)``. ``plant`` puts one small bug in (:data:`PLANTS`).
+    ``+ slope (j - i)``; ``"flipped"``: ``+ slope |i + Lk - Lq - j|``; ``"top-left"``:
+    ``-slope |i - j|``. ``plant`` puts one small bug in (:data:`PLANTS`).
     """
     b_, h_, nq, _ = q.shape
     nk, dev = k.shape[-2], q.device
@@ -126,6 +127,10 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
         if alibi_slopes is not None:
             if alibi == "gym":
                 score = score + alibi_slopes[h] * (j - i)
+            elif alibi == "flipped":
+                score = score + alibi_slopes[h] * (i + off[s] - j).abs()
+            elif alibi == "top-left":
+                score = score - alibi_slopes[h] * (i - j).abs()
             else:
                 score = score - alibi_slopes[h] * (i + off[s] - j).abs()
         return score
@@ -261,3 +266,17 @@ def test_attention_gym_alibi_is_another_function_off_causal():
     failed = [r for r in rows if r.case in other]
     assert len(failed) == 4 and all(r.verdict == "fail" for r in failed), failed
     assert all("attention-gym's generate_alibi_bias" in r.diagnosis for r in failed if r.output == "out")
+
+
+@pytest.mark.parametrize("form,words", [
+    ("flipped", "ALiBi with the opposite sign"),
+    ("top-left", "ALiBi distances from the top-left corner"),
+])
+def test_other_alibi_forms_are_named(form, words):
+    """ALiBi written with the sign flipped, or with distances from the top-left corner
+    (which differs from the reference only where Nq != Nk or lengths differ)."""
+    rows = _run(("alibi:b1h4-q65k129-d32", "seqlens:b2h4-q4k200-d32-seqlens_k200x77"), "float32",
+                alibi=form)
+    out = [r for r in rows if r.output == "out"]
+    assert len(out) == 2 and all(r.verdict == "fail" and words in r.diagnosis for r in out), \
+        [(r.case, r.verdict, r.diagnosis) for r in out]
