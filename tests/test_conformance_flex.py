@@ -22,7 +22,6 @@ causal mask, and the failure names it.
 
 import functools
 import os
-import warnings
 
 import pytest
 import torch
@@ -30,8 +29,8 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 
 from conformance import cases, verify
 
-# the eager path is what is calibrated (module docstring); it warns on every first call
-warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+# the eager path is what is calibrated (module docstring); it warns on its first call
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 # ATTN_REF_FLEX_FULL=1: the pass tests run the whole standard suite (minutes) instead of
 # one case per option; the figures of docs/conformance.md come from that run
