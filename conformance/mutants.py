@@ -913,6 +913,8 @@ MUTANT_CAUSES = {
     "WY correction dropped (U instead of U - W S)": "the WY correction dropped",
     "softmax over the query axis": "over the query axis",
     "beta x 1.01": "beta is 1 % too large",
+    # named by the LSHSelfAttention convention's signature (HuggingFace, reformer-pytorch)
+    "pairs found in several rounds not de-duplicated": "counted as often as found",
     RECURRENT_CHANGES[0][0]: "not reset at the packed sequences' boundaries",
     "initial state ignored": "the initial state is ignored | the initial state ignored",
 }
