@@ -63,6 +63,8 @@ _SMALL_QK = 1e-3
 #: -0.013 a step on average, the long-memory heads of Mamba-2 (``dt A`` with ``dt`` drawn
 #: in [1e-3, 0.1]) and Gated DeltaNet
 GATE_NORMALIZER = 64
+#: the long-memory gradient case's divisor of the log gates (:func:`_recurrent`)
+LONG_MEMORY_GATES = 1024
 DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values",
                  "small_qk")
 MASKS = (None, "padding", "random", "fully_masked_rows")
@@ -106,6 +108,10 @@ class Case:
         boundaries, packed sequences, initial states); None: every variant. Not part of
         the id: a case of a family is run only for that family's variants, so other
         variants' suites (and their cost) are unchanged.
+    grads_only : bool
+        A case for the gradient rows: in a suite only when gradients are judged
+        (``cases(..., grads=True)``, ``verify(grads=True)``), where its forward rows are
+        judged with them; the forward's cases cover its forward at no extra cost.
     """
 
     tag: str
@@ -123,6 +129,7 @@ class Case:
     params: tuple = ()
     features: tuple = ()
     family: str | None = None
+    grads_only: bool = False
 
     def __post_init__(self):
         if self.dist not in DISTRIBUTIONS:
@@ -538,6 +545,15 @@ def _recurrent():
               params=(("gate_normalizer", GATE_NORMALIZER),)),
             C("slow-decay", (1, 2), 150, 150, 16, 16, causal=tl, family=fam, features=init,
               params=(("gate_normalizer", GATE_NORMALIZER),))]
+    # Long memory for the gradients: a backward that holds its state (and the state's
+    # cotangent) in bfloat16 passed the slow-decay cases (ratio 0.44-0.49): the
+    # gradients' bound in bfloat16 is about 8 ulps of the gradient's largest value (8
+    # times one rounding, plus 4 ulps), and a state rounded at every step errs by about
+    # sqrt(steps it remembers) half-ulps, and more where a step's decay (|g| ~ 8e-4 at
+    # gates / 1024) is below bfloat16's resolution and rounding drops it. At T = 1000 it
+    # fails dk, dv and dg by 6 to 12 times; a float32-state backward stays at 0.06.
+    out.append(C("long-memory", (1, 2), 1000, 1000, 32, 32, causal=tl, family=fam,
+                 params=(("gate_normalizer", LONG_MEMORY_GATES),), grads_only=True))
     return out
 
 
@@ -582,14 +598,15 @@ def _long():
 CATALOGUE["long"] = _long()
 
 
-def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
+def cases(variant: str | None = None, suite: str = "standard", *, grads: bool = False) -> list[Case]:
     """The cases of ``suite`` (``"quick"``, ``"standard"``, ``"exhaustive"``, ``"long"``).
 
     ``variant`` (a registered name) drops cases the reference of that variant cannot
     take because its signature lacks the feature or it is self-attention only, the
     non-causal cases of a variant that is causal by construction, and the cases of
     another family (:attr:`Case.family`); cases
-    the kernel cannot take are decided later, in :func:`conformance.verify`.
+    the kernel cannot take are decided later, in :func:`conformance.verify`. The cases
+    for the gradient rows (:attr:`Case.grads_only`) only with ``grads=True``.
 
     Examples
     --------
@@ -601,7 +618,7 @@ def cases(variant: str | None = None, suite: str = "standard") -> list[Case]:
     """
     if suite not in CATALOGUE:
         raise ValueError(f"suite must be one of {tuple(CATALOGUE)}, got {suite!r}")
-    out = list(CATALOGUE[suite])
+    out = [c for c in CATALOGUE[suite] if grads or not c.grads_only]
     if variant is not None:
         from attn_ref.registry import get
 

@@ -61,7 +61,7 @@ from .calling import reference_features
 from .extras import RECURRENT
 from .features import allowed_matrix, sequence_lengths
 from .judging import FLA_CHUNK, fp32_state_form, option_names
-from .tolerance import LOW_PRECISION, host_dtype, measure
+from .tolerance import LOW_PRECISION, host_dtype, measure, rounding_caveat, rounding_cosine
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "diagnose", "softmax_host"]
 
@@ -359,37 +359,89 @@ def _padding_sigs(prep):
 # A scale off by a small factor (a rounded or mistyped 1/sqrt(d), log2(e) folded in
 # twice or not at all) is fitted, not guessed: the factor a with the reference at
 # scale a*s closest to the kernel's output. Larger factors are the named mistakes of
-# _scale_sigs (1/d, no scale, scale squared); this one covers 0.8 <= a <= 1.25.
+# _scale_sigs (1/d, no scale, scale squared); this one covers 0.8 <= a <= 1.25. The
+# delta rule's beta and the output itself are fitted the same way: a mistake of a
+# small factor makes an error of the size of low-precision rounding, and must be told
+# apart from it by what it is, a consistent factor.
 SCALE_FIT_RANGE = (0.8, 1.25)
 
 
-def _scale_fit_sigs(prep, got):
-    if "scale" not in reference_features(prep.variant):
-        return
-    s0 = prep.scale
-
-    def at(a):
-        return _finish(prep, _ref(prep, scale=s0 * a))
-
+def _fit_factor(prep, got, at):
+    """The factor ``a`` in :data:`SCALE_FIT_RANGE` (not 1) whose output ``at(a)`` is
+    closest to ``got`` (Gauss-Newton on the scalar, the output being smooth in it) and
+    that output; None when there is none."""
     keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
     ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
     lo, hi = SCALE_FIT_RANGE[0] * 0.9, SCALE_FIT_RANGE[1] * 1.1
     a, f, h = 1.0, at(1.0), 1e-4
-    for _ in range(4):  # Gauss-Newton on the scalar factor: the output is smooth in it
+    for _ in range(4):
         jac = (at(a + h) - f) / h
         den = float(np.sum(np.where(ok, jac * jac, 0.0)))
         if not den > 0:
-            return
+            return None
         step = float(np.sum(np.where(ok, jac * (got - f), 0.0))) / den
         if abs(step) < 1e-6:
             break
         a = min(max(a + step, lo), hi)
         f = at(a)
     if not SCALE_FIT_RANGE[0] <= a <= SCALE_FIT_RANGE[1] or abs(a - 1.0) < 1e-6:
+        return None
+    return a, f
+
+
+def _off_by(a):
+    return f"{100 * abs(a - 1):.2g} % too {'large' if a > 1 else 'small'}"
+
+
+def _scale_fit_sigs(prep, got):
+    if "scale" not in reference_features(prep.variant):
         return
-    yield (f"the logit scale is {100 * abs(a - 1):.2g} % too {'large' if a > 1 else 'small'}: "
-           f"the output matches scale {s0 * a:.6g} where the case's is {s0:.6g} "
-           f"(a factor of {a:.5g})", f)
+    s0 = prep.scale
+    fit = _fit_factor(prep, got, lambda a: _finish(prep, _ref(prep, scale=s0 * a)))
+    if fit is None:
+        return
+    a, f = fit
+    yield (f"the logit scale is {_off_by(a)}: the output matches scale {s0 * a:.6g} where the "
+           f"case's is {s0:.6g} (a factor of {a:.5g}: the scale, or whatever multiplies every "
+           f"q . k by it - q, k or a projection of them)", f)
+
+
+def _beta_fit_sigs(prep, got):
+    """The delta rule's write strength ``beta`` off by a small factor (fitted)."""
+    if prep.variant.family != "recurrent" or "beta" not in prep.params:
+        return
+    beta = np.asarray(prep.params["beta"], dtype=np.float64)
+
+    def at(a):
+        return _finish(prep, replace(prep, params={**prep.params, "beta": beta * a})
+                       .reference("float64"))
+
+    fit = _fit_factor(prep, got, at)
+    if fit is not None:
+        yield (f"beta is {_off_by(fit[0])}: the output matches the delta rule's beta times "
+               f"{fit[0]:.5g}", fit[1])
+
+
+#: The fewest compared values on which one factor on the output is named: on fewer (a
+#: length-1 case's four) rounding one scalar to bfloat16 is a common factor too.
+FACTOR_VALUES = 16
+
+
+def _output_factor_sigs(prep, got):
+    """Every output value the golden's times one factor: a consistent ratio (a factor on
+    the output, fitted by least squares), not rounding, which has no common direction."""
+    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
+    ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
+    if np.count_nonzero(ok) < FACTOR_VALUES:
+        return
+    g = np.where(ok, prep.golden, 0.0)
+    den = float(np.sum(g * g))
+    if not den > 0:
+        return
+    a = float(np.sum(g * np.where(ok, got, 0.0))) / den
+    if SCALE_FIT_RANGE[0] <= a <= SCALE_FIT_RANGE[1] and abs(a - 1.0) >= 1e-6:
+        yield (f"the output is {_off_by(a)}: every value is {a:.5g}x the reference's (a "
+               f"consistent ratio: a factor applied to the output)", prep.golden * a)
 
 
 for _sig in (
@@ -406,6 +458,8 @@ for _sig in (
     Signature("online", _online_sigs, exact_only=True),
     Signature("unmasked padding", _padding_sigs, exact_only=True),
     Signature("scale factor", _scale_fit_sigs, needs_output=True, fit=True),
+    Signature("beta factor", _beta_fit_sigs, needs_output=True, fit=True),
+    Signature("output factor", _output_factor_sigs, needs_output=True, fit=True),
 ):
     register_signature(_sig)
 
@@ -691,6 +745,12 @@ def _host_favor(x, w, over_rows, eps, scale):
 FEATURE_FLOORS = (1e-4, 1e-6)
 
 
+def _favor_floor(eps):
+    """performer-pytorch's features in words, up to the source it names (parenthesis open)."""
+    return (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
+            f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}")
+
+
 def _performer_eps_sigs(prep):
     """FAVOR+ features with a floor added after the stabiliser
     (:func:`attn_ref.performer_attention`'s ``feature_eps``), or without the declared
@@ -707,9 +767,8 @@ def _performer_eps_sigs(prep):
         return
     if not causal:
         for eps in FEATURE_FLOORS:
-            yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
-                   f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}; "
-                   f"google-research's FAVOR+ code): pass options={{'feature_eps': {eps:g}}}",
+            yield (f"{_favor_floor(eps)}; google-research's FAVOR+ code): pass "
+                   f"options={{'feature_eps': {eps:g}}}",
                    prep.reference("float64", options={**prep.options, "feature_eps": eps}))
         return
     if prep.case.nq != prep.case.nk:
@@ -720,8 +779,7 @@ def _performer_eps_sigs(prep):
         fk = _host_favor(a["k"], w, True, eps, prep.scale)
         att = np.tril(fq @ np.swapaxes(fk, -1, -2))
         den = np.sum(fq * (np.cumsum(fk, axis=-2) + 1e-6), -1, keepdims=True)
-        yield (f"FAVOR+ features floored after the stabiliser, (exp(W x - |x|^2/2 - max W x) + "
-               f"{eps:g}) / sqrt(m) (performer-pytorch's softmax_kernel, eps={eps:g}), in its "
+        yield (f"{_favor_floor(eps)}), in its "
                f"causal form: the key stabiliser is the maximum over every key, future ones "
                f"included, and the denominator q . (cumsum k + 1e-6); another function, which "
                f"attn_ref does not define (a later key changes an earlier output)",
@@ -1215,12 +1273,22 @@ def _at_quarter_length(prep, rerun, metric):
     return None
 
 
-def _precision(prep, res, rerun):
+def _precision(prep, res, rerun, got):
+    """A float32/float64 kernel whose error is the size a plain implementation in a lower
+    dtype makes (0.2x to 5x; of several, the nearest on a log scale, or the one whose
+    error it shares the direction of). Only a shared direction
+    (:func:`conformance.tolerance.rounding_cosine`) names that dtype's rounding outright:
+    a mistake of a small factor (beta or a projection 1 % off in float32) makes an error
+    of bfloat16's size too, and a real implementation in the dtype rounds in another
+    order than the reference, so the size alone names both, and says it cannot tell.
+    A float16/bfloat16 kernel: :func:`_low_precision_accumulation`."""
     if prep.dtype in LOW_PRECISION:
         return _low_precision_accumulation(prep, res, rerun)
-    lower = {"float64": ("float32", "bfloat16", "float16"), "float32": ("float16", "bfloat16"),
-             "float16": ("bfloat16",), "bfloat16": ()}[prep.dtype]
-    words = None
+    lower = {"float64": ("float32", "bfloat16", "float16"),
+             "float32": ("float16", "bfloat16")}[prep.dtype]
+    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
+    err = np.where(keep, got - prep.golden, 0.0)
+    sized = []
     for dt in lower:
         try:
             base = prep.apply_semantics(prep.reference(dt))
@@ -1228,14 +1296,20 @@ def _precision(prep, res, rerun):
             continue
         be = measure(base, prep.golden, prep.keep).max_err
         if be > 0 and 0.2 <= res.max_err / be <= 5.0:
-            words = (f"the error ({res.max_err:.2g}) is the size a plain {dt} implementation "
-                     f"makes ({be:.2g}): computing or accumulating in {dt} (low precision)")
-            break
+            cos, least = rounding_cosine(err, np.where(keep, base - prep.golden, 0.0))
+            sized.append((cos < least, abs(math.log(res.max_err / be)), dt, be, cos, least))
+    words, caveat = None, ""
+    if sized:
+        _, _, dt, be, cos, least = min(sized)
+        caveat = rounding_caveat(cos, least)
+        words = (f"the error ({res.max_err:.2g}) is the size a plain {dt} implementation makes "
+                 f"({be:.2g}): computing or accumulating in {dt} (low precision)" + caveat)
     grown = _at_quarter_length(prep, rerun, "max_err")
     if grown is not None and res.max_err / grown[0] > 1.5:
-        more = (f"the error grows with N ({grown[0]:.2g} at Nk={grown[1]}, "
-                f"{res.max_err:.2g} at Nk={prep.case.nk}), as low-precision accumulation does")
-        words = f"{words}; {more}" if words else more
+        more = f"the error grows with N ({grown[0]:.2g} at Nk={grown[1]}, {res.max_err:.2g} at " \
+               f"Nk={prep.case.nk})"
+        words = (f"{words}; {more}" + ("" if caveat else ", as low-precision accumulation does")
+                 if words else more)
     return words
 
 
@@ -1275,18 +1349,20 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
     if words:
         return words
     best, hits = None, []
-    # fits last: they cost many reference runs, and are skipped once a mistake reproduces
+    # fits last: they cost many reference runs, and are skipped once a mistake without a
+    # parameter reproduces the output; each fit runs otherwise, since factors on several
+    # parameters can give the same output (beta, the scale and the output at T = 1)
     for sig in sorted(SIGNATURES, key=lambda sig: sig.fit):
         if sig.exact_only and not prep.variant.exact:
             continue
-        if sig.fit and best is not None and best[0] <= res.tol_max:
-            continue  # a fit costs many reference runs; a mistake already reproduces it
+        if sig.fit and any(r <= res.tol_max and not fit for r, _, fit in hits):
+            continue
         try:
             found = sig.candidates(prep, got) if sig.needs_output else sig.candidates(prep)
             for message, cand in found:
                 r = _reproduces(prep, got, cand, res.max_err)
                 if r is not None:
-                    hits.append((r, message))
+                    hits.append((r, message, sig.fit))
                     if best is None or r < best[0]:
                         best = (r, message)
         except Exception:  # a signature that cannot be built for this case says nothing
@@ -1294,12 +1370,12 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
     if best is not None:
         # mistakes that all reproduce the output within tolerance cannot be told apart on
         # this case (causal ignored and the other alignment with one query): name each
-        same = list(dict.fromkeys(m for r, m in sorted(hits) if r <= res.tol_max and m != best[1]))
+        same = list(dict.fromkeys(m for r, m, _ in sorted(hits) if r <= res.tol_max and m != best[1]))
         if best[0] > res.tol_max or not same:
             return best[1]
         return (" - or ".join([best[1]] + same[:2])
                 + " (these mistakes give the same output on this case)")
-    order = (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun))
+    order = (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun, got))
     if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
         # a state kept in the dtype errs most on the heads of longest memory: "wrong only
         # on heads 1..7" would be a true measurement that names no mistake

@@ -93,7 +93,16 @@ from typing import Any
 import numpy as np
 
 from .report import CaseResult
-from .tolerance import LOW_PRECISION, MANTISSA_BITS, as_dtype, round_to, ulp
+from .tolerance import (
+    LOW_PRECISION,
+    MANTISSA_BITS,
+    as_dtype,
+    normalized_in_dtype,
+    round_to,
+    rounding_caveat,
+    rounding_cosine,
+    ulp,
+)
 
 __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "expected_outputs",
            "split_outputs",
@@ -655,12 +664,7 @@ def _normalized_in_dtype(prep, golden):
     ``k`` normalised and stored in the kernel's dtype is from the golden's."""
     if prep.dtype not in LOW_PRECISION or not prep.options.get("qk_l2norm") or not golden.size:
         return 0.0
-    import array_api_compat.numpy as npx
-
-    from attn_ref.recurrent import l2_normalize
-
-    unit = {n: round_to(np.asarray(l2_normalize(np.asarray(prep.arrays[n], dtype=np.float64),
-                                                xp=npx)), prep.dtype) for n in "qk"}
+    unit = {n: normalized_in_dtype(prep.arrays[n], prep.dtype) for n in "qk"}
     rounded = reference_on(prep, prep.golden_dtype, 0, prep.case.nq,
                            prep.arrays.get("initial_state"), cu=prep.kwargs.get("cu_seqlens"),
                            sliced=False, arrays=unit, options={"qk_l2norm": False})
@@ -872,25 +876,34 @@ def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
         off = np.abs(got - c)
         return bool(np.all(off <= tol)) or float(np.max(off)) <= err / 50
 
+    named = []
     for message, make in _state_candidates(prep, golden):
         try:
             cand = make()
         except Exception:  # a candidate that cannot be built here says nothing
             continue
         if cand.shape == golden.shape and fits(cand):
-            return message
+            named.append(message)
+    if named:
+        # mistakes that give the same state on this case cannot be told apart: name each
+        return named[0] if len(named) == 1 else (
+            " - or ".join(named[:3]) + " (these mistakes give the same final state on this case)")
     lower = {"float64": ("float32",), "float32": ()}.get(prep.dtype, ())
     for dt in lower:
         try:
-            be = float(np.max(np.abs(_per_sequence(prep, dt, _segments(prep)) - golden)))
+            base = _per_sequence(prep, dt, _segments(prep))
         except Exception:
             continue
+        be = float(np.max(np.abs(base - golden)))
         # a float32 loop can err several times less than the chunked float32 reference
         # (measured: fla's naive GLA at 1/5 of it); an error of that order, far above the
-        # dtype's own rounding, is the float32 computation
+        # dtype's own rounding, is the float32 computation - or a mistake of that relative
+        # size, which only a shared direction rules out
         if be > 0 and 0.05 <= err / be <= 5.0:
+            cos, least = rounding_cosine(got - golden, base - golden)
             return (f"the state computes in {dt}: its error ({err:.2g}) is the size a plain {dt} "
                     f"implementation makes ({be:.2g}), precision below the dtype"
+                    + rounding_caveat(cos, least)
                     + (f" (and is returned in {store})" if store == dt else ""))
     i = np.unravel_index(np.argmax(np.abs(got - golden) / np.maximum(tol, np.finfo(float).tiny)),
                          golden.shape)

@@ -132,6 +132,12 @@ def state_dtype(prep, convention=None) -> str:
         else "float32"
 
 
+def _convention(final_state):
+    """The final state's declared convention from ``final_state`` (True, False or the
+    convention itself, ``"input_dtype"``): the convention, or None."""
+    return final_state if isinstance(final_state, str) else None
+
+
 def state_cotangent(prep, convention=None) -> np.ndarray:
     """``dfinal_state (N, H, d_k, d_v)``: the cotangent of the final state, standard normal
     drawn from the seed and the case id as ``do`` is, rounded to :func:`state_dtype`."""
@@ -169,11 +175,12 @@ def _fp32_state_grads(prep, do, dtype, dfinal_state=None, normalized_in_dtype=Fa
     else:
         from attn_ref.recurrent.delta import L2NORM_EPS
 
+        from .tolerance import normalized_in_dtype as unit_in_dtype
+
         x32 = {n: np.asarray(prep.arrays[n], dtype=np.float32) for n in ("q", "k")}
         rstd = {n: 1 / np.sqrt(np.sum(x * x, -1, keepdims=True) + np.float32(L2NORM_EPS))
                 for n, x in x32.items()}
-        normed = {n: np.asarray(round_to(x32[n] * rstd[n], dtype), dtype=np.float64)
-                  for n in x32}
+        normed = {n: unit_in_dtype(x32[n], dtype) for n in x32}
         sub = _with_arrays(prep, normed, qk_l2norm=False)
         g = _reference_grads(sub, do, "float32", dfinal_state=dfinal_state)
         for n in ("q", "k"):
@@ -315,8 +322,7 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
     if key in cache:
         return cache[key]
     do = _cotangent(prep)
-    convention = final_state if isinstance(final_state, str) else None
-    ds = state_cotangent(prep, convention) if final_state else None
+    ds = state_cotangent(prep, _convention(final_state)) if final_state else None
     try:
         gold = _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds)
     except NotApplicable:
@@ -557,7 +563,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
     ds = g.get("dfinal_state")
     ds_k = None if ds is None else ctx.to_kernel(pair_layout(ds, ctx.layout),
-                                                 state_dtype(prep, state if isinstance(state, str) else None))
+                                                 state_dtype(prep, _convention(state)))
     # what the backward is handed and must leave unchanged: q, k, v, do and the forward's
     # array arguments (autodiff differentiates copies, so only backward= can write)
     given = {**inputs, "do": do_k, **kw, **({} if ds_k is None else {"dfinal_state": ds_k})}

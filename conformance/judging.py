@@ -779,10 +779,10 @@ def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_d
                                                                          cu_seqlens))
         kw = {n: plain_array(x) for n, x in kw.items()}
         kw.update(form="chunk", chunk_size=FLA_CHUNK, output_final_state=True, xp=xp)
-        if normalized_in_dtype and kw.get("qk_l2norm"):
-            from attn_ref.recurrent.delta import l2_normalize
+        if normalized_in_dtype and kw.get("qk_l2norm") and cls is not None:
+            from .tolerance import normalized_in_dtype as unit_in_dtype
 
-            q, k = (rnd(np.asarray(l2_normalize(x, xp=xp))) for x in (q, k))
+            q, k = (np.asarray(unit_in_dtype(x, cls.dtype_name), dtype=np.float32) for x in (q, k))
             kw["qk_l2norm"] = False
         nb, steps = q.ndim - 2, q.shape[-2]  # the time axis follows the batch axes
 

@@ -22,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from .extras import RECURRENT
+from .tolerance import UNTOLD
 
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
            "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "routing_kernel",
            "synthesizer_kernel", "variant_kernel", "variant_mutants", "first_failure",
            "FINAL_STATE_CHANGES", "final_state_mutants", "RECURRENT_CHANGES", "RECURRENT_VARIANTS",
-           "catch_table",
+           "catch_table", "MUTANT_CAUSES", "NO_CAUSE", "precision_loss_kernel", "precision_mutants",
+           "classify_diagnosis", "audit_diagnoses",
            "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
 
 
@@ -873,6 +875,11 @@ VARIANT_KERNELS: dict[str, tuple] = {
                   reformer_mutant_kernel(average=True), {})),
     "sinkhorn": (("Sinkhorn rows not normalised (0 iterations)", _sinkhorn_unbalanced, {}),
                  ("causal mask on the sort matrix missing", _sinkhorn_unmasked_sort, {})),
+    # the delta rule's write strength 1 % off: an error of the size of bfloat16 rounding
+    # on the longer cases, which the diagnosis must not call precision
+    "deltanet": (("beta x 1.01", variant_kernel("deltanet", _set(beta=_times(1.01))), {}),),
+    "gated_deltanet": (("beta x 1.01", variant_kernel("gated_deltanet", _set(beta=_times(1.01))),
+                        {}),),
 }
 
 #: The recurrent family's mistakes beyond :data:`VARIANT_CHANGES` (issue 18), changes of
@@ -887,26 +894,57 @@ RECURRENT_CHANGES = (
 RECURRENT_VARIANTS = RECURRENT
 
 
+#: The words of the right diagnosis of a variant mutant (by the words of its mistake; the
+#: alternatives separated by " | "); a mistake not listed has no signature, and its right
+#: diagnosis is "no known mistake explains it". A factor on every q . k (a key projection,
+#: the key compression) gives the output of a logit scale off by it, on every case.
+MUTANT_CAUSES = {
+    "output x 1.01": "the output is 1 % too large",
+    "logit scale x 1.01": "the logit scale is 1 % too large",
+    "dot-product scale x 1.01": "the logit scale is 1 % too large",
+    "key compression weights x 1.01": "the logit scale is 1 % too large",
+    "key projection E x 1.01": "the logit scale is 1 % too large",
+    "scale argument ignored": "the scale argument is ignored",
+    "causal argument ignored": "the causal mask is ignored",
+    "causal argument ignored (no mask inside a cluster)": "the causal mask is ignored",
+    "decay applied after the update": "applied after the update",
+    "gate applied after the update": "applied after the update",
+    "state not carried across chunks of 16": "not carried across chunks of 16",
+    "WY correction dropped (U instead of U - W S)": "the WY correction dropped",
+    "softmax over the query axis": "over the query axis",
+    "beta x 1.01": "beta is 1 % too large",
+    # named by the LSHSelfAttention convention's signature (HuggingFace, reformer-pytorch)
+    "pairs found in several rounds not de-duplicated": "counted as often as found",
+    RECURRENT_CHANGES[0][0]: "not reset at the packed sequences' boundaries",
+    "initial state ignored": "the initial state is ignored | the initial state ignored",
+}
+
+
 def variant_mutants(variant: str) -> list[Mutant]:
     """The three mutants of a registered variant, and those of :data:`VARIANT_KERNELS`
-    (and :data:`RECURRENT_CHANGES` for the recurrent family); KeyError if it has none
-    declared."""
+    (and :data:`RECURRENT_CHANGES` for the recurrent family), each expecting the words
+    of :data:`MUTANT_CAUSES` (or none); KeyError if it has none declared."""
     if variant not in VARIANT_CHANGES:
         raise KeyError(f"variant {variant!r} has no mutants: add its 1 % perturbation and "
                        f"its ignored parameter to conformance.mutants.VARIANT_CHANGES")
     (pert, pchange), (ign, ichange) = VARIANT_CHANGES[variant]
-    return [Mutant(f"{variant}: output x 1.01", variant_kernel(variant, factor=1.01), "",
-                   variant=variant),
-            Mutant(f"{variant}: {pert}", variant_kernel(variant, pchange), "", variant=variant),
-            Mutant(f"{variant}: {ign}", variant_kernel(variant, ichange), "", variant=variant)] + [
-        Mutant(f"{variant}: {words}", kernel, "", {"options": opts} if opts else {}, variant=variant)
+
+    def mutant(words, kernel, options=None):
+        return Mutant(f"{variant}: {words}", kernel, MUTANT_CAUSES.get(words, ""), options or {},
+                      variant=variant)
+
+    return [mutant("output x 1.01", variant_kernel(variant, factor=1.01)),
+            mutant(pert, variant_kernel(variant, pchange)),
+            mutant(ign, variant_kernel(variant, ichange))] + [
+        mutant(words, kernel, {"options": opts} if opts else None)
         for words, kernel, opts in VARIANT_KERNELS.get(variant, ())] + [
-        Mutant(f"{variant}: {words}", variant_kernel(variant, change), "", variant=variant)
+        mutant(words, variant_kernel(variant, change))
         for words, change in (RECURRENT_CHANGES if variant in RECURRENT_VARIANTS else ())]
 
 
-def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
-    """Run ``m`` case by case, cheapest first, up to its first value failure.
+def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0, least_values=0):
+    """Run ``m`` case by case, cheapest first, up to its first value failure; only cases
+    whose output has at least ``least_values`` values (``B H Nq dv``).
 
     Returns ``(result, cases_run)``; ``result`` is None when every case passed (or was
     not applicable, or the kernel raised: an error is no evidence the values are caught).
@@ -916,6 +954,8 @@ def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0):
 
     ran = 0
     for case in sorted(cases(m.variant, suite), key=lambda c: (c.size, c.id)):
+        if math.prod(case.batch) * case.nq * case.dv < least_values:
+            continue
         rep = verify(m.kernel, m.variant, backend="numpy", dtypes=(dtype,), seed=seed,
                      cases=[case], causal="both", supports={"broadcast": True},
                      diagnose=False, progress=False, **m.options)
@@ -951,6 +991,125 @@ def catch_table(mutants, dtypes=("float32", "float64"), suite="standard", seed=0
     return table
 
 
+# ------------------------------------------- the diagnosis audit: never a wrong cause named
+
+
+def precision_loss_kernel(variant, dtype):
+    """The variant's reference computed in ``dtype`` (``"bfloat16"``, ``"float16"``,
+    ``"float32"``) and cast back to the input dtype: a correct kernel whose only fault is
+    its precision (the low dtypes round every intermediate, as
+    :class:`conformance.tolerance.LowPrecisionArray` does)."""
+    import inspect
+
+    import array_api_compat.numpy as xnp
+
+    from attn_ref.registry import get
+
+    from .tolerance import as_dtype, param_dtype
+
+    fn = get(variant).fn
+
+    def kernel(q, k, v, **kw):
+        out_dtype = q.dtype
+        q, k, v = (as_dtype(np.asarray(x, dtype=np.float64), dtype) for x in (q, k, v))
+        kw = {n: as_dtype(np.asarray(x, dtype=np.float64) if x.dtype.kind == "f" else x,
+                          param_dtype(n, dtype)) if isinstance(x, np.ndarray) else x
+              for n, x in kw.items()}
+        with np.errstate(all="ignore"):
+            out = fn(q, k, v, xp=xnp, **kw)
+        back = lambda x: np.asarray(np.asarray(x).view(np.ndarray) if isinstance(x, np.ndarray)  # noqa: E731
+                                    else x, dtype=np.float32).astype(out_dtype)
+        return tuple(back(x) for x in out) if isinstance(out, tuple) else back(out)
+
+    kernel.__signature__ = inspect.signature(fn)
+    kernel.__name__ = f"{variant}_in_{dtype}"
+    return kernel
+
+
+def precision_mutants(variant: str) -> list[Mutant]:
+    """The variant's reference run in bfloat16, float16 and float32 and cast back
+    (:func:`precision_loss_kernel`); each expects its dtype named as the cause (a float32
+    one fails only float64 cases)."""
+    return [Mutant(f"{variant}: computed in {dt}", precision_loss_kernel(variant, dt),
+                   f"PRECISION {dt}", variant=variant) for dt in ("bfloat16", "float16", "float32")]
+
+
+#: How a diagnosis that names no cause begins: no explanation; a fault of the call; only
+#: where the error lives or how it grows with N (measurements).
+NO_CAUSE = ("no known mistake explains it", "kernel raised", "output shape",
+            "the output is wrong only on", "the error lives only in", "the error grows with N")
+
+
+def _precision_words(dtype):
+    """What a diagnosis naming computation in ``dtype`` as the cause says."""
+    return (f"a plain {dtype} implementation makes", f"the state computes in {dtype}",
+            f"accumulating in {dtype}")
+
+
+def classify_diagnosis(words: str, expect: str) -> str:
+    """``"right"`` (the diagnosis contains ``expect``, or one of its alternatives
+    separated by ``" | "``), ``"honest"`` (it names no cause - :data:`NO_CAUSE`, a final
+    state no known mistake explains - or says it cannot tell a lower dtype's rounding
+    from a mistake, :data:`conformance.tolerance.UNTOLD`) or ``"wrong"`` (it
+    names a cause that is not the mutant's). ``expect`` ``"PRECISION dt"``: computing in
+    ``dt`` (or low-precision accumulation) is the right cause."""
+    if expect.startswith("PRECISION "):
+        dt = expect.split()[1]
+        right = _precision_words(dt) + ("as low-precision accumulation does",)
+        if any(w in words for w in right):
+            return "right"
+    elif expect and any(e in words for e in expect.split(" | ")):
+        return "right"
+    if UNTOLD in words:
+        return "honest"  # a lower dtype's rounding or a mistake: it says it cannot tell
+    if words.startswith(NO_CAUSE) or (words.startswith("final state off by")
+                                      and words.endswith("no known mistake of the final state "
+                                                         "explains it")):
+        return "honest"
+    return "wrong"
+
+
+#: The audit also diagnoses each mutant's first failing case with at least this many
+#: output values: on a length-1 case's four, rounding cannot be told from a mistake.
+AUDIT_VALUES = 256
+
+
+def audit_diagnoses(mutants, dtypes=("float32", "float64"), suite="standard", seed=0,
+                    out=sys.stdout):
+    """Each mutant's diagnoses on its first failing case (:func:`first_failure`) and on
+    its first with at least :data:`AUDIT_VALUES` output values, every failing row
+    classified by :func:`classify_diagnosis`. Prints one line per row; returns
+    ``[(mutant name, dtype, case, output, class, diagnosis)]`` (class ``"missed"`` when
+    no case fails)."""
+    from .catalogue import cases
+    from .oracle import verify
+
+    rows = []
+    for m in mutants:
+        for dt in dtypes:
+            if m.expect == f"PRECISION {dt}":
+                continue  # computed in the case's own dtype: a correct kernel
+            res, _ = first_failure(m, dt, suite, seed)
+            if res is None:
+                new = [(m.name, dt, "-", "-", "missed", "")]
+            else:
+                failing = [res.case]
+                big, _ = first_failure(m, dt, suite, seed, least_values=AUDIT_VALUES)
+                if big is not None and big.case != res.case:
+                    failing.append(big.case)
+                rep = verify(m.kernel, m.variant, backend="numpy", dtypes=(dt,), seed=seed,
+                             cases=[c for c in cases(m.variant, suite) if c.id in failing],
+                             causal="both", supports={"broadcast": True}, progress=False,
+                             **m.options)
+                new = [(m.name, dt, r.case, r.output, classify_diagnosis(r.diagnosis, m.expect),
+                        r.diagnosis) for r in rep.failures]
+            for name, _, case_id, output, cls, words in new:
+                print(f"{cls.upper():<7} {name:<60} {dt:<8} {case_id} {output}: {words}",
+                      file=out, flush=True)
+            rows += new
+    return rows
+
+
 def run_mutant(m: Mutant, suite="quick", seed=0):
     from .oracle import verify
 
@@ -981,6 +1140,14 @@ def main(argv=None):
     ``python -m conformance.mutants recurrent [VARIANT...]``: the recurrent family's catch
     table (:func:`catch_table`) on the standard suite, float32 and float64."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "audit":
+        rows = audit_diagnoses([m for name in (argv[1:] or VARIANT_CHANGES)
+                                for m in variant_mutants(name) + precision_mutants(name) + (
+                                    final_state_mutants(name) if name in RECURRENT_VARIANTS
+                                    else [])])
+        counts = {c: sum(r[4] == c for r in rows) for c in ("right", "honest", "wrong", "missed")}
+        print(", ".join(f"{n} {c}" for c, n in counts.items()) + f" of {len(rows)} rows")
+        return 1 if counts["wrong"] else 0
     if argv and argv[0] == "recurrent":
         table = catch_table([m for name in (argv[1:] or RECURRENT_VARIANTS)
                              for m in variant_mutants(name) + final_state_mutants(name)])

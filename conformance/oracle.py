@@ -369,7 +369,8 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
             ctx.to_kernel(np.zeros(1), dt)
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
     todo = list(cases) if cases is not None else [
-        c for c in _cases(None, suite) if c.family is None or c.family == v.family]
+        c for c in _cases(None, suite, grads=bool(grads) or backward is not None)
+        if c.family is None or c.family == v.family]
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,
                     dtypes=tuple(dtypes), suite=suite, seed=seed, semantics=sem,
                     features=sorted(spec.features), signature_known=spec.signature_known,

@@ -59,6 +59,11 @@ __all__ = [
     "as_dtype",
     "Metrics",
     "measure",
+    "ROUNDING_COSINE",
+    "rounding_cosine",
+    "UNTOLD",
+    "rounding_caveat",
+    "normalized_in_dtype",
 ]
 
 MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
@@ -335,6 +340,20 @@ def param_dtype(name: str, dtype: str) -> str:
     return "float32" if name in FLOAT32_PARAMS and dtype in LOW_PRECISION else dtype
 
 
+def normalized_in_dtype(x, dtype: str) -> np.ndarray:
+    """``q`` or ``k`` as a model calling fla's ``l2norm`` hands it to a float16/bfloat16
+    recurrence: ``x / sqrt(|x|^2 + eps)`` (``attn_ref.recurrent.delta.L2NORM_EPS``)
+    computed in float32, the result stored in ``dtype``; float64 values of ``x``'s shape.
+    The one normalisation of the forward's baseline form, its backward and the final
+    state's bound (:mod:`conformance.judging`, :mod:`conformance.grads`,
+    :mod:`conformance.extras`)."""
+    from attn_ref.recurrent.delta import L2NORM_EPS
+
+    x32 = np.asarray(x, dtype=np.float32)
+    return round_to(x32 / np.sqrt(np.sum(x32 * x32, axis=-1, keepdims=True)
+                                  + np.float32(L2NORM_EPS)), dtype)
+
+
 def as_dtype(x, dtype):
     """Host float64 data as the NumPy array type that computes in ``dtype``."""
     if not isinstance(x, np.ndarray):
@@ -351,3 +370,50 @@ def as_dtype(x, dtype):
     if dtype == "longdouble":
         return x.astype(np.longdouble)
     return x.astype(np.dtype(dtype))
+
+
+#: The least cosine between a kernel's error and a plain lower-dtype implementation's
+#: for the error to be called that dtype's rounding. Both round the inputs to the dtype
+#: the same way, so their errors share a direction: measured 0.45-1.0 on a NumPy float16
+#: softmax against the float16 baseline (n >= 128 compared values), against at most 0.35
+#: for mistakes of 1 % (beta, a feature map, a projection) of the same size
+#: (``python -m conformance.mutants audit``).
+ROUNDING_COSINE = 0.5
+
+
+def rounding_cosine(err: np.ndarray, base_err: np.ndarray) -> tuple[float, float]:
+    """``(cosine, least)``: the cosine between a kernel's error ``err`` and a plain
+    lower-dtype implementation's ``base_err`` (each: output minus golden, zeros where not
+    compared), and the least cosine that makes the kernel's error that dtype's rounding:
+    :data:`ROUNDING_COSINE`, or ``3 / sqrt(n)`` over ``n`` compared (non-zero) values -
+    three standard deviations of the cosine of unrelated errors - when larger (above 1: too
+    few values to tell). ``(nan, inf)`` when either error is zero.
+
+    Rounding to a dtype is noise with the direction of that dtype's input rounding; a
+    mistake of a small factor is a systematic change that an error of the same size
+    does not share. Only the former is named as the dtype's rounding.
+    """
+    e, b = (np.where(np.isfinite(x), x, 0.0).ravel() for x in (err, base_err))
+    n = int(np.count_nonzero((e != 0) | (b != 0)))
+    den = float(np.linalg.norm(e) * np.linalg.norm(b))
+    if n == 0 or not den > 0:
+        return math.nan, math.inf
+    return float(e @ b) / den, max(ROUNDING_COSINE, 3.0 / math.sqrt(n))
+
+
+#: What a precision diagnosis says when the error's direction does not settle it.
+UNTOLD = "which the direction of the error does not tell apart here"
+
+
+def rounding_caveat(cos: float, least: float) -> str:
+    """The clause a diagnosis naming a lower dtype's rounding adds when
+    :func:`rounding_cosine` does not confirm it: the same size is what a systematic
+    mistake of that relative size makes (a parameter 1 % off is 2.6 bfloat16 epsilons;
+    a real float32 computation's error shares only a cosine of 0.06-0.17 with the
+    reference's own float32 rounding, measured on fla's naive GLA and DeltaNet), and the
+    reader must know it is not settled. Empty when the cosine confirms it."""
+    if cos >= least:
+        return ""
+    why = ("too few values compared" if least > 1 else
+           f"cosine {cos:.2f} with that implementation's error")
+    return f" - or a systematic mistake of that size, {UNTOLD} ({why})"

@@ -1,0 +1,119 @@
+"""The oracle's diagnoses never name a wrong cause.
+
+A failing row's diagnosis either names the mistake the kernel made, or says that no known
+mistake explains it (or that it cannot tell a lower dtype's rounding from a mistake of
+that size): :func:`conformance.mutants.audit_diagnoses` runs each planted mistake of a
+variant (:func:`conformance.mutants.variant_mutants`) and the variant's reference computed
+in bfloat16, float16 and float32 (:func:`conformance.mutants.precision_mutants`) to their
+first failing case, and to the first with 256 output values or more, and classifies every
+failing row's diagnosis (:func:`conformance.mutants.classify_diagnosis`). The whole
+catalogue: ``python -m conformance.mutants audit`` (0 wrong of 856 rows; docs/conformance.md,
+"Reports and diagnosis").
+
+Representative variants here: Gated DeltaNet (beta 1 % off, whose error in float32 is the
+size of bfloat16 rounding and read "a plain bfloat16 implementation"), linear attention
+and Performer (a feature map or a projection 1 % off: the same), softmax (the scale fit).
+"""
+
+import io
+
+import pytest
+
+from conformance import verify
+from conformance.catalogue import cases
+from conformance.mutants import (
+    MUTANT_CAUSES,
+    audit_diagnoses,
+    classify_diagnosis,
+    precision_loss_kernel,
+    precision_mutants,
+    variant_kernel,
+    variant_mutants,
+)
+from conformance.tolerance import UNTOLD
+
+AUDITED = ("gated_deltanet", "linear", "performer", "softmax")
+
+
+def _audit(mutants, dtypes=("float32", "float64")):
+    return audit_diagnoses(mutants, dtypes=dtypes, out=io.StringIO())
+
+
+@pytest.mark.parametrize("name", AUDITED)
+def test_no_mutant_of_a_variant_is_diagnosed_with_a_wrong_cause(name):
+    rows = _audit(variant_mutants(name))
+    wrong = [(r[0], r[1], r[2], r[3], r[5]) for r in rows if r[4] in ("wrong", "missed")]
+    assert not wrong, wrong
+    # the mistakes a signature knows are named (a factor on the output not on a case of
+    # four values, where rounding one scalar is a common factor too)
+    for m in variant_mutants(name):
+        if m.expect:
+            mine = [r for r in rows if r[0] == m.name]
+            assert any(r[4] == "right" for r in mine), mine
+
+
+@pytest.mark.parametrize("name", ["gated_deltanet", "linear"])
+def test_a_kernel_computing_in_a_lower_dtype_is_not_diagnosed_with_a_wrong_cause(name):
+    rows = _audit(precision_mutants(name))
+    assert not [r for r in rows if r[4] in ("wrong", "missed")], rows
+    # the error shares the plain implementation's direction: the dtype is named outright,
+    # except on a case of four values, too few to tell
+    outs = [r for r in rows if r[3] == "out" and r[2] != "length1:b1h1-q1k1-d4"]
+    assert outs and all(r[4] == "right" and UNTOLD not in r[5] for r in outs), outs
+
+
+def _failures(kernel, name, dtype, todo):
+    rep = verify(kernel, name, backend="numpy", dtypes=(dtype,), cases=todo, progress=False)
+    assert rep.failures, rep.table()
+    return rep.failures
+
+
+def test_beta_one_percent_off_is_named_where_it_read_bfloat16():
+    """HuggingFace's gated delta rule with beta x 1.01 read "a plain bfloat16
+    implementation" in float32 (tests/test_conformance_thirdparty_recurrent.py): its error
+    is that size. The fitted beta names it; at T = 1 it is the same output as the scale
+    or the output 1 % too large, and all three are named."""
+    name = "gated_deltanet"
+    kernel = variant_kernel(name, lambda q, k, v, kw: (q, k, v, {**kw, "beta": kw["beta"] * 1.01}))
+    long = [c for c in cases(name, "standard") if c.id == "chunks:b2h2-q100k100-d32-causal-tl"]
+    (out, *_) = [r for r in _failures(kernel, name, "float32", long) if r.output == "out"]
+    assert out.diagnosis.startswith("beta is 1 % too large"), out.diagnosis
+    assert "bfloat16" not in out.diagnosis
+    one = [c for c in cases(name, "standard") if c.id == "chunks:b2h2-q1k1-d32-causal-tl"]
+    (out, *_) = [r for r in _failures(kernel, name, "float64", one) if r.output == "out"]
+    for words in ("beta is 1 % too large", "the logit scale is 1 % too large",
+                  "the output is 1 % too large", "the same output on this case"):
+        assert words in out.diagnosis, out.diagnosis
+
+
+def test_a_mistake_of_rounding_size_is_not_called_rounding():
+    """Performer's projection 1 % off errs as much as a bfloat16 implementation, in no
+    common direction with its error: the diagnosis says it cannot tell, where it named
+    bfloat16; the reference computed in bfloat16 is named outright on the same case."""
+    name = "performer"
+    todo = [c for c in cases(name, "quick") if c.id == "basic:b2h3-q17k17-d16"]
+    proj = [m for m in variant_mutants(name) if "projection" in m.name][0]
+    (row,) = _failures(proj.kernel, name, "float32", todo)
+    assert classify_diagnosis(row.diagnosis, proj.expect) == "honest", row.diagnosis
+    assert UNTOLD in row.diagnosis or row.diagnosis.startswith("no known mistake"), row.diagnosis
+    (row,) = _failures(precision_loss_kernel(name, "bfloat16"), name, "float32", todo)
+    assert "a plain bfloat16 implementation makes" in row.diagnosis and UNTOLD not in row.diagnosis
+
+
+def test_the_classification_tells_right_honest_and_wrong_apart():
+    beta = MUTANT_CAUSES["beta x 1.01"]
+    assert classify_diagnosis("beta is 1 % too large: the output matches ...", beta) == "right"
+    assert classify_diagnosis("no known mistake explains it: error 3x ...", beta) == "honest"
+    assert classify_diagnosis("the output is wrong only on heads 1 (of H = 2); ...", "") == "honest"
+    assert classify_diagnosis("the error (0.002) is the size a plain bfloat16 implementation "
+                              "makes (0.002): computing or accumulating in bfloat16 (low "
+                              "precision)", beta) == "wrong"
+    assert classify_diagnosis("the logit scale is 1 % too large: ...", beta) == "wrong"
+    precision = "PRECISION bfloat16"
+    assert classify_diagnosis("the error (0.002) is the size a plain bfloat16 implementation "
+                              "makes (0.002): computing or accumulating in bfloat16", precision) == "right"
+    assert classify_diagnosis("the error (0.002) is the size a plain float16 implementation "
+                              "makes (0.002): computing or accumulating in float16", precision) == "wrong"
+    # alternatives: the output's and the final state's words for one mistake
+    ignored = MUTANT_CAUSES["initial state ignored"]
+    assert classify_diagnosis("the initial state ignored: the final state is ...", ignored) == "right"
