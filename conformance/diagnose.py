@@ -1018,6 +1018,46 @@ for _sig in (
     register_signature(_sig)
 
 
+# ------------------------------------------------ the softmax as exp(s - logsumexp(s))
+
+
+def _lse_softmax(prep, res):
+    """The softmax computed as ``exp(S - logsumexp(S))`` in float32 or float64 (trax,
+    HuggingFace's Reformer ``LocalSelfAttention``, ``log_softmax(S).exp()``), named when
+    that form (:func:`conformance.judging.lse_form`, NumPy, the kernel's dtype) errs on
+    this case at least 0.8 of the tolerance and the kernel's max and RMS errors are both
+    within 2x of its: ``S - lse`` rounds at ``|lse|``, a relative error ``eps |lse|`` of
+    the weights that the max-shifted softmax does not make (docs/conformance.md, "The
+    softmax as exp(s - logsumexp)"). Matched by size, not value by value: the roundings
+    of ``S`` differ from kernel to kernel, and the failures are often of the RMS bound.
+    """
+    from .judging import LSE_VARIANTS, lse_form, verdict_of
+    from .long import is_long
+
+    if (prep.variant.name not in LSE_VARIANTS or prep.dtype not in ("float32", "float64")
+            or is_long(prep.case)):  # a long case's N x N logits would not fit
+        return None
+    form, box = lse_form(prep.variant.name), {}
+
+    def with_lse(*args, **kw):
+        out, box["lse"] = form(*args, return_lse=True, **kw)
+        return out
+
+    try:
+        with np.errstate(all="ignore"):
+            m = measure(prep.apply_semantics(prep.reference(prep.dtype, fn=with_lse)), prep.golden, prep.keep)
+    except Exception:  # a form that cannot be built for this case says nothing
+        return None
+    near = all(0 < e and 1 / 2 <= k / e <= 2 for k, e in ((res.max_err, m.max_err), (res.rms_err, m.rms_err)))
+    if m.nonfinite or not near or verdict_of(m, res.tol_max, res.tol_rms)[2] < 0.8:
+        return None
+    lse = np.asarray(box["lse"], dtype=np.float64)
+    top = float(np.max(np.abs(lse[np.isfinite(lse)]), initial=0.0))
+    return ("softmax as exp(s - logsumexp): loses |lse| eps relative; a max-shifted softmax passes "
+            f"(exp(s - max) / sum; that form in {prep.dtype} errs {m.max_err:.2g} max, {m.rms_err:.2g} RMS "
+            f"here, the kernel {res.max_err:.2g}, {res.rms_err:.2g}; |lse| up to {top:.3g})")
+
+
 # --------------------------------------------------------------------------- diagnose
 
 
@@ -1375,7 +1415,8 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
             return best[1]
         return (" - or ".join([best[1]] + same[:2])
                 + " (these mistakes give the same output on this case)")
-    order = (lambda: _where(prep, got, res.tol_max), lambda: _precision(prep, res, rerun, got))
+    order = (lambda: _lse_softmax(prep, res), lambda: _where(prep, got, res.tol_max),
+             lambda: _precision(prep, res, rerun, got))
     if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
         # a state kept in the dtype errs most on the heads of longest memory: "wrong only
         # on heads 1..7" would be a true measurement that names no mistake

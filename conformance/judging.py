@@ -64,7 +64,7 @@ from .tolerance import (
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
-           "fp32_state_form", "FLA_CHUNK",
+           "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "lse_form", "lse_softmax_attention",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
 
@@ -856,6 +856,85 @@ def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=Non
         return acc
 
     return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp, **kw)
+
+
+def _logsumexp(xp, s):
+    """``logsumexp(S)`` row by row, max-shifted, ``(..., N, 1)``: ``+inf`` on a row with no
+    allowed key (all ``-inf``), so that ``exp(-inf - lse)`` is 0 there and not NaN."""
+    from attn_ref.softmax.tiles import row_max
+
+    m = row_max(xp, s)
+    total = xp.sum(xp.exp(s - m), axis=-1, keepdims=True)
+    some = total > 0
+    return xp.where(some, m + xp.log(xp.where(some, total, xp.ones_like(total))),
+                    xp.full_like(total, math.inf))
+
+
+def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, return_lse=False,
+                          **options):
+    """Softmax attention (every option of :func:`attn_ref.softmax_attention`) with the
+    weights ``P = exp(S - logsumexp(S))`` in the arrays' dtype, ``logsumexp`` itself
+    max-shifted: trax's and HuggingFace's Reformer, ``log_softmax(S).exp()``,
+    FlashAttention's backward. With ``return_lse``, ``(out, lse)``, ``lse (..., Nq)``
+    (``+inf`` on a row with no allowed key).
+
+    The same function as the reference, and no baseline form: on rows whose
+    log-sum-exp is large its ``S - lse`` loses ``u |lse|`` where the max-shifted
+    softmax loses nothing (docs/conformance.md, "The softmax as exp(s - logsumexp)").
+    :mod:`conformance.diagnose` names it when a kernel's output matches it. The blocks
+    of ``online_softmax`` are ignored (one block). ``O(Nq Nk (d + dv))`` time,
+    ``O(Nq Nk)`` memory.
+    """
+    from attn_ref.softmax.options import prepare_problem
+    from attn_ref.softmax.tiles import dropout_scale, keep_tile, tile_logits
+
+    pb = prepare_problem(q, k, v, xp=xp, **options)
+    xp, spec = pb.xp, pb.spec
+    if spec.nq == 0 or spec.nk == 0:
+        out = pb.ungroup(pb.zeros(pb.v.shape[-1]))
+        return (out, xp.full(out.shape[:-1], math.inf, dtype=out.dtype)) if return_lse else out
+    s, _ = tile_logits(xp, pb.q, xp.matrix_transpose(pb.k), spec, 0, 0)
+    lse = _logsumexp(xp, s)
+    # S - lse rounds at |lse|: u |lse| absolute, a relative error of every weight of the
+    # row, where S - max is exact near the maximum
+    p = keep_tile(xp, xp.exp(s - lse), spec, 0, 0)
+    if p.dtype != pb.q.dtype:
+        p = xp.astype(p, pb.q.dtype)
+    drop = dropout_scale(spec)
+    out = pb.ungroup((p * drop if drop != 1.0 else p) @ pb.v)
+    return (out, pb.ungroup(lse)[..., 0]) if return_lse else out
+
+
+#: The variants whose output is a softmax over a row of logits ``scale q . k`` (plus the
+#: softmax options), masked by the variant's pattern: :func:`lse_form` computes them.
+LSE_VARIANTS = ("softmax", "online_softmax", "block_sparse", "local", "longformer", "bigbird",
+                "strided", "fixed")
+
+
+def lse_form(name):
+    """The variant ``name`` (one of :data:`LSE_VARIANTS`) with its softmax computed as
+    ``exp(S - logsumexp(S))``, a function with the reference's signature.
+
+    ``softmax`` and ``online_softmax``: :func:`lse_softmax_attention`. A sparse variant:
+    its pattern (with causal) is where its own attention matrix is nonzero on ``q = 0``
+    (every allowed logit 0, a uniform row over the allowed keys, so no allowed weight
+    underflows), and the logits ``scale q . k`` there go through
+    :func:`lse_softmax_attention`. The same function as the variant,
+    ``O(Nq Nk (d + dv))`` time.
+    """
+    if name in ("softmax", "online_softmax"):
+        return lse_softmax_attention
+    if name not in LSE_VARIANTS:
+        raise ValueError(f"lse_form takes a variant of {LSE_VARIANTS}, got {name!r}")
+
+    def form(q, k, v, /, *, scale=None, xp=None, return_lse=False, **options):
+        from attn_ref.registry import get
+
+        allowed = get(name).weights(xp.zeros_like(q), k, scale=scale, xp=xp, **options) > 0
+        return lse_softmax_attention(q, k, v, mask=allowed, scale=scale, xp=xp, return_lse=return_lse)
+
+    form.__name__ = f"{name}_lse_softmax"
+    return form
 
 
 def _causal_square(prep):
