@@ -957,6 +957,19 @@ def _bigbird_sigs(prep):
                softmax_host(_logits(prep, allowed=keep) + extra, prep.arrays["v"]))
 
 
+def _bigbird_window_sigs(prep):
+    """BigBird's sliding window one block wider or narrower than declared (``window``
+    blocks on each side). On short cases it can give the output of the last block made
+    global (a window that reaches the last block), and the two are then named together."""
+    if prep.variant.name != "bigbird":
+        return
+    w = {"window": 1, **prep.options}["window"]
+    for other, how in ((w + 1, "wider"), (w - 1, "narrower")):
+        if other >= 0:
+            yield (f"the window one block {how} than declared (window={other}, declared {w})",
+                   prep.reference("float64", options={**prep.options, "window": other}))
+
+
 def _reformer_sigs(prep):
     """The Reformer's look-back over the rounds as one sequence and its pairs counted as
     often as found (``look_back`` and ``dedup`` of
@@ -1012,6 +1025,7 @@ def _reformer_weights_sigs(prep):
 
 for _sig in (
     Signature("bigbird global blocks and eval draw", _bigbird_sigs),
+    Signature("bigbird window width", _bigbird_window_sigs),
     Signature("reformer round weights", _reformer_weights_sigs),
     Signature("reformer look-back and duplicates", _reformer_sigs),
 ):

@@ -900,6 +900,7 @@ RECURRENT_VARIANTS = RECURRENT
 #: the key compression) gives the output of a logit scale off by it, on every case.
 MUTANT_CAUSES = {
     "output x 1.01": "the output is 1 % too large",
+    "window one block wider": "the window one block wider than declared",
     "logit scale x 1.01": "the logit scale is 1 % too large",
     "dot-product scale x 1.01": "the logit scale is 1 % too large",
     "key compression weights x 1.01": "the logit scale is 1 % too large",

@@ -117,3 +117,14 @@ def test_the_classification_tells_right_honest_and_wrong_apart():
     # alternatives: the output's and the final state's words for one mistake
     ignored = MUTANT_CAUSES["initial state ignored"]
     assert classify_diagnosis("the initial state ignored: the final state is ...", ignored) == "right"
+
+
+def test_bigbird_window_one_block_wider_is_named_beside_the_last_global_block():
+    # On the 17-token basic case a window one block wider reaches the last block, as
+    # HuggingFace's layout with the last block global does: the two give the same output
+    # there, so the diagnosis names both, never the layout alone.
+    (m,) = [m for m in variant_mutants("bigbird") if m.name == "bigbird: window one block wider"]
+    rows = _audit([m], dtypes=("float32",))
+    assert rows and all(r[4] == "right" for r in rows), rows
+    basic = [r for r in rows if "last block is global" in r[5]]
+    assert basic and all("window one block wider" in r[5] for r in basic), rows
