@@ -168,9 +168,7 @@ def pytest_xdist_make_scheduler(config, log):
     where work was stolen (its module fixtures are set up once). Replaying the per-test
     CPU times of every file (each file in its own process, -p no:xdist, CI's
     environment; 2 December 2026, 12:47-13:33 UTC, load 3-10) through both schedulers
-    with two workers: ``load`` ends them at 496 and 373 s, ``worksteal`` at 435 and 434 s;
-    with every file's cost scaled by a random 0.7-1.3 (30 draws), ``load``'s later worker
-    ends 10-19 % after an even split, ``worksteal``'s within 1 %.
+    with two workers: ``load`` ends them at 496 and 373 s, ``worksteal`` at 435 and 434 s.
     """
     if config.getvalue("dist") != "load" or _dist_chosen(config):
         return None
