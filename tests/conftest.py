@@ -147,36 +147,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
-def _dist_chosen(config):
-    """Whether the command line, PYTEST_ADDOPTS or addopts chose an xdist mode."""
-    import shlex
-
-    args = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
-            *config.getini("addopts")]
-    return any(a in ("--dist", "-d", "--distload") or a.startswith("--dist=") for a in args)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``pytest -n auto`` schedules by work stealing, unless ``--dist`` says otherwise.
-
-    xdist's default, ``load``, hands each worker chunks of consecutive tests (an eighth of
-    the suite at first, a quarter of what is left after) and never takes them back: a
-    worker whose chunk held the heavy modules runs on alone while the other has finished.
-    ``worksteal`` gives each worker half the suite and lets an idle worker take half of
-    the other's queue, so the two end together, and a module stays on one worker except
-    where work was stolen (its module fixtures are set up once). Replaying the per-test
-    CPU times of every file (each file in its own process, -p no:xdist, CI's
-    environment; 2 December 2026, 12:47-13:33 UTC, load 3-10) through both schedulers
-    with two workers: ``load`` ends them at 496 and 373 s, ``worksteal`` at 435 and 434 s.
-    """
-    if config.getvalue("dist") != "load" or _dist_chosen(config):
-        return None
-    from xdist.scheduler import WorkStealingScheduling
-
-    return WorkStealingScheduling(config, log)
-
-
 def pytest_report_header(config):
     lines = []
     for name, b in B.available().items():

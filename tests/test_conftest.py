@@ -1,8 +1,6 @@
 """tests/conftest.py: with ATTN_REF_REQUIRE_BACKENDS set, a skip is a failure unless a
 backend the variable does not list is missing or the test does not apply by design."""
 
-import pytest
-
 SKIPS = '''
 import pytest
 
@@ -91,21 +89,3 @@ def test_jax_subset_keeps_the_first_case_per_key_on_jax_only(pytester):
         "test_one_in_all[numpy-a]", "test_one_in_all[numpy-b]", "test_one_in_all[jax-a]",
         *(f"test_unmarked[{b}-{v}]" for b in ("numpy", "jax") for v in "ab")])
     assert len(rec.getcalls("pytest_deselected")[0].items) == 3
-
-
-@pytest.mark.parametrize("args,scheduler", [
-    (("-n", "2"), "WorkStealingScheduling"),
-    (("-n", "2", "--dist", "load"), None),          # a mode the user chose stays
-    (("-n", "2", "--dist=loadfile"), None),
-    (("-n", "2", "-d"), None),
-])
-def test_xdist_schedules_by_work_stealing_unless_told_otherwise(pytester, monkeypatch, args,
-                                                                 scheduler):
-    xdist_plugin = pytest.importorskip("xdist.plugin")
-    from tests.conftest import pytest_xdist_make_scheduler
-
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    config = pytester.parseconfig(*args)
-    xdist_plugin.pytest_cmdline_main(config)  # -n N without --dist: "load"
-    got = pytest_xdist_make_scheduler(config, None)
-    assert (got and type(got).__name__) == (scheduler or None)
