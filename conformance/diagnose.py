@@ -544,28 +544,6 @@ def _alibi_sigs(prep):
                "position i + Lk - Lq of its sequence", as_bias(-m * np.abs(i - j)))
 
 
-def _fit_factor(prep, got, at):
-    """The factor ``a`` in :data:`SCALE_FIT_RANGE` (not 1) whose output ``at(a)`` is
-    closest to ``got`` in least squares, and that output; None when there is none."""
-    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
-    ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
-    lo, hi = SCALE_FIT_RANGE[0] * 0.9, SCALE_FIT_RANGE[1] * 1.1
-    a, f, h = 1.0, at(1.0), 1e-4
-    for _ in range(4):  # Gauss-Newton on the scalar factor: the output is smooth in it
-        jac = (at(a + h) - f) / h
-        den = float(np.sum(np.where(ok, jac * jac, 0.0)))
-        if not den > 0:
-            return None
-        step = float(np.sum(np.where(ok, jac * (got - f), 0.0))) / den
-        if abs(step) < 1e-6:
-            break
-        a = min(max(a + step, lo), hi)
-        f = at(a)
-    if not SCALE_FIT_RANGE[0] <= a <= SCALE_FIT_RANGE[1] or abs(a - 1.0) < 1e-6:
-        return None
-    return a, f
-
-
 def _option_factor_sigs(prep, got):
     """The ALiBi slopes or the soft-cap off by a factor (a slope table or cap constant
     rounded, copied wrong): fitted as the scale is, else named as low precision."""
