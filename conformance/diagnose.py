@@ -366,12 +366,18 @@ def _padding_sigs(prep):
 SCALE_FIT_RANGE = (0.8, 1.25)
 
 
+def _compared(prep, got):
+    """Where a fit compares the kernel's output with the golden: the kept positions
+    where both are finite."""
+    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
+    return keep & np.isfinite(prep.golden) & np.isfinite(got)
+
+
 def _fit_factor(prep, got, at):
     """The factor ``a`` in :data:`SCALE_FIT_RANGE` (not 1) whose output ``at(a)`` is
     closest to ``got`` (Gauss-Newton on the scalar, the output being smooth in it) and
     that output; None when there is none."""
-    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
-    ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
+    ok = _compared(prep, got)
     lo, hi = SCALE_FIT_RANGE[0] * 0.9, SCALE_FIT_RANGE[1] * 1.1
     a, f, h = 1.0, at(1.0), 1e-4
     for _ in range(4):
@@ -430,8 +436,7 @@ FACTOR_VALUES = 16
 def _output_factor_sigs(prep, got):
     """Every output value the golden's times one factor: a consistent ratio (a factor on
     the output, fitted by least squares), not rounding, which has no common direction."""
-    keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
-    ok = keep & np.isfinite(prep.golden) & np.isfinite(got)
+    ok = _compared(prep, got)
     if np.count_nonzero(ok) < FACTOR_VALUES:
         return
     g = np.where(ok, prep.golden, 0.0)
@@ -554,13 +559,11 @@ def _option_factor_sigs(prep, got):
             return _finish(prep, prep.reference("float64", arrays=arrays, kwargs=dict(prep.kwargs)))
         fit = _fit_factor(prep, got, at)
         if fit is not None:
-            yield (f"the ALiBi slopes are {100 * abs(fit[0] - 1):.2g} % too "
-                   f"{'large' if fit[0] > 1 else 'small'} (a factor of {fit[0]:.5g})", fit[1])
+            yield f"the ALiBi slopes are {_off_by(fit[0])} (a factor of {fit[0]:.5g})", fit[1]
     if cap is not None:
         fit = _fit_factor(prep, got, lambda a: _finish(prep, _ref(prep, softcap=cap * a)))
         if fit is not None:
-            yield (f"the soft-cap is {100 * abs(fit[0] - 1):.2g} % too "
-                   f"{'large' if fit[0] > 1 else 'small'}: c tanh(s / c) with c = {cap * fit[0]:.6g} "
+            yield (f"the soft-cap is {_off_by(fit[0])}: c tanh(s / c) with c = {cap * fit[0]:.6g} "
                    f"where the case's is {cap:.6g}", fit[1])
 
 
