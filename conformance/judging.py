@@ -858,18 +858,6 @@ def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=Non
     return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp, **kw)
 
 
-def _logsumexp(xp, s):
-    """``logsumexp(S)`` row by row, max-shifted, ``(..., N, 1)``: ``+inf`` on a row with no
-    allowed key (all ``-inf``), so that ``exp(-inf - lse)`` is 0 there and not NaN."""
-    from attn_ref.softmax.tiles import row_max
-
-    m = row_max(xp, s)
-    total = xp.sum(xp.exp(s - m), axis=-1, keepdims=True)
-    some = total > 0
-    return xp.where(some, m + xp.log(xp.where(some, total, xp.ones_like(total))),
-                    xp.full_like(total, math.inf))
-
-
 def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, return_lse=False,
                           **options):
     """Softmax attention (every option of :func:`attn_ref.softmax_attention`) with the
@@ -885,8 +873,9 @@ def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, re
     of ``online_softmax`` are ignored (one block). ``O(Nq Nk (d + dv))`` time,
     ``O(Nq Nk)`` memory.
     """
+    from attn_ref._common import partial_lse
     from attn_ref.softmax.options import prepare_problem
-    from attn_ref.softmax.tiles import dropout_scale, keep_tile, tile_logits
+    from attn_ref.softmax.tiles import dropout_scale, keep_tile, row_max, tile_logits
 
     pb = prepare_problem(q, k, v, xp=xp, **options)
     xp, spec = pb.xp, pb.spec
@@ -894,7 +883,9 @@ def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, re
         out = pb.ungroup(pb.zeros(pb.v.shape[-1]))
         return (out, xp.full(out.shape[:-1], math.inf, dtype=out.dtype)) if return_lse else out
     s, _ = tile_logits(xp, pb.q, xp.matrix_transpose(pb.k), spec, 0, 0)
-    lse = _logsumexp(xp, s)
+    # logsumexp max-shifted, +inf on a row with no allowed key (exp(-inf - lse) is 0 there)
+    m = row_max(xp, s)
+    lse = partial_lse(xp, m, xp.sum(xp.exp(s - m), axis=-1, keepdims=True))
     # S - lse rounds at |lse|: u |lse| absolute, a relative error of every weight of the
     # row, where S - max is exact near the maximum
     p = keep_tile(xp, xp.exp(s - lse), spec, 0, 0)
