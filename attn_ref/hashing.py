@@ -225,10 +225,15 @@ def lsh_attention_mask(chunk, chunk_size, /, *, causal=False, look_back="round",
     :func:`lsh_pair_counts`. ``O(H N^2)`` time.
     """
     xp = array_api_compat.array_namespace(chunk) if xp is None else xp
-    n = chunk.shape[-1]
-    found = lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp) > 0
+    return _union_mask(xp, lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp), causal)
+
+
+def _union_mask(xp, count, causal):
+    """The pairs met at least once (``count (..., N, N)`` of :func:`lsh_pair_counts`),
+    with ``j <= i`` when causal (the square problem: both alignments agree)."""
+    found = count > 0
     if causal_alignment(causal) is not None:
-        dev = array_api_compat.device(chunk)
+        n, dev = count.shape[-1], array_api_compat.device(count)
         found = found & (xp.arange(n, device=dev)[None, :] <= xp.arange(n, device=dev)[:, None])
     return found
 
@@ -456,11 +461,7 @@ def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit
                                                    scale, xp, look_back, dedup)
     _, chunk = lsh_chunks(lsh_buckets(k, rotations, xp=xp), chunk_size, xp=xp)
     count = lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp)
-    allowed = count > 0
-    if alignment is not None:
-        n = q.shape[-2]
-        dev = array_api_compat.device(q)
-        allowed = allowed & (xp.arange(n, device=dev)[None, :] <= xp.arange(n, device=dev)[:, None])
+    allowed = _union_mask(xp, count, alignment or False)
     s = scaled_logits(xp, q @ xp.matrix_transpose(k), scale)
     if self_logit is not None:
         n = q.shape[-2]
