@@ -45,6 +45,13 @@ def _passes(rows, at_least):
     return max(r.ratio for r in rows)
 
 
+def _grads_pass(kernel, variant, ids, **kw):
+    """The kernel's autograd (``dq, dk, dv``) beside its output, every row passing."""
+    rows = _run(kernel, variant, ids, grads=True, **kw)
+    assert {r.output for r in rows} == {"out", "dq", "dk", "dv"}
+    _passes(rows, 16)
+
+
 def _fails(rows, words=None):
     assert rows and all(r.verdict == "fail" for r in rows), [(r.case, r.verdict) for r in rows]
     if words is not None:
@@ -262,9 +269,7 @@ def test_lucidrains_nystrom_passes_with_its_landmarks_declared():
     ratio = _passes(rows, 50)
     print(f"THIRDPARTY nystrom-attention (front-padded, global) worst ratio {ratio:.2f}")
     few = ["basic:b2h3-q17k17-d16", "range:b3h5-q37k37-d16"]
-    grads = _run(lucidrains_nystrom_kernel, "nystrom", few, options=LUCIDRAINS, supports=NYSTROM, grads=True)
-    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
-    _passes(grads, 16)
+    _grads_pass(lucidrains_nystrom_kernel, "nystrom", few, options=LUCIDRAINS, supports=NYSTROM)
     _fails(_run(functools.partial(lucidrains_nystrom_kernel, iterations=5), "nystrom", few, ("float32",),
                 options=LUCIDRAINS, supports=NYSTROM))
 
@@ -349,10 +354,7 @@ def test_performer_pytorch_passes_with_its_feature_floor_declared():
     ratio = _passes(rows, 60)
     print(f"THIRDPARTY performer-pytorch (feature_eps=1e-4) worst ratio {ratio:.2f}")
     # the gradients through its autograd (stabilisers detached) are the option's VJP
-    grads = _run(performer_kernel, "performer", PERFORMER_FEW[:2], options=FLOOR, supports=PERFORMER,
-                 grads=True)
-    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
-    _passes(grads, 16)
+    _grads_pass(performer_kernel, "performer", PERFORMER_FEW[:2], options=FLOOR, supports=PERFORMER)
     _fails(_run(functools.partial(performer_kernel, q_factor=1.01), "performer", PERFORMER_FEW[:2],
                 ("float32",), options=FLOOR, supports=PERFORMER))
 
@@ -504,10 +506,7 @@ def test_huggingface_bigbird_passes_with_its_last_global_block_declared():
     print(f"THIRDPARTY hf-bigbird (last_global_blocks=1, the layout's random blocks) worst ratio {ratio:.2f}")
     few = ["length:b1h2-q61k61-d32", "range:b3h5-q37k37-d16"]
     # its autograd against the option's VJP (a dk 1 % off fails there, ratio 77 measured)
-    grads = _run(hf_bigbird_kernel, "bigbird", few, options=HF_BIGBIRD_OPTIONS, supports=HF_BIGBIRD,
-                 grads=True)
-    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
-    _passes(grads, 16)
+    _grads_pass(hf_bigbird_kernel, "bigbird", few, options=HF_BIGBIRD_OPTIONS, supports=HF_BIGBIRD)
     for plant in ({"q_factor": 1.01}, {"drop": "window"}, {"drop": "global"}):
         _fails(_run(functools.partial(hf_bigbird_kernel, **plant), "bigbird", few, ("float32",),
                     options=HF_BIGBIRD_OPTIONS, supports=HF_BIGBIRD))
@@ -669,9 +668,7 @@ def test_huggingface_lsh_passes_with_its_look_back_and_duplicates_declared():
     print(f"THIRDPARTY hf-lsh (look_back=sequence, dedup=False, self_logit=-1e5) worst ratio {ratio:.2f}")
     few = ["basic:b2h3-q17k17-d16", "length:b1h2-q64k64-d32"]
     # its autograd (ReverseSort, buckets detached) against the options' VJP
-    grads = _run(hf_lsh_kernel, "reformer", few, options=HF_LSH_OPTIONS, supports=HF_LSH, grads=True)
-    assert {r.output for r in grads} == {"out", "dq", "dk", "dv"}
-    _passes(grads, 16)
+    _grads_pass(hf_lsh_kernel, "reformer", few, options=HF_LSH_OPTIONS, supports=HF_LSH)
     for plant in ({"q_factor": 1.01}, {"self_mask_value": 0.0}, {"num_hashes": 1}):
         _fails(_run(functools.partial(hf_lsh_kernel, **plant), "reformer", few, ("float32",),
                     options=HF_LSH_OPTIONS, supports=HF_LSH))
