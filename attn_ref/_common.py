@@ -35,6 +35,7 @@ __all__ = [
     "blas_controllable",
     "batch_rows",
     "numpy_backed",
+    "torch_cpu",
     "row_groups",
     "is_lazy",
     "pool_helps",
@@ -321,6 +322,11 @@ def numpy_backed(x):
     """Whether NumPy computes on ``x``: a NumPy array, or array-api-strict's (NumPy's
     underneath, whatever its simulated device)."""
     return array_api_compat.is_numpy_array(x) or type(x).__module__.split(".")[0] == "array_api_strict"
+
+
+def torch_cpu(x):
+    """Whether ``x`` is an eager PyTorch tensor on the CPU."""
+    return array_api_compat.is_torch_array(x) and x.device.type == "cpu"
 
 
 def is_lazy(*arrays):

@@ -24,6 +24,7 @@ from .._common import (
     partial_lse,
     pool_helps,
     row_groups,
+    torch_cpu,
 )
 from .options import prepare_problem
 from .tiles import dropout_scale, keep_tile, logit_dtype, tile_coverage, tile_logits, transposed_copy
@@ -62,11 +63,6 @@ GROUP_TILE_LOGITS = 1 << 19
 # small for torch's two threads); medians of 7 interleaved calls under load 4-4.4, the
 # same bits.
 TORCH_TILE_LOGITS = 1 << 20
-
-
-def _torch_cpu(*arrays):
-    """Eager PyTorch tensors on the CPU."""
-    return all(array_api_compat.is_torch_array(x) and x.device.type == "cpu" for x in arrays)
 
 
 def _folded_scale(xp, pb, dtype):
@@ -208,10 +204,10 @@ def online_forward(pb, block_q, block_k):
     (:func:`attn_ref._common.pool_helps`) runs contiguous groups of heads, at least one
     per CPU and each small enough that its tiles stay near one head's
     (``GROUP_TILE_LOGITS``), each a whole call of the query-block loop on its rows, on a
-    thread pool whose
-    workers' GEMMs run on one BLAS thread each: the heads are independent, so the cores
-    share nothing but the memory bus, where BLAS's own threads would synchronise on
-    every tile's GEMM and leave the exponentials on one core. Set up (the transposed
+    thread pool whose workers' GEMMs run on one BLAS thread each: the heads are
+    independent, so the cores share nothing but the memory bus, where BLAS's own
+    threads would synchronise on every tile's GEMM and leave the exponentials on one
+    core. Set up (the transposed
     keys, the folded scale, ``[V | 1]``) happens once for all heads, so each head takes
     the same operations whichever group and thread computes it: the result does not
     depend on the number of CPUs nor on the scheduling, and equals the unpooled call's
@@ -251,7 +247,7 @@ def online_forward(pb, block_q, block_k):
     pooled = rows > 1 and rows * nq * nk >= POOL_MIN_LOGITS and pool_helps(q, kt, v)
     # the most logits per tile of a group of heads on the CPU; None: all heads at once
     most = (GROUP_TILE_LOGITS if all(numpy_backed(x) for x in (q, kt, v))
-            else TORCH_TILE_LOGITS if _torch_cpu(q, kt, v) else None)
+            else TORCH_TILE_LOGITS if all(torch_cpu(x) for x in (q, kt, v)) else None)
     if rows > 1 and most is not None and (pooled or rows * tile > most):
         groups = _head_groups(xp, spec, pb.batch_g, rows, max(1, most // tile))
     if groups is None:
@@ -327,9 +323,8 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     block_k)`` tile costs its two GEMMs and three passes: the row maximum, the shift by
     it (in place) and ``exp``; on NumPy the row sums come out of the ``P V`` GEMM as an
     extra column (``[V | 1]``), elsewhere from a row-sum pass. On NumPy a call with at
-    least ``POOL_MIN_LOGITS`` logits and
-    several heads runs groups of heads (one head each at the default tiles) on a thread
-    pool of one worker per CPU, with BLAS held to
+    least ``POOL_MIN_LOGITS`` logits and several heads runs groups of heads (one head
+    each at the default tiles) on a thread pool of one worker per CPU, with BLAS held to
     one thread per worker for the duration (process-wide: see
     :func:`attn_ref._common.blas_one_thread`); the result is the unpooled call's, bit
     for bit (``online_forward``). Unpooled, NumPy arrays and PyTorch's CPU tensors run
