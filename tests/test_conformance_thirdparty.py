@@ -497,6 +497,8 @@ HF_BIGBIRD = {"value_dim": False, "cases": _bigbird_sparse}
 
 def _autograd_if(x):
     return contextlib.nullcontext() if x.requires_grad else torch.no_grad()
+
+
 HF_BIGBIRD_OPTIONS = {"last_global_blocks": 1}
 
 
