@@ -75,6 +75,7 @@ from ._common import (
     causal_offset,
     ceil_div,
     is_lazy,
+    mul_into,
     numpy_backed,
     owned_writeable,
     parallel_map,
@@ -382,6 +383,30 @@ def _hide(xp, a, alignment):
     return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
 
 
+def _hide_in_chunks(xp, a, fq, fk):
+    """:func:`_hide` (top-left) of the in-chunk products ``a = phi(Q_c) phi(K_c)^T`` of a
+    block whose features are ``fq`` and ``fk``, as a product with the 0/1 mask where
+    that is exact.
+
+    Every entry of ``a``, the hidden ones included, is at most ``d' max|phi(q)|
+    max|phi(k)|`` in magnitude; when that bound is finite and below half the dtype's
+    largest value no entry is ``inf`` or NaN, so ``a * M`` is ``a`` where ``M`` is 1 and
+    zero where it is 0: the same values as the select (a hidden negative entry gives
+    ``-0``, which adds nothing to the next product's sums). NumPy's ``where`` runs at a
+    fifth of a product's rate: on a causal block of 512 rows, 8 heads, ``d' = C = 64``,
+    one thread, 323 us for the select against 60 us for the product and 76 us for the
+    four reductions of the bound (one value read back). Otherwise (a feature map that
+    overflows, non-finite inputs, lazy arrays whose values cannot be read) the select.
+    """
+    if not is_lazy(a):
+        # one value read back: maximum and the products propagate NaN, inf stays inf
+        bound = float(xp.maximum(xp.max(fq), -xp.min(fq)) * xp.maximum(xp.max(fk), -xp.min(fk)))
+        if bound * fq.shape[-1] <= xp.finfo(a.dtype).max / 2:
+            vis = causal_visible(xp, a.shape[-2], a.shape[-1], TOP_LEFT, array_api_compat.device(a))
+            return mul_into(a, xp.astype(vis, a.dtype))
+    return _hide(xp, a, TOP_LEFT)
+
+
 def quadratic_order(xp, fq, fk, v, alignment):
     """Interact then sum: ``A = phi(Q) phi(K)^T`` (masked), ``(A V, rowsum A)``."""
     a = _similarities(xp, fq, fk, alignment)
@@ -473,7 +498,7 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    out = add_into(qc @ prefix[..., :-1, :, :], _hide(xp, qc @ kt, TOP_LEFT) @ vc)
+    out = add_into(qc @ prefix[..., :-1, :, :], _hide_in_chunks(xp, qc @ kt, fq, fk) @ vc)
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 

@@ -230,6 +230,21 @@ def test_causal_future_does_not_leak(backend, order, causal):
             assert not np.allclose(out[:, i + 1:], base[:, i + 1:])
 
 
+def test_hidden_in_chunk_products_that_overflow_stay_hidden(backend):
+    # Row 0's feature against key 1's overflows float32 (1e20 * 1e20), above the diagonal of
+    # the first chunk: the chunked form masks such a block by selection (inf * 0 is NaN),
+    # while every visible product, the state and the denominators stay finite.
+    rng = np.random.default_rng(72)
+    qh, kh, vh = (np.abs(rng.standard_normal((5, 24, 4))).astype(np.float32) for _ in range(3))
+    qh[:, 0, 0] = kh[:, 1, 0] = 1e20
+    q, k, v = (from_numpy(x, backend) for x in (qh, kh, vh))
+    kw = {"feature_map": "relu", "causal": "top-left", "chunk_size": 4, "block_size": 8}
+    out = host(call(backend, linear_attention, q, k, v, **kw))
+    assert np.isfinite(out).all(), "a hidden overflow reached the output"
+    quad = host(call(backend, linear_attention, q, k, v, order="quadratic", **kw))
+    np.testing.assert_allclose(out, quad, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------- the denominator
 
 
