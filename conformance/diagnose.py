@@ -193,6 +193,8 @@ def _bias_sigs(prep):
     yield "the bias is ignored", _ref(prep, bias=None)
     yield "the bias is subtracted instead of added", _ref(prep, bias=-b)
     yield "the bias is multiplied by the scale (added before scaling)", _ref(prep, bias=b * prep.scale)
+    # an additive mask that carries the bias (HuggingFace's attention_mask) added again
+    yield "the bias is added twice", _ref(prep, bias=2 * b)
 
 
 def _swap_sigs(prep):
