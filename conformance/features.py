@@ -91,8 +91,12 @@ def _causal_allowed(case, arrays, kwargs):
     align = kwargs.get("causal")
     if not align:
         return None
-    off = 0 if align == "top-left" else case.nk - case.nq
-    return (np.arange(case.nk)[None, :] <= np.arange(case.nq)[:, None] + off)[None, None]
+    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
+    if align == "top-left":
+        return (j <= i)[None, None]
+    # bottom-right from each sequence's own end, as the window and the reference measure
+    lq, lk = sequence_lengths(case, kwargs)
+    return j <= i + lk - lq
 
 
 def _mask_allowed(case, arrays, kwargs):

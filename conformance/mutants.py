@@ -141,6 +141,9 @@ MUTANTS: list[Mutant] = [
            scale=None: correct_kernel(q, v, k, mask=mask, bias=bias, causal=causal, scale=scale),
            "swapped"),
     Mutant("bias ignored", _mut(ignore=("bias",)), "bias is ignored"),
+    Mutant("bias added twice", lambda q, k, v, *, mask=None, bias=None, causal=False, scale=None:
+           correct_kernel(q, k, v, mask=mask, bias=None if bias is None else 2 * bias,
+                          causal=causal, scale=scale), "bias is added twice"),
     Mutant("wrong output dtype", _wrong_dtype, "output dtype"),
     Mutant("in-place write into q", _inplace_q, "modified its input 'q'"),
     Mutant("NaN for fully masked rows", _mut(nan_rows=True), "no key to attend to"),

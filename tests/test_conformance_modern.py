@@ -165,6 +165,26 @@ def test_case_inputs_follow_the_feature():
     np.testing.assert_array_equal(allowed[1, 0], want)
 
 
+@pytest.mark.parametrize("case", [c for c in _modern() if c.causal and "dropout_p" not in c.needs],
+                         ids=lambda c: c.id)
+def test_the_visible_keys_are_those_the_reference_attends(case):
+    """``allowed_matrix`` (rows with no key, the diagnoses' masks) is the reference's: a
+    causal mask bottom-right from each sequence's own end, ``i + Lk - Lq``. It measured
+    from the batch's ``Nk - Nq`` and let a query of a decoding case with a shorter cache
+    see one key past its own position per missing query (the decode cases)."""
+    from attn_ref import attention_weights
+    from conformance.features import allowed_matrix
+
+    arrays, kwargs = case.inputs(seed=0)
+    b, h = case.batch
+    allowed = np.broadcast_to(allowed_matrix(case, arrays, kwargs), (b, h, case.nq, case.nk))
+    extra = {n: arrays[n] for n in ("mask", "alibi_slopes") if n in arrays}
+    p = attention_weights(arrays["q"], arrays["k"], **extra, **kwargs)
+    lq = np.asarray(kwargs.get("seqlens_q", (case.nq,) * b)).reshape(b, 1, 1, 1)
+    rows = np.arange(case.nq)[:, None] < lq  # padded query rows attend nothing either way
+    np.testing.assert_array_equal(allowed & rows, (p > 0) & rows)
+
+
 # ---------------------------------------------------------------- calibration
 
 
