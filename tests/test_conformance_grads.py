@@ -297,3 +297,33 @@ def test_cancelling_gradient_of_a_non_softmax_variant_has_a_term_sized_floor():
     bad = verify(kernel, "linear", backend="torch", dtypes=("float32",), cases=one_key,
                  backward=shifted, causal="both")
     assert any(r.output == "dq" and r.verdict == "fail" for r in bad.results)
+
+
+def test_half_precision_softmax_gradients_off_by_ten_percent_fail():
+    """In float16/bfloat16 the floor of softmax's cancelling terms (scale |dP| |K|) is in
+    float32 ulps, as SDPA's and FlashAttention's dP, D and dS are float32: at the dtype's
+    ulp of a term the dq and dk bounds were 8 to 16 times the gradients themselves, and
+    dq = 0 or dk x 1.1 passed the quick suite in bfloat16. SDPA's own autograd still
+    passes (test_torch_sdpa_autograd_passes_in_every_dtype)."""
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale)
+
+    def backward(change):
+        def run(q, k, v, do, **kw):
+            q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            dq, dk, dv = torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)
+            return change(dq, dk, dv)
+        return run
+
+    for dtype in ("bfloat16", "float16"):
+        for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
+                             ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
+            rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), suite="quick",
+                         backward=backward(change), diagnose=False)
+            rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
+            failed = [r for r in rows if r.verdict == "fail"]
+            assert len(rows) >= 10 and len(failed) >= len(rows) // 2, (dtype, name, rep.table())
+            assert not [r for r in rep.failures if r.output not in (name, "out")], rep.table()
