@@ -245,8 +245,15 @@ def sdpa_detached_k(q, k, v, *, scale=None):  # right forward, dk = 0
 """
 
 
-def test_plugin_attn_grads_checks_the_kernels_gradients(pytester, monkeypatch):
-    pytest.importorskip("torch")
+@pytest.fixture
+def torch_before_pytester():
+    """torch imported before ``pytester`` snapshots ``sys.modules``: pytester removes the
+    modules a test imported when it ends, and importing torch's C extension a second time
+    in the same process segfaults (a later torch test on the same xdist worker crashed it)."""
+    return pytest.importorskip("torch")
+
+
+def test_plugin_attn_grads_checks_the_kernels_gradients(torch_before_pytester, pytester, monkeypatch):
     pytester.makepyfile(attn_grads_kernels=KERNELS)
     # A child process (in-process runs drop the modules they imported, the registry's
     # among them), which imports this checkout's conformance.
@@ -357,3 +364,4 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
         rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
         assert len(rows) >= 5 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, \
             (name, rep.table())
+
