@@ -650,8 +650,11 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
             words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
         for r in rows:
             n = r.output[1:]
-            if r.verdict == "fail" and not r.diagnosis and words.get(n):
-                r.diagnosis = words[n]
+            if r.verdict == "fail" and not r.diagnosis:
+                # as the output's rows say it: a failing row is never left blank
+                r.diagnosis = words.get(n) or (
+                    f"no known mistake explains it: error {r.ratio:.3g}x the tolerance, "
+                    f"worst at index {tuple(int(i) for i in r.worst)}")
     return rows
 
 

@@ -365,3 +365,16 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
         assert len(rows) >= 5 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, \
             (name, rep.table())
 
+
+def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
+    """A gradient row that fails and matches none of MISTAKES said nothing (an empty
+    diagnosis, where a failing output row reads "no known mistake explains it")."""
+    def backward(q, k, v, do, **kw):
+        g = make_backward()(q, k, v, do, **kw)
+        return {**g, "dk": g["dk"] * 1.01}
+
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:2], backward=backward)
+    rows = [r for r in rep.results if r.output == "dk" and r.verdict == "fail"]
+    assert rows, rep.table()
+    assert all(r.diagnosis.startswith("no known mistake explains it: error ") for r in rows), \
+        [r.diagnosis for r in rows]
