@@ -465,6 +465,18 @@ def _modern_standard():
           params=(("kv_heads", 2), ("softcap", 30.0), ("window", (16, -1))),
           features=("gqa", "softcap", "window")),
     ]
+    # batch 3 x 5 heads for each of these features alone, as _ranges gives the others:
+    # without them ALiBi had at most 4 heads and batch 2, and a kernel reading the slope
+    # of head h % 4 passed every case
+    bh = (3, 5)
+    out += [C("alibi", bh, 29, 37, 16, 16, features=("alibi",)),
+            C("window", bh, 29, 37, 16, 16, params=(("window", (8, 8)),), features=win),
+            C("softcap", bh, 37, 37, 16, 16, params=(("softcap", 5.0),), features=("softcap",)),
+            C("dropout", bh, 37, 37, 16, 16, params=(("dropout_p", 0.2),),
+              features=("dropout_mask", "dropout_p")),
+            C("seqlens", bh, 4, 37, 16, 16, params=(("seqlens_k", (37, 20, 9)),),
+              features=("seqlens_k",)),
+            C("gqa", (3, 10), 37, 37, 16, 16, params=(("kv_heads", 5),), features=gqa)]
     # a window and ALiBi measured from each sequence's own end (query i at key position
     # i + Lk - Lq of its sequence): without lengths in the same case, a kernel that takes
     # the batch's Nk - Nq there computes the same function (the window bounded on both

@@ -275,6 +275,19 @@ GRAD_DEFAULTS = {dt: Tolerance(fudge=8.0, floor_ulps=4.0, fudge_rms=6.0, floor_r
                  for dt in ("float16", "bfloat16", "float32", "float64")}
 
 
+#: Variants whose float16/bfloat16 gradient bounds take the cancelling terms' floor in
+#: float32 ulps (prepare_grads), besides the recurrent family: each calibrated with its
+#: reference under torch autograd on the standard suite, float16 and bfloat16, seed 0
+#: (every gradient row passes, worst 0.58: local, offset-values case), where a backward
+#: returning dq = 0 passed nearly every quick case before (linear: 10 of 10 in bfloat16;
+#: now 9 fail). Not yet: under autograd, block_sparse's reference erred 7.9x (dk) and
+#: nystrom's 1.03x (float16 dq) of bounds without the dtype-ulp floor, on the long cases,
+#: so their baselines do not yet hold what their kernels round; the other variants were
+#: not measured.
+FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled", "linformer",
+                        "compressed"})
+
+
 def _term_magnitudes(prep, do):
     """Size of the largest single term of each gradient, for the ulp floor.
 
@@ -343,7 +356,16 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
     if ds is not None:
         out["dfinal_state"] = ds
     terms = _term_magnitudes(prep, do)
-    fp32_state = prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION
+    # Where the terms cancel in float32 (every fp32-accumulating kernel in float16 or
+    # bfloat16: a recurrent state kept in float32; FlashAttention's and SDPA's dP, D and
+    # dS), their floor is in float32 ulps and the gradient's own in the dtype's
+    # (FP32_TERMS: the variants calibrated so). At the dtype's ulp of a term, 4 ulps of
+    # |scale dP K| (0.25 in bfloat16 where |dq| ~ 0.3), softmax's bounds were 8 to 16
+    # times a gradient's own size: dq = 0 passed 46 of 66 bfloat16 cases of the standard
+    # suite, dk x 1.1 every one. Rounding dP to the dtype before the cancellation (a plain
+    # half-precision autograd) is what the baselines measure, case by case.
+    fp32_terms = prep.dtype in LOW_PRECISION and (prep.variant.name in RECURRENT
+                                                  or prep.variant.name in FP32_TERMS)
     for n, g in gold.items():
         keep = None
         if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
@@ -353,7 +375,7 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
-        mag = own if fp32_state else max(own, terms.get(n, 0.0))
+        mag = own if fp32_terms else max(own, terms.get(n, 0.0))
         tol = (GRAD_DEFAULTS[prep.dtype] if tolerance is None
                else resolve_tolerance(tolerance, prep.dtype, grad_output(n)))
         if bm is None:
@@ -361,11 +383,11 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
         else:
             b_max, b_rms = bm.max_err, bm.rms_err
         tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype)
-        if fp32_state and terms.get(n):
-            # the terms of a float32-state backward cancel in float32, its result is
-            # rounded to the dtype once: the terms' floor is in float32 ulps, the
-            # gradient's own in the dtype's (the dtype's ulp of a term, 8 to 16 in
-            # bfloat16 where |dq| ~ 6, would pass dq = 0)
+        if fp32_terms and terms.get(n):
+            # the terms cancel in float32 and the result is rounded to the dtype once:
+            # the terms' floor is in float32 ulps, the gradient's own in the dtype's (the
+            # dtype's ulp of a term, 8 to 16 in bfloat16 where |dq| ~ 6 in a recurrent
+            # kernel, would pass dq = 0)
             tmax += tol.floor_ulps * ulp(terms[n], "float32")
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
@@ -628,8 +650,11 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
             words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
         for r in rows:
             n = r.output[1:]
-            if r.verdict == "fail" and not r.diagnosis and words.get(n):
-                r.diagnosis = words[n]
+            if r.verdict == "fail" and not r.diagnosis:
+                # as the output's rows say it: a failing row is never left blank
+                r.diagnosis = words.get(n) or (
+                    f"no known mistake explains it: error {r.ratio:.3g}x the tolerance, "
+                    f"worst at index {tuple(int(i) for i in r.worst)}")
     return rows
 
 

@@ -245,8 +245,15 @@ def sdpa_detached_k(q, k, v, *, scale=None):  # right forward, dk = 0
 """
 
 
-def test_plugin_attn_grads_checks_the_kernels_gradients(pytester, monkeypatch):
-    pytest.importorskip("torch")
+@pytest.fixture
+def torch_before_pytester():
+    """torch imported before ``pytester`` snapshots ``sys.modules``: pytester removes the
+    modules a test imported when it ends, and importing torch's C extension a second time
+    in the same process segfaults (a later torch test on the same xdist worker crashed it)."""
+    return pytest.importorskip("torch")
+
+
+def test_plugin_attn_grads_checks_the_kernels_gradients(torch_before_pytester, pytester, monkeypatch):
     pytester.makepyfile(attn_grads_kernels=KERNELS)
     # A child process (in-process runs drop the modules they imported, the registry's
     # among them), which imports this checkout's conformance.
@@ -297,3 +304,77 @@ def test_cancelling_gradient_of_a_non_softmax_variant_has_a_term_sized_floor():
     bad = verify(kernel, "linear", backend="torch", dtypes=("float32",), cases=one_key,
                  backward=shifted, causal="both")
     assert any(r.output == "dq" and r.verdict == "fail" for r in bad.results)
+
+
+def test_half_precision_softmax_gradients_off_by_ten_percent_fail():
+    """In float16/bfloat16 the floor of softmax's cancelling terms (scale |dP| |K|) is in
+    float32 ulps, as SDPA's and FlashAttention's dP, D and dS are float32: at the dtype's
+    ulp of a term the dq and dk bounds were 8 to 16 times the gradients themselves, and
+    dq = 0 or dk x 1.1 passed the quick suite in bfloat16. SDPA's own autograd still
+    passes (test_torch_sdpa_autograd_passes_in_every_dtype)."""
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale)
+
+    def backward(change):
+        def run(q, k, v, do, **kw):
+            q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            dq, dk, dv = torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)
+            return change(dq, dk, dv)
+        return run
+
+    for dtype in ("bfloat16", "float16"):
+        for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
+                             ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
+            rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), suite="quick",
+                         backward=backward(change), diagnose=False)
+            rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
+            failed = [r for r in rows if r.verdict == "fail"]
+            assert len(rows) >= 10 and len(failed) >= len(rows) // 2, (dtype, name, rep.table())
+            assert not [r for r in rep.failures if r.output not in (name, "out")], rep.table()
+
+
+@pytest.mark.parametrize("variant", ["linear", "pooled"])
+def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(variant):
+    """The same float32 floor for the variants of conformance.grads.FP32_TERMS: linear
+    attention's reference under torch autograd passes in bfloat16, a backward returning
+    dq = 0 (it passed all 10 quick cases) or dk x 1.1 fails most."""
+    torch = pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+
+    def backward(change):
+        def run(q, k, v, do, **kw):
+            q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+            return change(*torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do))
+        return run
+
+    ok = verify(kernel, variant, backend="torch", dtypes=("bfloat16",), suite="quick", grads=True,
+                causal="both", diagnose=False, supports={"broadcast": True})
+    assert ok.passed, ok.table()
+    for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
+                         ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
+        rep = verify(kernel, variant, backend="torch", dtypes=("bfloat16",), suite="quick",
+                     backward=backward(change), causal="both", diagnose=False,
+                     supports={"broadcast": True})
+        rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
+        assert len(rows) >= 5 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, \
+            (name, rep.table())
+
+
+def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
+    """A gradient row that fails and matches none of MISTAKES said nothing (an empty
+    diagnosis, where a failing output row reads "no known mistake explains it")."""
+    def backward(q, k, v, do, **kw):
+        g = make_backward()(q, k, v, do, **kw)
+        return {**g, "dk": g["dk"] * 1.01}
+
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:2], backward=backward)
+    rows = [r for r in rep.results if r.output == "dk" and r.verdict == "fail"]
+    assert rows, rep.table()
+    assert all(r.diagnosis.startswith("no known mistake explains it: error ") for r in rows), \
+        [r.diagnosis for r in rows]

@@ -283,6 +283,28 @@ def test_mutants_fail(mutant, feature, words):
     assert all(r.verdict in ("pass", "n/a") for r in others), rep.table()
 
 
+def test_alibi_slopes_of_head_h_mod_4_fail_the_five_head_case():
+    """A kernel whose ALiBi slopes repeat every 4 heads (slope of head h % 4, a slope table
+    sized for 4 heads) passed every case while ALiBi had at most 4 heads; batch 3 x 5
+    heads (as _ranges gives the other features) fails it on head 4 alone."""
+    def alibi_mod4(q, k, v, *, is_causal=False, scale=None, alibi_slopes=None, seqlens_k=None):
+        if alibi_slopes is not None:
+            alibi_slopes = alibi_slopes[torch.arange(q.shape[1]) % 4]
+        return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, alibi_slopes=alibi_slopes,
+                           seqlens_k=seqlens_k)
+
+    alibi = [c for c in _modern() if "alibi" in c.needs]
+    rep = verify(alibi_mod4, "softmax", backend="torch", dtypes=("float32",), cases=alibi,
+                 causal="both", progress=False)
+    five = [r for r in rep.results if r.case == "alibi:b3h5-q29k37-d16"]
+    assert [r.verdict for r in five] == ["fail"], rep.table()
+    assert "wrong only on head 4 (of H = 5)" in five[0].diagnosis
+    others = [r.verdict for r in rep.results if r.case != five[0].case and r.verdict != "n/a"]
+    assert len(others) >= 3 and set(others) == {"pass"}, rep.table()
+    assert verify(sdpa_modern, "softmax", backend="torch", dtypes=("float32",), cases=alibi,
+                  causal="both", progress=False).passed
+
+
 def test_exported_vectors_carry_the_options(tmp_path):
     # A reader outside Python gets everything it needs from the files: each golden is
     # recomputed from the stored inputs and the manifest's options alone.

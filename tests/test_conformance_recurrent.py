@@ -535,6 +535,31 @@ def test_a_state_kept_in_bfloat16_fails_the_output_named(dtype):
     assert "keeps its recurrent state in bfloat16, rounded at every step" in r.diagnosis, r.diagnosis
 
 
+def test_a_chunk_boundary_mistake_is_not_named_a_bfloat16_state():
+    """A decay applied twice at the chunk boundary (step 64 of 65) errs on row 64 alone:
+    in bfloat16 it failed the RMS bound only (1.19), with a largest error the size of a
+    bfloat16 state's, and read "keeps its recurrent state in bfloat16". Such a state errs
+    on every row, and the kernel's error before the boundary is a tenth of its worst; the
+    bfloat16 state itself is still named (test_a_state_kept_in_bfloat16_fails_the_output_named)."""
+    torch = pytest.importorskip("torch")
+
+    def twice(q, k, v, *, gamma, scale=None):
+        dt, w = q.dtype, torch.float32
+        q, k, v, g = q.to(w), k.to(w), v.to(w), gamma.to(w)[..., None, None]
+        s = torch.zeros(q.shape[:-2] + (k.shape[-1], v.shape[-1]), dtype=w)
+        outs = []
+        for t in range(q.shape[-2]):
+            s = (g * g if t == 64 else g) * s + k[..., t, :, None] * v[..., t, None, :]
+            outs.append(q.shape[-1] ** -0.5 * (q[..., t, None, :] @ s)[..., 0, :])
+        return torch.stack(outs, dim=-2).to(dt)
+
+    case = [c for c in cases("retention", "standard") if c.id == "causal:b2h1-q65k65-d32-causal-br"]
+    r = verify(twice, "retention", backend="torch", dtypes=("bfloat16",), cases=case,
+               supports={"causal": "always"}, progress=False).results[0]
+    assert r.verdict == "fail" and r.output == "out", (r.ratio, r.diagnosis)
+    assert "recurrent state" not in r.diagnosis and "low precision" not in r.diagnosis, r.diagnosis
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("store_every", [None, 64])
 def test_a_float32_state_and_one_stored_per_chunk_pass(dtype, store_every):
