@@ -100,6 +100,31 @@ def test_bf16_rounding_matches_ml_dtypes():
     assert np.array_equal(round_to(x, "bfloat16"), want.astype(np.float64))
 
 
+def test_bf16_rounding_matches_ml_dtypes_on_every_kind_of_bit_pattern():
+    # bf16_round works on the bit pattern in 32 bits: float32 patterns across the whole
+    # range (a prime stride over all 2^32), exact ties below both even and odd bfloat16
+    # neighbours, the largest finite values (round to inf), infinities, subnormals and
+    # NaNs with every payload the carry could wrap.
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(1)
+    upper = rng.integers(0, 1 << 16, 4000, dtype=np.uint64) << 16
+    bits = np.concatenate([
+        np.arange(0, 1 << 32, 65521, dtype=np.uint64), upper | 0x8000, upper | 0x7FFF,
+        upper | 0x8001, np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 1, 0x80000001,
+                                  0x7FC00000, 0xFFFFFFFF, 0xFFFF8000, 0x7FFFFFFF], dtype=np.uint64),
+    ]).astype(np.uint32)
+    x = bits.view(np.float32)
+    got = bf16_round(x)
+    with np.errstate(invalid="ignore"):  # ml_dtypes' cast of NaN warns
+        want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    nan = np.isnan(x)
+    assert got.dtype == np.float32 and np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert not np.shares_memory(got, x) and np.array_equal(x.view(np.uint32), bits)  # input kept
+    zero_d = bf16_round(np.float64(1.0 + 2.0**-9))
+    assert isinstance(zero_d, np.ndarray) and zero_d.shape == () and zero_d == np.float32(1.0)
+
+
 def test_bf16_array_rounds_every_operation():
     a = bf16_round(np.linspace(0.1, 3.0, 12).reshape(3, 4)).view(BF16Array)
     for out in (a @ a.T, np.exp(a), a / 3.0, np.sum(a, axis=-1), np.where(a > 1, a * 1.1, a)):
