@@ -233,9 +233,13 @@ class Reports:
 
     def __init__(self):
         self.reports = []
+        self.deselected = 0
 
     def pytest_runtest_logreport(self, report):
         self.reports.append(report)
+
+    def pytest_deselected(self, items):
+        self.deselected += len(items)
 
     def outcomes(self):
         """``(passed, failed, skipped)``: the tests that passed, and the reports that
