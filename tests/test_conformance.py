@@ -22,6 +22,7 @@ from conformance.mutants import MUTANTS, correct_kernel, run_mutant
 from conformance.oracle import session
 from conformance.report import Progress
 from conformance.tolerance import DEFAULTS, BF16Array, bf16_round, measure, round_to, ulp
+from tests.helpers import Reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -428,12 +429,16 @@ def test_plugin_is_inert_and_light():
     assert out.stdout.strip() == "[]", out.stderr
 
 
-def test_plugin_runs_one_item_per_case(tmp_path):
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-           "--attn-kernel", "conformance.mutants:correct_kernel", "--attn-suite", "quick",
-           "--attn-causal", "top-left", "-rs"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_plugin_runs_one_item_per_case(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # In this process (tests.helpers.Reports), not in a child that imports the oracle
+    # again; the run must stay here (no -n, no --junitxml of the outer run's).
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    seen = Reports()
+    code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
+                        "--attn-kernel", "conformance.mutants:correct_kernel", "--attn-suite", "quick",
+                        "--attn-causal", "top-left", "-rs"], plugins=[seen])
+    assert code == 0, [r.longreprtext for r in seen.reports if r.failed]
     # The plugin's items follow the oracle's verdicts: a pass per passing case, a skip
     # per case the kernel's declared semantics exclude (the bottom-right causal case).
     rep = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="top-left")
@@ -441,4 +446,5 @@ def test_plugin_runs_one_item_per_case(tmp_path):
     assert len(verdicts) == len(cases(None, "quick")) and "n/a" in verdicts
     passed, skipped = verdicts.count("pass"), verdicts.count("n/a")
     assert passed + skipped == len(verdicts)
-    assert f"{passed} passed, {skipped} skipped" in out.stdout and "bottom-right" in out.stdout
+    assert seen.outcomes() == (passed, 0, skipped), (seen.outcomes(), passed, skipped)
+    assert any("bottom-right" in str(r.longrepr) for r in seen.reports if r.skipped)
