@@ -223,3 +223,27 @@ def fla_naive_module(family, source=None, name=None):
     mod.__file__ = path
     exec(compile(source, path, "exec"), mod.__dict__)
     return mod
+
+
+class Reports:
+    """A pytest plugin that keeps the reports of the tests it sees run: pass it to an
+    in-process ``pytest.main(args, plugins=[reports])`` (pytester's in-process runs drop
+    the modules the run imports from ``sys.modules`` afterwards; a child process imports
+    torch and the oracle again)."""
+
+    def __init__(self):
+        self.reports = []
+        self.deselected = 0
+
+    def pytest_runtest_logreport(self, report):
+        self.reports.append(report)
+
+    def pytest_deselected(self, items):
+        self.deselected += len(items)
+
+    def outcomes(self):
+        """``(passed, failed, skipped)``: the tests that passed, and the reports that
+        failed or skipped (any phase), as pytest's summary line counts them."""
+        passed = sum(1 for r in self.reports if r.when == "call" and r.passed)
+        return (passed, sum(1 for r in self.reports if r.failed),
+                sum(1 for r in self.reports if r.skipped))

@@ -7,9 +7,7 @@ without its timings section.
 """
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,11 +21,11 @@ from conformance.calling import KernelTimeout, Watchdog, call_kernel
 from conformance.mutants import MUTANTS, correct_kernel
 from conformance.oracle import Interrupted
 from conformance.vectors import export_vectors, load_vectors
+from tests.helpers import Reports
 
 QUICK = cases(None, "quick")
 BASIC = [c for c in QUICK if c.id.startswith("basic:")]  # (2, 3) heads, Nq = Nk = 17
 BIAS = [c for c in QUICK if c.id.startswith("bias:")]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The "hung" kernels give up after HANG seconds, so that a broken watchdog makes the
 # tests fail on their timing instead of hanging the suite.
 HANG = 20.0
@@ -242,16 +240,21 @@ def test_the_watchdog_keeps_an_outer_alarm_working():
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
-def test_plugin_takes_the_time_limit(tmp_path):
+def test_plugin_takes_the_time_limit(tmp_path, monkeypatch):
     (tmp_path / "hangs.py").write_text("import time\ndef kernel(q, k, v):\n    time.sleep(30)\n")
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-           "--attn-kernel", "hangs:kernel", "--attn-suite", "quick", "--attn-time-limit", "0.5",
-           "-k", "basic or length1"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    # In this process (tests.helpers.Reports), not in a child that imports the oracle
+    # again; the run must stay here (no -n, no --junitxml of the outer run's).
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    seen = Reports()
     t0 = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-    assert out.returncode == 1, out.stdout + out.stderr
-    assert "3 failed" in out.stdout and "timed out" in out.stdout
+    code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
+                        "--attn-kernel", "hangs:kernel", "--attn-suite", "quick",
+                        "--attn-time-limit", "0.5", "-k", "basic or length1"], plugins=[seen])
+    failed = [r.longreprtext for r in seen.reports if r.failed]
+    assert code == 1 and len(failed) == 3, failed
+    assert all("timed out" in text for text in failed), failed
     assert time.perf_counter() - t0 < 60  # not 3 x 30 s
 
 

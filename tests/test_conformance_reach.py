@@ -13,8 +13,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,6 +22,7 @@ from conformance.calling import KernelNotFound, load_kernel, parse_options
 from conformance.judging import option_names, with_options
 from conformance.mutants import correct_kernel
 from conformance.report import na_reason
+from tests.helpers import Reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLA_OPTIONS = {"feature_map": "identity", "normalize": True}
@@ -518,31 +517,41 @@ def test_load_kernel_errors_name_the_argument(tmp_path):
         load_kernel("sys:maxsize")
 
 
-def test_plugin_options_declarations_backward_and_k(kernels_file, tmp_path):
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-           "--attn-kernel", f"{kernels_file}:recurrent_linear", "--attn-variant", "linear",
-           "--attn-layout", "bnhd", "--attn-suite", "quick", "--attn-supports", "causal=always",
-           "--attn-supports", "cross=false", "--attn-option", "feature_map=identity",
-           "--attn-option", "normalize=True", "-k", CAUSAL.id]
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
-    assert out.returncode == 0 and f"1 passed, {len(QUICK) - 1} deselected" in out.stdout, \
-        out.stdout + out.stderr
+def test_plugin_options_declarations_backward_and_k(kernels_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    # The runs must stay in this process (no -n, no --junitxml of the outer run's).
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+
+    def run(*args):
+        # In this process (tests.helpers.Reports): four child processes imported the
+        # oracle again, 8 s of the suite's CPU.
+        seen = Reports()
+        code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider", *args],
+                           plugins=[seen])
+        return code, seen
+
+    args = ["--attn-kernel", f"{kernels_file}:recurrent_linear", "--attn-variant", "linear",
+            "--attn-layout", "bnhd", "--attn-suite", "quick", "--attn-supports", "causal=always",
+            "--attn-supports", "cross=false", "--attn-option", "feature_map=identity",
+            "--attn-option", "normalize=True", "-k", CAUSAL.id]
+    code, seen = run(*args)
+    assert code == 0 and seen.outcomes() == (1, 0, 0) and seen.deselected == len(QUICK) - 1, \
+        (code, seen.outcomes(), seen.deselected)
     # the same case against the default (elu+1) reference fails
-    i = cmd.index("--attn-option")
-    out = subprocess.run(cmd[:i] + cmd[i + 4:], capture_output=True, text=True, cwd=tmp_path,
-                         timeout=300, env=env)
-    assert out.returncode == 1 and "1 failed" in out.stdout, out.stdout + out.stderr
+    i = args.index("--attn-option")
+    code, seen = run(*args[:i], *args[i + 4:])
+    assert code == 1 and seen.outcomes() == (0, 1, 0), (code, seen.outcomes())
     # an explicit backward, and a usage error
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-           "--attn-kernel", "conformance.mutants:correct_kernel", "--attn-causal", "both",
-           "--attn-backward", f"{kernels_file}:backward_dq_off", "--attn-suite", "quick",
-           "-k", PLAIN.id]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
-    assert out.returncode == 1 and "dq max err" in out.stdout, out.stdout + out.stderr
-    out = subprocess.run(cmd[:-2] + ["--attn-option", "feature_map=identity"], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=300, env=env)
-    assert out.returncode == 4 and "takes no option 'feature_map'" in out.stderr, out.stderr
+    args = ["--attn-kernel", "conformance.mutants:correct_kernel", "--attn-causal", "both",
+            "--attn-backward", f"{kernels_file}:backward_dq_off", "--attn-suite", "quick",
+            "-k", PLAIN.id]
+    code, seen = run(*args)
+    failed = [r.longreprtext for r in seen.reports if r.failed]
+    assert code == 1 and any("dq max err" in text for text in failed), (code, failed)
+    capsys.readouterr()
+    code, _ = run(*args[:-2], "--attn-option", "feature_map=identity")
+    err = capsys.readouterr().err
+    assert code == 4 and "takes no option 'feature_map'" in err, (code, err)
 
 
 def test_docs_list_every_variants_options():

@@ -26,7 +26,7 @@ from attn_ref.registry import Variant
 from attn_ref.softmax import softmax_attention
 from conformance.backends import load
 from tests import plain
-from tests.helpers import EPS, NOT_TRACEABLE, assert_close, call, host, randn
+from tests.helpers import EPS, NOT_TRACEABLE, Reports, assert_close, call, host, randn
 
 BATCH, N, D, DV = (2, 3), 12, 4, 3
 SEED = 3
@@ -196,23 +196,13 @@ def _throwaway(q, k, v, /):
     return softmax_attention(q, k, v)
 
 
-class _Reports:
-    """A pytest plugin that keeps the reports of the tests it sees run."""
-
-    def __init__(self):
-        self.reports = []
-
-    def pytest_runtest_logreport(self, report):
-        self.reports.append(report)
-
-
 def test_a_variant_without_its_parts_fails_here_saying_what_is_missing(monkeypatch):
     # The run below must stay in this process (no -n, no --junitxml of the outer run's).
     monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
     name = "throwaway_test_variant"
     registry.register(Variant(name=name, fn=_throwaway, family="softmax", exact=True, causal=False,
                               time="O(N^2 d)", memory="O(N^2)"))
-    seen = _Reports()
+    seen = Reports()
     try:
         assert name in [v.name for v in registry.variants()]
         # This module run again, in this process (the registry is this process's), by
