@@ -555,15 +555,13 @@ def _eager_softmax(prep, dtype):
     al = allowed_matrix(prep.case, a, prep.kwargs)
     if al is not None:
         s = np.where(al, s, -np.inf)
-    if dtype in LOW_PRECISION:
-        # float32 softmax, P rounded to the dtype: the float64 softmax rounded once gives
-        # the same P but where a float32 rounding lands on a tie of the dtype
-        m = np.max(s, axis=-1, keepdims=True)
-        e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    else:
+    # float32 softmax, P rounded to the dtype. Half-dtype logits: the float64 softmax
+    # rounded once gives the same P but where a float32 rounding lands on a tie of the
+    # dtype. Float64 logits: taken to float32 first, as softmax(..., dtype=float32) does.
+    if dtype not in LOW_PRECISION:
         s = s.astype(np.float32)
-        m = np.max(s, axis=-1, keepdims=True)
-        e = np.exp(s - np.where(np.isfinite(m), m, np.float32(0)))
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, s.dtype.type(0)))
     den = np.sum(e, axis=-1, keepdims=True)
     p = rnd((e / np.where(den > 0, den, 1)).astype(np.float64))
     return rnd(p @ v), steps
@@ -1411,27 +1409,28 @@ def _precision(prep, res, rerun, got):
     keep = np.ones(prep.golden.shape, bool) if prep.keep is None else prep.keep
     err = np.where(keep, got - prep.golden, 0.0)
     sized = []
+
+    def size_up(base, name):
+        # a candidate within 0.2x to 5x of the kernel's error, and whether the two errors
+        # point apart (no shared direction)
+        be = measure(base, prep.golden, prep.keep).max_err
+        if be > 0 and 0.2 <= res.max_err / be <= 5.0:
+            cos, least = rounding_cosine(err, np.where(keep, base - prep.golden, 0.0))
+            sized.append((cos < least, abs(math.log(res.max_err / be)), name, be, cos, least))
+
     for dt in lower:
         try:
             base = prep.apply_semantics(prep.reference(dt))
         except Exception:
             continue
-        be = measure(base, prep.golden, prep.keep).max_err
-        if be > 0 and 0.2 <= res.max_err / be <= 5.0:
-            cos, least = rounding_cosine(err, np.where(keep, base - prep.golden, 0.0))
-            sized.append((cos < least, abs(math.log(res.max_err / be)), dt, be, cos, least))
+        size_up(base, dt)
     emulated = (_eager_softmax(prep, "float64") if prep.dtype == "float64" and prep.variant.exact
                 else None)
     if emulated is not None and not any(not apart for apart, *_ in sized):
         # a float32 softmax between float64 logits and a float64 P V: smaller than a
         # plain float32 implementation's error, often below a fifth of it; never named
         # over a lower dtype whose error the kernel's shares the direction of
-        base = prep.apply_semantics(emulated[0])
-        be = measure(base, prep.golden, prep.keep).max_err
-        if be > 0 and 0.2 <= res.max_err / be <= 5.0:
-            cos, least = rounding_cosine(err, np.where(keep, base - prep.golden, 0.0))
-            sized.append((cos < least, abs(math.log(res.max_err / be)), "float32 softmax", be,
-                          cos, least))
+        size_up(prep.apply_semantics(emulated[0]), "float32 softmax")
     words, caveat = None, ""
     if sized:
         _, _, dt, be, cos, least = min(sized)
