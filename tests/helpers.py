@@ -3,6 +3,7 @@ namespace, dtype, shape and device before values."""
 
 import array_api_compat
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 
 from conformance.backends import from_numpy, to_numpy
@@ -247,3 +248,16 @@ class Reports:
         passed = sum(1 for r in self.reports if r.when == "call" and r.passed)
         return (passed, sum(1 for r in self.reports if r.failed),
                 sum(1 for r in self.reports if r.skipped))
+
+
+def run_plugin(monkeypatch, where, *args):
+    """``pytest --pyargs conformance -q -p no:cacheprovider *args`` (the oracle's plugin)
+    in this process, from the folder ``where``: ``(exit code, Reports)``. Not a child
+    process, which imports the oracle (and torch) again; the run must stay here, so the
+    outer run's ``PYTEST_ADDOPTS`` (``-n``, ``--junitxml``) is dropped."""
+    monkeypatch.chdir(where)
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    seen = Reports()
+    code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider", *args],
+                       plugins=[seen])
+    return code, seen

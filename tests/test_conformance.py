@@ -22,7 +22,7 @@ from conformance.mutants import MUTANTS, correct_kernel, run_mutant
 from conformance.oracle import session
 from conformance.report import Progress
 from conformance.tolerance import DEFAULTS, BF16Array, bf16_round, measure, round_to, ulp
-from tests.helpers import Reports
+from tests.helpers import run_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -430,14 +430,8 @@ def test_plugin_is_inert_and_light():
 
 
 def test_plugin_runs_one_item_per_case(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    # In this process (tests.helpers.Reports), not in a child that imports the oracle
-    # again; the run must stay here (no -n, no --junitxml of the outer run's).
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    seen = Reports()
-    code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-                        "--attn-kernel", "conformance.mutants:correct_kernel", "--attn-suite", "quick",
-                        "--attn-causal", "top-left", "-rs"], plugins=[seen])
+    code, seen = run_plugin(monkeypatch, tmp_path, "--attn-kernel", "conformance.mutants:correct_kernel",
+                            "--attn-suite", "quick", "--attn-causal", "top-left", "-rs")
     assert code == 0, [r.longreprtext for r in seen.reports if r.failed]
     # The plugin's items follow the oracle's verdicts: a pass per passing case, a skip
     # per case the kernel's declared semantics exclude (the bottom-right causal case).

@@ -21,7 +21,7 @@ from conformance.calling import KernelTimeout, Watchdog, call_kernel
 from conformance.mutants import MUTANTS, correct_kernel
 from conformance.oracle import Interrupted
 from conformance.vectors import export_vectors, load_vectors
-from tests.helpers import Reports
+from tests.helpers import run_plugin
 
 QUICK = cases(None, "quick")
 BASIC = [c for c in QUICK if c.id.startswith("basic:")]  # (2, 3) heads, Nq = Nk = 17
@@ -243,15 +243,9 @@ def test_the_watchdog_keeps_an_outer_alarm_working():
 def test_plugin_takes_the_time_limit(tmp_path, monkeypatch):
     (tmp_path / "hangs.py").write_text("import time\ndef kernel(q, k, v):\n    time.sleep(30)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    # In this process (tests.helpers.Reports), not in a child that imports the oracle
-    # again; the run must stay here (no -n, no --junitxml of the outer run's).
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-    seen = Reports()
     t0 = time.perf_counter()
-    code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider",
-                        "--attn-kernel", "hangs:kernel", "--attn-suite", "quick",
-                        "--attn-time-limit", "0.5", "-k", "basic or length1"], plugins=[seen])
+    code, seen = run_plugin(monkeypatch, tmp_path, "--attn-kernel", "hangs:kernel", "--attn-suite",
+                            "quick", "--attn-time-limit", "0.5", "-k", "basic or length1")
     failed = [r.longreprtext for r in seen.reports if r.failed]
     assert code == 1 and len(failed) == 3, failed
     assert all("timed out" in text for text in failed), failed

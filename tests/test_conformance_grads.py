@@ -11,7 +11,7 @@ from conformance import verify
 from conformance.catalogue import cases
 from conformance.grads import MISTAKES
 from conformance.vectors import export_vectors, load_vectors
-from tests.helpers import Reports
+from tests.helpers import run_plugin
 
 QUICK = cases(None, "quick")
 
@@ -248,19 +248,14 @@ def test_plugin_attn_grads_checks_the_kernels_gradients(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     (tmp_path / "attn_grads_kernels.py").write_text(KERNELS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.chdir(tmp_path)
-    # The run must stay in this process (no -n, no --junitxml of the outer run's).
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
 
     def run(*flags):
-        # In this process (tests.helpers.Reports): a child process imported torch and the
-        # oracle again for each of the two runs: 6.7 s more CPU (13.5 against 6.8 s).
-        seen = Reports()
-        pytest.main(["--pyargs", "conformance", "-p", "no:cacheprovider", "-q", "--no-header",
-                     "--attn-kernel", "attn_grads_kernels:sdpa_detached_k", "--attn-backend", "torch",
-                     "--attn-dtype", "float64", "--attn-suite", "quick", "-k", "basic or scale",
-                     *flags], plugins=[seen])
-        return seen
+        # In this process (tests.helpers.run_plugin): a child process imported torch and
+        # the oracle again for each of the two runs: 6.7 s more CPU (13.5 against 6.8 s).
+        return run_plugin(monkeypatch, tmp_path, "--no-header", "--attn-kernel",
+                          "attn_grads_kernels:sdpa_detached_k", "--attn-backend", "torch",
+                          "--attn-dtype", "float64", "--attn-suite", "quick", "-k",
+                          "basic or scale", *flags)[1]
 
     # Without --attn-grads only the forward is checked, and the forward is right.
     assert run().outcomes() == (2, 0, 0)

@@ -22,7 +22,7 @@ from conformance.calling import KernelNotFound, load_kernel, parse_options
 from conformance.judging import option_names, with_options
 from conformance.mutants import correct_kernel
 from conformance.report import na_reason
-from tests.helpers import Reports
+from tests.helpers import run_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLA_OPTIONS = {"feature_map": "identity", "normalize": True}
@@ -518,17 +518,10 @@ def test_load_kernel_errors_name_the_argument(tmp_path):
 
 
 def test_plugin_options_declarations_backward_and_k(kernels_file, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    # The runs must stay in this process (no -n, no --junitxml of the outer run's).
-    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
-
     def run(*args):
-        # In this process (tests.helpers.Reports): four child processes imported the
+        # In this process (tests.helpers.run_plugin): four child processes imported the
         # oracle again, 8 s of the suite's CPU.
-        seen = Reports()
-        code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider", *args],
-                           plugins=[seen])
-        return code, seen
+        return run_plugin(monkeypatch, tmp_path, *args)
 
     args = ["--attn-kernel", f"{kernels_file}:recurrent_linear", "--attn-variant", "linear",
             "--attn-layout", "bnhd", "--attn-suite", "quick", "--attn-supports", "causal=always",
