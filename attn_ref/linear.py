@@ -625,15 +625,16 @@ class _Rows:
     """An output of ``n`` rows (axis -2), filled block by block in order.
 
     Where the library lets us write into an array we made (NumPy, PyTorch, CuPy,
-    array-api-strict) each block goes straight into one preallocated output; else
+    array-api-strict) each block goes straight into one preallocated output (``out``,
+    when the caller made it: a heads group's rows of the pooled call's output); else
     (JAX, a lazy array) the blocks are kept and concatenated at the end. Writing in
     place saves a full pass: with ``concat`` every block is written to memory once as
     a block and again into the result (at N = 65536, 8 heads, ``d = 64``, 134 MB each
     way), and the result's fresh pages are touched a second time.
     """
 
-    def __init__(self, xp, n):
-        self.xp, self.n, self.parts, self.out = xp, n, [], None
+    def __init__(self, xp, n, out=None):
+        self.xp, self.n, self.parts, self.out = xp, n, [], out
 
     def put(self, lo, block, den=None):
         """Rows ``lo:lo + B`` of the output: ``block (..., B, dv)``, divided by ``den
@@ -663,8 +664,10 @@ class _Rows:
         return self.xp.concat(self.parts, axis=-2) if len(self.parts) > 1 else self.parts[0]
 
 
-def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps):
-    """The linear order, ``block_size`` rows at a time: ``batch + (Nq, dv)``.
+def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps,
+            out=None):
+    """The linear order, ``block_size`` rows at a time: ``batch + (Nq, dv)``, written into
+    ``out`` when given (an array of that shape the caller made; :class:`_Rows`).
 
     Non-causal: every key block is folded into the summary ``phi(K)^T [V, 1] =
     [S, z]``, then every query block reads it. Causal: the problem is aligned to a
@@ -676,7 +679,7 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     the output.
     """
     nq, nk = q.shape[-2], k.shape[-2]
-    outs = _Rows(xp, nq)
+    outs = _Rows(xp, nq, out)
     if alignment is None:
         state_t = None
         ones = _OnesColumn(xp, v, min(block_size, nk))
@@ -745,12 +748,19 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     # The heads are independent problems: a few contiguous groups of them, one per CPU,
     # each the same computation as the batched call on its rows.
     flat = [xp.reshape(x, (rows,) + tuple(x.shape[-2:])) for x in (q, k, v)]
+    # One output for all groups, each writing its own rows: the groups' outputs joined by
+    # concat cost a pass over the whole output and its fresh pages (N = 65536, 8 heads,
+    # d = 64: 128 MiB written twice).
+    out = None
+    if not (array_api_compat.is_torch_array(v) and v.requires_grad):
+        out = xp.empty((rows, nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
+        out = out if owned_writeable(out) else None
 
     def run(group):
         a, b = group
         qi, ki, vi = (x[a:b, ...] for x in flat)
         return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
-                       normalize, eps)
+                       normalize, eps, None if out is None else out[a:b, ...])
 
     # BLAS keeps its threads: the block loop's GEMMs are all small-matrix ones (one
     # thread each, GEMM_ROWS), and holding OpenBLAS to one thread made the pooled call
@@ -759,7 +769,8 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     # wall, 330 and 332 ms CPU without the limit; no pool 640 and 592 ms). Not
     # understood: the same small GEMMs alone on two threads cost the same either way.
     outs = parallel_map(run, row_groups(rows), pooled=True, one_blas_thread=False)
-    out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
+    if out is None:
+        out = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
     return xp.reshape(out, batch + (nq, dv))
 
 
