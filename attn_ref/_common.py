@@ -198,7 +198,7 @@ def parallel_map(fn, items, *, pooled, one_blas_thread=True):
     with the BLAS held to one thread while the pool runs (:func:`blas_one_thread`;
     ``one_blas_thread=False`` leaves BLAS as it is, for work whose GEMMs are all small
     enough for OpenBLAS's one-thread kernel, where the limit measured slower: linear
-    attention's block loop, ``attn_ref.linear.POOL_MIN_ROWS``).
+    attention's block loop, ``attn_ref.linear.engine.POOL_MIN_ROWS``).
 
     NumPy's ufuncs and BLAS release the GIL, so independent pieces of one call (heads)
     run on all cores in plain Python. Each worker's GEMMs run on one BLAS thread: the

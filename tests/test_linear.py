@@ -451,7 +451,7 @@ def test_property_convex_combination(backend):
 def test_heads_on_the_thread_pool_give_the_serial_bits(backend, monkeypatch, causal):
     # POOL_MIN_ROWS = 1 makes every call "large": the heads are split among the CPUs,
     # each group the same computation as the batched call, joined in order.
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     q, qh = randn(backend, (2, 3, 21, 4), seed=41)
     k, kh = randn(backend, (2, 3, 25, 4), seed=42)
@@ -469,7 +469,7 @@ def test_a_callable_feature_map_stays_on_the_calling_thread(backend, monkeypatch
     # A user's feature map is not promised to be thread-safe: never pooled.
     import threading
 
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
     seen = set()
@@ -506,7 +506,7 @@ def test_gemm_row_chunks_give_the_function_of_one_gemm_per_block(backend, monkey
     # The non-causal loop takes each block's fold ([V, 1]^T phi(K), summed over chunks) and
     # read (phi(Q) [S, z]) as GEMM_ROWS-row chunks; a block that GEMM_ROWS does not divide
     # (the ragged last one) is one product. Broadcast batch: the keys' summary is shared.
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     monkeypatch.setattr(lin, "GEMM_ROWS", rows)
     q, _ = randn(backend, (2, 3, 21, 4), seed=51)
@@ -523,7 +523,7 @@ def test_gemm_row_chunks_give_the_function_of_one_gemm_per_block(backend, monkey
 
 def test_default_gemm_rows_chunk_a_default_block(backend):
     # The defaults themselves: 512-row blocks of 128-row GEMMs, and a ragged last block.
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     assert lin.DEFAULT_BLOCK_SIZE % lin.GEMM_ROWS == 0 and lin.DEFAULT_BLOCK_SIZE > lin.GEMM_ROWS
     q, _ = randn(backend, (2, 1100, 3), seed=54)
@@ -537,7 +537,7 @@ def test_default_gemm_rows_chunk_a_default_block(backend):
 def test_torch_autograd_flows_through_gemm_row_chunks(monkeypatch):
     # The chunked fold sums in place on its own arrays; on tensors recording a graph it must not.
     torch = pytest.importorskip("torch")
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     monkeypatch.setattr(lin, "GEMM_ROWS", 2)
     g = torch.Generator().manual_seed(8)
@@ -575,7 +575,7 @@ def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend
     from threadpoolctl import threadpool_limits
 
     import attn_ref._common as common
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
 
     q, _ = randn(backend, (2, 3, 21, 4), seed=45)
     k, _ = randn(backend, (2, 3, 25, 4), seed=46)
@@ -615,7 +615,7 @@ def test_row_maps_holding_whole_batch_arrays_are_not_pooled(monkeypatch):
     # against it, so linear_from_row_maps never pools, and Performer gives the same
     # bits however low the threshold.
     import attn_ref._common as common
-    import attn_ref.linear as lin
+    import attn_ref.linear.engine as lin
     from attn_ref import performer_attention
     from attn_ref.linear import linear_from_row_maps
     from attn_ref.performer import random_features

@@ -25,13 +25,13 @@ and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
 ``--pool`` times the largest N with and without the heads split among the CPUs, each
-worker's BLAS on one thread (``attn_ref.linear.POOL_MIN_ROWS`` forced each way),
+worker's BLAS on one thread (``attn_ref.linear.engine.POOL_MIN_ROWS`` forced each way),
 interleaved; ``--pool-ns`` does the same at each of several N, non-causal and causal (the
 smallest N that gains sets the threshold); ``--gemm-rows 0,64,128``
-times the non-causal call with ``attn_ref.linear.GEMM_ROWS`` at each (0: one GEMM per
+times the non-causal call with ``attn_ref.linear.engine.GEMM_ROWS`` at each (0: one GEMM per
 block), interleaved, wall and CPU seconds. ``--phases`` times
 each phase of the non-causal block loop at the largest N (feature maps, the ``[V | 1]``
-copy, the fold and read GEMMs in ``attn_ref.linear.GEMM_ROWS``-row chunks as the library
+copy, the fold and read GEMMs in ``attn_ref.linear.engine.GEMM_ROWS``-row chunks as the library
 takes them, the output write, the division) summed over the blocks,
 with the page faults each took (on NumPy a fresh block-sized array often costs more in
 page faults than in arithmetic), next to the whole call and each phase's share of the
@@ -212,9 +212,10 @@ def linear(args):
 
 def _linear_pool(q, k, v, reps):
     """``linear_attention`` with and without its heads split among the CPUs, each worker's
-    BLAS on one thread (``attn_ref.linear.POOL_MIN_ROWS`` forced to 1 and to never),
+    BLAS on one thread (``attn_ref.linear.engine.POOL_MIN_ROWS`` forced to 1 and to never),
     interleaved, wall-clock medians."""
-    from attn_ref import linear, linear_attention
+    from attn_ref import linear_attention
+    from attn_ref.linear import engine as linear
 
     def with_rows(causal, threshold):
         # 1: the heads on the pool (BLAS on one thread per worker); 1 << 62: never
@@ -306,10 +307,11 @@ def _linear_buffered(q, k, v, reps, roof):
 
 
 def _linear_gemm_rows(q, k, v, choices, reps):
-    """Non-causal ``linear_attention`` with ``attn_ref.linear.GEMM_ROWS`` set to each of
+    """Non-causal ``linear_attention`` with ``attn_ref.linear.engine.GEMM_ROWS`` set to each of
     ``choices`` (0: one GEMM per block, as before the chunks), interleaved; medians of
     wall and process CPU seconds (CPU counts BLAS's threads too, spinning included)."""
-    from attn_ref import linear, linear_attention
+    from attn_ref import linear_attention
+    from attn_ref.linear import engine as linear
 
     def with_rows(r):
         def run():
@@ -341,10 +343,11 @@ def pool_sweep(ns, reps, which):
     ``linear_attention``) on NumPy at each ``N`` of ``ns`` (8 heads, d = 64), with its
     heads on the pool (the threshold forced to 1) and without (forced to never),
     interleaved: the smallest ``N`` that gains sets the threshold
-    (``attn_ref.softmax.online.POOL_MIN_LOGITS``, ``attn_ref.linear.POOL_MIN_ROWS``)."""
+    (``attn_ref.softmax.online.POOL_MIN_LOGITS``, ``attn_ref.linear.engine.POOL_MIN_ROWS``)."""
     import array_api_compat.numpy as xnp
 
-    from attn_ref import linear, linear_attention, online_softmax_attention
+    from attn_ref import linear_attention, online_softmax_attention
+    from attn_ref.linear import engine as linear
     from attn_ref.softmax import online
 
     module, name = (online, "POOL_MIN_LOGITS") if which == "softmax" else (linear, "POOL_MIN_ROWS")
@@ -390,7 +393,8 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
 
     from asv_benches.costs import variant_work
     from attn_ref import linear_attention
-    from attn_ref.linear import DEFAULT_EPS, GEMM_ROWS, safe_denominator
+    from attn_ref.linear import DEFAULT_EPS, safe_denominator
+    from attn_ref.linear.engine import GEMM_ROWS
 
     h, n, d = q.shape
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
@@ -471,7 +475,7 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
     med = {name: float(np.median([r[0][name] for r in runs])) for name in names}
     print(f"phases of non-causal linear_attention at N={n}, blocks of {block} rows, medians of {reps} "
           f"on one thread (total {sum(med.values()) * 1e3:.1f} ms; the call itself, as the default "
-          f"runs it (the heads pool from attn_ref.linear.POOL_MIN_ROWS rows) "
+          f"runs it (the heads pool from attn_ref.linear.engine.POOL_MIN_ROWS rows) "
           f"{np.median([r[2] for r in runs]) * 1e3:.1f} ms, {int(np.median([r[3] for r in runs]))} "
           f"page faults; roofline {roof * 1e3:.1f} ms, of which memory alone "
           f"{4 * pairs * 4 / rates['bandwidth'] * 1e3:.1f} ms)")
@@ -1080,7 +1084,7 @@ def main(argv=None):
     lin.add_argument("--cpu", action="store_true", help="CPU seconds of this process instead of wall "
                      "seconds (rates and times), for a shared machine; use with OPENBLAS_NUM_THREADS=1")
     lin.add_argument("--pool", action="store_true", help="also time the largest N with the heads "
-                     "split among the CPUs (attn_ref.linear.POOL_MIN_ROWS), interleaved")
+                     "split among the CPUs (attn_ref.linear.engine.POOL_MIN_ROWS), interleaved")
     lin.add_argument("--pool-ns", default="", help="also time the heads pool against none at "
                      "each of these N, e.g. 256,1024,4096 (the threshold's measurement)")
     lin.add_argument("--buffered", action="store_true", help="also time non-causal at the largest N "
@@ -1089,7 +1093,8 @@ def main(argv=None):
                      "block loop at the largest N, with its page faults")
     lin.add_argument("--block-size", type=int, default=512, help="rows per block of --phases")
     lin.add_argument("--gemm-rows", default="", help="also time non-causal at the largest N with "
-                     "attn_ref.linear.GEMM_ROWS at each of these (0: one GEMM per block), e.g. 0,64,128")
+                     "attn_ref.linear.engine.GEMM_ROWS at each of these (0: one GEMM per block), "
+                     "e.g. 0,64,128")
     bwd = sub.add_parser("backward", help="issue 8: blockwise backward against torch SDPA")
     bwd.add_argument("--n", type=int, default=4096)
     bwd.add_argument("--mem-n", type=int, default=16384)

@@ -1,73 +1,22 @@
-"""Linear attention: aggregate the keys first, then let each query read the summary.
+"""Linear attention's fast forms: the linear order block by block, causal chunk by chunk.
 
-When the similarity of a query and a key factorises through a feature map,
-``sim(q, k) = scale * phi(q) . phi(k)``, the attention output
-
-``o_i = sum_j sim(q_i, k_j) v_j / sum_j sim(q_i, k_j)``
-
-can be computed in either order:
-
-* quadratic, "interact then sum": ``A = phi(Q) phi(K)^T`` (``Nq x Nk``), then ``A V``;
-* linear, "sum then interact": ``S = phi(K)^T V`` (``d' x dv``) and ``z = sum_j phi(k_j)``
-  once, then ``o_i = phi(q_i)^T S / phi(q_i)^T z``.
-
-They are the same function (Katharopoulos et al. 2020, "Transformers are RNNs"); the
-second costs ``O(N d' dv)`` instead of ``O(N^2 d')``. With ``causal`` masking the
-linear order becomes a prefix sum of states; this module computes it chunk by chunk
-(inter-chunk ``phi(Q_c) S_{c-1}`` plus a masked intra-chunk ``(phi(Q_c) phi(K_c)^T * M) V_c``,
-``S`` carried by a cumulative sum over chunks), and :func:`linear_attention_step` is the
-recurrent form used for decoding. ``docs/linear.md`` derives the reordering.
-
-Conventions shared by the family
---------------------------------
-* ``feature_map``: ``"elu+1"`` (``elu(x) + 1``, Katharopoulos et al.), ``"relu"``,
-  ``"identity"``, or a callable ``phi(x) -> (..., N, d')`` written in the array API
-  (it is applied to ``q`` and ``k`` separately and must give both the same ``d'``).
-* ``scale``: multiplies the similarity; default 1 (the kernel of Katharopoulos et al.).
-  It cancels in the normalised output; ``scale=d**-0.5`` is the convention of
-  flash-linear-attention's unnormalised kernels.
-* ``causal``: as in :mod:`attn_ref.softmax` - ``False``, ``True``/``"top-left"``
-  (query ``i`` sees keys ``j <= i``) or ``"bottom-right"`` (``j <= i + Nk - Nq``).
-* The denominator ``den_i = scale * phi(q_i) . sum_j phi(k_j)`` (over the keys query
-  ``i`` sees) is used as it is when ``|den_i| >= eps`` and replaced by ``+eps`` or
-  ``-eps`` (keeping its sign; ``+eps`` for zero) when ``|den_i| < eps``. So the output
-  is never NaN or inf for finite inputs whose sums are representable, i.e.
-  ``|scale| * Nk * max|phi(q)| * max|phi(k)| * d' * max(1, max|v|)`` below the dtype's
-  largest value (for ``"elu+1"`` in float32 with ``d = 64``, ``N = 4096``:
-  ``|q|, |k| <= 1e14``; in float64 ``1e150``). Past that range the sums overflow
-  (``|q|, |k| >= 1e19`` in float32 gives inf / inf = NaN); the reference does not rescale
-  them. :func:`linear_attention` computes float16 input in float32 (the range above is
-  then float32's) and returns float16. Inside it, a query with no visible key or with all-zero
-  features (possible with ``"relu"``) returns zeros, as a fully masked row does in
-  :mod:`attn_ref.softmax`. With a non-negative feature map (``"elu+1"``, ``"relu"``)
-  ``den_i >= 0`` and every output row with ``den_i >= eps`` is a convex combination of
-  the visible values. The ``"identity"`` map (and any signed callable) gives a
-  denominator that can be negative or cross zero; the rule above still applies -
-  finite, but unbounded as ``den_i`` approaches ``eps`` - so use ``normalize=False``
-  with signed maps unless that is what you want. Unlike Katharopoulos et al., who
-  divide by ``den + eps``, a denominator at least ``eps`` is used unchanged, so the
-  normalised weights sum to exactly 1 (to rounding).
-* ``normalize=False`` returns the unnormalised ``scale * phi(Q) phi(K)^T V`` (masked).
+:func:`linear_attention` and the engine it shares with Performer
+(:func:`linear_from_features`, :func:`linear_from_row_maps`): the linear order, "sum
+then interact", ``block_size`` rows at a time, so the features exist for one block
+only; non-causal, every key block is folded into the summary ``phi(K)^T [V, 1] = [S,
+z]`` and every query block reads it; causal, the problem is aligned to a square
+top-left one and walked block by block with the chunked form inside each block
+(:func:`chunked_values`). On NumPy a large call with several heads runs groups of
+heads on a thread pool. Same function as the defining forms of
+:mod:`attn_ref.linear.reference`, to rounding.
 """
 
 from __future__ import annotations
 
-import math
-
 import array_api_compat
 
-from ._checks import (
-    broadcast_batch,
-    check_array,
-    check_flag,
-    check_positive_int,
-    check_qkv,
-    check_real,
-    default_scale,
-    is_floating,
-    namespace,
-)
-from ._common import (
+from .._checks import broadcast_batch, check_flag, check_positive_int, check_qkv, namespace
+from .._common import (
     TOP_LEFT,
     add_into,
     batch_rows,
@@ -76,58 +25,35 @@ from ._common import (
     ceil_div,
     is_lazy,
     mul_into,
-    numpy_backed,
     owned_writeable,
     parallel_map,
     pool_helps,
     row_groups,
 )
-from .softmax.tiles import logit_dtype, transposed_copy
+from ..softmax.tiles import logit_dtype, transposed_copy
+from .options import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_EPS,
+    check_eps,
+    check_order,
+    check_scale,
+    feature_pair,
+)
+from .reference import causal_visible, hide, quadratic_order, readout, safe_denominator
 
 __all__ = [
-    "FEATURE_MAPS",
-    "feature_map_features",
     "linear_attention",
-    "linear_attention_weights",
-    "linear_attention_state",
-    "linear_attention_step",
     "linear_from_features",
     "linear_from_row_maps",
-    "weights_from_features",
-    "check_feature_map",
-    "check_eps",
-    "safe_denominator",
-    "kv_state",
-    "state_readout",
-    "causal_plan",
-    "DEFAULT_CHUNK_SIZE",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_EPS",
-    # Named steps that attn_ref.grad differentiates.
-    "features_qk",
-    "check_order",
-    "check_scale",
-    "readout",
-    "causal_visible",
-    "quadratic_order",
     "pad_rows",
+    "causal_plan",
     "align_square",
     "with_ones",
     "split_num_den",
     "chunked_values",
 ]
 
-FEATURE_MAPS = ("elu+1", "relu", "identity")
-_ORDERS = ("linear", "quadratic")
-DEFAULT_CHUNK_SIZE = 64
-DEFAULT_EPS = 1e-6
-# Rows per block of the linear order: 1 MiB per (8, B, 64) float32 block, so the
-# feature maps and the chunk states of a block stay in cache. Chosen by measurement
-# (N = 65536, 8 heads, d = 64, C = 64, BLAS on one thread, CPU-time minima of 5
-# interleaved calls, two runs on a loaded 2-core machine, load 10-13, so noisy):
-# causal 556 ms at B = 512 against 619 (1024) and 667 (2048); non-causal 297 ms against
-# 328 and 427. Not re-checked with both BLAS threads on a quiet machine.
-DEFAULT_BLOCK_SIZE = 512
 # From this many rows (all heads, queries plus keys) a call on NumPy arrays with several
 # heads splits them among the CPUs, contiguous groups on :func:`attn_ref._common.parallel_map`'s
 # pool (the block loop's GEMM chunks, GEMM_ROWS, are one-thread products, so without the
@@ -157,236 +83,10 @@ POOL_MIN_ROWS = 1 << 16
 GEMM_ROWS = 128
 
 
-# ---------------------------------------------------------------- feature maps
-
-
-def _zero_like(xp, x):
-    """A zero to compare ``x`` with: ``x``'s shape on NumPy, else one 0-d zero.
-
-    NumPy (2.4) takes a loop without SIMD for ``minimum`` and ``maximum`` when one
-    operand is a broadcast scalar: on an ``(8, 128, 64)`` float32 block, 39 us against
-    5 us with a full-size operand, as slow as ``exp`` (37 us); making the zeros costs
-    6 us. Linear attention at N = 65536, 8 heads, d = 64, non-causal: 0.32 against
-    0.39 s of CPU (medians of 8 interleaved calls, the same bits). PyTorch is the other
-    way round (1.44 against 1.01 ms for the feature map of an ``(8, 512, 64)`` block),
-    so only NumPy's arrays (and array-api-strict's) take the full-size zeros.
-    """
-    if numpy_backed(x):
-        return xp.zeros_like(x)
-    return xp.zeros((), dtype=x.dtype, device=array_api_compat.device(x))
-
-
-def _elu_plus_one(xp, x):
-    # elu(x) + 1 = max(x, 0) + exp(min(x, 0)): exp never sees a positive argument,
-    # so it cannot overflow (and its derivative stays finite for the VJP).
-    zero = _zero_like(xp, x)
-    # into exp's own array: one fresh array fewer per call, the same sums (addition commutes)
-    return add_into(xp.exp(xp.minimum(x, zero)), xp.maximum(x, zero))
-
-
-def _relu(xp, x):
-    return xp.maximum(x, _zero_like(xp, x))
-
-
-_NAMED = {"elu+1": _elu_plus_one, "relu": _relu, "identity": lambda xp, x: x}
-
-
-def check_feature_map(feature_map):
-    """Validate ``feature_map``: one of :data:`FEATURE_MAPS` or a callable."""
-    if callable(feature_map):
-        return feature_map
-    if isinstance(feature_map, str) and feature_map in _NAMED:
-        return feature_map
-    raise ValueError(
-        f"feature_map must be one of {', '.join(map(repr, FEATURE_MAPS))} or a callable "
-        f"phi(x) -> (..., N, d'), got {feature_map!r}"
-    )
-
-
-def feature_map_features(x, /, *, feature_map="elu+1", name="x", xp=None):
-    """Apply a feature map to the rows of ``x``: ``phi(x)``, shape ``(..., N, d')``.
-
-    Parameters
-    ----------
-    x : array, shape (..., N, d)
-    feature_map : {"elu+1", "relu", "identity"} or callable
-        A callable must return an array of the same library, floating dtype
-        ``x.dtype`` and shape ``x.shape[:-1] + (d',)``. It must be row-wise (row ``i`` of
-        the result depends only on row ``i`` of ``x``): the variants apply it to blocks of
-        rows, so a map that mixes rows (a softmax over the sequence, a normalisation by
-        a whole-sequence statistic) would change with ``block_size``. Each call checks
-        this once, cheaply, by comparing the map of the first row alone with the first
-        row of the whole result (``ValueError`` if they differ by more than
-        ``sqrt(eps)`` relative). The callable receives a copy of the caller's rows, so
-        writing into its argument cannot corrupt ``q`` or ``k``.
-    name : str
-        The argument name used in error messages (``"q"``, ``"k"``).
-
-    Returns
-    -------
-    array, shape (..., N, d')
-    """
-    xp = namespace((name, x), xp=xp)
-    feature_map = check_feature_map(feature_map)
-    if isinstance(feature_map, str):
-        return _NAMED[feature_map](xp, x)
-    what = f"feature_map applied to {name} {tuple(x.shape)}"
-    f = _call_feature_map(xp, feature_map, x, name, what)
-    if x.shape[-2] > 1:
-        _check_row_wise(xp, feature_map, x, f, name, what)
-    return f
-
-
-def _call_feature_map(xp, feature_map, x, name, what):
-    """``feature_map`` applied to a copy of ``x`` (so it cannot write into the caller's
-    array), its result checked like an array argument (library, dtype, shape)."""
-    f = feature_map(xp.asarray(x, copy=True))
-    if not array_api_compat.is_array_api_obj(f):
-        raise TypeError(f"{what} must return an array, got {type(f).__name__}")
-    check_array(what, f, like=x, like_name=name, dtype=x.dtype)
-    if f.ndim != x.ndim or tuple(f.shape[:-1]) != tuple(x.shape[:-1]):
-        raise ValueError(
-            f"{what} must return shape (..., N, d') = {tuple(x.shape[:-1]) + ('d_prime',)}, "
-            f"got shape {tuple(f.shape)}"
-        )
-    return f
-
-
-def _check_row_wise(xp, feature_map, x, f, name, what):
-    """The map of the first row alone must equal the first row of ``f = phi(x)``.
-
-    One extra call on a single row. A row-wise map agrees up to rounding (a matmul of
-    one row may round differently from a matmul of many), so the test allows
-    ``sqrt(eps)`` relative to the row's largest entry; a map that mixes rows (a softmax
-    or normalisation over the sequence) differs by far more.
-    """
-    first = f[..., :1, :]
-    try:
-        alone = _call_feature_map(xp, feature_map, x[..., :1, :], name, what)
-    except ValueError as exc:  # the map's shape depends on the number of rows
-        alone, gap = None, str(exc)
-    if alone is not None and alone.shape[-1] != first.shape[-1]:
-        gap = f"d'={alone.shape[-1]} for one row, d'={first.shape[-1]} for all"
-    elif alone is not None:
-        try:
-            tol = math.sqrt(float(xp.finfo(x.dtype).eps)) * (float(xp.max(xp.abs(first))) + 1.0)
-            diff = float(xp.max(xp.abs(alone - first)))
-        except TypeError:
-            # traced arrays (under jax.jit) have no values to compare: the check needs
-            # concrete ones and is made on eager calls only
-            return
-        # NaN (from NaN input) compares False: such input is not evidence of mixing rows.
-        gap = f"by {diff:.3g}" if diff > tol else None
-    if gap is not None:
-        raise ValueError(
-            f"{what} is not row-wise: the map of the first row alone differs from the first "
-            f"row of the map of all {x.shape[-2]} rows ({gap}); the variants apply it to "
-            "blocks of rows, so a map that mixes rows (e.g. a softmax over the sequence) "
-            "would change with block_size"
-        )
-
-
-def features_qk(xp, q, k, feature_map):
-    """The feature maps ``(phi(q), phi(k))``, checked to share their feature dimension ``d'``."""
-    fq = feature_map_features(q, feature_map=feature_map, name="q", xp=xp)
-    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
-    if fq.shape[-1] != fk.shape[-1]:
-        raise ValueError(
-            f"feature_map must give q and k the same feature dimension d', got "
-            f"{fq.shape[-1]} for q {tuple(q.shape)} and {fk.shape[-1]} for k {tuple(k.shape)}"
-        )
-    return fq, fk
-
-
-def _feature_pair(xp, q, k, feature_map, scale):
-    """``phi_q(rows)``, ``phi_k(rows)`` for row blocks of ``q`` and ``k``.
-
-    ``phi_q`` carries the similarity scale. Both check the callable's output (shape,
-    dtype) on every block, and that queries and keys get the same ``d'``.
-    """
-    feature_map = check_feature_map(feature_map)
-    seen = {}
-
-    def phi(name, x):
-        f = feature_map_features(x, feature_map=feature_map, name=name, xp=xp)
-        d_prime = seen.setdefault("d'", (name, f.shape[-1]))
-        if f.shape[-1] != d_prime[1]:
-            raise ValueError(
-                f"feature_map must give q and k the same feature dimension d', got "
-                f"{f.shape[-1]} for {name} {tuple(x.shape)} and {d_prime[1]} for {d_prime[0]}"
-            )
-        return f
-
-    def phi_q(x):
-        f = phi("q", x)
-        return f * scale if scale != 1.0 else f
-
-    return phi_q, lambda x: phi("k", x)
-
-
-# ---------------------------------------------------------------- option checks
-
-
-def check_eps(eps):
-    """A positive finite ``eps`` as ``float``; a non-number is a ``TypeError``, the rest a ``ValueError``."""
-    if not check_real("eps", eps, want="a positive finite real number") > 0:
-        raise ValueError(f"eps must be a positive finite real number, got {eps!r}")
-    return float(eps)
-
-
-def check_order(order):
-    """One of ``"linear"``, ``"quadratic"``, else a ``ValueError``."""
-    if order not in _ORDERS:
-        raise ValueError(f"order must be one of {', '.join(map(repr, _ORDERS))}, got {order!r}")
-    return order
-
-
-def check_scale(scale):
-    """The feature scale: ``1.0`` by default (linear attention does not scale by ``1/sqrt(d)``)."""
-    return 1.0 if scale is None else default_scale(1, scale)
-
-
-# ---------------------------------------------------------------- the engine
-
-
-def safe_denominator(xp, den, eps):
-    """``den`` where ``|den| >= eps``, else ``eps`` with the sign of ``den`` (``+eps`` at 0)."""
-    e = xp.full((), eps, dtype=den.dtype, device=array_api_compat.device(den))
-    small = xp.abs(den) < e
-    return xp.where(small, xp.where(den < 0, -e, e), den)
-
-
-def readout(xp, num, den, normalize, eps):
-    """The output from numerator ``(..., Nq, dv)`` and denominator ``(..., Nq, 1)``."""
-    return num / safe_denominator(xp, den, eps) if normalize else num
-
-
-def causal_visible(xp, nq, nk, alignment, device):
-    """Boolean ``(Nq, Nk)``: True where query ``i`` may see key ``j``."""
-    off = causal_offset(alignment, nq, nk)
-    return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
-
-
-def _similarities(xp, fq, fk, alignment):
-    """``A = phi(Q) phi(K)^T``, zero where the causal ``alignment`` (None: none) hides a key."""
-    return _hide(xp, fq @ xp.matrix_transpose(fk), alignment)
-
-
-def _hide(xp, a, alignment):
-    """``a (..., Nq, Nk)`` with zeros where the causal ``alignment`` (None: none) hides a key.
-
-    ``where``, not a product with the mask: a non-finite value at a hidden position must
-    not reach the output (``inf * 0`` is NaN)."""
-    if alignment is None:
-        return a
-    vis = causal_visible(xp, a.shape[-2], a.shape[-1], alignment, array_api_compat.device(a))
-    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=array_api_compat.device(a)))
-
-
 def _hide_in_chunks(xp, a, fq, fk):
-    """:func:`_hide` (top-left) of the in-chunk products ``a = phi(Q_c) phi(K_c)^T`` of a
-    block whose features are ``fq`` and ``fk``, as a product with the 0/1 mask where
-    that is exact.
+    """:func:`~attn_ref.linear.reference.hide` (top-left) of the in-chunk products
+    ``a = phi(Q_c) phi(K_c)^T`` of a block whose features are ``fq`` and ``fk``, as a
+    product with the 0/1 mask where that is exact.
 
     Every entry of ``a``, the hidden ones included, is at most ``d' max|phi(q)|
     max|phi(k)|`` in magnitude; when that bound is finite and below half the dtype's
@@ -404,23 +104,8 @@ def _hide_in_chunks(xp, a, fq, fk):
         if bound * fq.shape[-1] <= xp.finfo(a.dtype).max / 2:
             vis = causal_visible(xp, a.shape[-2], a.shape[-1], TOP_LEFT, array_api_compat.device(a))
             return mul_into(a, xp.astype(vis, a.dtype))
-    return _hide(xp, a, TOP_LEFT)
+    return hide(xp, a, TOP_LEFT)
 
-
-def quadratic_order(xp, fq, fk, v, alignment):
-    """Interact then sum: ``A = phi(Q) phi(K)^T`` (masked), ``(A V, rowsum A)``."""
-    a = _similarities(xp, fq, fk, alignment)
-    return a @ v, xp.sum(a, axis=-1, keepdims=True)
-
-
-def kv_state(xp, fk, v):
-    """The context summary of a set of keys: ``(S, z) = (phi(K)^T V, sum_j phi(k_j))``."""
-    return xp.matrix_transpose(fk) @ v, xp.sum(fk, axis=-2)
-
-
-def state_readout(xp, fq, s, z):
-    """Numerator ``phi(Q) S`` and denominator ``phi(Q) z`` of a summary ``(S, z)``."""
-    return fq @ s, fq @ z[..., :, None]
 
 
 def pad_rows(xp, x, before, after, fill=0.0):
@@ -811,19 +496,8 @@ def linear_from_row_maps(q, k, v, phi_q, phi_k, /, *, causal=False, order="linea
                    block_size=block_size, normalize=normalize, eps=eps, threads=False)
 
 
-def weights_from_features(fq, fk, /, *, causal=False, normalize=True, eps=DEFAULT_EPS, xp=None):
-    """The ``(..., Nq, Nk)`` attention matrix implied by features ``phi(Q)``, ``phi(K)``."""
-    xp = namespace(("fq", fq), ("fk", fk), xp=xp)
-    alignment = causal_alignment(causal)
-    normalize = check_flag("normalize", normalize)
-    eps = check_eps(eps)
-    a = _similarities(xp, fq, fk, alignment)
-    if not normalize:
-        return a
-    return a / safe_denominator(xp, xp.sum(a, axis=-1, keepdims=True), eps)
 
-
-# ---------------------------------------------------------------- public functions
+# ---------------------------------------------------------------- the public entry
 
 
 def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="linear",
@@ -901,171 +575,8 @@ def linear_attention(q, k, v, /, *, feature_map="elu+1", causal=False, order="li
                                causal=causal, order=order, chunk_size=chunk_size,
                                block_size=block_size, scale=scale, normalize=normalize, eps=eps, xp=xp)
         return xp.astype(out, q.dtype)
-    phi_q, phi_k = _feature_pair(xp, q, k, feature_map, scale)
+    phi_q, phi_k = feature_pair(xp, q, k, feature_map, scale)
     return _engine(xp, q, k, v, phi_q, phi_k, causal=causal, order=order, chunk_size=chunk_size,
                    block_size=block_size, normalize=normalize, eps=eps,
                    threads=isinstance(feature_map, str))
 
-
-def linear_attention_weights(q, k, /, *, feature_map="elu+1", causal=False, scale=None, normalize=True,
-                             eps=DEFAULT_EPS, order="linear", chunk_size=DEFAULT_CHUNK_SIZE,
-                             block_size=DEFAULT_BLOCK_SIZE, xp=None):
-    """The attention matrix linear attention implies: ``A_ij = sim(q_i, k_j) / den_i``.
-
-    Parameters
-    ----------
-    q, k, feature_map, causal, scale, normalize, eps, xp
-        As in :func:`linear_attention`.
-    order, chunk_size, block_size
-        Checked and otherwise ignored: every order implies the same matrix. Accepted
-        so that one set of options serves :func:`linear_attention` and this function.
-
-    Returns
-    -------
-    array, shape (..., Nq, Nk)
-        ``linear_attention(q, k, v, ...) == weights @ v``. Normalised rows sum to 1
-        when ``|den_i| >= eps``; rows with no visible key are zero. Entries are
-        non-negative for non-negative feature maps.
-
-    Notes
-    -----
-    ``O(Nq Nk d')`` time and ``O(Nq Nk)`` memory: for diagnostics, not for long inputs.
-
-    Examples
-    --------
-    >>> import array_api_strict as xp
-    >>> from attn_ref import linear_attention_weights
-    >>> x = xp.reshape(xp.cos(xp.arange(12.0)), (4, 3))
-    >>> w = linear_attention_weights(x, x, causal=True)
-    >>> float(xp.sum(w[2, :])), float(w[0, 1])
-    (1.0, 0.0)
-    """
-    xp, _ = check_qkv(q, k, k, xp=xp)
-    scale = check_scale(scale)
-    check_order(order)
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("block_size", block_size)
-    fq, fk = features_qk(xp, q, k, feature_map)
-    if scale != 1.0:
-        fq = fq * scale
-    return weights_from_features(fq, fk, causal=causal, normalize=normalize, eps=eps, xp=xp)
-
-
-def linear_attention_state(k, v, /, *, feature_map="elu+1", xp=None):
-    """The recurrent state ``(S, z) = (phi(K)^T V, sum_j phi(k_j))`` of a key/value prefix.
-
-    Parameters
-    ----------
-    k : array, shape (..., Nk, d)
-    v : array, shape (..., Nk, dv)
-        ``Nk == 0`` gives the empty (all-zero) state that decoding starts from:
-        ``linear_attention_state(k[..., :0, :], v[..., :0, :])``.
-    feature_map, xp
-        As in :func:`linear_attention`.
-
-    Returns
-    -------
-    s : array, shape (..., d', dv)
-    z : array, shape (..., d')
-
-    Examples
-    --------
-    >>> import array_api_strict as xp
-    >>> from attn_ref import linear_attention_state
-    >>> k = xp.ones((3, 4)); v = xp.ones((3, 2))
-    >>> s, z = linear_attention_state(k[:0, :], v[:0, :])
-    >>> s.shape, z.shape, float(xp.sum(s))
-    ((4, 2), (4,), 0.0)
-    """
-    xp, _ = check_qkv(k, k, v, xp=xp)
-    fk = feature_map_features(k, feature_map=feature_map, name="k", xp=xp)
-    return kv_state(xp, fk, v)
-
-
-def linear_attention_step(state, q, k, v, /, *, feature_map="elu+1", scale=None, normalize=True,
-                          eps=DEFAULT_EPS, xp=None):
-    """One step of causal linear attention as a recurrence ("transformers are RNNs").
-
-    ``S' = S + phi(k) v^T``, ``z' = z + phi(k)``, ``o = phi(q)^T S' / phi(q)^T z'``:
-    the new token sees itself and every token summarised in ``state``.
-
-    Parameters
-    ----------
-    state : tuple ``(S, z)``
-        ``S (..., d', dv)``, ``z (..., d')``, from :func:`linear_attention_state` or a
-        previous step.
-    q : array, shape (..., d)
-    k : array, shape (..., d)
-    v : array, shape (..., dv)
-        One token (no sequence axis).
-    feature_map, scale, normalize, eps, xp
-        As in :func:`linear_attention`.
-
-    Returns
-    -------
-    out : array, shape (..., dv)
-    new_state : tuple ``(S', z')``
-
-    Notes
-    -----
-    ``O(d' dv)`` time and memory per step. Running it over ``q, k, v`` from the empty
-    state reproduces ``linear_attention(q, k, v, causal=True)`` to rounding.
-
-    Examples
-    --------
-    >>> import array_api_strict as xp
-    >>> from attn_ref import linear_attention, linear_attention_state, linear_attention_step
-    >>> x = xp.reshape(xp.sin(xp.arange(15.0)), (5, 3))
-    >>> state = linear_attention_state(x[:0, :], x[:0, :])
-    >>> outs = []
-    >>> for t in range(5):
-    ...     o, state = linear_attention_step(state, x[t, :], x[t, :], x[t, :])
-    ...     outs.append(o)
-    >>> ref = linear_attention(x, x, x, causal=True)
-    >>> bool(xp.max(xp.abs(xp.stack(outs) - ref)) < 1e-14)
-    True
-    """
-    if not (isinstance(state, (tuple, list)) and len(state) == 2):
-        raise TypeError(f"state must be a pair (S, z), got {type(state).__name__}")
-    s, z = state
-    xp = namespace(("S", s), ("z", z), ("q", q), ("k", k), ("v", v), xp=xp)
-    for name, x, want in (("q", q, "(..., d)"), ("k", k, "(..., d)"), ("v", v, "(..., dv)"),
-                          ("S", s, "(..., d', dv)"), ("z", z, "(..., d')")):
-        if x.ndim < (2 if name == "S" else 1):
-            raise ValueError(f"{name} must have shape {want}, got shape {tuple(x.shape)}")
-        if not is_floating(xp, x.dtype):
-            raise TypeError(f"{name} must have a real floating dtype, got {x.dtype}")
-    xp, _ = check_qkv(q[..., None, :], k[..., None, :], v[..., None, :], xp=xp)
-    if s.dtype != q.dtype or z.dtype != q.dtype:
-        raise TypeError(f"state must have the dtype of q ({q.dtype}), got S {s.dtype}, z {z.dtype}")
-    scale = check_scale(scale)
-    normalize = check_flag("normalize", normalize)
-    eps = check_eps(eps)
-    fq, fk = features_qk(xp, q[..., None, :], k[..., None, :], feature_map)
-    m, dv = fk.shape[-1], v.shape[-1]
-    if s.shape[-2:] != (m, dv) or z.shape[-1] != m:
-        raise ValueError(
-            f"state does not fit this token: need S (..., d', dv) = (..., {m}, {dv}) and "
-            f"z (..., {m}), got S {tuple(s.shape)} and z {tuple(z.shape)}"
-        )
-    ds, dz = kv_state(xp, fk, v[..., None, :])
-    s, z = s + ds, z + dz
-    if scale != 1.0:
-        fq = fq * scale
-    num, den = state_readout(xp, fq, s, z)
-    return readout(xp, num, den, normalize, eps)[..., 0, :], (s, z)
-
-
-def _register():
-    from .registry import Variant, register
-
-    register(Variant(
-        name="linear", fn=linear_attention, family="linear", exact=False, causal=True,
-        vjp="attn_ref.grad.linear:linear_attention",
-        time="O(N d^2)", memory="O(N d + B C + (B/C) d^2)", weights=linear_attention_weights,
-        options={"feature_map": "elu+1", "order": "linear", "chunk_size": 8, "block_size": 16},
-        summary="linear attention phi(Q)(phi(K)^T V), elu+1 features; causal chunked",
-    ))
-
-
-_register()
