@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .._checks import check_flag, check_positive_int, check_qkv
-from .._common import TOP_LEFT, causal_alignment, causal_offset, ceil_div
+from .._checks import check_qkv
+from .._common import TOP_LEFT, causal_offset, ceil_div
 from ..linear import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_EPS,
     align_square,
     causal_visible,
-    check_eps,
+    check_engine_options,
     check_feature_map,
-    check_order,
     check_scale,
     chunked_values,
     features_qk,
@@ -203,12 +202,7 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
     when causal, ``O(N d')`` otherwise).
     """
     xp, batch = check_qkv(fq, fk, v, xp=xp)
-    alignment = causal_alignment(causal)
-    check_order(order)
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("block_size", block_size)
-    normalize = check_flag("normalize", normalize)
-    eps = check_eps(eps)
+    alignment, normalize, eps = check_engine_options(causal, order, chunk_size, block_size, normalize, eps)
     nq, nk = fq.shape[-2], fk.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), v)
     if nq == 0 or nk == 0:

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import array_api_compat
 
-from .._checks import broadcast_batch, check_flag, check_positive_int, check_qkv, namespace
+from .._checks import broadcast_batch, check_qkv, namespace
 from .._common import (
     TOP_LEFT,
     add_into,
     batch_rows,
-    causal_alignment,
     causal_offset,
     ceil_div,
     is_lazy,
@@ -35,8 +34,7 @@ from .options import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_EPS,
-    check_eps,
-    check_order,
+    check_engine_options,
     check_scale,
     feature_pair,
 )
@@ -412,12 +410,7 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     """Shared by :func:`linear_attention` and :func:`linear_from_features`; options checked
     here. ``threads=False`` keeps a large call on one thread (a user's feature map is
     not promised to be thread-safe)."""
-    alignment = causal_alignment(causal)
-    check_order(order)
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("block_size", block_size)
-    normalize = check_flag("normalize", normalize)
-    eps = check_eps(eps)
+    alignment, normalize, eps = check_engine_options(causal, order, chunk_size, block_size, normalize, eps)
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),
                              ("v", tuple(v.shape[:-2]))])

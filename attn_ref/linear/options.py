@@ -12,8 +12,8 @@ import math
 
 import array_api_compat
 
-from .._checks import check_array, check_real, default_scale, namespace
-from .._common import add_into, numpy_backed
+from .._checks import check_array, check_flag, check_positive_int, check_real, default_scale, namespace
+from .._common import add_into, causal_alignment, numpy_backed
 
 __all__ = [
     "FEATURE_MAPS",
@@ -27,6 +27,7 @@ __all__ = [
     "check_eps",
     "check_order",
     "check_scale",
+    "check_engine_options",
 ]
 
 FEATURE_MAPS = ("elu+1", "relu", "identity")
@@ -231,3 +232,12 @@ def check_scale(scale):
     """The feature scale: ``1.0`` by default (linear attention does not scale by ``1/sqrt(d)``)."""
     return 1.0 if scale is None else default_scale(1, scale)
 
+
+def check_engine_options(causal, order, chunk_size, block_size, normalize, eps):
+    """The options of the linear-order engine and its VJP, checked once: returns
+    ``(alignment, normalize, eps)`` (``alignment`` None when not causal)."""
+    alignment = causal_alignment(causal)
+    check_order(order)
+    check_positive_int("chunk_size", chunk_size)
+    check_positive_int("block_size", block_size)
+    return alignment, check_flag("normalize", normalize), check_eps(eps)
