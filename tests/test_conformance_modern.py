@@ -147,6 +147,19 @@ def test_modern_features_and_cases_are_catalogued():
     assert max(c.nk for c in long) == 65536 and {c.nq for c in long} >= {1, 16}
     for feat in MODERN:
         assert any(feat in c.needs for c in std), feat
+    # a sliding-window decode step (Mistral, Gemma, Qwen 2 with a cache): causal, Nq < Nk,
+    # the window bounded on the left; alone at batch 3 x 5 heads too
+    sliding = [c for c in std
+               if c.needs == {"window", "causal"} and c.nq < c.nk and c.param("window")[0] >= 0]
+    assert any(c.batch[0] >= 3 and c.batch[1] >= 5 for c in sliding), [c.id for c in sliding]
+    # Llama 4's chunks: a decode step on a cache no chunk divides, batch >= 3 x heads >= 5,
+    # a cache of 1000 keys (8192 in exhaustive, the step straddling a chunk boundary), and
+    # a prefill
+    chunked = [c for c in std if "chunk" in c.needs and c.causal and c.nq < c.nk]
+    assert any(c.nk % c.param("chunk") and c.batch[0] >= 3 and c.batch[1] >= 5 for c in chunked)
+    assert any(c.nk >= 1000 for c in chunked) and any(c.nq == c.nk for c in std if "chunk" in c.needs)
+    assert any("chunk" in c.needs and (c.nk - c.nq) // c.param("chunk") != (c.nk - 1) // c.param("chunk")
+               and c.nk > 8000 for c in _modern("exhaustive"))
     ids = [c.id for c in cases(None, "exhaustive")]
     assert len(ids) == len(set(ids))
 
