@@ -1,10 +1,10 @@
 """Kernel features: the capabilities a conformance case may need from a kernel.
 
 A :class:`Feature` names the reference keyword it feeds (``mask``, ``bias``, ``causal``,
-``scale``, ``gqa``, ``window``, ...), the kernel parameter names that declare it, and
+``scale``, ``gqa``, ``window``, ``chunk``, ...), the kernel parameter names that declare it, and
 optional hooks: ``build`` adds or reshapes a case's inputs (GQA: fewer kv heads; varlen:
 sequence lengths), ``allowed`` contributes to the ``(..., Nq, Nk)`` visibility matrix
-used for fully-masked-row semantics (windows, varlen boundaries), ``to_kernel``
+used for fully-masked-row semantics (windows, chunks, varlen boundaries), ``to_kernel``
 converts the value for the kernel (causal alignment -> ``True``).
 
 Extension point: :func:`register_feature`. Adding a kernel capability is one call plus

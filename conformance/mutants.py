@@ -9,7 +9,7 @@ runs the catalogue and reports how many were caught and how many were diagnosed 
     python -m conformance.mutants quick 20      # seeds 0..19
 
 Extension point: append to :data:`MUTANTS` (the gradient checks add broken backward
-passes, the GQA/window/varlen features their mutants, each with its expected words).
+passes, the GQA/window/chunk/varlen features their mutants, each with its expected words).
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ MUTANTS: list[Mutant] = [
 
 
 def _modern(mistake):
-    """A NumPy kernel taking GQA, windows, soft-capping and lengths (attn_ref's reference
-    run on NumPy) with one ``mistake``."""
+    """A NumPy kernel taking GQA, windows, Llama 4's chunks, soft-capping and lengths
+    (attn_ref's reference run on NumPy) with one ``mistake``."""
 
     def kernel(q, k, v, *, mask=None, causal=False, scale=None, gqa=False, window=None, chunk=None,
                softcap=None, seqlens_q=None, seqlens_k=None):

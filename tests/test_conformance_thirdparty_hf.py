@@ -69,6 +69,7 @@ KERNELS = {
     ("llama", "eager"): 10,
     ("llama", "sdpa"): 10,
     ("llama4", "eager"): 13,
+    ("llama4", "sdpa"): 13,
     ("mistral", "eager"): 13,
     ("qwen2", "sdpa"): 13,
     ("gemma2", "eager"): 15,
