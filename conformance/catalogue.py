@@ -493,6 +493,32 @@ def _modern_standard():
         out.append(C("decode", (2, 8), nq, 1000, 64, 64, causal="bottom-right",
                      params=(("kv_heads", 2), ("seqlens_k", (1000, 200 + nq))),
                      features=("gqa", "seqlens_k")))
+    # Sliding-window decoding (Mistral, Gemma 2/3, Qwen 2 with a cache): a window bounded
+    # on the left under a causal mask with Nq < Nk, where the window's left edge is
+    # measured from each query's position i + Lk - Lq; alone (batch 3 x 5 heads), and
+    # as HF's sliding layers run it (GQA, left-padded caches of 300 and 180 keys, which
+    # a sliding cache of 63 keys truncates)
+    out += [C("window-decode", bh, 5, 300, 32, 32, causal="bottom-right", params=(("window", (63, -1)),),
+              features=win),
+            C("window-decode", (2, 4), 5, 300, 32, 32, causal="bottom-right",
+              params=(("kv_heads", 2), ("seqlens_k", (300, 180)), ("window", (63, -1))),
+              features=("gqa", "seqlens_k", "window"))]
+    # Llama 4's chunked attention (attention_chunk_size): chunks on absolute positions,
+    # lengths that no chunk size divides. A prefill (bottom-right, Nq = Nk = 129 = 8 x
+    # 16 + 1); queries at positions 64..128 of 129 keys without causal, where chunks
+    # counted from the first query differ from absolute ones; a decode step of 5
+    # queries at positions 198..202 of a 203-key cache (batch 3 x 5 heads), where a
+    # chunk counted from the queries' own index, or from the last key, holds other keys;
+    # and Llama 4's decode: GQA and left-padded caches of 1000 and 205 keys (chunks of
+    # 192 counted from each sequence's first token, as HF's left_padding correction).
+    chunk = ("chunk",)
+    out += [C("chunk", (1, 2), 129, 129, 32, 32, causal="bottom-right", params=(("chunk", 16),),
+              features=chunk),
+            C("chunk", (1, 2), 65, 129, 32, 32, params=(("chunk", 24),), features=chunk),
+            C("chunk", bh, 5, 203, 16, 16, causal="bottom-right", params=(("chunk", 64),), features=chunk),
+            C("chunk-decode", (2, 8), 5, 1000, 64, 64, causal="bottom-right",
+              params=(("kv_heads", 2), ("seqlens_k", (1000, 205)), ("chunk", 192)),
+              features=("gqa", "seqlens_k", "chunk"))]
     return out
 
 
@@ -506,6 +532,11 @@ def _modern_long():
                          features=("gqa", "seqlens_k")))
     out.append(C("window", (1, 1), 4096, 4096, 64, 64, causal="bottom-right",
                  params=(("window", (255, -1)),), features=("window",)))
+    # Llama 4 Scout's chunks of 8192 decoding 16 queries at positions 8181..8196: the
+    # step straddles the first chunk boundary, 11 queries see keys 0..i, 5 see 8192..i.
+    # Here and not in the long suite, whose Dask golden takes causal and scale only.
+    out.append(C("chunk", (1, 4), 16, 8197, 64, 64, causal="bottom-right", params=(("chunk", 8192),),
+                 features=("chunk",)))
     return out
 
 

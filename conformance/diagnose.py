@@ -48,8 +48,9 @@ place.
 Extension point: append a :class:`Signature` to :data:`SIGNATURES` (or call
 :func:`register_signature`). Its ``candidates(prep)`` yields ``(message, output)``
 pairs, ``output`` in the canonical ``(B, H, Nq, dv)`` layout as float64; the gradient
-checks and the GQA/window/varlen features add theirs the same way (a window off by
-one, a wrong query-head -> kv-head mapping, a varlen boundary leak).
+checks and the GQA/window/chunk/varlen features add theirs the same way (a window off by
+one, a chunk size off by one or chunks on the wrong positions, a wrong query-head ->
+kv-head mapping, a varlen boundary leak).
 """
 
 from __future__ import annotations
@@ -500,6 +501,37 @@ def _window_sigs(prep):
         yield words, _ref(prep, mask=al)
 
 
+def _chunk_sigs(prep):
+    """Llama 4's chunked attention done wrong: the chunk size off by one, chunking ignored,
+    and chunks placed on other positions than the absolute ones (query ``i`` at
+    ``i + Lk - Lq``, chunks counted from key 0 of each sequence)."""
+    c = prep.kwargs.get("chunk")
+    if c is None:
+        return
+    for other in (c + 1, c - 1):
+        if other >= 1:
+            yield f"the chunk size is off by one (chunk {other} instead of {c})", _ref(prep, chunk=other)
+    yield (f"chunking is ignored (chunk {c} declared: every key the other masks allow is attended)",
+           _ref(prep, chunk=None))
+    case = prep.case
+    lq, lk = sequence_lengths(case, prep.kwargs)
+    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
+    pos = i + lk - lq  # the queries' absolute positions
+    wrong = (
+        ("the chunks are measured from the query's own index i instead of its absolute position "
+         "i + Lk - Lq (the cache offset left out of the chunk)", i // c == j // c),
+        ("the chunks are measured from the last key backwards (the last chunk ends at key Lk - 1) "
+         "instead of from position 0", (lk - 1 - pos) // c == (lk - 1 - j) // c),
+        ("the chunks are counted from the padded start of a left-padded batch instead of each "
+         "sequence's first token (HuggingFace's left_padding correction left out)",
+         (pos + case.nk - lk) // c == (j + case.nk - lk) // c),
+    )
+    for words, al in wrong:
+        if "mask" in prep.arrays:
+            al = np.logical_and(al, prep.arrays["mask"])
+        yield words, _ref(prep, chunk=None, mask=al)
+
+
 def _gqa_sigs(prep):
     if not prep.kwargs.get("gqa"):
         return
@@ -658,7 +690,7 @@ def _varlen_sigs(prep):
     def pack(x, lens):
         return np.concatenate([np.swapaxes(x[b, :, :n], 0, 1) for b, n in enumerate(lens)])
 
-    kw = {n: prep.kwargs[n] for n in ("window", "softcap") if n in prep.kwargs}
+    kw = {n: prep.kwargs[n] for n in ("window", "chunk", "softcap") if n in prep.kwargs}
     if "alibi_slopes" in a:
         kw["alibi_slopes"] = a["alibi_slopes"]
     o = varlen_attention(pack(a["q"], lq), pack(a["k"], lk), pack(a["v"], lk),
@@ -753,6 +785,7 @@ def _pinv_init_sigs(prep):
 
 for _sig in (
     Signature("window", _window_sigs),
+    Signature("chunk", _chunk_sigs),
     Signature("gqa", _gqa_sigs),
     Signature("softcap", _softcap_sigs),
     Signature("logits in the dtype", _logits_in_dtype_sigs, exact_only=True),

@@ -1,10 +1,10 @@
 """Kernel features: the capabilities a conformance case may need from a kernel.
 
 A :class:`Feature` names the reference keyword it feeds (``mask``, ``bias``, ``causal``,
-``scale``, ``gqa``, ``window``, ...), the kernel parameter names that declare it, and
+``scale``, ``gqa``, ``window``, ``chunk``, ...), the kernel parameter names that declare it, and
 optional hooks: ``build`` adds or reshapes a case's inputs (GQA: fewer kv heads; varlen:
 sequence lengths), ``allowed`` contributes to the ``(..., Nq, Nk)`` visibility matrix
-used for fully-masked-row semantics (windows, varlen boundaries), ``to_kernel``
+used for fully-masked-row semantics (windows, chunks, varlen boundaries), ``to_kernel``
 converts the value for the kernel (causal alignment -> ``True``).
 
 Extension point: :func:`register_feature`. Adding a kernel capability is one call plus
@@ -165,6 +165,19 @@ def _window_allowed(case, arrays, kwargs):
     return ok
 
 
+def _chunk_build(case, rng, arrays, kwargs):
+    kwargs["chunk"] = int(case.param("chunk"))
+
+
+def _chunk_allowed(case, arrays, kwargs):
+    # Llama 4's chunked_overlay on absolute positions: query i at i + Lk - Lq, chunks
+    # counted from each sequence's key 0
+    c = kwargs["chunk"]
+    lq, lk = sequence_lengths(case, kwargs)
+    i, j = np.arange(case.nq)[:, None], np.arange(case.nk)[None, :]
+    return (i + lk - lq) // c == j // c
+
+
 def _softcap_build(case, rng, arrays, kwargs):
     kwargs["softcap"] = float(case.param("softcap"))
 
@@ -202,6 +215,10 @@ register_feature(Feature("window", ("window", "window_size"), build=_window_buil
                          allowed=_window_allowed,
                          doc="sliding window (left, right), FlashAttention's window_size, -1 = "
                              "unbounded, bottom-right aligned"))
+register_feature(Feature("chunk", ("chunk", "attention_chunk_size"), build=_chunk_build,
+                         allowed=_chunk_allowed,
+                         doc="chunked attention (Llama 4's attention_chunk_size c): query i sees key "
+                             "j iff (i + Lk - Lq) // c == j // c, chunks on absolute positions"))
 register_feature(Feature("softcap", ("softcap", "logit_softcap"), build=_softcap_build,
                          doc="logit soft-capping c tanh(s / c) of the scaled logits, before bias"))
 register_feature(Feature("alibi", ("alibi_slopes",), build=_alibi_build,

@@ -9,7 +9,7 @@ runs the catalogue and reports how many were caught and how many were diagnosed 
     python -m conformance.mutants quick 20      # seeds 0..19
 
 Extension point: append to :data:`MUTANTS` (the gradient checks add broken backward
-passes, the GQA/window/varlen features their mutants, each with its expected words).
+passes, the GQA/window/chunk/varlen features their mutants, each with its expected words).
 """
 
 from __future__ import annotations
@@ -157,15 +157,17 @@ MUTANTS: list[Mutant] = [
 
 
 def _modern(mistake):
-    """A NumPy kernel taking GQA, windows, soft-capping and lengths (attn_ref's reference
-    run on NumPy) with one ``mistake``."""
+    """A NumPy kernel taking GQA, windows, Llama 4's chunks, soft-capping and lengths
+    (attn_ref's reference run on NumPy) with one ``mistake``."""
 
-    def kernel(q, k, v, *, mask=None, causal=False, scale=None, gqa=False, window=None,
+    def kernel(q, k, v, *, mask=None, causal=False, scale=None, gqa=False, window=None, chunk=None,
                softcap=None, seqlens_q=None, seqlens_k=None):
         from attn_ref.softmax import softmax_attention, varlen_attention
 
-        kw = dict(mask=mask, causal=causal, scale=scale, gqa=gqa, window=window, softcap=softcap,
-                  seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        kw = dict(mask=mask, causal=causal, scale=scale, gqa=gqa, window=window, chunk=chunk,
+                  softcap=softcap, seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+        if mistake.startswith("chunk") and chunk is not None:
+            kw.update(_chunk_mistake(mistake, chunk, q.shape[-2], k.shape[-2], seqlens_q, seqlens_k, mask))
         if mistake in ("window left", "window right") and window is not None:
             left, right = window
             kw["window"] = (left + 1 if mistake == "window left" and left >= 0 else left,
@@ -193,6 +195,23 @@ def _modern(mistake):
     return kernel
 
 
+def _chunk_mistake(mistake, c, nq, nk, seqlens_q, seqlens_k, mask):
+    """The options a kernel with Llama 4's chunks done wrong passes the reference instead."""
+    if mistake == "chunk plus one":
+        return {"chunk": c + 1}
+    if mistake == "chunk ignored":
+        return {"chunk": None}
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    lq = np.reshape(seqlens_q if seqlens_q is not None else nq, (-1, 1, 1, 1))
+    lk = np.reshape(seqlens_k if seqlens_k is not None else nk, (-1, 1, 1, 1))
+    if mistake == "chunk local":  # the chunk of the query's own index, no cache offset
+        al = i // c == j // c
+    else:  # "chunk from end": chunks counted backwards from each sequence's last key
+        pos = i + lk - lq
+        al = (lk - 1 - pos) // c == (lk - 1 - j) // c
+    return {"chunk": None, "mask": al if mask is None else al & mask}
+
+
 def _feature_cases(name):
     from .catalogue import CATALOGUE
 
@@ -204,6 +223,14 @@ MUTANTS += [
            {"cases": _feature_cases("window")}),
     Mutant("window right extent off by one", _modern("window right"), "right extent is off by one",
            {"cases": _feature_cases("window")}),
+    Mutant("chunk size off by one", _modern("chunk plus one"), "chunk size is off by one",
+           {"cases": _feature_cases("chunk")}),
+    Mutant("chunking ignored", _modern("chunk ignored"), "chunking is ignored",
+           {"cases": _feature_cases("chunk")}),
+    Mutant("chunks from the query's index", _modern("chunk local"),
+           "chunks are measured from the query's own index", {"cases": _feature_cases("chunk")}),
+    Mutant("chunks from the last key", _modern("chunk from end"),
+           "chunks are measured from the last key backwards", {"cases": _feature_cases("chunk")}),
     Mutant("GQA head h -> kv head h % Hkv", _modern("gqa modulo"), "h % Hkv",
            {"cases": _feature_cases("gqa")}),
     Mutant("varlen leak across sequences", _modern("varlen leak"), "across sequence boundaries",

@@ -80,8 +80,9 @@ Each entry of ``cases``:
     for ``bigbird``, ``init_rows`` for ``clustered`` and ``clustered_topk``.
 ``options`` (object)
     The case's feature options: ``gqa``, ``window`` ``[left, right]`` with -1
-    unbounded, ``softcap``, ``dropout_p``, ``seqlens_q``/``seqlens_k``; the arrays
-    ``alibi_slopes`` ``(H,)`` and ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
+    unbounded, ``chunk`` (Llama 4's chunk size), ``softcap``, ``dropout_p``,
+    ``seqlens_q``/``seqlens_k``; the arrays ``alibi_slopes`` ``(H,)`` and
+    ``dropout_mask`` ``(B, H, Nq, Nk)`` are in the file.
 ``outputs`` (list of str)
     The expected outputs in the file: ``"golden"``, plus ``"golden_dq"``,
     ``"golden_dk"``, ``"golden_dv"`` (``"golden_dbias"``; ``"golden_dg"``,
@@ -215,7 +216,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "default_scale": prep.kwargs.get("scale") is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},
-                # the case's other plain reference options: gqa, window, softcap,
+                # the case's other plain reference options: gqa, window, chunk, softcap,
                 # dropout_p, seqlens_q/seqlens_k (see conformance.catalogue.FEATURES)
                 "options": {n: list(x) if isinstance(x, tuple) else x
                             for n, x in prep.kwargs.items() if n not in ("causal", "scale")},

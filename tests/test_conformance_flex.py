@@ -51,12 +51,13 @@ def _pack(x, lens):
 
 
 def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
-         window=None, softcap=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None,
+         window=None, chunk=None, softcap=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None,
          plant=None, alibi="flash"):
     """Softmax attention with every option as a FlexAttention mod; ``(out, lse)``.
 
     ``causal`` is the oracle's alignment string (``causal="both"``): bottom-right is
-    query ``i`` at key position ``i + Lk - Lq``, as the window and ALiBi are. With
+    query ``i`` at key position ``i + Lk - Lq``, as the window, Llama 4's chunks
+    (attention-gym's ``generate_chunked_mask`` on those positions) and ALiBi are. With
     ``seqlens_q``/``seqlens_k`` the batch is packed into one sequence and a document mask
     keeps each query in its own sequence. ``alibi="flash"``: ``-slope |i + Lk - Lq - j|``
     (FlashAttention's, the oracle's); ``"gym"``: attention-gym's ``generate_alibi_bias``,
@@ -73,6 +74,8 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
         softcap = softcap * 1.01
     if window is not None and plant == "window" and window[0] >= 0:
         window = (window[0] + 1, window[1])
+    if chunk is not None and plant == "chunk":
+        chunk = chunk + 1
     reach = 1 if plant == "causal" else 0
     mask = None if mask is None else mask.expand(b_, h_, nq, nk)
     bias = None if bias is None else bias.expand(b_, h_, nq, nk)
@@ -113,6 +116,8 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
                 ok = ok & (j >= i + off[s] - left)
             if right >= 0:
                 ok = ok & (j <= i + off[s] + right)
+        if chunk is not None:
+            ok = ok & ((i + off[s]) // chunk == j // chunk)
         if mask is not None:
             ok = ok & mask[s, h, i, j]
         return ok
@@ -153,10 +158,10 @@ def _kernel(**fixed):
     """:func:`flex` with some keywords fixed, under the signature the oracle reads."""
     @functools.wraps(flex)
     def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
-               window=None, softcap=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None):
+               window=None, chunk=None, softcap=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None):
         return flex(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, enable_gqa=enable_gqa,
-                    window=window, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_q=seqlens_q,
-                    seqlens_k=seqlens_k, **fixed)
+                    window=window, chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes,
+                    seqlens_q=seqlens_q, seqlens_k=seqlens_k, **fixed)
     return kernel
 
 
@@ -192,6 +197,9 @@ OPTIONS = (
     "seqlens:b2h4-q4k200-d32-seqlens_k200x77",
     "decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205",
     "combo:b2h4-q65k65-d64-causal-br-kv_heads2-softcap30-window16x-1",
+    "window-decode:b3h5-q5k300-d32-causal-br-window63x-1",
+    "chunk:b1h2-q65k129-d32-chunk24",
+    "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192",
 )
 
 
@@ -201,7 +209,7 @@ def test_flex_attention_passes(dtype):
     assert {r.output for r in rows} == {"out", "lse"}
     bad = [(r.case, r.output, r.verdict, r.ratio, r.diagnosis) for r in rows if r.verdict != "pass"]
     assert not bad, bad
-    assert len(rows) == (198 if FULL else 2 * len(OPTIONS))
+    assert len(rows) == (220 if FULL else 2 * len(OPTIONS))
     print(f"FLEX {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
 
 
@@ -240,6 +248,9 @@ PLANTS = {
               "the logit scale is 1 % too large"),
     "document": (("varlen:b3h2-q64k64-d32-seqlens_q64x17x1-seqlens_k64x17x1",),
                  "wrong only on batch entries 0..1"),
+    "chunk": (("chunk:b3h5-q5k203-d16-causal-br-chunk64",
+               "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192"),
+              "the chunk size is off by one"),
 }
 
 

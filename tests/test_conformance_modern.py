@@ -1,9 +1,10 @@
 """The oracle's cases for what modern kernels take: grouped-query heads, sliding windows,
-soft-capping, ALiBi, dropout keep-masks, per-sequence lengths (varlen in padded form,
-KV-cache decoding). Calibration: PyTorch SDPA (``enable_gqa=True``, masks built for
-windows and lengths, ALiBi as a float bias) and attn_ref's own online form pass; the
-mutants (window off by one on either side, group mapping ``h % Hkv``, a varlen kernel
-that leaks across sequence boundaries, the scale applied again after the soft-cap) fail.
+Llama 4's chunks, soft-capping, ALiBi, dropout keep-masks, per-sequence lengths (varlen
+in padded form, KV-cache decoding). Calibration: PyTorch SDPA (``enable_gqa=True``, masks
+built for windows, chunks and lengths, ALiBi as a float bias) and attn_ref's own online
+form pass; the mutants (window off by one on either side, a chunk one position longer,
+group mapping ``h % Hkv``, a varlen kernel that leaks across sequence boundaries, the
+scale applied again after the soft-cap) fail.
 """
 
 import math
@@ -20,7 +21,7 @@ from conformance.features import FEATURES
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-MODERN = {"gqa", "window", "softcap", "alibi", "dropout_mask", "dropout_p", "seqlens_k", "seqlens_q"}
+MODERN = {"gqa", "window", "chunk", "softcap", "alibi", "dropout_mask", "dropout_p", "seqlens_k", "seqlens_q"}
 
 
 def _modern(suite="standard"):
@@ -30,7 +31,8 @@ def _modern(suite="standard"):
 # ---------------------------------------------------------------- kernels under test
 
 
-def _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k, *, window_shift=(0, 0)):
+def _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k, *, window_shift=(0, 0),
+                chunk=None):
     """Bool (B, 1|H, Nq, Nk) visibility and the per-sequence offset Lk - Lq (B, 1, 1, 1)."""
     b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
     lq = torch.tensor(seqlens_q if seqlens_q is not None else [nq] * b).view(b, 1, 1, 1)
@@ -48,18 +50,21 @@ def _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k, *, win
             ok = ok & (j >= i + off - left)
         if window[1] >= 0:
             ok = ok & (j <= i + off + right)
+    if chunk is not None:  # Llama 4's chunked_overlay on absolute positions
+        ok = ok & (torch.div(i + off, chunk, rounding_mode="floor")
+                   == torch.div(j, chunk, rounding_mode="floor"))
     return ok, off, i, j
 
 
 def sdpa_modern(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                window=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None, _shift=(0, 0),
+                window=None, chunk=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None, _shift=(0, 0),
                 _gqa_tile=False):
-    """PyTorch SDPA with windows, lengths and causal as a mask and ALiBi as a float bias.
+    """PyTorch SDPA with windows, chunks, lengths and causal as a mask and ALiBi as a float bias.
 
     Rows with no visible key are set to zero, as FlashAttention's un-padding does.
     """
     ok, off, i, j = _visibility(q, k, attn_mask, is_causal, window, seqlens_q, seqlens_k,
-                                window_shift=_shift)
+                                window_shift=_shift, chunk=chunk)
     bias = torch.zeros(ok.shape, dtype=q.dtype).masked_fill(~ok, -math.inf)
     if alibi_slopes is not None:
         bias = bias - alibi_slopes.to(q.dtype).view(1, -1, 1, 1) * (i + off - j).abs().to(q.dtype)
@@ -71,10 +76,10 @@ def sdpa_modern(q, k, v, *, attn_mask=None, is_causal=False, scale=None, enable_
 
 
 def attn_ref_online(q, k, v, *, mask=None, bias=None, causal=False, scale=None, gqa=False,
-                    window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
-                    seqlens_q=None, seqlens_k=None):
+                    window=None, chunk=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                    dropout_mask=None, seqlens_q=None, seqlens_k=None):
     return online_softmax_attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, gqa=gqa,
-                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                                    window=window, chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes,
                                     dropout_p=dropout_p, dropout_mask=dropout_mask, seqlens_q=seqlens_q,
                                     seqlens_k=seqlens_k, block_q=32, block_k=64)
 
@@ -142,6 +147,19 @@ def test_modern_features_and_cases_are_catalogued():
     assert max(c.nk for c in long) == 65536 and {c.nq for c in long} >= {1, 16}
     for feat in MODERN:
         assert any(feat in c.needs for c in std), feat
+    # a sliding-window decode step (Mistral, Gemma, Qwen 2 with a cache): causal, Nq < Nk,
+    # the window bounded on the left; alone at batch 3 x 5 heads too
+    sliding = [c for c in std
+               if c.needs == {"window", "causal"} and c.nq < c.nk and c.param("window")[0] >= 0]
+    assert any(c.batch[0] >= 3 and c.batch[1] >= 5 for c in sliding), [c.id for c in sliding]
+    # Llama 4's chunks: a decode step on a cache no chunk divides, batch >= 3 x heads >= 5,
+    # a cache of 1000 keys (8192 in exhaustive, the step straddling a chunk boundary), and
+    # a prefill
+    chunked = [c for c in std if "chunk" in c.needs and c.causal and c.nq < c.nk]
+    assert any(c.nk % c.param("chunk") and c.batch[0] >= 3 and c.batch[1] >= 5 for c in chunked)
+    assert any(c.nk >= 1000 for c in chunked) and any(c.nq == c.nk for c in std if "chunk" in c.needs)
+    assert any("chunk" in c.needs and (c.nk - c.nq) // c.param("chunk") != (c.nk - 1) // c.param("chunk")
+               and c.nk > 8000 for c in _modern("exhaustive"))
     ids = [c.id for c in cases(None, "exhaustive")]
     assert len(ids) == len(set(ids))
 
@@ -195,7 +213,7 @@ def test_sdpa_with_masks_and_alibi_bias_passes(dtype, seeds):
                      seed=seed, causal="both", progress=False)
         assert rep.passed, rep.table()
         ran = {r.case for r in rep.results if r.verdict == "pass"}
-        for feat in ("gqa", "window", "alibi", "seqlens_k", "seqlens_q"):
+        for feat in ("gqa", "window", "chunk", "alibi", "seqlens_k", "seqlens_q"):
             assert any(r.case in ran for r in _by_feature(rep, feat)), feat
         # SDPA has no soft-cap and no keep-mask: those cases are n/a, never passed
         assert all(r.verdict == "n/a" for f in ("softcap", "dropout_mask") for r in _by_feature(rep, f))
@@ -212,12 +230,12 @@ def test_attn_ref_online_on_torch_passes_every_modern_case(dtype):
 def test_attn_ref_on_jax_passes_the_small_modern_cases():
     # Under jax.jit (eager JAX costs tens of ms an op): options are static, lengths too.
     jax = pytest.importorskip("jax")
-    static = ("causal", "gqa", "window", "softcap", "dropout_p", "seqlens_q", "seqlens_k")
+    static = ("causal", "gqa", "window", "chunk", "softcap", "dropout_p", "seqlens_q", "seqlens_k")
     jitted = jax.jit(softmax_attention, static_argnames=static)
 
-    def kernel(q, k, v, *, mask=None, causal=False, gqa=False, window=None, softcap=None,
+    def kernel(q, k, v, *, mask=None, causal=False, gqa=False, window=None, chunk=None, softcap=None,
                alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None):
-        return jitted(q, k, v, mask=mask, causal=causal, gqa=gqa, window=window, softcap=softcap,
+        return jitted(q, k, v, mask=mask, causal=causal, gqa=gqa, window=window, chunk=chunk, softcap=softcap,
                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
                       seqlens_q=seqlens_q, seqlens_k=seqlens_k)
 
@@ -255,27 +273,43 @@ def _window_right(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, win
                        attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _shift=(0, -1))
 
 
+def _chunk_plus_one(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, chunk=None, attn_mask=None,
+                    seqlens_q=None, seqlens_k=None):
+    return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                       chunk=None if chunk is None else chunk + 1, attn_mask=attn_mask,
+                       seqlens_q=seqlens_q, seqlens_k=seqlens_k)
+
+
 def _gqa_modulo(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, attn_mask=None,
                 seqlens_q=None, seqlens_k=None):
     return sdpa_modern(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                        attn_mask=attn_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, _gqa_tile=True)
 
 
-@pytest.mark.parametrize("mutant,feature,words", [
-    (_window_left, "window", "left extent is off by one"),
-    (_window_right, "window", "right extent is off by one"),
-    (_gqa_modulo, "gqa", "h % Hkv"),
-    (softcap_scale_twice, "softcap", "scale is applied again after the soft-cap"),
-], ids=["window-left+1", "window-right-1", "gqa-h%Hkv", "softcap-scale-twice"])
-def test_mutants_fail(mutant, feature, words):
+def _bounded(side):
+    """Cases whose window ``side`` (0 left, 1 right) is bounded: an unbounded one cannot be
+    off by one."""
+    return lambda case: case.param("window")[side] >= 0
+
+
+@pytest.mark.parametrize("mutant,feature,words,changes", [
+    (_window_left, "window", "left extent is off by one", _bounded(0)),
+    (_window_right, "window", "right extent is off by one", _bounded(1)),
+    (_chunk_plus_one, "chunk", "chunk size is off by one", None),
+    (_gqa_modulo, "gqa", "h % Hkv", lambda case: case.param("kv_heads") > 1),
+    (softcap_scale_twice, "softcap", "scale is applied again after the soft-cap", None),
+], ids=["window-left+1", "window-right-1", "chunk+1", "gqa-h%Hkv", "softcap-scale-twice"])
+def test_mutants_fail(mutant, feature, words, changes):
     rep = verify(mutant, "softmax", backend="torch", dtypes=("float32",), cases=_modern(),
                  causal="both", progress=False)
     assert not rep.passed
     hits = [r for r in _by_feature(rep, feature) if r.verdict != "n/a"]
     failed = [r for r in hits if r.verdict == "fail"]
-    # every case of the feature that the bug can change fails (a window side that is
-    # unbounded cannot be off by one), with the error far beyond the tolerance
-    assert len(failed) >= max(1, len(hits) - 2), rep.table()
+    # every case of the feature that the bug can change fails (multi-query heads cannot
+    # be mapped wrong), with the error far beyond the tolerance
+    by_id = {c.id: c for c in _modern()}
+    changeable = {r.case for r in hits if changes is None or changes(by_id[r.case])}
+    assert changeable and {r.case for r in failed} == changeable, rep.table()
     assert min(r.ratio for r in failed) > 10
     assert all(words in r.diagnosis for r in failed), rep.table()  # and the right diagnosis
     # and nothing else is blamed: cases without the feature still pass

@@ -1,6 +1,6 @@
 """The oracle on HuggingFace transformers' own softmax attention (decoder models).
 
-``tests/thirdparty_hf.py`` runs Llama's, Mistral's, Gemma 2's and Gemma 3's
+``tests/thirdparty_hf.py`` runs Llama's, Llama 4's, Mistral's, Gemma 2's and Gemma 3's
 ``eager_attention_forward`` and ``transformers.integrations.sdpa_attention
 .sdpa_attention_forward`` (with Llama, Qwen 2 and Gemma 3 configs) as the models run
 them (config, attention module, masks from ``transformers.masking_utils``, a
@@ -8,7 +8,10 @@ them (config, attention module, masks from ``transformers.masking_utils``, a
 named where it fails (docs/conformance.md, "HuggingFace transformers' decoder
 attention"):
 
-* float32 and, for ``sdpa``, float64 and bfloat16: every case each declares passes;
+* float32 and, for ``sdpa`` and Llama 4's eager function (which takes its softmax in the
+  input's dtype), float64 and bfloat16: every case each declares passes; Llama 4 with
+  its chunked attention (``attention_chunk_size``, ``create_chunked_causal_mask``, a
+  chunked layer's sliding cache);
 * the eager functions in float64 take the softmax in float32: every row fails, named
   by the size of a float32 softmax, and rows with no key give NaN (their
   ``finfo(float64).min`` mask is ``-inf`` in float32), named so;
@@ -28,7 +31,6 @@ import os
 import pytest
 
 from conformance import cases, verify
-from conformance.catalogue import Case
 
 from .thirdparty_hf import PLANTS, declared, hf_kernel
 
@@ -50,20 +52,24 @@ OPTIONS = (
     "combo:b2h4-q65k65-d64-causal-br-kv_heads2-softcap30-window16x-1",
     "decode:b2h8-q1k1000-d64-causal-br-kv_heads2-seqlens_k1000x201",  # sdpa: pack_gqa
     "decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205",
+    # a sliding-window layer decoding against a cache longer than its window: the
+    # DynamicSlidingWindowLayer keeps only the last sliding_window - 1 keys, and the
+    # mask is offset by the keys it dropped
+    "window-decode:b2h4-q5k300-d32-causal-br-kv_heads2-seqlens_k300x180-window63x-1",
+    # Llama 4's chunked layers: a prefill, a decode step straddling no chunk boundary on
+    # a 203-key cache, and GQA with left-padded caches that a chunked layer's sliding
+    # cache truncates to its last 191 keys
+    "chunk:b1h2-q129k129-d32-causal-br-chunk16",
+    "chunk:b3h5-q5k203-d16-causal-br-chunk64",
+    "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192",
 )
 
-# A sliding-window layer decoding against a cache longer than its window: the
-# DynamicSlidingWindowLayer keeps only the last sliding_window - 1 keys, and the mask
-# is offset by the keys it dropped. No standard case has a window bounded on the left
-# with Nq < Nk under a causal mask, so the test adds one.
-SLIDING_DECODE = Case("window-decode", (2, 4), 5, 300, 32, 32, causal="bottom-right",
-                      params=(("kv_heads", 2), ("seqlens_k", (300, 180)), ("window", (63, -1))),
-                      features=("gqa", "seqlens_k", "window"))
-
-# (model, implementation) -> rows of OPTIONS + SLIDING_DECODE that run (float32)
+# (model, implementation) -> rows of OPTIONS that run (float32)
 KERNELS = {
     ("llama", "eager"): 10,
     ("llama", "sdpa"): 10,
+    ("llama4", "eager"): 13,
+    ("llama4", "sdpa"): 13,
     ("mistral", "eager"): 13,
     ("qwen2", "sdpa"): 13,
     ("gemma2", "eager"): 15,
@@ -73,11 +79,11 @@ KERNELS = {
 
 def _cases(ids):
     if FULL and ids is None:
-        return cases("softmax", "standard") + [SLIDING_DECODE]
+        return cases("softmax", "standard")
     ids = OPTIONS if ids is None else ids
     chosen = [c for c in cases("softmax", "standard") if c.id in ids]
     assert len(chosen) == len(ids), sorted(set(ids) - {c.id for c in chosen})
-    return chosen + ([SLIDING_DECODE] if ids is OPTIONS else [])
+    return chosen
 
 
 def _run(model, implementation, dtype, ids=None, plant=None):
@@ -164,13 +170,21 @@ SHOWN = {
                    "the bias is added twice"),
     "bf16_softmax": (("length:b1h2-q65k65-d32", "gqa:b2h8-q65k65-d64-kv_heads2"),
                      "the size a plain bfloat16 implementation makes"),
+    # Llama 4's eager attention (PLANT_MODEL)
+    "chunk": (("chunk:b1h2-q129k129-d32-causal-br-chunk16", "chunk:b3h5-q5k203-d16-causal-br-chunk64",
+               "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192"),
+              "the chunk size is off by one"),
+    "chunk_left_pad": (("chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192",),
+                       "HuggingFace's left_padding correction left out"),
 }
+#: the model whose code a plant goes into (Gemma 2's when not named)
+PLANT_MODEL = {"chunk": "llama4", "chunk_left_pad": "llama4"}
 
 
 @pytest.mark.parametrize("plant", sorted(SHOWN))
 def test_hf_planted_bug_fails_named(plant):
     ids, words = SHOWN[plant]
-    rows = _run("gemma2", "eager", "float32", ids, plant)
+    rows = _run(PLANT_MODEL.get(plant, "gemma2"), "eager", "float32", ids, plant)
     assert len(rows) == len(ids)
     assert all(r.verdict == "fail" and words in r.diagnosis for r in rows), _failures(rows)
 
@@ -203,6 +217,18 @@ def test_hf_sliding_window_is_w_keys():
                  progress=False, time_limit=None)
     (row,) = rep.failures
     assert "the sliding window's left extent is off by one (window (15, 0)" in row.diagnosis, row.diagnosis
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_llama4_eager_passes_in_its_dtype(dtype):
+    """Llama 4's ``eager_attention_forward`` takes the softmax in the input's dtype (no
+    ``dtype=torch.float32``, unlike Llama's): float64 passes where Llama's fails, and
+    bfloat16 passes as a plain bfloat16 implementation (the large-logit case is
+    ill-conditioned there, n/a)."""
+    rows = _run("llama4", "eager", dtype)
+    assert not _failures(rows), _failures(rows)
+    assert FULL or len(rows) == KERNELS["llama4", "eager"] - (dtype == "bfloat16")
+    print(f"HF llama4-eager {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
 
 
 def test_every_plant_is_shown():

@@ -302,6 +302,10 @@ OPTIONS = {
     "dropout": ({}, {"dropout_p": 0.2, "dropout_mask": _KEEP}),
     "seqlens": ({}, {"seqlens_q": np.array([5, 7]), "seqlens_k": np.array([9, 4]),
                      "causal": "bottom-right"}),
+    # Llama 4's chunks of 3 on 9 keys decoding 7 queries, and per-sequence chunks (from
+    # each sequence's own key 0) with key lengths 9 and 5
+    "chunk": ({"kv_heads": 2}, {"gqa": True, "causal": "bottom-right", "chunk": 3}),
+    "chunk-seqlens": ({}, {"chunk": 2, "seqlens_k": np.array([9, 5]), "causal": "bottom-right"}),
 }
 
 

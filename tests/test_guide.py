@@ -97,6 +97,23 @@ def test_vectors_consumer_fails_a_wrong_kernel(tmp_path, monkeypatch):
     assert mod.main(str(tmp_path)) == 0
 
 
+def test_vectors_consumer_fails_a_kernel_ignoring_chunks(tmp_path, monkeypatch):
+    """Llama 4's chunks in the manifest (``options.chunk``): a consumer kernel that drops
+    them fails every chunked case, the right one passes them."""
+    from conformance import cases, export_vectors
+
+    todo = [c for c in cases("softmax", "standard") if "chunk" in c.needs and c.nk <= 300]
+    export_vectors(tmp_path, "softmax", dtypes=("float32",), cases=todo)
+    mod = _consumer()
+    right = mod.my_kernel
+    monkeypatch.setattr(mod, "my_kernel", lambda *a, **kw: right(*a, **{**kw, "chunk": None}))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(manifest["cases"]) == 3 and all(e["options"].get("chunk") for e in manifest["cases"])
+    assert mod.main(str(tmp_path)) == 3
+    monkeypatch.setattr(mod, "my_kernel", right)
+    assert mod.main(str(tmp_path)) == 0
+
+
 def test_consumer_widens_bfloat16_bits():
     mod = _consumer()
     x = np.array([1.0, -2.5, 3.140625], dtype=np.float32)

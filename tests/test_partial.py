@@ -123,6 +123,36 @@ def test_chunk_hidden_by_causal_costs_nothing_and_is_empty(backend):
     assert tuple(out.shape) == (2, 4, 3) and tuple(lse.shape) == (2, 4)
 
 
+@pytest.mark.parametrize("nq", [1, 5, 17])
+def test_partials_with_chunks_merge_to_chunked_attention(backend, nq):
+    """Llama 4's chunked attention split over the keys: each partial places its rows and
+    keys by ``query_offset``/``key_offset`` (absolute positions), the key splits
+    (5, 6, 6) straddle the chunks of 4 and 6, and 17 keys are a multiple of neither;
+    the merge is ``softmax_attention(chunk=c, causal="bottom-right")``, the log-sum-exp
+    that of a plainly built chunked causal mask, and a split no query's chunk reaches
+    is empty (``-inf``, zeros)."""
+    nk = 17
+    q, qh = randn(backend, (2, nq, 4), seed=51)
+    k, kh = randn(backend, (2, nk, 4), seed=52, scale=3.0)
+    v, _ = randn(backend, (2, nk, 3), seed=53)
+    bounds = ((0, 5), (5, 11), (11, 17))
+    for chunk in (4, 6):
+        parts = [partial_attention(q, k[..., a:b, :], v[..., a:b, :], causal=True, chunk=chunk,
+                                   query_offset=nk - nq, key_offset=a) for a, b in bounds]
+        out, lse = merge_attention(parts)
+        want = softmax_attention(q, k, v, chunk=chunk, causal="bottom-right")
+        assert_close(out, host(want), backend, rtol=16 * 2.0**-52, atol=16 * 2.0**-52)
+        i, j = np.arange(nk - nq, nk)[:, None], np.arange(nk)[None, :]
+        want_lse = _host_lse(qh, kh, mask=(i // chunk == j // chunk) & (j <= i))
+        got = host(lse)
+        assert np.array_equal(np.isneginf(got), np.isneginf(want_lse))
+        fin = np.isfinite(want_lse)
+        np.testing.assert_allclose(got[fin], want_lse[fin], rtol=0, atol=64 * 2.0**-52)
+    # one query at position 16, chunk 4 = positions 16..19: keys 0..5 are in other chunks
+    out, lse = partial_attention(q[..., -1:, :], k[..., :5, :], v[..., :5, :], chunk=4, query_offset=16)
+    assert np.all(host(lse) == -np.inf) and np.all(host(out) == 0)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_low_precision_partials_keep_lse_in_float32(backend, dtype):
     xp = backend.xp

@@ -1,6 +1,7 @@
 """attn_ref.softmax: one-shot and online softmax attention, on every backend."""
 
 import itertools
+import math
 
 import mpmath
 import numpy as np
@@ -448,11 +449,13 @@ def test_all_causal_pairs_agree_when_square(backend):
 
 
 def _naive_modern(q, k, v, *, scale=None, causal=None, window=None, softcap=None, slopes=None,
-                  keep=None, p=0.0, lens_q=None, lens_k=None, mask=None, bias=None):
+                  keep=None, p=0.0, lens_q=None, lens_k=None, mask=None, bias=None, chunk=None):
     """Plain-loop float64 reference for ``q (B, Hq, Nq, d)``, ``k, v (B, Hkv, Nk, .)``.
 
     Written from the published definitions, one logit at a time: FlashAttention's
     window ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (negative = unbounded),
+    Llama 4's chunks (``chunked_overlay``: query position ``i + Lk - Lq`` and key ``j``
+    in the same chunk of ``chunk`` positions counted from 0),
     Gemma 2's ``c tanh(s / c)`` on the scaled logit before the bias, ALiBi
     ``-slope |i + Lk - Lq - j|``, dropout ``P * keep / (1 - p)``, query head ``h`` on
     key/value head ``h // (Hq / Hkv)``, padding rows zero.
@@ -479,6 +482,8 @@ def _naive_modern(q, k, v, *, scale=None, causal=None, window=None, softcap=None
                         left, right = window
                         if left >= 0 and j < i + off - left or right >= 0 and j > i + off + right:
                             continue
+                    if chunk is not None and math.floor((i + off) / chunk) != math.floor(j / chunk):
+                        continue
                     s = scale * float(q[b, h, i] @ k[b, r, j])
                     if softcap is not None:
                         s = softcap * np.tanh(s / softcap)
@@ -579,6 +584,56 @@ def test_window_limits(backend):
     np.testing.assert_array_equal(a, b)
 
 
+CHUNKS = [4, 1, 7, 10, 30]  # straddling the online form's key tiles of 10, dividing none of Nq, Nk but 1
+
+
+@pytest.mark.parametrize("form", MODERN_FORMS)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_chunk_matches_plain_loops(backend, form, causal):
+    (q, k, v), (qh, kh, vh) = _qkv(backend, hkv=HQ)
+    for chunk in _few(backend, CHUNKS):
+        out = call(backend, MODERN_FORMS[form], q, k, v, chunk=chunk, causal=causal)
+        want, _ = _naive_modern(qh, kh, vh, chunk=chunk, causal=_causal(causal))
+        assert_close(out, want, backend)
+
+
+@pytest.mark.parametrize("nq", [1, 3, 19])
+def test_chunk_equals_an_explicit_mask(backend, nq):
+    """``chunk=c`` is Llama 4's boolean mask, built as ``transformers.masking_utils``
+    builds it (``chunked_causal_mask_function``: ``kv_idx // c == q_idx // c`` and
+    ``kv_idx <= q_idx`` on absolute positions, the queries the cache's last ``nq``),
+    decoding against a cache of 19 keys (a multiple of none of the chunk sizes),
+    with tiles of 4 x 5 that straddle the chunk boundaries."""
+    q, qh = randn(backend, (B, HQ, nq, D), seed=41)
+    k, kh = randn(backend, (B, HKV, NK, D), seed=42)
+    v, vh = randn(backend, (B, HKV, NK, DV), seed=43)
+    q_idx, kv_idx = np.arange(NK - nq, NK)[:, None], np.arange(NK)[None, :]
+    for chunk in _few(backend, [4, 6, 3]):
+        mask_h = (kv_idx // chunk == q_idx // chunk) & (kv_idx <= q_idx)
+        want = host(call(backend, softmax_attention, q, k, v, gqa=True, mask=from_numpy(mask_h, backend)))
+        for form in (softmax_attention, lambda *a, **kw: online_softmax_attention(*a, block_q=4, block_k=5,
+                                                                                  **kw)):
+            got = host(call(backend, form, q, k, v, gqa=True, chunk=chunk, causal="bottom-right"))
+            np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
+        # the chunk is fixed by absolute positions: measured from the queries' own index
+        # (i // c, no cache offset), decoding would see other keys
+        local = (kv_idx // chunk == np.arange(nq)[:, None] // chunk) & (kv_idx <= q_idx)
+        if nq < NK:
+            assert not np.array_equal(local, mask_h)
+
+
+def test_chunk_limits(backend):
+    (q, k, v), _ = _qkv(backend, hkv=HQ)
+    # one chunk holding every position is no chunking
+    full = host(call(backend, softmax_attention, q, k, v, causal="bottom-right"))
+    got = host(call(backend, online_softmax_attention, q, k, v, chunk=NK, causal="bottom-right",
+                    block_q=4, block_k=8))
+    np.testing.assert_allclose(got, full, rtol=1e-13, atol=1e-14)
+    # chunks of one position: each query sees only its own position i + Nk - Nq
+    one = host(call(backend, softmax_attention, q, k, v, chunk=1))
+    np.testing.assert_allclose(one, np.broadcast_to(host(v)[..., NK - NQ:, :], one.shape), rtol=1e-13, atol=0)
+
+
 def _brute_coverage(spec, q0, q1, k0, k1):
     # Decide from the definition which (i, j) of the tile are visible.
     off = spec.nk - spec.nq
@@ -592,6 +647,8 @@ def _brute_coverage(spec, q0, q1, k0, k1):
             ok &= j >= i + off - left
         if right is not None:
             ok &= j <= i + off + right
+    if spec.chunk is not None:
+        ok &= (i + off) // spec.chunk == j // spec.chunk
     return "none" if not ok.any() else "all" if ok.all() else "partial"
 
 
@@ -599,11 +656,12 @@ def test_tile_coverage_skips_exactly_the_hidden_tiles():
     from attn_ref.softmax import TileSpec, check_window, tile_coverage
 
     rng = np.random.default_rng(0)
-    for _ in range(300):
+    for _ in range(600):
         nq, nk = rng.integers(1, 40, 2)
         w = [int(x) if x >= 0 else -1 for x in rng.integers(-3, 12, 2)]
         spec = TileSpec(nq=int(nq), nk=int(nk), alignment=[None, "top-left", "bottom-right"][rng.integers(3)],
-                        window=check_window(w) if rng.random() < 0.8 else None)
+                        window=check_window(w) if rng.random() < 0.8 else None,
+                        chunk=int(rng.integers(1, 12)) if rng.random() < 0.5 else None)
         q0, k0 = int(rng.integers(0, nq)), int(rng.integers(0, nk))
         q1, k1 = int(rng.integers(q0 + 1, nq + 1)), int(rng.integers(k0 + 1, nk + 1))
         assert tile_coverage(spec, q0, q1, k0, k1) == _brute_coverage(spec, q0, q1, k0, k1)
@@ -682,14 +740,16 @@ def test_padded_lengths_equal_each_sequence_alone(backend, form):
     lq_h, lk_h = np.array([7, 11]), np.array([19, 4])
     lq, lk = from_numpy(lq_h, backend), (19, 4)  # an array, and static ints
     slopes_h = np.array([0.5, 0.25, 0.125, 0.0625])
-    for kw in _few(backend, [{"causal": "bottom-right"}, {"window": (3, 1)}, {"causal": "top-left"}, {}]):
+    for kw in _few(backend, [{"causal": "bottom-right"}, {"window": (3, 1)}, {"causal": "top-left"}, {},
+                             {"causal": "bottom-right", "chunk": 3}]):
         out = host(call(backend, MODERN_FORMS[form], q, k, v, gqa=True, seqlens_q=lq, seqlens_k=lk,
                         alibi_slopes=from_numpy(slopes_h, backend), **kw))
         for b in range(B):
             a, c = lq_h[b], lk_h[b]
             alone = _naive_modern(qh[b:b + 1, :, :a], kh[b:b + 1, :, :c], vh[b:b + 1, :, :c],
                                   slopes=slopes_h[None], **{"causal": kw.get("causal"),
-                                                            "window": kw.get("window")})[0]
+                                                            "window": kw.get("window"),
+                                                            "chunk": kw.get("chunk")})[0]
             np.testing.assert_allclose(out[b, :, :a], alone[0], rtol=1e-13, atol=1e-14)
             assert np.all(out[b, :, a:] == 0.0)  # padding query rows
 
@@ -725,7 +785,8 @@ def test_varlen_equals_each_sequence_alone(backend, online):
     v, vh = randn(backend, (ck[-1], HKV, DV), seed=23)
     slopes_h = np.array([0.3, 0.2, 0.1, 0.05])
     for kw in _few(backend, [{"causal": "bottom-right", "softcap": 3.0},
-                             {"alibi_slopes": slopes_h, "window": (2, 1)}, {}, {"causal": "top-left"}]):
+                             {"alibi_slopes": slopes_h, "window": (2, 1)}, {}, {"causal": "top-left"},
+                             {"causal": "bottom-right", "chunk": 4}]):
         args = {n: from_numpy(a, backend) if isinstance(a, np.ndarray) else a for n, a in kw.items()}
         out = call(backend, varlen_attention, q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, online=online,
                    block_q=8, block_k=6, **args)
@@ -735,7 +796,7 @@ def test_varlen_equals_each_sequence_alone(backend, online):
             qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
             t = lambda a, s: np.swapaxes(a[s], 0, 1)[None]  # noqa: E731  (n, H, d) -> (1, H, n, d)
             alone = _naive_modern(t(qh, qs), t(kh, ks), t(vh, ks), causal=kw.get("causal"),
-                                  window=kw.get("window"), softcap=kw.get("softcap"),
+                                  window=kw.get("window"), softcap=kw.get("softcap"), chunk=kw.get("chunk"),
                                   slopes=None if "alibi_slopes" not in kw else slopes_h[None])[0]
             np.testing.assert_allclose(got[qs], np.swapaxes(alone[0], 0, 1), rtol=1e-13, atol=1e-14)
 
@@ -772,13 +833,14 @@ def test_property_online_equals_oneshot_with_modern_options(backend):
         bk=st.sampled_from([5, 8, 19]),
         causal=st.sampled_from(CAUSAL),
         window=st.sampled_from([None, (2, 0), (0, 3), (5, -1)]),
+        chunk=st.sampled_from([None, 3, 8]),
         softcap=st.sampled_from([None, 0.7, 20.0]),
         lengths=st.booleans(),
     )
-    def check(seed, bq, bk, causal, window, softcap, lengths):
+    def check(seed, bq, bk, causal, window, chunk, softcap, lengths):
         (q, k, v), _ = _qkv(backend, hkv=2, seed=seed % 1000)
         rng = np.random.default_rng(seed)
-        kw = dict(gqa=True, causal=causal, window=window, softcap=softcap,
+        kw = dict(gqa=True, causal=causal, window=window, chunk=chunk, softcap=softcap,
                   alibi_slopes=from_numpy(rng.random(HQ), backend),
                   dropout_p=0.2, dropout_mask=from_numpy(rng.random((B, HQ, NQ, NK)) < 0.8, backend))
         if lengths:
@@ -803,6 +865,9 @@ def _bad_modern_cases(backend):
         (qkv, {**gq, "window": (2.5, 1)}, TypeError, "left extent is 2.5"),
         (qkv, {**gq, "window": (1, -2)}, ValueError, "right extent is -2"),
         (qkv, {**gq, "window": (True, 1)}, TypeError, "left extent is True"),
+        (qkv, {**gq, "chunk": 0}, ValueError, "chunk must be None .off. or a positive integer"),
+        (qkv, {**gq, "chunk": 2.0}, TypeError, "chunk must be None .off. or a positive integer"),
+        (qkv, {**gq, "chunk": True}, TypeError, "chunk must be None .off. or a positive integer .*got True"),
         ((r(2, 3, 3, 8), k, v), gq, ValueError, "Hq must be a multiple of the key/value heads Hkv"),
         ((q, k, r(2, 1, 5, 6)), gq, ValueError, "k and v must have the same number of heads"),
         ((r(3, 8), r(5, 8), r(5, 6)), gq, ValueError, "with gqa=True, q must have shape"),

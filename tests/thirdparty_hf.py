@@ -43,17 +43,27 @@ import contextlib
 import torch
 import transformers.masking_utils as masking_utils
 from torch import nn
-from transformers import DynamicCache, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma3TextConfig,
+    Llama4TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 from transformers.integrations import sdpa_attention
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
+from transformers.models.llama4 import modeling_llama4
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
 #: model name -> (config class, attention module class, modeling module)
 MODELS = {
     "llama": (LlamaConfig, modeling_llama.LlamaAttention, modeling_llama),
+    "llama4": (Llama4TextConfig, modeling_llama4.Llama4TextAttention, modeling_llama4),
     "mistral": (MistralConfig, modeling_mistral.MistralAttention, modeling_mistral),
     "qwen2": (Qwen2Config, modeling_qwen2.Qwen2Attention, modeling_qwen2),
     "gemma2": (Gemma2Config, modeling_gemma2.Gemma2Attention, modeling_gemma2),
@@ -63,6 +73,9 @@ MODELS = {
 #: planted bug -> what it changes (each in a monkeypatched copy of HF's code)
 PLANTS = {
     "window": "masking_utils.sliding_window_overlay admits kv_idx >= q_idx - w (one key more)",
+    "chunk": "masking_utils.chunked_overlay cuts chunks of attention_chunk_size + 1 positions",
+    "chunk_left_pad": "masking_utils.chunked_overlay without its left_padding correction (chunks counted "
+                      "from the padded start)",
     "gqa": "repeat_kv tiles the key/value heads (x.repeat(1, n_rep, 1, 1)): interleaved groups",
     "softcap": "the soft-cap applied to q.k before the scaling",
     "scale": "the scaling 1 % too large",
@@ -86,7 +99,7 @@ def gemma_scalar(scale):
     return n if n >= 1 and abs(n ** -0.5 - scale) <= 1e-12 * scale else None
 
 
-def config_for(model, heads, kv_heads, head_dim, *, scale=None, window=None, softcap=None):
+def config_for(model, heads, kv_heads, head_dim, *, scale=None, window=None, softcap=None, chunk=None):
     """A one-layer config of ``model`` with these heads, as the model's own config sets them.
 
     The logit scale goes in where the model takes it from: Gemma's
@@ -107,6 +120,11 @@ def config_for(model, heads, kv_heads, head_dim, *, scale=None, window=None, sof
                   layer_types=["sliding_attention" if sliding else "full_attention"])
     elif model == "mistral":
         kw.update(sliding_window=sliding)
+    elif model == "llama4":
+        # Llama 4's RoPE layers are its chunked ones (no_rope_layers[i] = 1: RoPE); a
+        # layer without a chunk is a full-attention one, as its NoPE layers are
+        kw.update(attention_chunk_size=chunk, no_rope_layers=[1],
+                  layer_types=["chunked_attention" if chunk else "full_attention"])
     return cls(**kw)
 
 
@@ -124,6 +142,13 @@ def planted(model, plant):
         def overlay(sliding_window):
             return lambda b, h, q_idx, kv_idx: kv_idx >= q_idx - sliding_window
         patch(masking_utils, "sliding_window_overlay", overlay)
+    elif plant in ("chunk", "chunk_left_pad"):
+        def chunked(chunk_size, left_padding):
+            if plant == "chunk":
+                return original(chunk_size + 1, left_padding)
+            return original(chunk_size, torch.zeros_like(left_padding))
+        original = masking_utils.chunked_overlay
+        patch(masking_utils, "chunked_overlay", chunked)
     elif plant == "gqa":
         def tiled(x, n_rep):
             return x.repeat(1, n_rep, 1, 1)
@@ -183,14 +208,15 @@ def hf_kernel(model, implementation="eager", plant=None):
     ``"sdpa"`` (``transformers.integrations.sdpa_attention.sdpa_attention_forward``);
     ``plant`` one of :data:`PLANTS`. The kernel takes the oracle's ``mask``, ``bias``,
     ``causal`` (bottom-right), ``scale``, ``enable_gqa``, ``window`` (``(left, 0)``, or
-    ``(left, -1)`` with ``causal``), ``softcap`` (Gemma) and ``seqlens_k``, and returns
-    ``(B, H, Nq, dv)``.
+    ``(left, -1)`` with ``causal``), ``softcap`` (Gemma), ``attention_chunk_size`` (Llama
+    4, with ``causal``) and ``seqlens_k``, and returns ``(B, H, Nq, dv)``.
     """
     def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=False,
-               window=None, softcap=None, seqlens_k=None):
+               window=None, softcap=None, attention_chunk_size=None, seqlens_k=None):
         b, h, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[-2]
-        config = config_for(model, h, hkv, d, scale=scale, window=window, softcap=softcap)
+        config = config_for(model, h, hkv, d, scale=scale, window=window, softcap=softcap,
+                            chunk=attention_chunk_size)
         config._attn_implementation = implementation
         module = MODELS[model][1](config, layer_idx=0).eval()
         pad = None  # HF's 2-D attention_mask (B, Nk), True = a real token
@@ -213,6 +239,7 @@ def hf_kernel(model, implementation="eager", plant=None):
                 cache.update(k[:, :, :nk - nq], v[:, :, :nk - nq], 0)
             embeds = torch.empty((b, nq, config.hidden_size), dtype=q.dtype)
             make = (masking_utils.create_sliding_window_causal_mask if window is not None
+                    else masking_utils.create_chunked_causal_mask if attention_chunk_size is not None
                     else masking_utils.create_causal_mask if causal
                     else masking_utils.create_bidirectional_mask)
             skip = not (custom or bias is not None)
@@ -241,7 +268,8 @@ def hf_kernel(model, implementation="eager", plant=None):
             # is_causal: what transformers' attention wrapper passes from config.is_causal
             if implementation == "sdpa":
                 out, _ = sdpa_attention.sdpa_attention_forward(
-                    module, q, k, v, attn_mask, scaling=scaling, is_causal=bool(causal or window),
+                    module, q, k, v, attn_mask, scaling=scaling,
+                    is_causal=bool(causal or window or attention_chunk_size),
                     **extra)
             else:
                 fn = MODELS[model][2].eager_attention_forward
@@ -258,16 +286,19 @@ def declared(model, implementation="eager"):
     eager function only (``sdpa_attention_forward`` raises on a soft-cap, and Gemma 2
     sets ``_supports_sdpa = False``); sliding windows where the model has them (Mistral,
     Qwen 2, Gemma), and of them only ``(left, 0)``, or ``(left, -1)`` under a causal
-    mask: HF's window is causal. Causal only bottom-right or with ``Nq == Nk`` (a
+    mask: HF's window is causal; Llama 4's chunks (``attention_chunk_size``) only under a
+    causal mask, for the same reason. Causal only bottom-right or with ``Nq == Nk`` (a
     decoder's queries are the last positions of its cache), never ``Nq > Nk``; Gemma's
     scales only ``1 / sqrt(n)`` (:func:`gemma_scalar`). No ALiBi, dropout keep-mask,
     padded queries (``seqlens_q``) or broadcast batches: none of these functions takes
     them.
     """
     gemma = model in ("gemma2", "gemma3")
-    sliding = model != "llama"
+    sliding = model not in ("llama", "llama4")
 
     def takes(case):
+        if case.param("chunk") is not None and not case.causal:
+            return False
         w = case.param("window")
         if w is not None and not (w[0] >= 0 and (w[1] == 0 or (w[1] == -1 and case.causal))):
             return False
@@ -277,5 +308,5 @@ def declared(model, implementation="eager"):
             return False
         return not (gemma and case.scale is not None and gemma_scalar(case.scale) is None)
 
-    return {"gqa": True, "seqlens_k": True, "window": sliding,
+    return {"gqa": True, "seqlens_k": True, "window": sliding, "chunk": model == "llama4",
             "softcap": gemma and implementation == "eager", "cases": takes}

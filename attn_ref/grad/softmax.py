@@ -97,15 +97,15 @@ def _softcap_vjp(xp, spec, ds, s0):
 
 
 _OPTIONS = """
-    mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask,
+    mask, bias, causal, scale, window, chunk, softcap, alibi_slopes, dropout_p, dropout_mask,
     seqlens_q, seqlens_k, gqa, xp
         As in :func:`attn_ref.softmax_attention`. Only ``bias`` among them is
         differentiated."""
 
 
 def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None,
-                      softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None,
-                      seqlens_k=None, gqa=False, xp=None):
+                      chunk=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
+                      seqlens_q=None, seqlens_k=None, gqa=False, xp=None):
     """VJP of :func:`attn_ref.softmax_attention`: the gradients of ``<do, O>``.
 
     Parameters
@@ -113,7 +113,7 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     q, k, v : arrays, shapes (..., Nq, d), (..., Nk, d), (..., Nk, dv)
     do : array, shape (..., Nq, dv)
         Cotangent of the output, in the (broadcast) batch shape of the output.
-    mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p, dropout_mask,
+    mask, bias, causal, scale, window, chunk, softcap, alibi_slopes, dropout_p, dropout_mask,
     seqlens_q, seqlens_k, gqa, xp
         As in :func:`attn_ref.softmax_attention`. Only ``bias`` among them is
         differentiated.
@@ -142,7 +142,7 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     Array([1., 1.], dtype=array_api_strict.float64)
     """
     bias_dtype = None if bias is None else bias.dtype
-    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window, chunk=chunk,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                 dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                 gqa=gqa), xp)
@@ -173,7 +173,7 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
 
 
 def online_softmax_forward(
-    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
     block_q=512, block_k=1024, xp=None,
 ):
@@ -204,7 +204,7 @@ def online_softmax_forward(
     >>> float(lse[0]) == float(xp.log(xp.asarray(3.0)))
     True
     """
-    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window, chunk=chunk,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                 dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                 gqa=gqa), xp)
@@ -225,7 +225,7 @@ def _bias_piece(xp, ds, bias):
 
 
 def online_softmax_attention(
-    q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+    q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
     block_q=512, block_k=1024, out=None, lse=None, xp=None,
 ):
@@ -244,7 +244,7 @@ def online_softmax_attention(
 
     Parameters
     ----------
-    q, k, v, do, mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p,
+    q, k, v, do, mask, bias, causal, scale, window, chunk, softcap, alibi_slopes, dropout_p,
     dropout_mask, seqlens_q, seqlens_k, gqa, xp
         As in :func:`softmax_attention`.
     block_q, block_k : int
@@ -277,7 +277,7 @@ def online_softmax_attention(
     True
     """
     bias_dtype = None if bias is None else bias.dtype
-    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window,
+    pb = _problem(q, k, v, dict(mask=mask, bias=bias, causal=causal, scale=scale, window=window, chunk=chunk,
                                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                                 dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k,
                                 gqa=gqa), xp)
@@ -380,8 +380,8 @@ def online_softmax_attention(
 
 
 def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
-                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
-                     online=False, block_q=512, block_k=1024, xp=None):
+                     window=None, chunk=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                     dropout_mask=None, online=False, block_q=512, block_k=1024, xp=None):
     """VJP of :func:`attn_ref.varlen_attention` (packed variable-length batches).
 
     ``q (total_q, Hq, d)``, ``k (total_k, Hkv, d)``, ``v (total_k, Hkv, dv)`` and
@@ -410,8 +410,8 @@ def varlen_attention(q, k, v, do, /, *, cu_seqlens_q, cu_seqlens_k, causal=False
         rows = [b * width + i for b in range(nb) for i in range(lens[b])]
         return xp.take(x, xp.asarray(rows, dtype=xp.int64, device=device), axis=0)
 
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-              dropout_p=dropout_p, dropout_mask=dropout_mask,
+    kw = dict(causal=causal, scale=scale, window=window, chunk=chunk, softcap=softcap,
+              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
               seqlens_q=xp.asarray(lq, dtype=xp.int64, device=device),
               seqlens_k=xp.asarray(lk, dtype=xp.int64, device=device), gqa=True, xp=xp)
     args = (unpack(q, cq, wq), unpack(k, ck, wk), unpack(v, ck, wk), unpack(do, cq, wq))

@@ -46,6 +46,14 @@ offset, so query ``i`` sits at key position ``i + off`` (FlashAttention's alignm
   ``j`` iff ``i + off - left <= j <= i + off + right``; ``-1`` or ``None`` leaves
   that side unbounded. Always bottom-right aligned, whatever ``causal`` says, and
   ANDed with ``causal`` (FlashAttention's ``causal=True`` is ``right = 0``).
+* ``chunk=c``: chunked attention, Llama 4's ``attention_chunk_size``
+  (``transformers.masking_utils.chunked_overlay``). Query ``i`` sees key ``j`` iff
+  ``(i + off) // c == j // c``: the sequence's positions are cut into chunks of ``c``
+  counted from key 0 (absolute positions, so a decoding step's chunk is fixed by the
+  cache length, not by the step's first query), ANDed with ``causal``: Llama 4's
+  chunked layers are ``causal="bottom-right", chunk=attention_chunk_size``. With
+  ``seqlens_k`` the chunks start at each sequence's own first key (HF counts them from
+  the first real token of a left-padded row). Tiles in no query's chunk are skipped.
 * ``softcap=c``: logit soft-capping ``c tanh(s / c)`` of the *scaled* logits
   ``s = scale q.k``, before ``bias`` and ALiBi are added (Gemma 2; FlashAttention's
   ``softcap`` and its ``attention_ref``). ``None`` turns it off.
@@ -69,7 +77,7 @@ offset, so query ``i`` sits at key position ``i + off`` (FlashAttention's alignm
 
 Order of operations for one logit, as in FlashAttention's ``attention_ref``:
 ``s = scale q.k`` -> soft-cap -> ``+ bias - slope |i + off - j|`` -> ``-inf`` where
-``mask``, ``causal``, ``window`` or the lengths forbid -> softmax -> dropout -> ``@ V``.
+``mask``, ``causal``, ``window``, ``chunk`` or the lengths forbid -> softmax -> dropout -> ``@ V``.
 
 Where each part lives
 ---------------------

@@ -275,7 +275,7 @@ def _join(xp, parts, axis):
 
 
 def online_softmax_attention(
-    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
+    q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
     gqa=False, block_q=512, block_k=1024, xp=None,
 ):
@@ -293,7 +293,7 @@ def online_softmax_attention(
 
     Parameters
     ----------
-    q, k, v, mask, bias, causal, scale, window, softcap, alibi_slopes, dropout_p, \
+    q, k, v, mask, bias, causal, scale, window, chunk, softcap, alibi_slopes, dropout_p, \
 dropout_mask, seqlens_q, seqlens_k, gqa, xp
         As in :func:`softmax_attention`.
     block_q, block_k : int
@@ -348,7 +348,7 @@ dropout_mask, seqlens_q, seqlens_k, gqa, xp
     True
     """
     pb = prepare_problem(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)

@@ -1,4 +1,4 @@
-"""The options of the softmax family, checked once: the ``window``, ``softcap``, dropout,
+"""The options of the softmax family, checked once: the ``window``, ``chunk``, ``softcap``, dropout,
 ALiBi and length checks, grouped-query heads, and ``prepare_problem``, which turns one
 call's arguments into a :class:`Problem` every form computes from.
 """
@@ -28,6 +28,7 @@ from .tiles import TileSpec
 
 __all__ = [
     "check_window",
+    "check_chunk",
     "check_softcap",
     "check_dropout",
     "check_alibi_slopes",
@@ -65,6 +66,22 @@ def check_window(window):
             raise ValueError(f"window must be {want}; its {side} extent is {w}")
         out.append(None if w == -1 else w)
     return None if out == [None, None] else tuple(out)
+
+
+def check_chunk(chunk):
+    """``None`` (off) or the chunk size, a positive integer."""
+    if chunk is None:
+        return None
+    want = "None (off) or a positive integer chunk size (Llama 4's attention_chunk_size)"
+    if isinstance(chunk, bool):
+        raise TypeError(f"chunk must be {want}, got {chunk!r}")
+    try:
+        chunk = operator.index(chunk)
+    except TypeError:
+        raise TypeError(f"chunk must be {want}, got {chunk!r}") from None
+    if chunk < 1:
+        raise ValueError(f"chunk must be {want}, got {chunk}")
+    return chunk
 
 
 def check_softcap(softcap):
@@ -214,9 +231,9 @@ class Problem:
         return self.xp.reshape(x, self.batch + tuple(x.shape[-2:]))
 
 
-def prepare_problem(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, softcap=None,
-                    alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None,
-                    gqa=False, xp=None):
+def prepare_problem(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None,
+                    softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None,
+                    seqlens_k=None, gqa=False, xp=None):
     """Check the inputs of the softmax functions (same options) and group GQA heads: a :class:`Problem`."""
     gqa = check_flag("gqa", gqa)
     if gqa:
@@ -241,6 +258,7 @@ def prepare_problem(q, k, v, *, mask=None, bias=None, causal=False, scale=None, 
     alignment = causal_alignment(causal)
     scale = default_scale(q.shape[-1], scale)
     window = check_window(window)
+    chunk = check_chunk(chunk)
     softcap = check_softcap(softcap)
     alibi = check_alibi_slopes(xp, alibi_slopes, batch, q.dtype, like=q)
     dropout_p, keep = check_dropout(xp, dropout_p, dropout_mask, batch, nq, nk, like=q)
@@ -252,7 +270,7 @@ def prepare_problem(q, k, v, *, mask=None, bias=None, causal=False, scale=None, 
             group_heads(xp, x, hkv, g) for x in (mask, bias, alibi, keep, len_q, len_k)
         )
     spec = TileSpec(nq=nq, nk=nk, scale=scale, mask=mask, bias=bias, alignment=alignment,
-                    window=window, softcap=softcap, alibi=alibi, len_q=len_q, len_k=len_k,
+                    window=window, chunk=chunk, softcap=softcap, alibi=alibi, len_q=len_q, len_k=len_k,
                     keep=keep, dropout_p=dropout_p)
     return Problem(xp, qg, kg, vg, spec, tuple(batch), tuple(batch_g), gqa)
 
@@ -272,6 +290,11 @@ OPTIONS_DOC = """
         Sliding window, FlashAttention's ``window_size``: query ``i`` sees keys
         ``i + off - left <= j <= i + off + right`` with ``off = Lk - Lq``; ``-1`` or
         ``None`` = unbounded side. ANDed with ``causal``.
+    chunk : int >= 1, optional
+        Chunked attention, Llama 4's ``attention_chunk_size``: query ``i`` sees key ``j``
+        only when ``(i + off) // chunk == j // chunk``, chunks counted on absolute
+        positions from key 0 (query ``i`` at ``i + off``, ``off = Lk - Lq``, as the
+        window). ANDed with ``causal`` (Llama 4's layers are ``causal="bottom-right"``).
     softcap : float > 0, optional
         Soft-cap ``c tanh(s / c)`` of the scaled logits, before ``bias`` and ALiBi.
     alibi_slopes : float array (H,) or (B, H), optional

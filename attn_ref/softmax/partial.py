@@ -25,8 +25,8 @@ import array_api_compat
 
 from .._checks import check_flag, namespace
 from .._common import finish_partial, finite_max, partial_lse, softmax_partial
-from .options import prepare_problem
-from .tiles import logit_dtype, tile_logits, transposed_copy
+from .options import check_chunk, prepare_problem
+from .tiles import chunk_coverage, logit_dtype, tile_logits, transposed_copy
 
 __all__ = [
     "partial_attention",
@@ -46,7 +46,7 @@ def _position(name, value):
 
 
 def partial_attention(q, k, v, /, *, mask=None, bias=None, causal=False, query_offset=0,
-                      key_offset=0, scale=None, softcap=None, xp=None):
+                      key_offset=0, scale=None, chunk=None, softcap=None, xp=None):
     """Softmax attention over one chunk of keys: the output and the row log-sum-exp.
 
     ``S = scale q k^T`` (soft-capped, plus ``bias``, ``-inf`` where hidden),
@@ -72,11 +72,18 @@ def partial_attention(q, k, v, /, *, mask=None, bias=None, causal=False, query_o
         ``query_offset = Nk - Nq`` for the first query.
     query_offset, key_offset : int
         Positions of the first query and the first key of the chunk in the whole
-        sequence; only ``causal`` reads them (only their difference counts, so a
-        negative ``query_offset``, bottom-right with ``Nq > Nk``, is fine).
+        sequence; ``causal`` and ``chunk`` read them (``causal`` only their difference,
+        so a negative ``query_offset``, bottom-right with ``Nq > Nk``, is fine).
     scale : float, optional
         Logit scale, default ``1/sqrt(d)`` (of the whole problem: the same for every
         chunk).
+    chunk : int >= 1, optional
+        Llama 4's chunked attention: query ``query_offset + i`` sees key
+        ``key_offset + j`` only when both positions are in the same chunk,
+        ``(query_offset + i) // chunk == (key_offset + j) // chunk``; the positions are
+        absolute (for the bottom-right alignment of :func:`softmax_attention`'s
+        ``chunk``, ``query_offset = Nk - Nq`` for the first query). Not to be confused
+        with the split of the keys into the chunks this function is called on.
     softcap : float > 0, optional
         Soft-cap ``c tanh(s / c)`` of the scaled logits, before ``bias``.
     xp : namespace, optional
@@ -112,19 +119,26 @@ def partial_attention(q, k, v, /, *, mask=None, bias=None, causal=False, query_o
     """
     causal = check_flag("causal", causal)
     query_offset, key_offset = _position("query_offset", query_offset), _position("key_offset", key_offset)
+    # the chunks are on absolute positions, which the problem's tile coordinates are not:
+    # applied below with the offsets, as causal is
+    chunk = check_chunk(chunk)
     pb = prepare_problem(q, k, v, mask=mask, bias=bias, scale=scale, softcap=softcap, xp=xp)
     xp, spec = pb.xp, pb.spec
     nq, n, dv = spec.nq, spec.nk, pb.v.shape[-1]
     device = array_api_compat.device(pb.q)
     dtype = logit_dtype(xp, pb.q.dtype)
     # The chunk's first key comes after its last query: nothing to see (a skipped tile).
-    if nq == 0 or n == 0 or (causal and key_offset > query_offset + nq - 1):
+    chunks = None if chunk is None else chunk_coverage(chunk, 0, query_offset, query_offset + nq,
+                                                       key_offset, key_offset + n)
+    if nq == 0 or n == 0 or (causal and key_offset > query_offset + nq - 1) or chunks == "none":
         return pb.zeros(dv), xp.full(pb.batch + (nq,), -xp.inf, dtype=dtype, device=device)
     s, _ = tile_logits(xp, pb.q, transposed_copy(xp, pb.k), spec, 0, 0)
+    i = xp.arange(query_offset, query_offset + nq, device=device)[:, None]
+    j = xp.arange(key_offset, key_offset + n, device=device)[None, :]
     if causal and key_offset + n - 1 > query_offset:
-        i = xp.arange(query_offset, query_offset + nq, device=device)[:, None]
-        j = xp.arange(key_offset, key_offset + n, device=device)[None, :]
         s = xp.where(j <= i, s, -xp.inf)
+    if chunks == "partial":
+        s = xp.where(xp.floor_divide(i, chunk) == xp.floor_divide(j, chunk), s, -xp.inf)
     v = pb.v if pb.v.dtype == dtype else xp.astype(pb.v, dtype)
     m, l, acc = softmax_partial(xp, s, v)
     out = finish_partial(xp, l, acc)

@@ -48,7 +48,7 @@ def one_shot(pb):
 
 
 @with_options_doc
-def attention_weights(q, k, /, *, mask=None, bias=None, causal=False, scale=None, window=None,
+def attention_weights(q, k, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None,
                       softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
                       seqlens_q=None, seqlens_k=None, gqa=False, xp=None):
     """Softmax attention probabilities ``P = softmax(scale Q K^T + bias)``, masked.
@@ -83,13 +83,13 @@ def attention_weights(q, k, /, *, mask=None, bias=None, causal=False, scale=None
            [0. , 0.5, 0.5]], dtype=array_api_strict.float64)
     """
     pb = prepare_problem(q, k, k, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     return pb.ungroup(_weights(pb))
 
 
 @with_options_doc
-def softmax_attention(q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None,
+def softmax_attention(q, k, v, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None,
                       softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
                       seqlens_q=None, seqlens_k=None, gqa=False, xp=None):
     """Exact softmax attention, one-shot: ``softmax(scale Q K^T + bias) V``.
@@ -138,6 +138,6 @@ def softmax_attention(q, k, v, /, *, mask=None, bias=None, causal=False, scale=N
     (Array([0.5, 1. ], dtype=array_api_strict.float64), Array([19.5, 20. ], dtype=array_api_strict.float64))
     """
     pb = prepare_problem(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, window=window,
-                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                         chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                          dropout_mask=dropout_mask, seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, xp=xp)
     return pb.ungroup(one_shot(pb))

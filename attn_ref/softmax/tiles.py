@@ -22,6 +22,7 @@ __all__ = [
     "logit_dtype",
     "TileSpec",
     "tile_coverage",
+    "chunk_coverage",
     "tile_logits",
     "keep_tile",
     "dropout_scale",
@@ -58,6 +59,7 @@ class TileSpec:
     bias: Any = None
     alignment: str | None = None
     window: tuple | None = None
+    chunk: int | None = None
     softcap: float | None = None
     alibi: Any = None
     len_q: Any = None
@@ -106,17 +108,58 @@ def _band_coverage(lo, hi, q0, q1, k0, k1):
     return "partial"
 
 
+def chunk_coverage(c, off, q0, q1, k0, k1):
+    """Coverage of the chunk pattern ``(i + off) // c == j // c`` on the tile
+    ``[q0, q1) x [k0, k1)``: ``"none"``, ``"all"`` or ``"partial"``, exactly."""
+    first, last = q0 + off, q1 - 1 + off  # absolute positions of the tile's queries
+    if last < 0:
+        return "none"  # a query before position 0 is in no key's chunk
+    # The rows' chunks are consecutive, so the keys they may see are one interval.
+    lo, hi = (max(first, 0) // c) * c, (last // c) * c + c - 1
+    if hi < k0 or lo > k1 - 1:
+        return "none"
+    if first >= 0 and first // c == last // c and lo <= k0 and k1 - 1 <= hi:
+        return "all"
+    return "partial"
+
+
+def _chunked_band_coverage(c, off, lo, hi, q0, q1, k0, k1):
+    """Coverage of the band ``i + lo <= j <= i + hi`` ANDed with the chunks
+    ``(i + off) // c == j // c`` on the tile, exactly: the rows of one chunk see one
+    interval of keys, so the tile is the union of a few sub-tiles of the band alone."""
+    groups, visible = 0, False
+    row = max(q0, -off)  # rows before position 0 are in no key's chunk
+    while row < q1:
+        start = ((row + off) // c) * c  # the chunk's first key
+        end = min(q1, start + c - off)  # rows [row, end) are in this chunk
+        a, b = max(k0, start), min(k1, start + c)
+        if a < b and _band_coverage(lo, hi, row, end, a, b) != "none":
+            visible = True
+        groups += 1
+        row = end
+    if not visible:
+        return "none"
+    if q0 + off >= 0 and groups == 1 and chunk_coverage(c, off, q0, q1, k0, k1) == "all":
+        return _band_coverage(lo, hi, q0, q1, k0, k1)
+    return "partial"
+
+
 def tile_coverage(spec, q0, q1, k0, k1):
-    """``"none"`` when causal/window hide the tile ``[q0, q1) x [k0, k1)`` entirely (skip
-    it), ``"all"`` when nothing in it is hidden, else ``"partial"``.
+    """``"none"`` when causal/window/chunks hide the tile ``[q0, q1) x [k0, k1)`` entirely
+    (skip it), ``"all"`` when nothing in it is hidden, else ``"partial"``.
 
     Only statically known bounds count; per-sequence lengths make a bound ``"partial"``.
     """
     lows, highs = spec.band()
     static_lows = [b for b in lows if isinstance(b, int)]
     static_highs = [b for b in highs if isinstance(b, int)]
-    cov = _band_coverage(max(static_lows, default=None), min(static_highs, default=None),
-                         q0, q1, k0, k1)
+    lo, hi = max(static_lows, default=None), min(static_highs, default=None)
+    if spec.chunk is not None and spec.static:
+        cov = _chunked_band_coverage(spec.chunk, spec.offset, lo, hi, q0, q1, k0, k1)
+    else:
+        # per-sequence offsets place the chunks at run time: at most "partial"
+        cov = _band_coverage(lo, hi, q0, q1, k0, k1)
+        cov = "partial" if spec.chunk is not None and cov == "all" else cov
     if cov == "none":
         return "none"
     dynamic = len(static_lows) < len(lows) or len(static_highs) < len(highs)
@@ -131,17 +174,23 @@ def _positions(xp, q0, q1, k0, k1, device):
 
 
 def _tile_visible(xp, spec, q0, q1, k0, k1, device):
-    """Bool tile: which logits the mask, causal, window and lengths allow (None = all)."""
+    """Bool tile: which logits the mask, causal, window, chunks and lengths allow (None = all)."""
     allowed = _tile(spec.mask, q0, q1, k0, k1)
     lows, highs = spec.band()
     need = [(b, lo) for b, lo in [(b, True) for b in lows] + [(b, False) for b in highs]
             if not isinstance(b, int)
             or _band_coverage(b if lo else None, None if lo else b, q0, q1, k0, k1) != "all"]
-    if not need and spec.static:
+    chunked = spec.chunk is not None and not (
+        spec.static and chunk_coverage(spec.chunk, spec.offset, q0, q1, k0, k1) == "all")
+    if not need and not chunked and spec.static:
         return allowed
     qi, kj = _positions(xp, q0, q1, k0, k1, device)
     for bound, is_low in need:
         allowed = and_masks(xp, allowed, kj >= qi + bound if is_low else kj <= qi + bound)
+    if chunked:
+        # Llama 4's chunked attention on absolute positions: query i sits at i + Lk - Lq
+        allowed = and_masks(xp, allowed, xp.floor_divide(qi + spec.offset, spec.chunk)
+                            == xp.floor_divide(kj, spec.chunk))
     if spec.len_q is not None:
         allowed = and_masks(xp, allowed, qi < spec.len_q)
     if spec.len_k is not None:

@@ -93,7 +93,7 @@ def packed_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, extra=()):
 
 
 def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None,
-                     window=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
+                     window=None, chunk=None, softcap=None, alibi_slopes=None, dropout_p=0.0,
                      dropout_mask=None, online=False, block_q=512, block_k=1024, xp=None):
     """Softmax attention over a packed batch of variable-length sequences.
 
@@ -102,8 +102,9 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     ``[0, n_1, n_1 + n_2, ..., total]``; sequence ``b`` is rows
     ``cu_seqlens[b]:cu_seqlens[b + 1]``. No token attends across a sequence boundary:
     the result equals running each sequence alone through :func:`softmax_attention`
-    (with ``gqa=True``), and positions for ``causal``, ``window`` and ALiBi are local to
-    each sequence (``off = Lk_b - Lq_b``).
+    (with ``gqa=True``), and positions for ``causal``, ``window``, ``chunk`` and ALiBi
+    are local to each sequence (``off = Lk_b - Lq_b``; chunks counted from each
+    sequence's first key).
 
     Parameters
     ----------
@@ -115,7 +116,7 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     cu_seqlens_q, cu_seqlens_k : 1-D integer array or sequence of ints, (B + 1,)
         Cumulative offsets, starting at 0, non-decreasing, ending at ``total_q`` /
         ``total_k``. They are read on the host (pass a tuple under ``jax.jit``).
-    causal, scale, window, softcap, dropout_p
+    causal, scale, window, chunk, softcap, dropout_p
         As in :func:`softmax_attention`, per sequence.
     alibi_slopes : float array (Hq,) or (B, Hq), optional
     dropout_mask : bool array, optional
@@ -163,9 +164,9 @@ def varlen_attention(q, k, v, /, *, cu_seqlens_q, cu_seqlens_k, causal=False, sc
     qp, kp, vp = unpack(q, cq, wq), unpack(k, ck, wk), unpack(v, ck, wk)
     lens_q = xp.asarray(lq, dtype=xp.int64, device=device)
     lens_k = xp.asarray(lk, dtype=xp.int64, device=device)
-    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-              dropout_p=dropout_p, dropout_mask=dropout_mask, seqlens_q=lens_q, seqlens_k=lens_k,
-              gqa=True, xp=xp)
+    kw = dict(causal=causal, scale=scale, window=window, chunk=chunk, softcap=softcap,
+              alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_mask=dropout_mask,
+              seqlens_q=lens_q, seqlens_k=lens_k, gqa=True, xp=xp)
     pb = prepare_problem(qp, kp, vp, **kw)
     if online:
         check_positive_int("block_q", block_q)

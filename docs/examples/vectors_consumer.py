@@ -41,7 +41,7 @@ def to_bhnd(x, layout):
     return x
 
 
-def my_kernel(q, k, v, *, mask, bias, causal, scale, gqa, window, softcap, alibi_slopes,
+def my_kernel(q, k, v, *, mask, bias, causal, scale, gqa, window, chunk, softcap, alibi_slopes,
               dropout_p, dropout_mask, seqlens_q, seqlens_k, acc):
     """Softmax attention with FlashAttention's options, on (B, H, N, d) arrays, in ``acc``."""
     q, k, v = (x.astype(acc) for x in (q, k, v))
@@ -76,6 +76,8 @@ def my_kernel(q, k, v, *, mask, bias, causal, scale, gqa, window, softcap, alibi
             ok = ok & (j >= pos - left)
         if right >= 0:
             ok = ok & (j <= pos + right)
+    if chunk is not None:  # Llama 4's chunks of absolute positions, from key 0
+        ok = ok & (pos // chunk == j // chunk)
     s = np.where(ok, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0)
@@ -96,7 +98,7 @@ def run_case(entry, z, layout):
     out = my_kernel(
         q, k, v, mask=arr.get("mask"), bias=arr.get("bias"), causal=entry["causal"],
         scale=entry["scale"], gqa=opts.get("gqa", False), window=opts.get("window"),
-        softcap=opts.get("softcap"), alibi_slopes=arr.get("alibi_slopes"),
+        chunk=opts.get("chunk"), softcap=opts.get("softcap"), alibi_slopes=arr.get("alibi_slopes"),
         dropout_p=opts.get("dropout_p", 0.0), dropout_mask=arr.get("dropout_mask"),
         seqlens_q=opts.get("seqlens_q"), seqlens_k=opts.get("seqlens_k"), acc=acc)
     # the kernel returns its output in the case dtype
