@@ -751,6 +751,25 @@ def _pinv_init_sigs(prep):
                prep.reference("float64", options={**prep.options, "pinv_init": "matrix"}))
 
 
+def _pinv_iterations_sigs(prep):
+    """Nystromformer's pseudo-inverse iterated once more or once less than declared
+    (``pinv_iterations``, 6 by default): a loop bound off by one. Each iteration changes
+    ``Z`` by the previous one's residual, so the two counts differ wherever the iteration
+    has not converged - at ``m == N`` too, where one more iteration moves the output
+    towards exact softmax, HuggingFace's convention there (:func:`_nystrom_exact_sigs`)."""
+    if prep.variant.name != "nystrom":
+        return
+    declared = prep.options.get("pinv_iterations", 6)
+    if declared is None:
+        return
+    for n in (declared - 1, declared + 1):
+        if n >= 1:
+            yield (f"the pseudo-inverse is iterated {n} times instead of {declared} (a loop "
+                   f"bound off by one): pass options={{'pinv_iterations': {n}}} if that is "
+                   f"the kernel's count",
+                   prep.reference("float64", options={**prep.options, "pinv_iterations": n}))
+
+
 for _sig in (
     Signature("window", _window_sigs),
     Signature("gqa", _gqa_sigs),
@@ -762,6 +781,7 @@ for _sig in (
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
     Signature("pinv init", _pinv_init_sigs),
+    Signature("pinv iterations", _pinv_iterations_sigs),
 ):
     register_signature(_sig)
 

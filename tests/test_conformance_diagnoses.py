@@ -128,3 +128,24 @@ def test_bigbird_window_one_block_wider_is_named_beside_the_last_global_block():
     assert rows and all(r[4] == "right" for r in rows), rows
     basic = [r for r in rows if "last block is global" in r[5]]
     assert basic and all("window one block wider" in r[5] for r in basic), rows
+
+
+def test_nystrom_iterated_once_more_is_not_named_exact_softmax_at_m_equal_n():
+    """Nystromformer's pseudo-inverse iterated 7 times instead of 6 read "exact softmax
+    attention where num_landmarks == N (HuggingFace's ...)" on the case m = N = 2: one more
+    iteration moves the output towards exact softmax, but the 7-iteration output is the
+    closer one, and on a case with m < N exact softmax is no candidate at all. Both counts
+    off by one are named, as the count they computed."""
+    name = "nystrom"
+    todo = [c for c in cases(name, "standard")
+            if c.id in ("length:b1h2-q2k2-d32", "basic:b2h3-q17k17-d16")]
+    assert len(todo) == 2
+    for n in (7, 5):
+        kernel = variant_kernel(name, lambda q, k, v, kw, n=n: (q, k, v, {**kw, "pinv_iterations": n}))
+        for dtype in ("float32", "float64"):
+            outs = [r for r in _failures(kernel, name, dtype, todo) if r.output == "out"]
+            assert len(outs) == 2, outs
+            for r in outs:
+                assert r.diagnosis.startswith(f"the pseudo-inverse is iterated {n} times instead "
+                                              f"of 6"), (r.case, dtype, r.diagnosis)
+                assert "exact softmax" not in r.diagnosis, r.diagnosis
