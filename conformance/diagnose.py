@@ -716,6 +716,21 @@ def _recurrent_sigs(prep):
                               for (lo, hi), s in zip(segs, rows) for c0 in range(lo, hi, c)],
                              axis=-2)
         yield f"the state is not carried across chunks of {c} (reset to 0 at each chunk)", out
+    # a chunked kernel whose grid covers the full chunks only: each sequence's last partial
+    # chunk is never computed and its outputs stay zero. Chunk sizes that cut at the same
+    # tokens give one output, named once with every size.
+    cuts: dict[tuple, list] = {}
+    for c in (16, 32, 64):
+        cut = tuple((lo + (hi - lo) // c * c, hi) for lo, hi in segs if (hi - lo) % c)
+        if cut:
+            cuts.setdefault(cut, []).append(c)
+    for cut, sizes in cuts.items():
+        out = np.array(prep.reference("float64"), dtype=np.float64)
+        for lo, hi in cut:
+            out[..., lo:hi, :] = 0.0
+        where = ", ".join(f"{lo}..{hi - 1}" for lo, hi in cut)
+        yield (f"the last partial chunk of each sequence is dropped (chunks of "
+               f"{' or '.join(map(str, sizes))}): the outputs of tokens {where} are zero", out)
 
 
 def _wy_sigs(prep):

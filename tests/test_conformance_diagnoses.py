@@ -149,3 +149,37 @@ def test_nystrom_iterated_once_more_is_not_named_exact_softmax_at_m_equal_n():
                 assert r.diagnosis.startswith(f"the pseudo-inverse is iterated {n} times instead "
                                               f"of 6"), (r.case, dtype, r.diagnosis)
                 assert "exact softmax" not in r.diagnosis, r.diagnosis
+
+
+def _gla_dropping_last_partial_chunk(chunk=64):
+    """GLA whose chunk grid covers the full chunks only: the outputs of the last partial
+    chunk stay zero."""
+    def run(fn, q, k, v, kw):
+        out = fn(q, k, v, **kw)
+        first, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        t = first.shape[-2]
+        first = first.copy()
+        first[..., t - t % chunk:, :] = 0
+        return first if rest is None else (first, *rest)
+    return variant_kernel("gla", lambda q, k, v, kw: (q, k, v, kw, run))
+
+
+def test_gla_last_partial_chunk_dropped_is_named_and_at_t_1_with_its_twin():
+    """GLA with its last partial chunk of 64 dropped read "the causal mask is off by one:
+    it hides the diagonal" at T = 1, where the two mistakes give the same output (zero):
+    there both are named, said to be the same; on T = 65 and T = 100 the dropped chunk
+    alone, with the tokens it zeroes."""
+    name = "gla"
+    by_id = {c.id: c for c in cases(name, "standard")}
+    kernel = _gla_dropping_last_partial_chunk()
+    (one,) = [r for r in _failures(kernel, name, "float32", [by_id["chunks:b2h2-q1k1-d32-causal-tl"]])
+              if r.output == "out"]
+    for words in ("the causal mask is off by one: it hides the diagonal",
+                  "the last partial chunk of each sequence is dropped",
+                  "these mistakes give the same output on this case"):
+        assert words in one.diagnosis, one.diagnosis
+    for cid, tokens in (("chunks:b2h2-q65k65-d32-causal-tl", "64..64"),
+                        ("chunks:b2h2-q100k100-d32-causal-tl", "64..99")):
+        (row,) = [r for r in _failures(kernel, name, "float32", [by_id[cid]]) if r.output == "out"]
+        assert row.diagnosis.startswith("the last partial chunk of each sequence is dropped"), row.diagnosis
+        assert f"tokens {tokens} are zero" in row.diagnosis and "causal" not in row.diagnosis, row.diagnosis
