@@ -748,6 +748,21 @@ def _recurrent_sigs(prep):
                               for (lo, hi), s in zip(segs, rows) for c0 in range(lo, hi, c)],
                              axis=-2)
         yield f"the state is not carried across chunks of {c} (reset to 0 at each chunk)", out
+    # a chunked kernel whose grid covers the full chunks only: each sequence's last partial
+    # chunk is never computed and its outputs stay zero. Chunk sizes that cut at the same
+    # tokens give one output, named once with every size.
+    cuts: dict[tuple, list] = {}
+    for c in (16, 32, 64):
+        cut = tuple((lo + (hi - lo) // c * c, hi) for lo, hi in segs if (hi - lo) % c)
+        if cut:
+            cuts.setdefault(cut, []).append(c)
+    for cut, sizes in cuts.items():
+        out = np.array(prep.reference("float64"), dtype=np.float64)
+        for lo, hi in cut:
+            out[..., lo:hi, :] = 0.0
+        where = ", ".join(f"{lo}..{hi - 1}" for lo, hi in cut)
+        yield (f"the last partial chunk of each sequence is dropped (chunks of "
+               f"{' or '.join(map(str, sizes))}): the outputs of tokens {where} are zero", out)
 
 
 def _wy_sigs(prep):
@@ -783,6 +798,25 @@ def _pinv_init_sigs(prep):
                prep.reference("float64", options={**prep.options, "pinv_init": "matrix"}))
 
 
+def _pinv_iterations_sigs(prep):
+    """Nystromformer's pseudo-inverse iterated once more or once less than declared
+    (``pinv_iterations``, 6 by default): a loop bound off by one. Each iteration changes
+    ``Z`` by the previous one's residual, so the two counts differ wherever the iteration
+    has not converged - at ``m == N`` too, where one more iteration moves the output
+    towards exact softmax, HuggingFace's convention there (:func:`_nystrom_exact_sigs`)."""
+    if prep.variant.name != "nystrom":
+        return
+    declared = prep.options.get("pinv_iterations", 6)
+    if declared is None:
+        return
+    for n in (declared - 1, declared + 1):
+        if n >= 1:
+            yield (f"the pseudo-inverse is iterated {n} times instead of {declared} (a loop "
+                   f"bound off by one): pass options={{'pinv_iterations': {n}}} if that is "
+                   f"the kernel's count",
+                   prep.reference("float64", options={**prep.options, "pinv_iterations": n}))
+
+
 for _sig in (
     Signature("window", _window_sigs),
     Signature("chunk", _chunk_sigs),
@@ -795,6 +829,7 @@ for _sig in (
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
     Signature("pinv init", _pinv_init_sigs),
+    Signature("pinv iterations", _pinv_iterations_sigs),
 ):
     register_signature(_sig)
 

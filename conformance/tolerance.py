@@ -55,6 +55,7 @@ __all__ = [
     "F16Array",
     "LOW_PRECISION",
     "lp_array",
+    "LOGITS_IN_DTYPE",
     "plain_array",
     "as_dtype",
     "Metrics",
@@ -287,6 +288,31 @@ def plain_array(x):
     """``x`` as a plain ndarray when it is a :class:`LowPrecisionArray` (same data; its
     operations no longer round), else ``x`` itself."""
     return _plain(x)
+
+
+class _LogitsInDtype:
+    """``array_api_compat.numpy`` whose ``clip`` keeps a :class:`LowPrecisionArray`
+    (array_api_compat builds a plain ndarray): attn_ref's softmax logits, which it clips
+    to the dtype's range, then stay in the dtype, every step rounded, and so do the
+    weights. On the plain namespace the logits of a ``LowPrecisionArray`` fall out to
+    float32 and the weights are never rounded to the dtype (their cast back to ``q``'s
+    dtype is a no-op on float32 storage), which a real half-precision kernel does."""
+
+    def __getattr__(self, name):
+        import array_api_compat.numpy as npx
+
+        return getattr(npx, name)
+
+    def clip(self, x, /, *args, **kwargs):
+        import array_api_compat.numpy as npx
+
+        out = npx.clip(x, *args, **kwargs)
+        return _lp_wrap(type(x), out) if isinstance(x, LowPrecisionArray) else out
+
+
+#: the NumPy namespace of :class:`_LogitsInDtype`: a reference run on ``LowPrecisionArray``
+#: inputs through it computes its softmax logits and weights in the dtype
+LOGITS_IN_DTYPE = _LogitsInDtype()
 
 
 def bf16_array(x: np.ndarray) -> BF16Array:

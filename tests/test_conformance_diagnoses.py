@@ -128,3 +128,58 @@ def test_bigbird_window_one_block_wider_is_named_beside_the_last_global_block():
     assert rows and all(r[4] == "right" for r in rows), rows
     basic = [r for r in rows if "last block is global" in r[5]]
     assert basic and all("window one block wider" in r[5] for r in basic), rows
+
+
+def test_nystrom_iterated_once_more_is_not_named_exact_softmax_at_m_equal_n():
+    """Nystromformer's pseudo-inverse iterated 7 times instead of 6 read "exact softmax
+    attention where num_landmarks == N (HuggingFace's ...)" on the case m = N = 2: one more
+    iteration moves the output towards exact softmax, but the 7-iteration output is the
+    closer one, and on a case with m < N exact softmax is no candidate at all. Both counts
+    off by one are named, as the count they computed."""
+    name = "nystrom"
+    todo = [c for c in cases(name, "standard")
+            if c.id in ("length:b1h2-q2k2-d32", "basic:b2h3-q17k17-d16")]
+    assert len(todo) == 2
+    for n in (7, 5):
+        kernel = variant_kernel(name, lambda q, k, v, kw, n=n: (q, k, v, {**kw, "pinv_iterations": n}))
+        for dtype in ("float32", "float64"):
+            outs = [r for r in _failures(kernel, name, dtype, todo) if r.output == "out"]
+            assert len(outs) == 2, outs
+            for r in outs:
+                assert r.diagnosis.startswith(f"the pseudo-inverse is iterated {n} times instead "
+                                              f"of 6"), (r.case, dtype, r.diagnosis)
+                assert "exact softmax" not in r.diagnosis, r.diagnosis
+
+
+def _gla_dropping_last_partial_chunk(chunk=64):
+    """GLA whose chunk grid covers the full chunks only: the outputs of the last partial
+    chunk stay zero."""
+    def run(fn, q, k, v, kw):
+        out = fn(q, k, v, **kw)
+        first, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        t = first.shape[-2]
+        first = first.copy()
+        first[..., t - t % chunk:, :] = 0
+        return first if rest is None else (first, *rest)
+    return variant_kernel("gla", lambda q, k, v, kw: (q, k, v, kw, run))
+
+
+def test_gla_last_partial_chunk_dropped_is_named_and_at_t_1_with_its_twin():
+    """GLA with its last partial chunk of 64 dropped read "the causal mask is off by one:
+    it hides the diagonal" at T = 1, where the two mistakes give the same output (zero):
+    there both are named, said to be the same; on T = 65 and T = 100 the dropped chunk
+    alone, with the tokens it zeroes."""
+    name = "gla"
+    by_id = {c.id: c for c in cases(name, "standard")}
+    kernel = _gla_dropping_last_partial_chunk()
+    (one,) = [r for r in _failures(kernel, name, "float32", [by_id["chunks:b2h2-q1k1-d32-causal-tl"]])
+              if r.output == "out"]
+    for words in ("the causal mask is off by one: it hides the diagonal",
+                  "the last partial chunk of each sequence is dropped",
+                  "these mistakes give the same output on this case"):
+        assert words in one.diagnosis, one.diagnosis
+    for cid, tokens in (("chunks:b2h2-q65k65-d32-causal-tl", "64..64"),
+                        ("chunks:b2h2-q100k100-d32-causal-tl", "64..99")):
+        (row,) = [r for r in _failures(kernel, name, "float32", [by_id[cid]]) if r.output == "out"]
+        assert row.diagnosis.startswith("the last partial chunk of each sequence is dropped"), row.diagnosis
+        assert f"tokens {tokens} are zero" in row.diagnosis and "causal" not in row.diagnosis, row.diagnosis

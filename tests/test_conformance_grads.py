@@ -328,11 +328,15 @@ def test_half_precision_softmax_gradients_off_by_ten_percent_fail():
             assert not [r for r in rep.failures if r.output not in (name, "out")], rep.table()
 
 
-@pytest.mark.parametrize("variant", ["linear", "pooled"])
-def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(variant):
+@pytest.mark.parametrize("variant, dtype", [("linear", "bfloat16"), ("pooled", "bfloat16"),
+                                            ("block_sparse", "bfloat16"), ("nystrom", "float16")])
+def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(variant, dtype):
     """The same float32 floor for the variants of conformance.grads.FP32_TERMS: linear
     attention's reference under torch autograd passes in bfloat16, a backward returning
-    dq = 0 (it passed all 10 quick cases) or dk x 1.1 fails most."""
+    dq = 0 (it passed all 10 quick cases) or dk x 1.1 fails most. block_sparse in
+    bfloat16: dq = 0 failed 2 of 10, dk x 1.1 none; nystrom in float16: dk x 1.1 failed 1
+    of 7 (in bfloat16 its landmark kernel's rounding, amplified by the pseudo-inverse,
+    still lets dk x 1.1 pass 6 of 7)."""
     torch = pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
@@ -345,12 +349,15 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
             return change(*torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do))
         return run
 
-    ok = verify(kernel, variant, backend="torch", dtypes=("bfloat16",), suite="quick", grads=True,
+    ok = verify(kernel, variant, backend="torch", dtypes=(dtype,), suite="quick", grads=True,
                 causal="both", diagnose=False, supports={"broadcast": True})
-    assert ok.passed, ok.table()
+    # the gradient rows: nystrom's own forward in float16 fails one output row
+    # (scale:b1h1-q16k16-d8-scale0.3, 1.01x, its baseline's landmark kernel in float32)
+    grads = [r for r in ok.results if r.output != "out" and r.verdict != "n/a"]
+    assert len(grads) >= 15 and all(r.verdict == "pass" for r in grads), ok.table()
     for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
                          ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
-        rep = verify(kernel, variant, backend="torch", dtypes=("bfloat16",), suite="quick",
+        rep = verify(kernel, variant, backend="torch", dtypes=(dtype,), suite="quick",
                      backward=backward(change), causal="both", diagnose=False,
                      supports={"broadcast": True})
         rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
@@ -370,3 +377,26 @@ def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
     assert rows, rep.table()
     assert all(r.diagnosis.startswith("no known mistake explains it: error ") for r in rows), \
         [r.diagnosis for r in rows]
+
+
+@pytest.mark.parametrize("variant, case_id", [
+    ("block_sparse", "long:b1h1-q1000k1000-d64-offset_values"),
+    ("nystrom", "long:b1h1-q1000k1000-d64"),
+])
+def test_half_precision_baseline_forms_round_as_the_kernels_do(variant, case_id):
+    """The cases where the reference under torch autograd in float16 erred past the
+    float32 floor's bounds with the plain reference VJP as its only baseline:
+    block_sparse's dk 4.2x and dq 2.2x (its partial softmax's row maximum differentiated,
+    the row's coherent rounding of dO / l put on one key), nystrom's dq 1.03x in RMS (its
+    landmark kernel rounded to float16, amplified by the pseudo-inverse). Each variant's
+    baseline form that rounds so (conformance.grads._baselines) holds them."""
+    pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+    todo = [c for c in cases(variant, "standard") if c.id == case_id]
+    rep = verify(kernel, variant, backend="torch", dtypes=("float16",), cases=todo, grads=True,
+                 diagnose=False, supports={"broadcast": True})
+    rows = [r for r in rep.results if r.output in ("dq", "dk", "dv")]
+    assert len(rows) == 3 and all(r.verdict == "pass" for r in rows), rep.table()
