@@ -85,6 +85,62 @@ def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():
     assert row.verdict == "fail" and "batch entries 1..2 (of B = 3)" in row.diagnosis, rep.table()
 
 
+def test_a_key_padding_mask_read_from_entry_min_b_1_fails():
+    # Before: every key-padding mask (B, 1, 1, Nk) had B <= 2, so a kernel whose
+    # broadcast-mask path reads entry min(b, 1) (a grid written for two) passed the
+    # standard suite in float32 and bfloat16; the 3 x 5 padding case fails it on entry 2.
+    padded = _case("softmax", lambda c: c.mask == "padding")
+    assert max(c.batch[0] for c in padded) == 3
+
+    def clamped(q, k, v, *, mask=None, scale=None):
+        if mask is not None and mask.shape[1] == 1:
+            mask = mask[np.minimum(np.arange(mask.shape[0]), 1)]
+        return softmax_attention(q, k, v, mask=mask, scale=scale)
+
+    def right(q, k, v, *, mask=None, scale=None):
+        return softmax_attention(q, k, v, mask=mask, scale=scale)
+
+    assert verify(right, "softmax", backend="numpy", cases=padded, progress=False).passed
+    rep = verify(clamped, "softmax", backend="numpy", cases=padded, progress=False)
+    failed = [r for r in rep.results if r.verdict == "fail"]
+    assert [r.case for r in failed] == ["range:b3h5-q37k37-d16-mask-padding"], rep.table()
+    assert "wrong only on batch entry 2 (of B = 3)" in failed[0].diagnosis
+    rest = [r.verdict for r in rep.results if r not in failed and r.verdict != "n/a"]
+    assert rest and set(rest) == {"pass"}, rep.table()
+
+
+def _per_sequence(clamp):
+    """Padded varlen attention one sequence at a time; ``clamp`` takes a sequence's offset
+    ``Lk - Lq`` as ``max(Lk - Lq, 0)``, i.e. top-left where it has fewer keys than queries."""
+    def kernel(q, k, v, *, causal=False, scale=None, seqlens_q=None, seqlens_k=None):
+        b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
+        lqs = seqlens_q if seqlens_q is not None else [nq] * b
+        lks = seqlens_k if seqlens_k is not None else [nk] * b
+        out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        for i, (lq, lk) in enumerate(zip(lqs, lks)):
+            c = "top-left" if clamp and causal and lk < lq else causal
+            out[i, :, :lq] = softmax_attention(q[i, :, :lq], k[i, :, :lk], v[i, :, :lk],
+                                               causal=c, scale=scale)
+        return out
+    return kernel
+
+
+def test_a_varlen_kernel_clamping_a_sequences_offset_at_0_fails():
+    # Before: every per-sequence case had Lk >= Lq in each sequence, where the clamp does
+    # nothing: it passed the standard suite in float32 and bfloat16. A sequence of 40
+    # queries on 17 keys fails it (its first 23 rows see no key, bottom-right).
+    varlen = _case("softmax", lambda c: "seqlens_q" in c.needs)
+    short = [c for c in varlen if any(a < b for a, b in zip(c.param("seqlens_k"), c.param("seqlens_q")))]
+    assert [c.id for c in short] == ["varlen:b3h2-q64k64-d32-causal-br-seqlens_q40x64x9-seqlens_k17x64x9"]
+    assert verify(_per_sequence(False), "softmax", backend="numpy", cases=varlen, causal="both",
+                  progress=False).passed
+    rep = verify(_per_sequence(True), "softmax", backend="numpy", cases=varlen, causal="both",
+                 progress=False)
+    failed = [r for r in rep.results if r.verdict == "fail"]
+    assert [r.case for r in failed] == [short[0].id], rep.table()
+    assert "wrong only on batch entry 0 (of B = 3)" in failed[0].diagnosis
+
+
 def _delta_kernel(eps):
     """DeltaNet normalising q and k itself, ``x / sqrt(|x|^2 + eps)`` (fla's eps is 1e-6)."""
     from attn_ref.recurrent import delta_rule
