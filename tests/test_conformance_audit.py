@@ -8,6 +8,7 @@ cases that reveal its mistake, not the whole suite.
 """
 
 import numpy as np
+import pytest
 
 from attn_ref import softmax_attention
 from conformance import cases, verify
@@ -239,3 +240,30 @@ def test_window_and_alibi_from_the_padded_end_fail():
                  supports={"mask": False}, progress=False)
     assert [r.verdict for r in bad.results] == ["fail", "fail"], bad.table()
     assert all("wrong only on batch entry 1 (of B = 2)" in r.diagnosis for r in bad.results)
+
+
+def test_a_bfloat16_store_by_truncation_is_named_not_low_precision_accumulation():
+    # A kernel exact in float32 whose bfloat16 store drops the low 16 bits (rounds toward
+    # zero) fails the constant-keys case (outputs near-equal along each row, RMS 0.58 ulp
+    # against rounding's 0.29) and was diagnosed "accumulates in low precision ... P V
+    # and row sum accumulated 16 keys at a time", a wrong cause; rounded to nearest, the
+    # same kernel passes.
+    torch = pytest.importorskip("torch")
+    case = _case("softmax", lambda c: c.dist == "constant_keys")
+
+    def kernel(truncate):
+        def fn(q, k, v, *, scale=None):
+            s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+            o = torch.softmax(s, dim=-1) @ v.float()
+            if truncate:
+                o = (o.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+            return o.to(torch.bfloat16)
+        return fn
+
+    good = verify(kernel(False), "softmax", backend="torch", dtypes=("bfloat16",), cases=case, progress=False)
+    assert good.passed, good.table()
+    bad = verify(kernel(True), "softmax", backend="torch", dtypes=("bfloat16",), cases=case, progress=False)
+    (row,) = bad.results
+    assert row.verdict == "fail", bad.table()
+    assert row.diagnosis.startswith("the output is rounded toward zero (truncated) to bfloat16"), \
+        row.diagnosis
