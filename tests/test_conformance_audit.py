@@ -267,3 +267,29 @@ def test_a_bfloat16_store_by_truncation_is_named_not_low_precision_accumulation(
     assert row.verdict == "fail", bad.table()
     assert row.diagnosis.startswith("the output is rounded toward zero (truncated) to bfloat16"), \
         row.diagnosis
+
+
+def test_an_error_that_only_grows_with_n_is_not_named_low_precision():
+    # A GLA kernel exact in float32 that loses the decay of every 1024th step fails the
+    # 4096-step case in bfloat16 at 98.8x a plain implementation's error, growing with N;
+    # no low-precision state reproduces it, yet it read "the kernel accumulates in low
+    # precision". Growth is now reported as a measurement, with no cause.
+    pytest.importorskip("torch")
+    from attn_ref.recurrent import gated_linear_attention
+
+    def kernel(q, k, v, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        g = g.float().clone()
+        g[..., 1024::1024, :] = 0.0
+        out = gated_linear_attention(q.float(), k.float(), v.float(), g=g, scale=scale,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     cu_seqlens=cu_seqlens)
+        return (out[0].to(q.dtype), out[1]) if output_final_state else out.to(q.dtype)
+
+    long = [c for c in cases("gla", "exhaustive") if c.family == "recurrent" and c.nq == 4096]
+    rep = verify(kernel, "gla", backend="torch", dtypes=("bfloat16",), cases=long, progress=False,
+                 supports={"causal": "always"})
+    (out,) = [r for r in rep.results if r.output == "out"]
+    assert out.verdict == "fail", rep.table()
+    assert not out.diagnosis.startswith("the kernel accumulates in low precision"), out.diagnosis
+    assert "grows with N" in out.diagnosis, out.diagnosis
+    assert "no low-precision accumulator tried reproduces it" in out.diagnosis
