@@ -337,6 +337,11 @@ def _standard():
     out += [
         C("large-logits", (1, 2), 64, 64, 64, 64, dist="large_logits"),
         C("large-logits", (1, 2), 65, 63, 64, 64, dist="large_logits", causal="top-left"),
+        # large logits over 1000 keys, several key blocks and split-KV partials: a merge
+        # whose weights exp(lse_r - lse_0) are taken from the first partial instead of
+        # the largest overflows to NaN here and nowhere else (exact softmax only: the
+        # approximate variants' features and projections of such logits say nothing new)
+        C("large-logits", (1, 2), 16, 1000, 32, 32, dist="large_logits", family="softmax"),
         C("near-ties", (1, 2), 64, 64, 32, 32, dist="near_ties"),
         C("one-hot", (1, 2), 65, 65, 64, 64, dist="one_hot"),
         C("constant-keys", (1, 2), 65, 65, 32, 32, dist="constant_keys"),
@@ -465,10 +470,12 @@ def _modern_standard():
           params=(("seqlens_q", (5, 64, 33)), ("seqlens_k", (5, 64, 33))),
           features=("seqlens_q", "seqlens_k")),
         # a sequence with fewer keys than queries (17 < 40: its first 23 rows see no key
-        # bottom-right): with Lk >= Lq in every other per-sequence case, a kernel that
-        # clamps a sequence's offset Lk - Lq at 0 passed them all
+        # bottom-right) and one with no key at all (9 queries on 0 keys: zeros): with
+        # 0 < Lk and Lq <= Lk in every other per-sequence case, a kernel that clamps a
+        # sequence's offset Lk - Lq at 0, and one that guards its key count with
+        # max(Lk, 1), passed them all
         C("varlen", (3, 2), 64, 64, 32, 32, causal="bottom-right",
-          params=(("seqlens_q", (40, 64, 9)), ("seqlens_k", (17, 64, 9))),
+          params=(("seqlens_q", (40, 64, 9)), ("seqlens_k", (17, 64, 0))),
           features=("seqlens_q", "seqlens_k")),
         # everything a Gemma/Mistral-style kernel combines
         C("combo", (2, 4), 65, 65, 64, 64, causal="bottom-right",

@@ -110,36 +110,41 @@ def test_a_key_padding_mask_read_from_entry_min_b_1_fails():
     assert rest and set(rest) == {"pass"}, rep.table()
 
 
-def _per_sequence(clamp):
-    """Padded varlen attention one sequence at a time; ``clamp`` takes a sequence's offset
-    ``Lk - Lq`` as ``max(Lk - Lq, 0)``, i.e. top-left where it has fewer keys than queries."""
+def _per_sequence(mistake=None):
+    """Padded varlen attention one sequence at a time. ``"clamp"`` takes a sequence's
+    offset ``Lk - Lq`` as ``max(Lk - Lq, 0)`` (top-left where it has fewer keys than
+    queries); ``"guard"`` reads ``max(Lk, 1)`` keys (key 0 of a sequence with none)."""
     def kernel(q, k, v, *, causal=False, scale=None, seqlens_q=None, seqlens_k=None):
         b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
         lqs = seqlens_q if seqlens_q is not None else [nq] * b
         lks = seqlens_k if seqlens_k is not None else [nk] * b
         out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
         for i, (lq, lk) in enumerate(zip(lqs, lks)):
-            c = "top-left" if clamp and causal and lk < lq else causal
-            out[i, :, :lq] = softmax_attention(q[i, :, :lq], k[i, :, :lk], v[i, :, :lk],
-                                               causal=c, scale=scale)
+            c = "top-left" if mistake == "clamp" and causal and lk < lq else causal
+            lk = max(lk, 1) if mistake == "guard" else lk
+            if lk:
+                out[i, :, :lq] = softmax_attention(q[i, :, :lq], k[i, :, :lk], v[i, :, :lk],
+                                                   causal=c, scale=scale)
         return out
     return kernel
 
 
-def test_a_varlen_kernel_clamping_a_sequences_offset_at_0_fails():
-    # Before: every per-sequence case had Lk >= Lq in each sequence, where the clamp does
-    # nothing: it passed the standard suite in float32 and bfloat16. A sequence of 40
-    # queries on 17 keys fails it (its first 23 rows see no key, bottom-right).
+@pytest.mark.parametrize("mistake, entry", [("clamp", 0), ("guard", 2)])
+def test_a_varlen_kernel_clamping_an_offset_or_guarding_an_empty_sequence_fails(mistake, entry):
+    # Before: every per-sequence case had 0 < Lk and Lq <= Lk in each sequence, where
+    # neither mistake changes anything: both passed the standard suite in float32 and
+    # bfloat16. A sequence of 40 queries on 17 keys fails the clamp (its first 23 rows see
+    # no key, bottom-right), one of 9 queries on no key the guard (zeros, not V's key 0).
     varlen = _case("softmax", lambda c: "seqlens_q" in c.needs)
     short = [c for c in varlen if any(a < b for a, b in zip(c.param("seqlens_k"), c.param("seqlens_q")))]
-    assert [c.id for c in short] == ["varlen:b3h2-q64k64-d32-causal-br-seqlens_q40x64x9-seqlens_k17x64x9"]
-    assert verify(_per_sequence(False), "softmax", backend="numpy", cases=varlen, causal="both",
+    assert [c.id for c in short] == ["varlen:b3h2-q64k64-d32-causal-br-seqlens_q40x64x9-seqlens_k17x64x0"]
+    assert verify(_per_sequence(), "softmax", backend="numpy", cases=varlen, causal="both",
                   progress=False).passed
-    rep = verify(_per_sequence(True), "softmax", backend="numpy", cases=varlen, causal="both",
+    rep = verify(_per_sequence(mistake), "softmax", backend="numpy", cases=varlen, causal="both",
                  progress=False)
     failed = [r for r in rep.results if r.verdict == "fail"]
     assert [r.case for r in failed] == [short[0].id], rep.table()
-    assert "wrong only on batch entry 0 (of B = 3)" in failed[0].diagnosis
+    assert f"wrong only on batch entry {entry} (of B = 3)" in failed[0].diagnosis, failed[0].diagnosis
 
 
 def _delta_kernel(eps):
@@ -293,3 +298,4 @@ def test_an_error_that_only_grows_with_n_is_not_named_low_precision():
     assert not out.diagnosis.startswith("the kernel accumulates in low precision"), out.diagnosis
     assert "grows with N" in out.diagnosis, out.diagnosis
     assert "no low-precision accumulator tried reproduces it" in out.diagnosis
+

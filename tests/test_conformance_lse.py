@@ -180,6 +180,44 @@ def test_split_kv_kernel_merging_three_chunks_passes():
     assert not bad.passed
 
 
+def _merge_from(reference):
+    """Split-KV over chunks of 256 keys, merged with weights exp(lse_r - ref): ``ref`` the
+    largest partial lse (``"max"``) or the first one (``"first"``, a merge that is exact
+    in real arithmetic and overflows when a later chunk's lse is ~90 above the first's)."""
+    def kernel(q, k, v, *, scale=None):
+        n = k.shape[-2]
+        cuts = list(range(0, n, 256)) + [n]
+        outs, lses = zip(*(partial_attention(q, k[..., a:b, :], v[..., a:b, :], scale=scale)
+                           for a, b in zip(cuts, cuts[1:])))
+        lses = np.stack(lses)
+        ref = lses.max(0) if reference == "max" else lses[0]
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = np.exp(lses - ref)
+            den = w.sum(0)
+            out = sum(wi[..., None] * o for wi, o in zip(w, outs)) / den[..., None]
+        lse = (ref + np.log(den)).astype(np.float32 if q.dtype != np.float64 else q.dtype)
+        return out.astype(q.dtype), lse
+    return kernel
+
+
+def test_a_split_kv_merge_weighted_from_the_first_partial_fails_on_large_logits():
+    # Before: every large-logits case had at most 64 keys (one chunk), so a merge whose
+    # weights are exp(lse_r - lse_0) passed the standard suite in float32 and bfloat16: it
+    # is exact until a later chunk's lse exceeds the first's by ~88 (float32's exp range).
+    many = _case_ids(lambda c: c.dist == "large_logits" and c.nk >= 1000)
+    assert many == ["large-logits:b1h2-q16k1000-d32-large_logits"]
+    chosen = [c for c in cases("softmax", "standard") if c.id in many]
+    good = verify(_merge_from("max"), backend="numpy", dtypes=("float32",), cases=chosen, progress=False)
+    assert good.passed and len(_lse_rows(good)) == 1, good.table()
+    bad = verify(_merge_from("first"), backend="numpy", dtypes=("float32",), cases=chosen, progress=False)
+    out = [r for r in bad.results if r.output == "out"]
+    assert [r.verdict for r in out] == ["fail"] and "NaN" in out[0].diagnosis, bad.table()
+
+
+def _case_ids(pred):
+    return [c.id for c in cases("softmax", "standard") if pred(c)]
+
+
 def test_a_declared_lse_that_is_missing_or_misshapen_fails():
     def out_only(q, k, v, *, mask=None, causal=False, scale=None):
         return flash(q, k, v, mask=mask, causal=causal, scale=scale)[0]
