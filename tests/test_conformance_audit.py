@@ -299,3 +299,24 @@ def test_an_error_that_only_grows_with_n_is_not_named_low_precision():
     assert "grows with N" in out.diagnosis, out.diagnosis
     assert "no low-precision accumulator tried reproduces it" in out.diagnosis
 
+
+def test_favor_features_without_the_stabiliser_are_named():
+    # performer_attention with stabilize=False (exp(W x - |x|^2/2), no max W x subtracted)
+    # is the same function in real arithmetic; on the one-hot case every feature of a row
+    # underflows. It failed there, named "a plain bfloat16 implementation's size"
+    # (float32) or "features floored after the stabiliser" (float16): wrong causes.
+    from attn_ref import performer_attention
+
+    def unstable(q, k, v, *, projection, kernel="positive", causal=False, scale=None, chunk_size=64):
+        a = np.float64 if q.dtype == np.float64 else np.float32
+        out = performer_attention(q.astype(a), k.astype(a), v.astype(a), projection=projection.astype(a),
+                                  kernel=kernel, causal=causal, scale=scale, chunk_size=chunk_size,
+                                  stabilize=False)
+        return out.astype(q.dtype)
+
+    peaked = _case("performer", lambda c: c.dist == "one_hot")
+    for dtype in ("float32", "float16"):
+        rep = verify(unstable, "performer", backend="numpy", dtypes=(dtype,), cases=peaked, progress=False)
+        (row,) = rep.results
+        assert row.verdict == "fail", rep.table()
+        assert row.diagnosis.startswith("FAVOR+ features without the stabiliser"), row.diagnosis
