@@ -811,10 +811,11 @@ def _performer_eps_sigs(prep):
     taken over every key, and its denominator is ``q . (cumsum k + 1e-6)``."""
     if prep.variant.name != "performer" or prep.options.get("kernel", "positive") != "positive":
         return
-    if prep.options.get("stabilize", True):
+    if prep.options.get("stabilize", True) and not prep.options.get("feature_eps", 0.0):
         # exp(W x - |x|^2/2) without max W x subtracted first: the same function in real
         # arithmetic, but every feature of a row of large |x| underflows in float32 (the
-        # one-hot case), where the stabilised features do not
+        # one-hot case), where the stabilised features do not (a floor is relative to
+        # the stabiliser: without one there is none)
         acc = "float64" if prep.dtype == "float64" else "float32"
         yield (f"FAVOR+ features without the stabiliser: exp(W x - |x|^2/2) computed in {acc} "
                f"underflows on rows of large |x|, where the reference subtracts max W x first "
