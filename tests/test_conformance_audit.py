@@ -2,9 +2,10 @@
 that passed before its fix (it must fail now, named where a diagnosis exists) and by a
 correct kernel that must still pass the same cases.
 
-The kernels are NumPy, written from the definitions rather than through ``attn_ref``'s
-forms, so each check reads as an outside kernel author's would; each runs on the few
-cases that reveal its mistake, not the whole suite.
+The kernels are NumPy (PyTorch where the check needs bfloat16), written from the
+definitions or through ``attn_ref``'s public functions with one convention changed, so
+each check reads as an outside kernel author's would; each runs on the few cases that
+reveal its mistake, not the whole suite.
 """
 
 import numpy as np
