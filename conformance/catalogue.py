@@ -337,6 +337,11 @@ def _standard():
     out += [
         C("large-logits", (1, 2), 64, 64, 64, 64, dist="large_logits"),
         C("large-logits", (1, 2), 65, 63, 64, 64, dist="large_logits", causal="top-left"),
+        # large logits over 1000 keys, several key blocks and split-KV partials: a merge
+        # whose weights exp(lse_r - lse_0) are taken from the first partial instead of
+        # the largest overflows to NaN here and nowhere else (exact softmax only: the
+        # approximate variants' features and projections of such logits say nothing new)
+        C("large-logits", (1, 2), 16, 1000, 32, 32, dist="large_logits", family="softmax"),
         C("near-ties", (1, 2), 64, 64, 32, 32, dist="near_ties"),
         C("one-hot", (1, 2), 65, 65, 64, 64, dist="one_hot"),
         C("constant-keys", (1, 2), 65, 65, 32, 32, dist="constant_keys"),
@@ -377,6 +382,10 @@ def _ranges():
     out = [
         C("range", bh, 37, 37, 16, 16),
         C("range", bh, 37, 37, 16, 16, mask="random"),
+        # a key-padding mask (B, 1, 1, Nk), the shape HuggingFace's attention_mask takes:
+        # every other padding case had two batch entries at most, and a kernel whose
+        # broadcast-mask path reads entry min(b, 1) passed them all
+        C("range", bh, 37, 37, 16, 16, mask="padding"),
         # a bias of its own per batch entry (B, H, Nq, Nk): a kernel that reads batch 0's
         # bias for every entry (a zero batch stride) passes every (1, H) bias
         C("range", bh, 37, 37, 16, 16, bias=True, params=(("bias_batch", bh[0]),)),
@@ -459,6 +468,14 @@ def _modern_standard():
           features=("seqlens_q", "seqlens_k")),
         C("varlen", (3, 2), 64, 64, 32, 32, causal="bottom-right",
           params=(("seqlens_q", (5, 64, 33)), ("seqlens_k", (5, 64, 33))),
+          features=("seqlens_q", "seqlens_k")),
+        # a sequence with fewer keys than queries (17 < 40: its first 23 rows see no key
+        # bottom-right) and one with no key at all (9 queries on 0 keys: zeros): with
+        # 0 < Lk and Lq <= Lk in every other per-sequence case, a kernel that clamps a
+        # sequence's offset Lk - Lq at 0, and one that guards its key count with
+        # max(Lk, 1), passed them all
+        C("varlen", (3, 2), 64, 64, 32, 32, causal="bottom-right",
+          params=(("seqlens_q", (40, 64, 9)), ("seqlens_k", (17, 64, 0))),
           features=("seqlens_q", "seqlens_k")),
         # everything a Gemma/Mistral-style kernel combines
         C("combo", (2, 4), 65, 65, 64, 64, causal="bottom-right",

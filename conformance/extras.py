@@ -41,7 +41,8 @@ relative error of the sum of exponentials, plus its own rounding::
     |dlse_i| <= d u scale ||q_i|| max_j ||k_j||    (the dot products, Cauchy-Schwarz)
               + u (|lse_i| + max |bias|)           (rounding of the logits themselves)
               + sqrt(Nk) u                         (the sum of Nk exponentials, random walk)
-    tol_i = 4 (that) + ulp(|lse_i|) in the lse's own dtype
+    tol_i = 4 (that) + ulp(|lse_i|) in the lse's own dtype, or float32's if it is coarser
+            (float64's for float64 kernels): an lse returned in float16 or bfloat16 fails
 
 Absolute, per row. A base-2 lse is off by ``0.44 |lse|``, a scale applied twice by
 ``(1 - scale) |S|``, a relative bias of ``1e-3`` by ``1e-3 |lse|``: each far outside it.
@@ -106,7 +107,7 @@ from .tolerance import (
 
 __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords", "expected_outputs",
            "split_outputs",
-           "extra_results", "lse_golden", "lse_tolerance", "diagnose_lse", "LSE_FUDGE",
+           "extra_results", "lse_golden", "lse_tolerance", "lse_store", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "wy_chunks", "WY_CHUNKS"]
@@ -303,9 +304,19 @@ def lse_tolerance(prep, golden, lse_dtype="float64"):
     mag = np.where(np.isfinite(golden), np.abs(golden), 0.0)
     qn = np.broadcast_to(qn, golden.shape) if qn.ndim == golden.ndim else np.max(qn)
     bound = d * u * prep.scale * qn * kmax + u * (mag + bmax) + math.sqrt(max(nk, 1)) * u
-    store = lse_dtype.split(".")[-1] if lse_dtype.split(".")[-1] in MANTISSA_BITS else "float32"
+    store = lse_store(prep, lse_dtype)
     ulps = np.vectorize(lambda m: ulp(m, store), otypes=[float])(mag) if mag.size else mag
     return LSE_FUDGE * bound + ulps
+
+
+def lse_store(prep, lse_dtype):
+    """The dtype whose ulp the stored lse may be off by: the one it is returned in, but no
+    coarser than the accumulation's (float32; float64 for float64 kernels). An lse returned
+    in float16 or bfloat16 is off by up to 0.004 |lse| or 0.03 |lse|, which a split-KV
+    merge turns into weights that far off: FlashAttention keeps it in float32."""
+    acc = _accumulation(prep.dtype)
+    store = lse_dtype.split(".")[-1]
+    return store if store in MANTISSA_BITS and MANTISSA_BITS[store] >= MANTISSA_BITS[acc] else acc
 
 
 def _lse_judge(prep, got, *, dtype="float64", convention=None):
@@ -338,7 +349,7 @@ def _lse_judge(prep, got, *, dtype="float64", convention=None):
         res.verdict = "fail"
         if nonfinite or empty_wrong:
             res.ratio = math.inf
-        res.diagnosis = diagnose_lse(prep, got, golden, tol, keep, convention)
+        res.diagnosis = diagnose_lse(prep, got, golden, tol, keep, convention, dtype=dtype)
     return res
 
 
@@ -348,9 +359,10 @@ def _lse_judge(prep, got, *, dtype="float64", convention=None):
 # per-row tolerance, as conformance.diagnose names a mistake of the output.
 
 
-def diagnose_lse(prep, got, golden, tol, keep, convention=None) -> str:
+def diagnose_lse(prep, got, golden, tol, keep, convention=None, dtype="float64") -> str:
     """Words naming the bug class of a failing ``lse`` (host ``(B, H, Nq)``, canonical);
-    ``convention`` the kernel's declared one for rows with no key (``"+inf"``)."""
+    ``convention`` the kernel's declared one for rows with no key (``"+inf"``), ``dtype``
+    the dtype the kernel returned it in."""
     words = []
     empty = keep & np.isneginf(golden)
     full = keep & np.isfinite(golden)
@@ -393,7 +405,16 @@ def diagnose_lse(prep, got, golden, tol, keep, convention=None) -> str:
             (lambda: w * math.log(2), "lse multiplied by ln 2 (a base-2 lse converted twice)"),
         ]
         named = None
-        for make, message in candidates:
+        store = dtype.split(".")[-1]
+        if store in LOW_PRECISION and lse_store(prep, dtype) != store:
+            # within one ulp of the dtype it came in: right but for its storage
+            coarse = np.vectorize(lambda m: ulp(m, store), otypes=[float])(np.abs(w))
+            if np.all(np.abs(g - w) <= t + coarse):
+                named = (f"the lse returned in {store}: its rounding alone (up to "
+                         f"{2.0 ** -(MANTISSA_BITS[store] + 1):.2g} |lse|) is past the "
+                         f"{_accumulation(prep.dtype)} bound, and a split-KV merge's weights "
+                         f"exp(lse_i - lse) are off by as much (FlashAttention returns it in float32)")
+        for make, message in ([] if named else candidates):
             try:
                 if fits(make()):
                     named = message

@@ -2,12 +2,14 @@
 that passed before its fix (it must fail now, named where a diagnosis exists) and by a
 correct kernel that must still pass the same cases.
 
-The kernels are NumPy, written from the definitions rather than through ``attn_ref``'s
-forms, so each check reads as an outside kernel author's would; each runs on the few
-cases that reveal its mistake, not the whole suite.
+The kernels are NumPy (PyTorch where the check needs bfloat16), written from the
+definitions or through ``attn_ref``'s public functions with one convention changed, so
+each check reads as an outside kernel author's would; each runs on the few cases that
+reveal its mistake, not the whole suite.
 """
 
 import numpy as np
+import pytest
 
 from attn_ref import softmax_attention
 from conformance import cases, verify
@@ -83,6 +85,67 @@ def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():
     rep = verify(stride0, "softmax", backend="numpy", cases=full, progress=False)
     (row,) = rep.results
     assert row.verdict == "fail" and "batch entries 1..2 (of B = 3)" in row.diagnosis, rep.table()
+
+
+def test_a_key_padding_mask_read_from_entry_min_b_1_fails():
+    # Before: every key-padding mask (B, 1, 1, Nk) had B <= 2, so a kernel whose
+    # broadcast-mask path reads entry min(b, 1) (a grid written for two) passed the
+    # standard suite in float32 and bfloat16; the 3 x 5 padding case fails it on entry 2.
+    padded = _case("softmax", lambda c: c.mask == "padding")
+    assert max(c.batch[0] for c in padded) == 3
+
+    def clamped(q, k, v, *, mask=None, scale=None):
+        if mask is not None and mask.shape[1] == 1:
+            mask = mask[np.minimum(np.arange(mask.shape[0]), 1)]
+        return softmax_attention(q, k, v, mask=mask, scale=scale)
+
+    def right(q, k, v, *, mask=None, scale=None):
+        return softmax_attention(q, k, v, mask=mask, scale=scale)
+
+    assert verify(right, "softmax", backend="numpy", cases=padded, progress=False).passed
+    rep = verify(clamped, "softmax", backend="numpy", cases=padded, progress=False)
+    failed = [r for r in rep.results if r.verdict == "fail"]
+    assert [r.case for r in failed] == ["range:b3h5-q37k37-d16-mask-padding"], rep.table()
+    assert "wrong only on batch entry 2 (of B = 3)" in failed[0].diagnosis
+    rest = [r.verdict for r in rep.results if r not in failed and r.verdict != "n/a"]
+    assert rest and set(rest) == {"pass"}, rep.table()
+
+
+def _per_sequence(mistake=None):
+    """Padded varlen attention one sequence at a time. ``"clamp"`` takes a sequence's
+    offset ``Lk - Lq`` as ``max(Lk - Lq, 0)`` (top-left where it has fewer keys than
+    queries); ``"guard"`` reads ``max(Lk, 1)`` keys (key 0 of a sequence with none)."""
+    def kernel(q, k, v, *, causal=False, scale=None, seqlens_q=None, seqlens_k=None):
+        b, nq, nk = q.shape[0], q.shape[-2], k.shape[-2]
+        lqs = seqlens_q if seqlens_q is not None else [nq] * b
+        lks = seqlens_k if seqlens_k is not None else [nk] * b
+        out = np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        for i, (lq, lk) in enumerate(zip(lqs, lks)):
+            c = "top-left" if mistake == "clamp" and causal and lk < lq else causal
+            lk = max(lk, 1) if mistake == "guard" else lk
+            if lk:
+                out[i, :, :lq] = softmax_attention(q[i, :, :lq], k[i, :, :lk], v[i, :, :lk],
+                                                   causal=c, scale=scale)
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("mistake, entry", [("clamp", 0), ("guard", 2)])
+def test_a_varlen_kernel_clamping_an_offset_or_guarding_an_empty_sequence_fails(mistake, entry):
+    # Before: every per-sequence case had 0 < Lk and Lq <= Lk in each sequence, where
+    # neither mistake changes anything: both passed the standard suite in float32 and
+    # bfloat16. A sequence of 40 queries on 17 keys fails the clamp (its first 23 rows see
+    # no key, bottom-right), one of 9 queries on no key the guard (zeros, not V's key 0).
+    varlen = _case("softmax", lambda c: "seqlens_q" in c.needs)
+    short = [c for c in varlen if any(a < b for a, b in zip(c.param("seqlens_k"), c.param("seqlens_q")))]
+    assert [c.id for c in short] == ["varlen:b3h2-q64k64-d32-causal-br-seqlens_q40x64x9-seqlens_k17x64x0"]
+    assert verify(_per_sequence(), "softmax", backend="numpy", cases=varlen, causal="both",
+                  progress=False).passed
+    rep = verify(_per_sequence(mistake), "softmax", backend="numpy", cases=varlen, causal="both",
+                 progress=False)
+    failed = [r for r in rep.results if r.verdict == "fail"]
+    assert [r.case for r in failed] == [short[0].id], rep.table()
+    assert f"wrong only on batch entry {entry} (of B = 3)" in failed[0].diagnosis, failed[0].diagnosis
 
 
 def _delta_kernel(eps):
@@ -183,3 +246,78 @@ def test_window_and_alibi_from_the_padded_end_fail():
                  supports={"mask": False}, progress=False)
     assert [r.verdict for r in bad.results] == ["fail", "fail"], bad.table()
     assert all("wrong only on batch entry 1 (of B = 2)" in r.diagnosis for r in bad.results)
+
+
+def test_a_bfloat16_store_by_truncation_is_named_not_low_precision_accumulation():
+    # A kernel exact in float32 whose bfloat16 store drops the low 16 bits (rounds toward
+    # zero) fails the constant-keys case (outputs near-equal along each row, RMS 0.58 ulp
+    # against rounding's 0.29) and was diagnosed "accumulates in low precision ... P V
+    # and row sum accumulated 16 keys at a time", a wrong cause; rounded to nearest, the
+    # same kernel passes.
+    torch = pytest.importorskip("torch")
+    case = _case("softmax", lambda c: c.dist == "constant_keys")
+
+    def kernel(truncate):
+        def fn(q, k, v, *, scale=None):
+            s = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+            o = torch.softmax(s, dim=-1) @ v.float()
+            if truncate:
+                o = (o.contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+            return o.to(torch.bfloat16)
+        return fn
+
+    good = verify(kernel(False), "softmax", backend="torch", dtypes=("bfloat16",), cases=case, progress=False)
+    assert good.passed, good.table()
+    bad = verify(kernel(True), "softmax", backend="torch", dtypes=("bfloat16",), cases=case, progress=False)
+    (row,) = bad.results
+    assert row.verdict == "fail", bad.table()
+    assert row.diagnosis.startswith("the output is rounded toward zero (truncated) to bfloat16"), \
+        row.diagnosis
+
+
+def test_an_error_that_only_grows_with_n_is_not_named_low_precision():
+    # A GLA kernel exact in float32 that loses the decay of every 1024th step fails the
+    # 4096-step case in bfloat16 at 98.8x a plain implementation's error, growing with N;
+    # no low-precision state reproduces it, yet it read "the kernel accumulates in low
+    # precision". Growth is now reported as a measurement, with no cause.
+    pytest.importorskip("torch")
+    from attn_ref.recurrent import gated_linear_attention
+
+    def kernel(q, k, v, *, g, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        g = g.float().clone()
+        g[..., 1024::1024, :] = 0.0
+        out = gated_linear_attention(q.float(), k.float(), v.float(), g=g, scale=scale,
+                                     initial_state=initial_state, output_final_state=output_final_state,
+                                     cu_seqlens=cu_seqlens)
+        return (out[0].to(q.dtype), out[1]) if output_final_state else out.to(q.dtype)
+
+    long = [c for c in cases("gla", "exhaustive") if c.family == "recurrent" and c.nq == 4096]
+    rep = verify(kernel, "gla", backend="torch", dtypes=("bfloat16",), cases=long, progress=False,
+                 supports={"causal": "always"})
+    (out,) = [r for r in rep.results if r.output == "out"]
+    assert out.verdict == "fail", rep.table()
+    assert not out.diagnosis.startswith("the kernel accumulates in low precision"), out.diagnosis
+    assert "grows with N" in out.diagnosis, out.diagnosis
+    assert "no low-precision accumulator tried reproduces it" in out.diagnosis
+
+
+def test_favor_features_without_the_stabiliser_are_named():
+    # performer_attention with stabilize=False (exp(W x - |x|^2/2), no max W x subtracted)
+    # is the same function in real arithmetic; on the one-hot case every feature of a row
+    # underflows. It failed there, named "a plain bfloat16 implementation's size"
+    # (float32) or "features floored after the stabiliser" (float16): wrong causes.
+    from attn_ref import performer_attention
+
+    def unstable(q, k, v, *, projection, kernel="positive", causal=False, scale=None, chunk_size=64):
+        a = np.float64 if q.dtype == np.float64 else np.float32
+        out = performer_attention(q.astype(a), k.astype(a), v.astype(a), projection=projection.astype(a),
+                                  kernel=kernel, causal=causal, scale=scale, chunk_size=chunk_size,
+                                  stabilize=False)
+        return out.astype(q.dtype)
+
+    peaked = _case("performer", lambda c: c.dist == "one_hot")
+    for dtype in ("float32", "float16"):
+        rep = verify(unstable, "performer", backend="numpy", dtypes=(dtype,), cases=peaked, progress=False)
+        (row,) = rep.results
+        assert row.verdict == "fail", rep.table()
+        assert row.diagnosis.startswith("FAVOR+ features without the stabiliser"), row.diagnosis

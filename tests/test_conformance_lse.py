@@ -99,6 +99,32 @@ def test_each_lse_bug_class_fails_and_is_named(name):
         assert all(words in r.diagnosis for r in bad if "length1:b1h1-q1k1" not in r.case)
 
 
+def _flash32(lse_dtype):
+    """``flash`` computed in float32 whatever the input dtype; the lse returned in ``lse_dtype``."""
+    def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+        out, lse = flash(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
+                         mask=mask, bias=None if bias is None else bias.astype(np.float32),
+                         causal=causal, scale=scale)
+        return out.astype(q.dtype), lse.astype(lse_dtype)
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_lse_returned_in_float16_fails_and_is_named(dtype):
+    # Before: the stored value's term was one ulp in the dtype the kernel returned, so an
+    # lse rounded to float16 (up to 0.0005 |lse| off, which a split-KV merge's weights
+    # exp(lse_i - lse) inherit) passed every case of the standard suite in float32 and
+    # float16. Its term is now float32's at the coarsest, as FlashAttention stores it.
+    good = verify(_flash32(np.float32), backend="numpy", dtypes=(dtype,), suite="quick", progress=False)
+    assert good.passed, good.table()
+    bad = verify(_flash32(np.float16), backend="numpy", dtypes=(dtype,), suite="quick", progress=False)
+    lse, out = _lse_rows(bad), [r for r in bad.results if r.output == "out"]
+    assert {r.verdict for r in out} <= {"pass", "n/a"}, bad.table()
+    failed = [r for r in lse if r.verdict == "fail"]
+    assert len(failed) >= len(lse) - 1 and len(failed) >= 8, bad.table()
+    assert all("the lse returned in float16" in r.diagnosis for r in failed), bad.table()
+
+
 def test_flash_attention_2s_plus_inf_rows_pass_when_declared_and_only_then():
     fa2 = MUTANTS["+inf rows"][0]
     report = verify(fa2, backend="numpy", dtypes=("float32",), suite="quick", progress=False,
@@ -152,6 +178,44 @@ def test_split_kv_kernel_merging_three_chunks_passes():
 
     bad = verify(wrong_merge, backend="numpy", dtypes=("float32",), suite="quick", progress=False)
     assert not bad.passed
+
+
+def _merge_from(reference):
+    """Split-KV over chunks of 256 keys, merged with weights exp(lse_r - ref): ``ref`` the
+    largest partial lse (``"max"``) or the first one (``"first"``, a merge that is exact
+    in real arithmetic and overflows when a later chunk's lse is ~90 above the first's)."""
+    def kernel(q, k, v, *, scale=None):
+        n = k.shape[-2]
+        cuts = list(range(0, n, 256)) + [n]
+        outs, lses = zip(*(partial_attention(q, k[..., a:b, :], v[..., a:b, :], scale=scale)
+                           for a, b in zip(cuts, cuts[1:])))
+        lses = np.stack(lses)
+        ref = lses.max(0) if reference == "max" else lses[0]
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = np.exp(lses - ref)
+            den = w.sum(0)
+            out = sum(wi[..., None] * o for wi, o in zip(w, outs)) / den[..., None]
+        lse = (ref + np.log(den)).astype(np.float32 if q.dtype != np.float64 else q.dtype)
+        return out.astype(q.dtype), lse
+    return kernel
+
+
+def test_a_split_kv_merge_weighted_from_the_first_partial_fails_on_large_logits():
+    # Before: every large-logits case had at most 64 keys (one chunk), so a merge whose
+    # weights are exp(lse_r - lse_0) passed the standard suite in float32 and bfloat16: it
+    # is exact until a later chunk's lse exceeds the first's by ~88 (float32's exp range).
+    many = _case_ids(lambda c: c.dist == "large_logits" and c.nk >= 1000)
+    assert many == ["large-logits:b1h2-q16k1000-d32-large_logits"]
+    chosen = [c for c in cases("softmax", "standard") if c.id in many]
+    good = verify(_merge_from("max"), backend="numpy", dtypes=("float32",), cases=chosen, progress=False)
+    assert good.passed and len(_lse_rows(good)) == 1, good.table()
+    bad = verify(_merge_from("first"), backend="numpy", dtypes=("float32",), cases=chosen, progress=False)
+    out = [r for r in bad.results if r.output == "out"]
+    assert [r.verdict for r in out] == ["fail"] and "NaN" in out[0].diagnosis, bad.table()
+
+
+def _case_ids(pred):
+    return [c.id for c in cases("softmax", "standard") if pred(c)]
 
 
 def test_a_declared_lse_that_is_missing_or_misshapen_fails():
