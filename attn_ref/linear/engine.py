@@ -93,10 +93,12 @@ def _hide_in_chunks(xp, a, fq, fk):
     ``-0``, which adds nothing to the next product's sums). NumPy's ``where`` runs at a
     fifth of a product's rate: on a causal block of 512 rows, 8 heads, ``d' = C = 64``,
     one thread, 323 us for the select against 60 us for the product and 76 us for the
-    four reductions of the bound (one value read back). Otherwise (a feature map that
-    overflows, non-finite inputs, lazy arrays whose values cannot be read) the select.
+    four reductions of the bound (one value read back). Otherwise the select: a feature
+    map that overflows, non-finite inputs, and arrays that are not this code's own to
+    write (``owned_writeable``: lazy arrays whose values cannot be read, JAX's, and
+    torch tensors recording a graph, whose value read back torch warns about).
     """
-    if not is_lazy(a):
+    if owned_writeable(a):
         # one value read back: maximum and the products propagate NaN, inf stays inf
         bound = float(xp.maximum(xp.max(fq), -xp.min(fq)) * xp.maximum(xp.max(fk), -xp.min(fk)))
         if bound * fq.shape[-1] <= xp.finfo(a.dtype).max / 2:
