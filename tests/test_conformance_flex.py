@@ -209,7 +209,7 @@ def test_flex_attention_passes(dtype):
     assert {r.output for r in rows} == {"out", "lse"}
     bad = [(r.case, r.output, r.verdict, r.ratio, r.diagnosis) for r in rows if r.verdict != "pass"]
     assert not bad, bad
-    assert len(rows) == (220 if FULL else 2 * len(OPTIONS))
+    assert len(rows) == (226 if FULL else 2 * len(OPTIONS))
     print(f"FLEX {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
 
 
