@@ -312,7 +312,7 @@ def lse_tolerance(prep, golden, lse_dtype="float64"):
 def lse_store(prep, lse_dtype):
     """The dtype whose ulp the stored lse may be off by: the one it is returned in, but no
     coarser than the accumulation's (float32; float64 for float64 kernels). An lse returned
-    in float16 or bfloat16 is off by up to 0.004 |lse| or 0.03 |lse|, which a split-KV
+    in float16 or bfloat16 is off by up to 0.004 ``|lse|`` or 0.03 ``|lse|``, which a split-KV
     merge turns into weights that far off: FlashAttention keeps it in float32."""
     acc = _accumulation(prep.dtype)
     store = lse_dtype.split(".")[-1]
