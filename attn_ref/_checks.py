@@ -248,13 +248,14 @@ def check_bias(xp, bias, batch, nq, nk, dtype, name="bias", *, like):
     return bias if bias.dtype == dtype else xp.astype(bias, dtype)
 
 
-def check_positive_int(name, value):
+def check_positive_int(name, value, want="a positive integer"):
     """An integer >= 1 (``int`` or anything with ``__index__``, e.g. ``np.int64``) as ``int``.
 
-    A non-integer is a ``TypeError``, an integer below 1 a ``ValueError``."""
-    value = _integer(name, value, "a positive integer")
+    A non-integer is a ``TypeError``, an integer below 1 a ``ValueError``; both messages
+    read ``{name} must be {want}``."""
+    value = _integer(name, value, want)
     if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be {want}, got {value!r}")
     return value
 
 

@@ -17,6 +17,7 @@ from .._checks import (
     check_bias,
     check_flag,
     check_mask,
+    check_positive_int,
     check_qkv,
     check_real,
     default_scale,
@@ -72,16 +73,8 @@ def check_chunk(chunk):
     """``None`` (off) or the chunk size, a positive integer."""
     if chunk is None:
         return None
-    want = "None (off) or a positive integer chunk size (Llama 4's attention_chunk_size)"
-    if isinstance(chunk, bool):
-        raise TypeError(f"chunk must be {want}, got {chunk!r}")
-    try:
-        chunk = operator.index(chunk)
-    except TypeError:
-        raise TypeError(f"chunk must be {want}, got {chunk!r}") from None
-    if chunk < 1:
-        raise ValueError(f"chunk must be {want}, got {chunk}")
-    return chunk
+    return check_positive_int(
+        "chunk", chunk, "None (off) or a positive integer chunk size (Llama 4's attention_chunk_size)")
 
 
 def check_softcap(softcap):
