@@ -284,6 +284,31 @@ def _causal_only(q, k, v, *, mask=None, bias=None, scale=None, **kw):
     return correct_kernel(q, k, v, causal=True, mask=mask, bias=bias, scale=scale)
 
 
+def test_a_top_left_kernel_gets_no_bottom_right_varlen_case_whose_sequences_differ():
+    # Padded to Nq == Nk = 64, the sequences inside are 40 queries on 17 keys: top-left
+    # and bottom-right differ there, so a kernel whose causal=True is top-left cannot take
+    # the case. It was handed causal=True and failed (1.5e6 x its bound in float32) though
+    # it is correct; attn_ref's own softmax_attention was the kernel that showed it.
+    from attn_ref import softmax_attention
+
+    varlen = [c for c in cases("softmax", "standard") if "seqlens_q" in c.needs]
+    short = [c for c in varlen if tuple(c.param("seqlens_q")) != tuple(c.param("seqlens_k"))]
+    assert len(short) == 1 and short[0].nq == short[0].nk
+    rep = verify(softmax_attention, "softmax", backend="numpy", cases=varlen, progress=False)
+    assert rep.passed, rep.table()
+    assert [r.verdict for r in rep.results if r.case == short[0].id] == ["n/a"]
+    assert dict(rep.na_reasons()) == {
+        "kernel's causal=True is top-left; case needs bottom-right with sequences of "
+        "Lq = (40, 64, 9) on Lk = (17, 64, 0)": 1}
+    # declared as what it is not, it is handed the case and fails it
+    rep = verify(softmax_attention, "softmax", backend="numpy", cases=short, causal="bottom-right",
+                 progress=False)
+    assert rep.counts["fail"] == 1, rep.table()
+    # as what it is ("both": True/"bottom-right" strings), it passes it
+    assert verify(softmax_attention, "softmax", backend="numpy", cases=short, causal="both",
+                  progress=False).passed
+
+
 def test_causal_by_construction_gets_only_causal_cases_and_no_argument():
     todo = [Case("c", (2, 1), 16, 16, 8, 8, causal="top-left"),
             Case("c", (1, 2), 13, 21, 8, 8, causal="top-left"),
