@@ -597,8 +597,9 @@ def _modern_long():
     out.append(C("window", (1, 1), 4096, 4096, 64, 64, causal="bottom-right",
                  params=(("window", (255, -1)),), features=("window",)))
     # Llama 4 Scout's chunks of 8192 decoding 16 queries at positions 8181..8196: the
-    # step straddles the first chunk boundary, 11 queries see keys 0..i, 5 see 8192..i.
-    # Here and not in the long suite, whose Dask golden takes causal and scale only.
+    # step straddles the first chunk boundary, 11 queries see keys 0..i, 5 see 8192..i
+    # (16 x 8197 is no long case: its golden is the one-shot's; the long suite has the
+    # 8197-position prefill).
     out.append(C("chunk", (1, 4), 16, 8197, 64, 64, causal="bottom-right", params=(("chunk", 8192),),
                  features=("chunk",)))
     return out
@@ -711,6 +712,10 @@ def _long():
         C("long", (1, 2), 8192, 8192, 64, 64),
         C("long", (1, 2), 8192, 8192, 64, 64, causal="top-left"),
         C("long", (1, 1), 4096, 16384, 64, 64, causal="bottom-right"),
+        # Llama 4's chunked attention past one chunk of 8192 (Scout's size): a prefill of
+        # 8197 positions, the last five seeing keys 8192.. only (the Dask golden takes chunk)
+        C("long", (1, 2), 8197, 8197, 64, 64, causal="bottom-right", params=(("chunk", 8192),),
+          features=("chunk",)),
     ]
 
 
