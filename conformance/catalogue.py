@@ -282,14 +282,14 @@ def case_gates(case: Case, g, seed: int = 0) -> np.ndarray:
     ``(B, H, T, d_k)``, float64): unchanged unless the case has a ``gates`` param.
 
     ``"strong"`` mixes three kinds of head, by head index modulo 3 (so a kernel must get
-    each right on its own head): (0) no decay (``g = 0`` exactly) with a strong gate on one
-    step in ten, where the state grows over many steps and is then all but erased, so a
-    clipped or flushed gate leaks a large state into the next ones; (1) a strong gate on
-    every step; (2) the variant's draw with a quarter of its steps 0 and a quarter strong.
-    Strong gates are uniform in :data:`STRONG_GATES`. ``"long-chunk"``: uniform in
-    :data:`LONG_CHUNK_GATES`, one step in ten 0 (:data:`LONG_CHUNK_GATES`). The choices
-    come from their own stream of the seed and the case id, so ``q``, ``k``, ``v`` are
-    those of the same case without the param.
+    each right on its own head): (0) no decay (``g = 0`` exactly) with a gate uniform in
+    :data:`ERASING_GATES` on one step in ten, where the state grows over many steps and is
+    then all but erased, so a clipped or flushed gate leaks a large state into the next
+    ones; (1) a strong gate (uniform in :data:`STRONG_GATES`) on every step; (2) the
+    variant's draw with a quarter of its steps 0 and a quarter strong. ``"long-chunk"``:
+    uniform in :data:`LONG_CHUNK_GATES`, one step in ten 0. The choices come from a stream
+    of their own (the seed, the case id), so the draws of ``q``, ``k``, ``v`` do not
+    depend on them.
     """
     kind = case.param("gates")
     g = np.array(g, dtype=np.float64)

@@ -38,7 +38,9 @@ the case tolerance of the mistake's, or the mistake explains all but 1/50 of the
 kernel's error (``max|got - mistake| <= max|got - golden| / 50``); a mistake whose
 output is off by more than the RMS bound only, within the max bound, must explain all but
 1/50 of it in both norms (a plain-precision difference such as logits rounded in the
-dtype fails the RMS bound alone); of several, the
+dtype fails the RMS bound alone), or, for a signature whose mistakes change the function
+and never only its rounding (``Signature.functional``: the log gates'), be within both
+bounds of the kernel's output and leave at most half its RMS error; of several, the
 closest is named, and with it every other that reproduces the output within tolerance
 (they cannot be told apart on this case). For non-finite values (1), the rows the fault predicts must be
 exactly the kernel's non-finite rows (up to rows within rounding of a threshold, and
