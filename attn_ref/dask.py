@@ -28,7 +28,9 @@ import array_api_compat
 from ._checks import check_positive_int
 from ._common import causal_alignment, causal_offset
 from .linear import check_eps, check_scale, chunked_values, feature_map_features, readout
+from .softmax.options import check_chunk
 from .softmax.partial import merge_attention, partial_attention
+from .softmax.tiles import chunk_coverage
 
 __all__ = [
     "dask_softmax_attention",
@@ -104,7 +106,7 @@ def _merge(parts):
     return merge_attention(list(parts))
 
 
-def dask_softmax_attention(q, k, v, /, *, causal=False, scale=None, split_every=2):
+def dask_softmax_attention(q, k, v, /, *, causal=False, scale=None, chunk=None, split_every=2):
     """Exact softmax attention of Dask arrays: ``(out, lse)``, lazy.
 
     Parameters
@@ -118,6 +120,12 @@ def dask_softmax_attention(q, k, v, /, *, causal=False, scale=None, split_every=
         As in :func:`attn_ref.softmax_attention`.
     scale : float, optional
         Logit scale, default ``1/sqrt(d)``.
+    chunk : int >= 1, optional
+        Llama 4's chunked attention, as in :func:`attn_ref.softmax_attention`: query
+        ``i`` sees key ``j`` only when ``(i + Nk - Nq) // chunk == j // chunk`` (ANDed with
+        ``causal``). Each (query chunk, key chunk) pair whose positions share no chunk
+        gets no task. Not with ``causal="top-left"`` and ``Nq != Nk``, where the causal
+        mask and the chunks count positions from different ends (one offset per tile).
     split_every : int
         Partials merged per task of the tree (2: a binary tree of depth ``log2 c``).
 
@@ -153,6 +161,13 @@ def dask_softmax_attention(q, k, v, /, *, causal=False, scale=None, split_every=
         raise ValueError(f"split_every must be an integer >= 2, got {split_every!r}")
     nq, nk, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     off = causal_offset(alignment, nq, nk) if alignment else 0
+    chunk = check_chunk(chunk)
+    if chunk is not None:
+        if alignment and off != nk - nq:
+            raise ValueError(f"chunk counts query positions bottom-right (i + Nk - Nq) and "
+                             f"causal={causal!r} top-left: with Nq = {nq} != Nk = {nk} the two "
+                             f"differ; pass causal='bottom-right' (Llama 4's decode)")
+        off = nk - nq
     qs, ks = _starts(q.chunks[-2]), _starts(k.chunks[-2])
     qd, kd, vd = q.to_delayed(), k.to_delayed(), v.to_delayed()
     partial = dask.delayed(partial_attention, pure=True)
@@ -166,10 +181,13 @@ def dask_softmax_attention(q, k, v, /, *, causal=False, scale=None, split_every=
             bq = q.chunks[-2][i]
             parts = [partial(qd[lead + (i, 0)], kd[lead + (j, 0)], vd[lead + (j, 0)],
                              causal=bool(alignment), query_offset=q0 + off, key_offset=k0,
-                             scale=scale)
+                             scale=scale, chunk=chunk)
                      for j, k0 in enumerate(ks)
-                     # a key chunk wholly after the chunk's last query: no task
-                     if not (alignment and k0 > q0 + off + bq - 1)]
+                     # a key chunk wholly after the chunk's last query, or in no chunk
+                     # of its queries: no task
+                     if not (alignment and k0 > q0 + off + bq - 1) and not (
+                         chunk is not None and chunk_coverage(
+                             chunk, off, q0, q0 + bq, k0, k0 + k.chunks[-2][j]) == "none")]
             shape_o = tuple(c[b] for c, b in zip(q.chunks[:-2], lead)) + (bq, dv)
             if not parts:
                 row_out.append(da.zeros(shape_o, dtype=q.dtype))

@@ -47,7 +47,9 @@ __all__ = [
     "CATALOGUE",
     "SUITES",
     "cases",
+    "case_gates",
     "case_strategy",
+    "takes_gates",
     "with_tag",
 ]
 
@@ -65,6 +67,18 @@ _SMALL_QK = 1e-3
 GATE_NORMALIZER = 64
 #: the long-memory gradient case's divisor of the log gates (:func:`_recurrent`)
 LONG_MEMORY_GATES = 1024
+#: strong-gate cases (param ``gates``, :func:`case_gates`): the range of a strong log gate
+#: (``e^-20 ~ 2e-9`` to ``e^-5 ~ 7e-3``). fla's ``logsigmoid(randn)`` draw stays above
+#: about -4.5, so a kernel clipping the log gates at -5, or flushing ``exp(g) < 1e-4`` to 0,
+#: computed the same function on every other case
+STRONG_GATES = (-20.0, -5.0)
+#: strong-gate cases: the log gates that erase the no-decay heads' state (decays of 6e-6
+#: to 9e-4, on both sides of a flush below 1e-4, all below a clip at -5)
+ERASING_GATES = (-12.0, -7.0)
+#: the long-chunk case's log gates: uniform in this range, one step in ten exactly 0; a
+#: chunk of 64 sums to about -1e3, past ``ln`` of float64's smallest number (-744), so a
+#: decay formed as ``exp(G_i) / exp(G_j)`` from running sums is ``0 / 0`` there
+LONG_CHUNK_GATES = (-20.0, -11.0)
 DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values",
                  "small_qk")
 MASKS = (None, "padding", "random", "fully_masked_rows")
@@ -261,6 +275,39 @@ class Case:
             if feat is not None and feat.build is not None:
                 feat.build(self, rng, arrays, kwargs)
         return arrays, kwargs
+
+
+def case_gates(case: Case, g, seed: int = 0) -> np.ndarray:
+    """The log gates of ``case`` made from the variant's own draw ``g`` (``(B, H, T)`` or
+    ``(B, H, T, d_k)``, float64): unchanged unless the case has a ``gates`` param.
+
+    ``"strong"`` mixes three kinds of head, by head index modulo 3 (so a kernel must get
+    each right on its own head): (0) no decay (``g = 0`` exactly) with a gate uniform in
+    :data:`ERASING_GATES` on one step in ten, where the state grows over many steps and is
+    then all but erased, so a clipped or flushed gate leaks a large state into the next
+    ones; (1) a strong gate (uniform in :data:`STRONG_GATES`) on every step; (2) the
+    variant's draw with a quarter of its steps 0 and a quarter strong. ``"long-chunk"``:
+    uniform in :data:`LONG_CHUNK_GATES`, one step in ten 0. The choices come from a stream
+    of their own (the seed, the case id), so the draws of ``q``, ``k``, ``v`` do not
+    depend on them.
+    """
+    kind = case.param("gates")
+    g = np.array(g, dtype=np.float64)
+    if kind is None:
+        return g
+    rng = np.random.default_rng([int(seed), zlib.crc32(case.id.encode()), 1])
+    u = rng.random(g.shape)
+    if kind == "long-chunk":
+        return np.where(u < 0.1, 0.0, rng.uniform(*LONG_CHUNK_GATES, g.shape))
+    if kind != "strong":
+        raise ValueError(f"gates must be 'strong' or 'long-chunk', got {kind!r}")
+    strong = rng.uniform(*STRONG_GATES, g.shape)
+    head = np.arange(g.shape[1]).reshape((1, -1) + (1,) * (g.ndim - 2)) % 3
+    # heads 0, 3, ...: no decay, now and then (nearly) erased by decays of 6e-6 to 9e-4
+    out = np.where(u < 0.1, rng.uniform(*ERASING_GATES, g.shape), 0.0)
+    out = np.where(head == 1, strong, out)
+    mixed = np.where(u < 0.25, 0.0, np.where(u < 0.5, strong, g))
+    return np.where(head == 2, mixed, out)
 
 
 def _fmt(v):
@@ -550,8 +597,9 @@ def _modern_long():
     out.append(C("window", (1, 1), 4096, 4096, 64, 64, causal="bottom-right",
                  params=(("window", (255, -1)),), features=("window",)))
     # Llama 4 Scout's chunks of 8192 decoding 16 queries at positions 8181..8196: the
-    # step straddles the first chunk boundary, 11 queries see keys 0..i, 5 see 8192..i.
-    # Here and not in the long suite, whose Dask golden takes causal and scale only.
+    # step straddles the first chunk boundary, 11 queries see keys 0..i, 5 see 8192..i
+    # (16 x 8197 is no long case: its golden is the one-shot's; the long suite has the
+    # 8197-position prefill).
     out.append(C("chunk", (1, 4), 16, 8197, 64, 64, causal="bottom-right", params=(("chunk", 8192),),
                  features=("chunk",)))
     return out
@@ -614,6 +662,18 @@ def _recurrent():
     # fails dk, dv and dg by 6 to 12 times; a float32-state backward stays at 0.06.
     out.append(C("long-memory", (1, 2), 1000, 1000, 32, 32, causal=tl, family=fam,
                  params=(("gate_normalizer", LONG_MEMORY_GATES),), grads_only=True))
+    # Strong gates (case_gates; the variants with log gates only): log gates down to -20 and
+    # exactly 0, mixed per head. A kernel clipping the log gates at -5, or flushing
+    # exp(g) < 1e-4 to zero, computes the same function as the reference on fla's draws
+    # (which stay above about -4.5); here it leaks a state the gate erases. The long chunk:
+    # running sums of about -1e3 over a chunk of 64, where exp(G_i) / exp(G_j) is 0 / 0
+    # (float32 from -104, float64 from -745) and exp(G_i - G_j) is right.
+    out += [C("strong-gates", (1, 3), 100, 100, 16, 16, causal=tl, family=fam,
+              params=(("gates", "strong"),)),
+            C("strong-gates", (1, 3), 65, 65, 16, 16, causal=tl, family=fam, features=init,
+              params=(("gates", "strong"),)),
+            C("strong-gates", (1, 2), 100, 100, 16, 16, causal=tl, family=fam,
+              params=(("gates", "long-chunk"),))]
     return out
 
 
@@ -652,6 +712,10 @@ def _long():
         C("long", (1, 2), 8192, 8192, 64, 64),
         C("long", (1, 2), 8192, 8192, 64, 64, causal="top-left"),
         C("long", (1, 1), 4096, 16384, 64, 64, causal="bottom-right"),
+        # Llama 4's chunked attention past one chunk of 8192 (Scout's size): a prefill of
+        # 8197 positions, the last five seeing keys 8192.. only (the Dask golden takes chunk)
+        C("long", (1, 2), 8197, 8197, 64, 64, causal="bottom-right", params=(("chunk", 8192),),
+          features=("chunk",)),
     ]
 
 
@@ -686,8 +750,17 @@ def cases(variant: str | None = None, suite: str = "standard", *, grads: bool = 
         feats = reference_features(v)
         out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)
                and not (v.causal_only and c.causal is None)
-               and c.family in (None, v.family)]
+               and c.family in (None, v.family)
+               and (c.param("gates") is None or takes_gates(v))]
     return out
+
+
+def takes_gates(variant) -> bool:
+    """Whether the reference of ``variant`` takes log gates ``g`` (GLA, SSD, Gated DeltaNet):
+    the cases with a ``gates`` param (:func:`case_gates`) are for those only."""
+    import inspect
+
+    return "g" in inspect.signature(variant.fn).parameters
 
 
 # the search draws the distributions every variant's cases use (small_qk is the recurrent

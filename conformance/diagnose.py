@@ -38,7 +38,9 @@ the case tolerance of the mistake's, or the mistake explains all but 1/50 of the
 kernel's error (``max|got - mistake| <= max|got - golden| / 50``); a mistake whose
 output is off by more than the RMS bound only, within the max bound, must explain all but
 1/50 of it in both norms (a plain-precision difference such as logits rounded in the
-dtype fails the RMS bound alone); of several, the
+dtype fails the RMS bound alone), or, for a signature whose mistakes change the function
+and never only its rounding (``Signature.functional``: the log gates'), be within both
+bounds of the kernel's output and leave at most half its RMS error; of several, the
 closest is named, and with it every other that reproduces the output within tolerance
 (they cannot be told apart on this case). For non-finite values (1), the rows the fault predicts must be
 exactly the kernel's non-finite rows (up to rows within rounding of a threshold, and
@@ -94,6 +96,11 @@ class Signature:
     needs_output: bool = False
     # a costly fit, skipped once another mistake reproduces the output within tolerance
     fit: bool = False
+    # every candidate is another function, never another rounding of this one: a kernel
+    # within tolerance of it in both norms names it also where it fails the RMS bound alone
+    # (in bfloat16 a gate clipped at -5 fails that bound only, and its own rounding is far
+    # more than 1/50 of its error)
+    functional: bool = False
 
 
 SIGNATURES: list[Signature] = []
@@ -775,6 +782,17 @@ def _recurrent_sigs(prep):
                f"{' or '.join(map(str, sizes))}): the outputs of tokens {where} are zero", out)
 
 
+def _gate_sigs(prep):
+    """Mistakes in the log gates (:func:`conformance.extras.gate_mistakes`): clipped, or
+    their decays flushed to 0 below a threshold."""
+    if prep.variant.family != "recurrent":
+        return
+    from .extras import gate_mistakes
+
+    for message, changed in gate_mistakes(prep):
+        yield message, changed.reference("float64")
+
+
 def _wy_sigs(prep):
     """The delta rule's chunk form without the WY correction
     (:func:`conformance.extras.delta_rule_without_wy`), at the chunk sizes of
@@ -838,6 +856,7 @@ for _sig in (
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
+    Signature("gates", _gate_sigs, functional=True),
     Signature("pinv init", _pinv_init_sigs),
     Signature("pinv iterations", _pinv_iterations_sigs),
 ):
@@ -1220,7 +1239,7 @@ def _nonfinite(prep, got):
                 f"fully_masked='{prep.semantics['fully_masked']}' (return that, or declare "
                 f"fully_masked='excluded')")
     compared = (gfin if prep.keep is None else gfin & prep.keep).any(-1)
-    words = _exp_range(prep, rows, compared)
+    words = _exp_range(prep, rows, compared) or _decay_ratio_range(prep, rows, compared)
     if words:
         return f"{what}: {words}"
     idx = tuple(int(i) for i in np.argwhere(rows)[0])
@@ -1307,6 +1326,49 @@ def _exp_range(prep, rows, compared):
                         f"row's own but the maximum over {where}, so every exp() of {n} rows "
                         f"whose logits lie more than {-lo:.4g} below it underflows to 0 and "
                         f"their sum is 0 (arithmetic in {dt})")
+    return None
+
+
+#: chunk sizes of :func:`_decay_ratio_range` (and the whole sequence)
+RATIO_CHUNKS = (16, 32, 64, 128, 256)
+
+
+def _decay_ratio_range(prep, rows, compared):
+    """Non-finite ``rows`` of a recurrent kernel that forms a decay ``exp(G_i - G_j)`` as
+    ``exp(G_i) / exp(G_j)`` (or ``exp(G_i) exp(-G_j)``), ``G`` the running sums of the log
+    gates over a chunk (or the whole sequence), in words.
+
+    ``exp(G)`` underflows to 0 once ``G`` is below ``ln`` of the dtype's smallest number,
+    and the diagonal's ``0 / 0`` makes that row NaN (the rows after it in the chunk too,
+    since ``G`` only falls); ``1 / exp(G_j)`` overflows from about ``-ln(max)``, which
+    makes a row non-finite or not depending on ``|k|``. Named only when the kernel's
+    non-finite rows are every row of the first kind and none outside the second, for
+    some chunk size and arithmetic dtype.
+    """
+    if prep.variant.family != "recurrent" or "g" not in prep.params:
+        return None
+    from .extras import chunk_running_sums
+
+    g = np.asarray(prep.params["g"], dtype=np.float64)
+    g = g if g.ndim == rows.ndim + 1 else g[..., None]  # (B, H, T, d_k or 1)
+    g = np.broadcast_to(g, rows.shape + g.shape[-1:])
+    cu = prep.kwargs.get("cu_seqlens")
+    segs = list(zip(cu, cu[1:])) if cu is not None else [(0, rows.shape[-1])]
+    for dt in dict.fromkeys((np.dtype(host_dtype(prep.dtype)), np.dtype(np.float32),
+                             np.dtype(np.float64))):
+        fi = np.finfo(dt)
+        lo, hi = math.log(float(fi.smallest_subnormal)) - math.log(2.0), math.log(float(fi.max))
+        for c in RATIO_CHUNKS + (rows.shape[-1],):
+            run = np.concatenate([chunk_running_sums(g[..., a:b, :], c) for a, b in segs], axis=-2)
+            low = np.min(run, axis=-1)
+            margin = 1.0 + 16 * float(fi.eps) * np.abs(low)
+            must, may = (low < lo - margin) & compared, (low < -hi + 8.0) & compared
+            if must.any() and not (must & ~rows).any() and not (rows & ~must & ~may).any():
+                where = "the whole sequence" if c >= rows.shape[-1] else f"chunks of {c}"
+                return (f"the decay computed as exp(G_i) / exp(G_j), G the running sums of the "
+                        f"log gates over {where}, instead of exp(G_i - G_j): exp(G) underflows "
+                        f"to 0 in {dt} on {int(must.sum())} rows whose running sum is below "
+                        f"{lo:.4g} (ln of its smallest number), and 0 / 0 there")
     return None
 
 
@@ -1584,14 +1646,18 @@ def _precision(prep, res, rerun, got):
 UNEXPLAINED = 1 / 50
 
 
-def _reproduces(prep, got, cand, err=None):
+def _reproduces(prep, got, cand, err=None, functional=False):
     """How closely a mistake's output ``cand`` reproduces the kernel's ``got``.
 
     The rule of the module docstring: None unless the mistake changes the output of
     this case (it is off the golden by more than the tolerance) and the kernel's output
     is within ``max(tolerance, UNEXPLAINED * kernel error)`` of it; else the largest
-    difference. The mistake may change which rows are empty, so the candidate is tried
-    as it is and with the declared convention applied to the case's empty rows.
+    difference. A mistake within the max bound, past the RMS one, must leave
+    ``UNEXPLAINED`` of the kernel's error in both norms, or (``functional``: a change of
+    function, never of rounding) be within both bounds of the kernel's output and leave
+    at most half its RMS error. The mistake may change which rows are empty, so the
+    candidate is tried as it is and with the declared convention applied to the case's
+    empty rows.
     """
     if err is None:
         err = measure(got, prep.golden, prep.keep).max_err
@@ -1609,7 +1675,9 @@ def _reproduces(prep, got, cand, err=None):
             # leaves at most UNEXPLAINED of the kernel's error in both norms: within the
             # max bound, any small error would be "within tolerance of it"
             rms = measure(got, prep.golden, prep.keep).rms_err
-            if m.max_err <= err * UNEXPLAINED and m.rms_err <= rms * UNEXPLAINED:
+            if (m.max_err <= err * UNEXPLAINED and m.rms_err <= rms * UNEXPLAINED) or (
+                    functional and m.max_err <= prep.tol_max and m.rms_err <= prep.tol_rms
+                    and m.rms_err <= rms / 2):
                 best = m.max_err if best is None else min(best, m.max_err)
         elif m.max_err <= max(prep.tol_max, err * UNEXPLAINED):
             best = m.max_err if best is None else min(best, m.max_err)
@@ -1634,7 +1702,7 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
         try:
             found = sig.candidates(prep, got) if sig.needs_output else sig.candidates(prep)
             for message, cand in found:
-                r = _reproduces(prep, got, cand, res.max_err)
+                r = _reproduces(prep, got, cand, res.max_err, sig.functional)
                 if r is not None:
                     hits.append((r, message, sig.fit))
                     if best is None or r < best[0]:

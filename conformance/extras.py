@@ -110,6 +110,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "extra_results", "lse_golden", "lse_tolerance", "lse_store", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
+           "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
            "wy_chunks", "WY_CHUNKS"]
 
 #: The factor over the derived per-row bound (module docstring).
@@ -583,13 +584,54 @@ def _log_decays(prep, k):
     return np.zeros(shape)
 
 
+#: flash-linear-attention's default chunk size: its Triton chunk kernels store each
+#: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
+#: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``), and form the decays from
+#: running sums of the log gates over each chunk (``chunk_local_cumsum``)
+FLA_CHUNK = 64
+
+
+def chunk_running_sums(a, chunk=FLA_CHUNK):
+    """``b_t``, the running sum of the log decays ``a`` (``(..., T, e)``) from the start of
+    ``t``'s chunk of ``chunk`` steps through ``t`` (fla's ``chunk_local_cumsum``)."""
+    out = np.empty_like(a)
+    for c0 in range(0, a.shape[-2], chunk):
+        out[..., c0:c0 + chunk, :] = np.cumsum(a[..., c0:c0 + chunk, :], axis=-2)
+    return out
+
+
+def _chunk_sum_weights(a, chunk=FLA_CHUNK):
+    """The extra weight of step ``t``'s term in ``G`` for a kernel that decays it by
+    ``exp(B_C - b_t)``, ``b`` the running sums over ``t``'s chunk (:func:`chunk_running_sums`)
+    and ``B_C`` the chunk's total: ``sqrt(m_t / T) |B_C|``.
+
+    The two sums share their first ``t`` additions, whose errors cancel in the difference;
+    the ``m_t`` additions after ``t`` in the chunk each err by up to ``u |b_s| <= u |B_C|``,
+    a random walk of ``sqrt(m_t) u |B_C|`` (over ``sqrt(T)``: ``G`` is multiplied by
+    ``sqrt(T) u``). On fla's draws this is about the bound's own ``|after_t|``; where
+    strong gates make ``|B_C|`` large and no decay follows (running sums of -200, a term
+    not decayed at all), the chunk form in chunks of 64 erred 1.3 times the bound without
+    it, in float32 and float64.
+    """
+    T = a.shape[-2]
+    b = chunk_running_sums(a, chunk)
+    out = np.empty_like(a)
+    for c0 in range(0, T, chunk):
+        c1 = min(c0 + chunk, T)
+        after = np.arange(c1 - c0 - 1, -1, -1, dtype=np.float64)[:, None]  # m_t
+        out[..., c0:c1, :] = np.sqrt(after / T) * np.abs(b[..., c1 - 1:c1, :])
+    return out
+
+
 def _decay_terms(k, v, a, s0):
     """``M, G`` of a decayed sum ``S_T = D S_0 + sum_t diag(L_t) k_t v_t^T`` in closed form:
-    ``L_t = exp(sum_{s > t} a_s)``, ``D = exp(sum_s a_s)``."""
+    ``L_t = exp(sum_{s > t} a_s)``, ``D = exp(sum_s a_s)``; ``G`` weights each term by the
+    error of the exponent a chunked kernel forms it with (:func:`_chunk_sum_weights`)."""
     after = np.cumsum(a[..., ::-1, :], axis=-2)[..., ::-1, :] - a  # sum_{s > t} a_s
     w = np.exp(after) * np.abs(k)
     m = np.swapaxes(w, -1, -2) @ np.abs(v)
-    g = np.swapaxes(np.abs(after) * w, -1, -2) @ np.abs(v)
+    weight = np.abs(after) + _chunk_sum_weights(a)
+    g = np.swapaxes(weight * w, -1, -2) @ np.abs(v)
     if s0 is not None:
         total = np.sum(a, axis=-2)[..., :, None]  # (..., e, 1)
         m = m + np.exp(total) * np.abs(s0)
@@ -602,6 +644,7 @@ def _delta_terms(k, v, a, beta, s0):
     k_t v_t^T``: ``S_T = P_0 S_0 + sum_t w_t v_t^T`` with ``w_t = beta_t P_t k_t`` and
     ``P_t`` the product of the later steps' transitions, built backwards."""
     dk = k.shape[-1]
+    run = _chunk_sum_weights(a)
     r = np.broadcast_to(np.eye(dk), k.shape[:-2] + (dk, dk)).copy()
     logr = np.zeros(k.shape[:-2] + (1, 1))
     m = np.zeros(k.shape[:-2] + (dk, v.shape[-1]))
@@ -611,7 +654,7 @@ def _delta_terms(k, v, a, beta, s0):
         w = beta[..., t, None] * (r @ kt[..., :, None])[..., 0]
         outer = np.abs(w)[..., :, None] * np.abs(v[..., t, None, :])
         m += outer
-        g += np.abs(logr) * outer
+        g += (np.abs(logr) + run[..., t, :][..., None]) * outer
         r = np.exp(a[..., t, :])[..., None] * (r - w[..., :, None] * kt[..., None, :])
         logr = logr + a[..., t, :][..., None]
     if s0 is not None:
@@ -727,6 +770,40 @@ def _state_judge(prep, got, *, dtype="float32", convention=None):
 # the rule of conformance.diagnose.
 
 
+#: log gates a kernel may clip its gates at (:func:`gate_mistakes`)
+GATE_CLIPS = (-5.0, -10.0)
+#: decays ``exp(g)`` below which a kernel may flush them to 0 (:func:`gate_mistakes`)
+GATE_FLUSHES = (1e-4, 1e-6)
+#: a log gate whose exp() is exactly 0 in every dtype: the stand-in of a decay flushed to
+#: 0 (``-inf`` would make a difference of running sums ``-inf - -inf = NaN``)
+FLUSHED_GATE = -1e4
+
+
+def gate_mistakes(prep):
+    """``(message, prep')`` for each known mistake in the log gates ``g`` that changes them
+    on this case: the gates clipped at each of :data:`GATE_CLIPS` (``g < -5`` taken as -5:
+    a decay below ``e^-5 = 0.0067`` leaks the state it should erase), and decays below
+    each of :data:`GATE_FLUSHES` flushed to 0. ``prep'`` is ``prep`` with those gates, so
+    its reference computes what such a kernel does. Nothing for a variant without gates.
+    """
+    if "g" not in prep.params:
+        return
+    from dataclasses import replace
+
+    g = np.asarray(prep.params["g"], dtype=np.float64)
+    for lo in GATE_CLIPS:
+        if (g < lo).any():
+            yield (f"the log gates are clipped at {lo:g}: a decay exp(g) below e^{lo:g} = "
+                   f"{math.exp(lo):.2g} is raised to it, so the state it erases leaks on",
+                   replace(prep, params={**prep.params, "g": np.maximum(g, lo)}))
+    for small in GATE_FLUSHES:
+        low = g < math.log(small)
+        if low.any():
+            yield (f"decays exp(g) below {small:g} are flushed to 0 (log gates below "
+                   f"{math.log(small):.3g} taken as -inf): the state they keep a trace of is dropped",
+                   replace(prep, params={**prep.params, "g": np.where(low, FLUSHED_GATE, g)}))
+
+
 def _state_candidates(prep, golden):
     """``(message, make)`` pairs, ``make()`` the state a mistake would return."""
     segs = _segments(prep)
@@ -769,6 +846,8 @@ def _state_candidates(prep, golden):
             out.append((f"the WY correction dropped (chunks of {c}): each chunk writes U = T beta V "
                         f"instead of U - W S, its corrections computed as if it started from S = 0",
                         lambda c=c: without_wy(prep, c)[1]))
+    for message, changed in gate_mistakes(prep):
+        out.append((message, lambda changed=changed: _per_sequence(changed, "float64", segs)))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:

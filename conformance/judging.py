@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from .calling import reference_features
-from .extras import RECURRENT
+from .catalogue import case_gates
+from .extras import FLA_CHUNK, RECURRENT
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
@@ -510,6 +511,11 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         if case.param("gate_normalizer") is not None and "g" in raw:
             # the slow-decay cases: long memory (conformance.catalogue, GATE_NORMALIZER)
             raw = {**raw, "g": np.asarray(raw["g"]) / case.param("gate_normalizer")}
+        if case.param("gates") is not None:
+            # the strong-gate cases (conformance.catalogue.case_gates)
+            if "g" not in raw:
+                raise NotApplicable(f"a case of log gates; variant {v.name} takes none")
+            raw = {**raw, "g": case_gates(case, raw["g"], seed)}
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
@@ -752,11 +758,6 @@ def _elu_plus_one(prep):
     return (prep.options.get("feature_map", "elu+1") == "elu+1"
             and prep.dtype in ("float32", "float64"))
 
-
-#: flash-linear-attention's default chunk size: its Triton chunk kernels store each
-#: chunk's starting state in the input dtype (fla-core 0.6.0, ``fla/ops/common/
-#: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``)
-FLA_CHUNK = 64
 
 
 def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_dtype=False):

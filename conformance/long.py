@@ -1,8 +1,15 @@
 """The ``long`` suite: goldens past one tile's memory, computed on Dask.
 
 Its cases (:data:`conformance.catalogue.CATALOGUE` ``["long"]``): self-attention at
-``N = 8192`` with and without causal, and ``4096`` queries on ``16384`` keys
-bottom-right (KV-cache prefill).
+``N = 8192`` with and without causal, ``4096`` queries on ``16384`` keys
+bottom-right (KV-cache prefill), and Llama 4's chunked attention over ``8197`` positions
+(chunks of 8192, causal: the last five queries see only keys 8192 on).
+
+The Dask golden takes ``causal``, ``scale`` and ``chunk`` (each tile is
+:func:`attn_ref.softmax.partial_attention`, which takes them). Not a window: the tile
+function has none, and no case needs it here (the window cases reach ``4096 x 4096``,
+not past :data:`LONG_THRESHOLD`); nor masks, biases, ALiBi or per-sequence lengths, which
+no long case has (a case with them is n/a here; the standard suite checks them).
 
 A case whose ``Nq * Nk`` exceeds :data:`LONG_THRESHOLD` gets its golden (and the
 plain implementation behind its tolerance) from :func:`attn_ref.dask.dask_softmax_attention`:
@@ -73,9 +80,11 @@ def long_reference(prep, dtype="float64", *, reorder=False):
     if prep.variant.name not in _VARIANTS:
         raise NotApplicable(f"long cases: the Dask golden covers exact softmax ({', '.join(_VARIANTS)}), "
                             f"not {prep.variant.name}")
-    extra = sorted(set(prep.arrays) - {"q", "k", "v"}) + sorted(set(prep.kwargs) - {"causal", "scale"})
+    extra = sorted(set(prep.arrays) - {"q", "k", "v"}) + sorted(
+        set(prep.kwargs) - {"causal", "scale", "chunk"})
     if extra or prep.params:
-        raise NotApplicable(f"long cases: the Dask golden takes causal and scale only, not {extra}")
+        raise NotApplicable(f"long cases: the Dask golden takes causal, scale and chunk only, "
+                            f"not {extra}")
     if "bfloat16" in (dtype, prep.dtype):
         # no plain bfloat16 implementation to derive the tolerance from
         raise NotApplicable("long cases: no bfloat16 plain implementation on the Dask path")
@@ -88,7 +97,7 @@ def long_reference(prep, dtype="float64", *, reorder=False):
     kd = da.from_array(k, chunks=(1, 1, chunk, k.shape[-1]))
     vd = da.from_array(v, chunks=(1, 1, chunk, v.shape[-1]))
     out, lse = dask_softmax_attention(qd, kd, vd, causal=prep.kwargs.get("causal") or False,
-                                      scale=prep.kwargs.get("scale"))
+                                      scale=prep.kwargs.get("scale"), chunk=prep.kwargs.get("chunk"))
     progress = _SETTINGS["progress"]
     if progress:
         sys.stderr.write(f"\r\x1b[Kgolden of {prep.case.id} in {dtype} on Dask\n")

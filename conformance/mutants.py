@@ -14,6 +14,7 @@ passes, the GQA/window/chunk/varlen features their mutants, each with its expect
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,8 @@ from .tolerance import UNTOLD
 __all__ = ["Mutant", "MUTANTS", "STRUCTURAL", "correct_kernel", "catch_rate", "structural_cases",
            "VARIANT_CHANGES", "VARIANT_KERNELS", "reformer_mutant_kernel", "routing_kernel",
            "synthesizer_kernel", "variant_kernel", "variant_mutants", "first_failure",
-           "FINAL_STATE_CHANGES", "final_state_mutants", "RECURRENT_CHANGES", "RECURRENT_VARIANTS",
+           "FINAL_STATE_CHANGES", "final_state_mutants", "GATE_CHANGES", "RECURRENT_CHANGES",
+           "RECURRENT_VARIANTS",
            "catch_table", "MUTANT_CAUSES", "NO_CAUSE", "precision_loss_kernel", "precision_mutants",
            "classify_diagnosis", "audit_diagnoses",
            "fp32_accumulating_kernel", "low_precision_accumulating_kernel"]
@@ -659,6 +661,79 @@ def _delta_without_wy(q, k, v, kw):
     return q, k, v, kw, run
 
 
+def _gates_clipped(lo):
+    """The log gates clipped at ``lo``: a decay below ``e^lo`` raised to it."""
+    return _set(g=lambda g, q, k, v: np.maximum(g, g.dtype.type(lo)))
+
+
+def _gates_flushed(small):
+    """Decays ``exp(g)`` below ``small`` flushed to 0, in a kernel that multiplies the
+    state by each step's decay (the reference's recurrent form, with the log gate
+    :data:`conformance.extras.FLUSHED_GATE`, whose exp() is 0): in running sums of log
+    gates that stand-in would cost float32 digits the flush itself does not."""
+    from .extras import FLUSHED_GATE
+
+    def change(q, k, v, kw):
+        g = kw["g"]
+        kw["g"] = np.where(np.exp(np.asarray(g, dtype=np.float64)) < small,
+                           g.dtype.type(FLUSHED_GATE), g)
+        kw["form"] = "recurrent"
+        return q, k, v, kw
+
+    return change
+
+
+def _decay_as_ratio(chunk):
+    """GLA / SSD in chunks of ``chunk`` whose in-chunk decay ``exp(b_i - b_j)`` is formed as
+    ``exp(b_i) / exp(b_j)`` from the running sums ``b`` of the log gates over the chunk: the
+    same function in exact arithmetic, ``0 / 0`` once ``exp(b)`` underflows. The state's
+    hand-over between chunks is formed correctly, so only the output is wrong."""
+
+    def change(q, k, v, kw):
+        def run(fn, q, k, v, kw):
+            dt = q.dtype
+            scale = kw.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+            g = np.asarray(kw["g"], dtype=dt)
+            g = np.broadcast_to(g if g.ndim == q.ndim else g[..., None], k.shape)
+            mt = functools.partial(np.swapaxes, axis1=-1, axis2=-2)
+            outs, finals = [], []
+            with np.errstate(all="ignore"):
+                for (lo, hi), s0 in zip(*_sequences(q, kw)):
+                    S = (np.zeros(q.shape[:-2] + (k.shape[-1], v.shape[-1]), dt) if s0 is None
+                         else np.asarray(s0, dtype=dt))
+                    for c0 in range(lo, hi, chunk):
+                        sl = (..., slice(c0, min(c0 + chunk, hi)), slice(None))
+                        qc, kc, vc = q[sl], k[sl], v[sl]
+                        b = np.cumsum(g[sl], axis=-2)
+                        e = np.exp(b)
+                        n = qc.shape[-2]
+                        scores = np.where(np.tril(np.ones((n, n), bool)), (qc * e) @ mt(kc / e), 0)
+                        outs.append((scale * ((qc * e) @ S + scores @ vc)).astype(dt))
+                        last = b[..., -1:, :]
+                        S = S * mt(np.exp(last)) + mt(kc * np.exp(last - b)) @ vc
+                    finals.append(S)
+            out = np.concatenate(outs, axis=-2)
+            if not kw.get("output_final_state"):
+                return out
+            return out, np.concatenate(finals, axis=0).astype(
+                np.float32 if dt in (np.float16, np.float32) else dt)
+
+        return q, k, v, kw, run
+
+    return change
+
+
+#: Mistakes in the log gates (the variants that take them): ``(words, change, variants)``.
+#: Each computes the reference's function on fla's draws (log gates above about -4.5) and
+#: fails the strong-gate cases (:func:`conformance.catalogue.case_gates`).
+GATE_CHANGES = (
+    ("log gates clipped at -5", _gates_clipped(-5.0), ("gla", "ssd", "gated_deltanet")),
+    ("decays exp(g) below 1e-4 flushed to 0", _gates_flushed(1e-4),
+     ("gla", "ssd", "gated_deltanet")),
+    ("decay as exp(b_i) / exp(b_j) in chunks of 64", _decay_as_ratio(64), ("gla", "ssd")),
+)
+
+
 def _linformer_shared(q, k, v, kw):
     kw["f_proj"] = kw.get("e_proj")
     return q, k, v, kw
@@ -948,6 +1023,9 @@ MUTANT_CAUSES = {
     "pairs found in several rounds not de-duplicated": "counted as often as found",
     RECURRENT_CHANGES[0][0]: "not reset at the packed sequences' boundaries",
     "initial state ignored": "the initial state is ignored | the initial state ignored",
+    "log gates clipped at -5": "clipped at -5",
+    "decays exp(g) below 1e-4 flushed to 0": "below 0.0001 are flushed to 0",
+    "decay as exp(b_i) / exp(b_j) in chunks of 64": "exp(G_i) / exp(G_j)",
 }
 
 
@@ -970,7 +1048,9 @@ def variant_mutants(variant: str) -> list[Mutant]:
         mutant(words, kernel, {"options": opts} if opts else None)
         for words, kernel, opts in VARIANT_KERNELS.get(variant, ())] + [
         mutant(words, variant_kernel(variant, change))
-        for words, change in (RECURRENT_CHANGES if variant in RECURRENT_VARIANTS else ())]
+        for words, change in (RECURRENT_CHANGES if variant in RECURRENT_VARIANTS else ())] + [
+        mutant(words, variant_kernel(variant, change))
+        for words, change, names in GATE_CHANGES if variant in names]
 
 
 def first_failure(m: Mutant, dtype="float32", suite="standard", seed=0, least_values=0):

@@ -107,7 +107,7 @@ Each entry of ``cases``:
     ``"float64"``, or ``"longdouble"`` for float64 kernels.
 
 A kernel passes a case when both errors are within bounds and it produced no NaN/Inf
-where the golden is finite. With ``grads=True`` (CLI ``--grads``) each file also holds
+where the golden is finite, in the case's dtype. With ``grads=True`` (CLI ``--grads``) each file also holds
 ``do`` (the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
 (``golden_dbias`` when the case has a bias; float64, ``dq`` rows excluded by
 ``fully_masked="excluded"`` are NaN), and for the recurrent family ``golden_dg``,
@@ -119,6 +119,32 @@ state's cotangent, which every golden gradient includes (:mod:`conformance.grads
 version, every entry's required fields, every ``file`` inside the directory, and each
 file's arrays against ``arrays``, ``storage`` and ``shapes``; a violation is a
 ``ValueError`` naming the file and what was expected.
+
+Results files (:func:`check_results`)
+-------------------------------------
+A kernel tested outside Python may write its outputs back and let the oracle judge them
+as it judges a kernel it calls: ``RESULTS/<file>``, an ``.npz`` named as the case's
+vectors file, holding
+
+* ``out`` - the output in the manifest's layout, stored as the kernel produced it:
+  float16, float32, float64 natively, **bfloat16 as uint16 bit patterns** (as the
+  inputs are; float16 may come as its uint16 bits too);
+* ``out_dtype`` - a string (a 0-d ``str`` array, ``np.array("bfloat16")``): the dtype
+  the kernel produced ``out`` in, which the stored array must hold (uint16 only for
+  float16/bfloat16); added with this section, optional: a file without it (how a
+  result widened to float32 or float64 was written before) is read as its array's
+  dtype, and a uint16 array without it is refused (float16 or bfloat16 bits?);
+* ``final_state`` (recurrent variants, optional) - the kernel's final state, float32 or
+  float64, judged by :func:`check_final_state`.
+
+An output in another dtype than the case's fails, "out dtype float32, expected float16
+(the inputs' dtype)", as the oracle fails a kernel it calls; so does an untagged wider
+array whose values are not all numbers of the case's dtype (a half-precision kernel's
+output widened is exact). The values are judged by the case's own golden and bounds,
+and a failing output is diagnosed as :func:`conformance.verify` diagnoses it (a
+truncating half-precision store: "the output is rounded toward zero (truncated)"),
+where the case can be prepared again (its id in the catalogue, the variant's options
+plain values); otherwise by the file's golden and bounds, undiagnosed.
 """
 
 from __future__ import annotations
@@ -131,13 +157,13 @@ import numpy as np
 from .catalogue import cases as _cases
 from .extras import RECURRENT, final_state_golden, final_state_tolerance
 from .features import NotApplicable
-from .judging import parse_semantics, prepare, with_options
-from .layouts import to_layout
+from .judging import parse_semantics, prepare, verdict_of, with_options
+from .layouts import from_layout, to_layout
 from .report import jsonable
-from .tolerance import DEFAULTS, bf16_round, param_dtype
+from .tolerance import DEFAULTS, MANTISSA_BITS, bf16_round, measure, param_dtype, round_to
 
-__all__ = ["export_vectors", "load_vectors", "check_final_state", "seeded_structures", "FORMAT", "VERSION",
-           "READABLE_VERSIONS", "ENTRY_FIELDS"]
+__all__ = ["export_vectors", "load_vectors", "check_final_state", "check_results", "read_result",
+           "seeded_structures", "FORMAT", "VERSION", "READABLE_VERSIONS", "ENTRY_FIELDS"]
 
 FORMAT, VERSION = "attn-ref-vectors", 1
 
@@ -454,3 +480,138 @@ def _check_arrays(entry, arrays, file):
         if list(a.shape) != list(entry["shapes"][n]):
             raise ValueError(f"{file}: array {n!r} has shape {tuple(a.shape)}, the manifest says "
                              f"{tuple(entry['shapes'][n])}")
+
+
+# ------------------------------------------------------------------ results written back
+
+_RESULT_STORAGE = {"float16": ("float16", "uint16"), "bfloat16": ("uint16",),
+                   "float32": ("float32",), "float64": ("float64",)}
+
+
+def read_result(file):
+    """``(out, out_dtype, final_state)`` of one results file (module docstring): ``out``
+    widened to float64 as stored, ``out_dtype`` the dtype the kernel produced it in (the
+    tag, or for an untagged file the array's dtype), ``final_state`` or None.
+
+    Raises ``ValueError`` naming the file for a tag that is not a dtype, a stored array
+    the tag does not allow, or an untagged uint16 array.
+    """
+    with np.load(file, allow_pickle=False) as z:
+        if "out" not in z.files:
+            raise ValueError(f"{file}: no array 'out' (holds {sorted(z.files)})")
+        out = z["out"]
+        tag = str(z["out_dtype"]) if "out_dtype" in z.files else None
+        state = z["final_state"] if "final_state" in z.files else None
+    stored = str(out.dtype)
+    if tag is None:
+        if stored not in ("float16", "float32", "float64"):
+            raise ValueError(f"{file}: 'out' is stored as {stored} without an 'out_dtype' tag "
+                             "(float16 or bfloat16 bits? add out_dtype)")
+        tag = stored
+    elif tag not in _RESULT_STORAGE:
+        raise ValueError(f"{file}: out_dtype {tag!r}, expected one of {sorted(_RESULT_STORAGE)}")
+    elif stored not in _RESULT_STORAGE[tag]:
+        raise ValueError(f"{file}: 'out' is stored as {stored}, which cannot hold out_dtype "
+                         f"{tag} (expected {' or '.join(_RESULT_STORAGE[tag])})")
+    if stored == "uint16":
+        out = (out.astype(np.uint32) << 16).view(np.float32) if tag == "bfloat16" else \
+            out.view(np.float16)
+    return np.asarray(out, dtype=np.float64), tag, state
+
+
+def _stored_dtype_problem(entry, out, tag, tagged):
+    """Why the stored output is not in the case's dtype (the oracle's words), or ''."""
+    want = entry["dtype"]
+    if tag != want:
+        if tagged or MANTISSA_BITS.get(tag, 99) < MANTISSA_BITS[want]:
+            return f"out dtype {tag}, expected {want} (the inputs' dtype)"
+        # an untagged wider array: a widened output of the case's dtype is exact
+        finite = out[np.isfinite(out)]
+        off = int(np.count_nonzero(round_to(finite, want) != finite))
+        if off:
+            return (f"out dtype {want} expected (the inputs' dtype): the untagged {tag} output "
+                    f"holds {off} values that are not {want} numbers, so the kernel did not "
+                    f"store it in {want}")
+    return ""
+
+
+def _prepared(manifest, entry, by_id):
+    """The case prepared again as the oracle prepares it, or None where it cannot be (an
+    id not in the catalogue, an option recorded by name, another golden)."""
+    case = by_id.get(entry["id"])
+    if case is None:
+        return None
+    try:
+        variant = with_options(manifest["variant"], manifest.get("variant_options") or None)
+        prep = prepare(case, variant, entry["dtype"], manifest.get("seed", 0),
+                       **manifest.get("semantics", {}))
+    except Exception:
+        return None
+    return prep
+
+
+def check_results(vectors, results):
+    """Judge the outputs a kernel wrote back (``results``, module docstring) against the
+    exported ``vectors``: a :class:`conformance.report.Report`, one ``out`` row per case
+    (and ``final_state`` for the recurrent variants when written), with the verdicts and
+    diagnoses :func:`conformance.verify` gives a kernel it calls.
+
+    A case without a results file is an ``error`` row naming the file it looked for.
+    """
+    from .catalogue import CATALOGUE
+    from .diagnose import diagnose
+    from .report import CaseResult, Report
+
+    with open(os.path.join(os.fspath(vectors), "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    by_id = {c.id: c for suite in CATALOGUE.values() for c in suite}
+    layout = manifest["layout"]
+    rows = []
+    for entry, arrays in load_vectors(vectors):
+        base = {"case": entry["id"], "dtype": entry["dtype"]}
+        file = os.path.join(os.fspath(results), entry["file"])
+        if not os.path.isfile(file):
+            rows.append(CaseResult.error(f"no results file {file}", **base))
+            continue
+        out, tag, state = read_result(file)
+        with np.load(file, allow_pickle=False) as z:
+            tagged = "out_dtype" in z.files
+        if out.shape != arrays["golden"].shape:
+            rows.append(CaseResult.error(f"out has shape {out.shape}, expected "
+                                         f"{arrays['golden'].shape} (layout {layout})",
+                                         verdict="fail", **base))
+            continue
+        got = from_layout(out, layout)
+        prep = _prepared(manifest, entry, by_id)
+        if prep is not None and np.array_equal(prep.golden[prep.keep if prep.keep is not None else ...],
+                                               from_layout(arrays["golden"], layout)[
+                                                   prep.keep if prep.keep is not None else ...]):
+            res = prep.check(got)
+        else:
+            prep = None
+            golden = from_layout(arrays["golden"], layout)
+            keep = from_layout(arrays["compare"], layout)
+            m = measure(got, np.where(keep, golden, 0.0), keep)
+            verdict, why, ratio = verdict_of(m, entry["tol_max_abs"], entry["tol_rms"])
+            res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=entry["tol_max_abs"],
+                             tol_rms=entry["tol_rms"], ratio=ratio, worst=m.worst[:3],
+                             verdict=verdict, diagnosis=why, **base)
+        problem = _stored_dtype_problem(entry, out, tag, tagged)
+        if problem:
+            res.verdict = "fail"
+            res.diagnosis = "; ".join(w for w in (problem, res.diagnosis) if w)
+        elif res.verdict == "fail" and prep is not None:
+            with np.errstate(all="ignore"):
+                words = diagnose(prep, got, res)
+            if words:
+                res.diagnosis = "; ".join(w for w in (res.diagnosis, words) if w)
+        rows.append(res)
+        if state is not None and "golden_final_state" in arrays:
+            ok, err, ratio = check_final_state(entry, arrays, state)
+            rows.append(CaseResult(output="final_state", verdict="pass" if ok else "fail",
+                                   max_err=err, ratio=ratio, **base))
+    return Report(kernel=f"results in {os.fspath(results)}", variant=manifest["variant"],
+                  backend="vectors", layout=layout,
+                  dtypes=tuple(dict.fromkeys(e["dtype"] for e in manifest["cases"])),
+                  suite=manifest.get("suite", ""), seed=manifest.get("seed", 0),
+                  semantics=manifest.get("semantics", {}), results=rows)

@@ -24,12 +24,14 @@ import numpy as np
 import pytest
 
 from attn_ref.registry import get
-from conformance import verify
+from conformance import extras, verify
 from conformance.catalogue import Case, cases
 from conformance.extras import EXTRAS, final_state_golden, final_state_tolerance
 from conformance.judging import FLA_CHUNK, FORMS, prepare
 from conformance.mutants import (
     FINAL_STATE_CHANGES,
+    GATE_CHANGES,
+    MUTANT_CAUSES,
     RECURRENT_CHANGES,
     RECURRENT_VARIANTS,
     final_state_mutants,
@@ -109,16 +111,21 @@ def test_the_state_bound_fails_a_state_slightly_off(dtype, factor):
 
 
 def test_the_bound_is_the_derived_one():
-    """``4 u ((sqrt(T) + d_k) M + sqrt(T) G) + ulp``: one case, its terms summed by hand."""
+    """``4 u ((sqrt(T) + d_k) M + sqrt(T) G) + ulp``: one case, its terms summed by hand.
+    ``G`` weights step ``t``'s term by ``|sum_{s > t} a_s|`` plus ``sqrt(m_t / T) |B|``, the
+    error of the chunk's running sums after ``t`` (``m_t`` steps; one chunk: ``T < 64``,
+    ``B`` the sum of all the log decays)."""
     case = [c for c in RECURRENT if c.tag == "initial-state" and c.nq == 15][0]
     prep = prepare(case, "ssd", "float32")
     a = np.broadcast_to(prep.params["g"][..., None], prep.arrays["k"].shape[:-1] + (1,))
     k, v, s0 = np.abs(prep.arrays["k"]), np.abs(prep.arrays["v"]), np.abs(prep.arrays["initial_state"])
     m, g = np.exp(a.sum(-2))[..., None] * s0, -a.sum(-2)[..., None] * np.exp(a.sum(-2))[..., None] * s0
+    total = np.abs(a.sum(-2))[..., None]
     for t in range(case.nq):
         later = a[..., t + 1:, :].sum(-2)  # sum over s > t of the log decays
         term = np.exp(later)[..., None] * k[..., t, :, None] * v[..., t, None, :]
-        m, g = m + term, g - later[..., None] * term
+        chunk_sums = np.sqrt((case.nq - 1 - t) / case.nq) * total
+        m, g = m + term, g + (-later[..., None] + chunk_sums) * term
     u = 2.0 ** -24
     golden = final_state_golden(prep)
     ulps = np.vectorize(lambda x: ulp(x, "float32"))(golden)
@@ -175,7 +182,8 @@ def test_recurrent_cases_run_for_the_recurrent_family_only():
 
 
 def _cases_needing(feature):
-    return [c for c in RECURRENT if feature in c.needs]
+    # not the strong-gate cases: there the gates erase the initial state before T
+    return [c for c in RECURRENT if feature in c.needs and c.param("gates") is None]
 
 
 @pytest.mark.parametrize("name", RECURRENT_VARIANTS)
@@ -442,7 +450,9 @@ def test_other_mistakes_are_not_named_as_the_dropped_wy_correction(name):
 
         return q, k, v, kw, run
 
-    others = [m.kernel for m in variant_mutants(name) if "WY" not in m.name]
+    # the mistakes in the gates change nothing on these cases (the strong-gate tests below)
+    gates = {f"{name}: {words}" for words, _, _ in GATE_CHANGES}
+    others = [m.kernel for m in variant_mutants(name) if "WY" not in m.name and m.name not in gates]
     few = [c for c in RECURRENT if c.nq == 33 and c.tag == "chunks"] + _cases_needing(
         "initial_state")[-1:] + _cases_needing("cu_seqlens")[-1:]
     for kernel in others + [variant_kernel(name, slightly_off)]:
@@ -648,3 +658,87 @@ def test_the_low_precision_forms_compute_the_variants_function(name):
         for f in half:
             err = float(np.max(np.abs(f.run(prep, "float64") - prep.golden)))
             assert err <= 1e-9 * float(np.max(np.abs(prep.golden))), (f.name, case.id, err)
+
+
+# ------------------------------------------------------------------------- strong gates
+
+GATED = ("gla", "ssd", "gated_deltanet")
+
+
+def _strong(name):
+    return [c for c in cases(name, "standard") if c.param("gates") is not None]
+
+
+def test_the_strong_gate_cases_hold_what_they_are_for():
+    """Log gates down to -20 and exactly 0, mixed per head (no decay then erased; strong
+    on every step; fla's draw with zeros and strong gates), and a long chunk whose running
+    sums pass -745 (where exp() underflows in float64) within 64 steps. For the variants
+    with log gates only."""
+    from conformance.catalogue import ERASING_GATES, STRONG_GATES
+
+    for name in ("retention", "deltanet"):
+        assert not _strong(name)
+    strong, second, long_chunk = _strong("gla")
+    assert [_strong(n) for n in GATED[1:]] == [[strong, second, long_chunk]] * 2
+    for name in GATED:
+        g = np.asarray(prepare(strong, name, "float64").params["g"])
+        g = g if g.ndim == 4 else g[..., None]
+        head0, head1, head2 = g[0, 0], g[0, 1], g[0, 2]
+        erased = head0[head0 < 0]
+        assert (head0 == 0).mean() > 0.8 and erased.size
+        assert ERASING_GATES[0] <= erased.min() and erased.max() <= ERASING_GATES[1]
+        assert head1.max() <= STRONG_GATES[1] and head1.min() < -19
+        assert (head2 == 0).any() and (head2 < -5).any() and ((head2 < 0) & (head2 > -5)).any()
+        g = np.asarray(prepare(long_chunk, name, "float64").params["g"])
+        assert extras.chunk_running_sums(g if g.ndim == 4 else g[..., None]).min() < -745
+
+
+@pytest.mark.parametrize("name", GATED)
+def test_the_chunk_forms_pass_the_strong_gate_cases(name):
+    """attn_ref's forms as kernels, float32 and float64: chunks of 16 and 64 (running sums
+    of about -1e3 over a chunk) and token by token, both rows. The chunk form in chunks of
+    64 failed the final state's bound at 1.3 before its running sums' term."""
+    for form, chunk in (("chunk", 16), ("chunk", 64), ("recurrent", None)):
+        kernel = variant_kernel(name, lambda q, k, v, kw, f=form, c=chunk: (
+            q, k, v, {**kw, "form": f, **({"chunk_size": c} if c else {})}))
+        for seed in range(max(SEEDS, 2)):
+            rep = _run(kernel, name, case_list=_strong(name), seed=seed)
+            assert rep.passed, f"{form} {chunk} seed {seed}\n" + rep.table()
+
+
+@pytest.mark.parametrize("words, change, names", GATE_CHANGES)
+def test_gate_mistakes_fail_the_strong_gate_cases_named(words, change, names):
+    """Each planted mistake in the gates computes the reference's function on fla's draws
+    (it passes the other short recurrent cases) and fails every strong-gate case's output
+    in float32 and float64, named (:data:`conformance.mutants.MUTANT_CAUSES`)."""
+    for name in names:
+        kernel = variant_kernel(name, change)
+        others = [c for c in RECURRENT if c.param("gates") is None and c.nq <= 65
+                  and c.param("gate_normalizer") is None]
+        assert _run(kernel, name, ("float32",), others).passed, (name, words)
+        rep = _run(kernel, name, case_list=_strong(name))
+        outs = [r for r in rep.results if r.output == "out"]
+        assert len(outs) == 6 and all(r.verdict == "fail" for r in outs), rep.table()
+        assert all(MUTANT_CAUSES[words] in r.diagnosis for r in outs), rep.table()
+
+
+def test_a_clipped_gate_fails_in_bfloat16():
+    """The reason for the strong gates: a torch loop clipping its log gates at -5 passed
+    every bfloat16 case (fla's draws stay above -4.5); it fails each strong-gate case's
+    output, named, while the same loop unclipped passes."""
+    torch = pytest.importorskip("torch")
+    from tests.test_conformance_grads_recurrent import torch_loop
+
+    for name in ("gla", "ssd"):
+        loop = torch_loop(name)
+
+        @functools.wraps(loop)
+        def clipped(q, k, v, *, g=None, loop=loop, **kw):
+            return loop(q, k, v, g=torch.clamp(g, min=-5.0), **kw)
+
+        for kernel, fails in ((loop, False), (clipped, True)):
+            rep = verify(kernel, name, backend="torch", dtypes=("bfloat16",), cases=_strong(name),
+                         progress=False)
+            outs = [r for r in rep.results if r.output == "out"]
+            assert [r.verdict == "fail" for r in outs] == [fails] * 3, rep.table()
+            assert not fails or all("clipped at -5" in r.diagnosis for r in outs), rep.table()

@@ -170,7 +170,7 @@ def test_long_cases_outside_the_dask_path_are_not_applicable(small_threshold):
     from conformance import Case, prepare
     from conformance.features import NotApplicable
 
-    with pytest.raises(NotApplicable, match=r"takes causal and scale only, not \['mask'\]"):
+    with pytest.raises(NotApplicable, match=r"takes causal, scale and chunk only, not \[.mask.\]"):
         prepare(Case("long", (1, 1), 100, 100, 8, 8, mask="random"), "softmax")
     with pytest.raises(NotApplicable, match="covers exact softmax"):
         prepare(Case("long", (1, 1), 100, 100, 8, 8), "linear")
@@ -267,3 +267,54 @@ def test_long_float64_tolerance_holds_the_goldens_own_rounding(small_threshold):
 
     bad = verify(slightly_wrong, backend="torch", dtypes=("float64",), cases=[case], progress=False)
     assert not bad.passed, bad.table()
+
+
+# ------------------------------------------------------------- Llama 4's chunks on Dask
+
+
+@pytest.mark.parametrize("causal, nq", [(False, N - 100), ("bottom-right", N - 100),
+                                        ("top-left", N)])
+def test_chunked_softmax_on_dask_equals_numpy(causal, nq):
+    """``chunk=`` on Dask is the one-shot's (positions bottom-right, ANDed with causal),
+    and the (query chunk, key chunk) pairs of different chunks get no task."""
+    q, k, v = _qkv(2, heads=1)
+    q = q[..., :nq, :]
+    qd = da.from_array(q, chunks=(1, 1, 200, 16))
+    kd, vd = (da.from_array(x, chunks=(1, 1, 256, 16)) for x in (k, v))
+    out, lse = dask_softmax_attention(qd, kd, vd, causal=causal, chunk=300)
+    got, _ = compute(out, lse)
+    want = softmax_attention(q, k, v, causal=causal, chunk=300)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-14)
+    tasks = sum("partial_attention" in str(name) for name in dict(out.__dask_graph__()))
+    full = sum("partial_attention" in str(name) for name in dict(
+        dask_softmax_attention(qd, kd, vd, causal=causal)[0].__dask_graph__()))
+    assert tasks < full
+
+
+def test_chunk_with_a_top_left_mask_on_unequal_lengths_is_refused():
+    q, k, v = (da.from_array(x, chunks=(1, 1, 64, 16)) for x in _qkv(3, n=128, heads=1))
+    with pytest.raises(ValueError, match="chunk counts query positions bottom-right"):
+        dask_softmax_attention(q[..., :100, :], k, v, causal="top-left", chunk=32)
+
+
+def test_a_long_chunk_case_takes_its_golden_from_dask(small_threshold):
+    """Llama 4's chunks in the long suite: the golden (and the baseline) on Dask; the
+    reference passes, a chunk one position longer fails."""
+    from conformance import Case, verify
+
+    case = Case("long", (1, 2), 150, 230, 16, 16, causal="bottom-right",
+                params=(("chunk", 64),), features=("chunk",))
+
+    def kernel(extra):
+        def run(q, k, v, *, causal=False, scale=None, chunk=None):
+            # causal=True is bottom-right here (declared below), top-left in attn_ref
+            return softmax_attention(q, k, v, causal="bottom-right" if causal else False,
+                                     scale=scale, chunk=chunk + extra)
+        return run
+
+    rep = verify(kernel(0), backend="numpy", dtypes=("float32", "float64"), cases=[case],
+                 causal="bottom-right", progress=False)
+    assert rep.passed and len(rep.results) == 2, rep.table()
+    assert (case.id, "float64") in small_threshold and (case.id, "float32") in small_threshold
+    bad = verify(kernel(1), backend="numpy", cases=[case], causal="bottom-right", progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"], bad.table()

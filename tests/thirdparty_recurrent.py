@@ -131,8 +131,12 @@ def hf_mamba2_chunk_scan(*, module="mamba2", chunk_size=64, edits=(), compute="f
         if compute == "input":
             fn._scope["_DTYPE"] = q.dtype
         w = torch.float64 if q.dtype == torch.float64 else torch.float32
-        g = steps["g"].to(w)                         # (B, H, T), log decays < 0
-        dt = -g
+        g = steps["g"].to(w)                         # (B, H, T), log decays <= 0
+        # Mamba-2's dt is positive (softplus): a log gate of exactly 0 (no decay, the
+        # strong-gate cases) is handed as dt = 2^-60, whose decay exp(-2^-60) is 1 in
+        # float32 and float64 and whose write (v / 2^-60) 2^-60 is v exactly; added, not
+        # clamped, so that g's gradient still flows through -g
+        dt = -g + torch.where(g == 0, 2.0 ** -60, 0.0).to(w)
         x = v.to(w) / dt.detach()[..., None]         # x * dt = v
         C = q.to(w) * scale
         t = lambda x: x.transpose(1, 2)  # noqa: E731
