@@ -56,6 +56,7 @@ from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
 from .report import CaseResult
 from .strided import (
+    autograd_of_reads,
     contiguous_reads,
     cotangent_view,
     host_views,
@@ -829,13 +830,16 @@ def _reduce(x, shape):
 
 
 def _strided_grads_words(prep, do, got: dict, g: dict, layout: str) -> dict:
-    """``{name: words}`` for failing gradients of a strided case that the reference VJP
-    reproduces on what a backward ignoring strides reads (:func:`conformance.strided.
-    contiguous_reads`) for ``do``, for some of ``q, k, v``, or for both; the fewest named."""
+    """``{name: words}`` for failing gradients of a strided case that a stride mistake
+    reproduces, the fewest inputs named: a backward that reads ``do`` and/or some of
+    ``q, k, v`` as if contiguous (:func:`conformance.strided.contiguous_reads`), whose
+    gradients are the reference VJP's on what it read; or a forward that reads them so,
+    differentiated by autograd (:func:`conformance.strided.autograd_of_reads`)."""
     buffers, views = host_views(prep.case, prep.arrays, layout)
     buf, view = cotangent_view(do, layout)
-    reads = contiguous_reads({**buffers, "do": buf}, {**views, "do": view})
-    out = {}
+    buffers, views = {**buffers, "do": buf}, {**views, "do": view}
+    reads = contiguous_reads(buffers, views)
+    tried = []
     for size in range(1, len(reads) + 1):
         for names in itertools.combinations(sorted(reads, key="qkvdo".index), size):
             a = {n: from_layout(reads[n], layout) for n in names}
@@ -844,14 +848,23 @@ def _strided_grads_words(prep, do, got: dict, g: dict, layout: str) -> dict:
                 cand = _reference_grads(sub, a.get("do", do), "float64")
             except Exception:  # the reference cannot take these arrays: no candidate
                 continue
-            for n, h in got.items():
-                if n in out or n not in cand or cand[n].shape != h.shape:
-                    continue
-                gold, keep, tmax, _, _ = g[n]
-                mt, mg = measure(h, cand[n], keep), measure(h, gold, keep)
-                if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
-                    out[n] = ("matches a known mistake: the backward reads "
-                              f"{', '.join(names)} as if contiguous (ignores the strides)")
+            what = ", ".join(names)
+            tried.append((cand, f"the backward reads {what} as if contiguous (ignores the strides)"))
+            if "do" not in names:
+                through = autograd_of_reads(buffers, views, {n: to_layout(cand[n], layout)
+                                                             for n in names})
+                tried.append(({**cand, **{n: from_layout(x, layout) for n, x in through.items()}},
+                              f"the forward reads {what} as if contiguous (ignores the strides); "
+                              "autograd's gradients follow it"))
+    out = {}
+    for cand, words in tried:
+        for n, h in got.items():
+            if n in out or n not in cand or cand[n].shape != h.shape:
+                continue
+            gold, keep, tmax, _, _ = g[n]
+            mt, mg = measure(h, cand[n], keep), measure(h, gold, keep)
+            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
+                out[n] = f"matches a known mistake: {words}"
     return out
 
 

@@ -47,7 +47,8 @@ import numpy as np
 from .features import NotApplicable
 
 __all__ = ["KINDS", "STRIDED_BACKENDS", "View", "host_views", "cotangent_view", "kernel_views",
-           "contiguous_reads", "strided_kind", "check_backend", "torch_differentiable_copies"]
+           "contiguous_reads", "read_positions", "autograd_of_reads", "strided_kind",
+           "check_backend", "torch_differentiable_copies"]
 
 #: The kinds of strided case (``Case.param("strided")``), each with what it stands for.
 KINDS = {
@@ -195,13 +196,13 @@ def _element_offset(view_host: np.ndarray, buf: np.ndarray) -> int:
     return start // buf.itemsize
 
 
-def contiguous_reads(buffers: dict, views: dict) -> dict:
-    """What a kernel that ignores strides reads for each view: ``{name: array}``.
-
-    The view's buffer from its storage offset on, read in row-major order of the view's
-    shape (``np.ndarray(shape, buffer=..., offset=...)``, ``torch.as_strided`` with
-    contiguous strides), in the kernel's layout; only for views that are not already
-    C-contiguous (for those the two readings agree).
+def read_positions(buffers: dict, views: dict) -> dict:
+    """``{name: (at, read)}``: flat indices into the view's buffer, each shaped as the view
+    (the kernel's layout): ``at`` where the view's elements are, ``read`` what a kernel that
+    ignores strides reads instead - the buffer from the view's storage offset on, in
+    row-major order of the view's shape (``np.ndarray(shape, buffer=..., offset=...)``,
+    ``torch.as_strided`` with contiguous strides). Only views that are not C-contiguous
+    (for the others the two agree) and whose read stays inside the buffer.
     """
     out = {}
     for n, v in views.items():
@@ -209,11 +210,34 @@ def contiguous_reads(buffers: dict, views: dict) -> dict:
         x = _apply(v, buf, np.transpose)
         if x.flags["C_CONTIGUOUS"]:
             continue
-        off = _element_offset(x, buf)
-        flat = buf.reshape(-1)
-        size = int(np.prod(x.shape))
-        if off + size <= flat.size:
-            out[n] = flat[off:off + size].reshape(x.shape)
+        off, size = _element_offset(x, buf), int(np.prod(x.shape))
+        if off + size <= buf.size:
+            at = _apply(v, np.arange(buf.size).reshape(buf.shape), np.transpose)
+            out[n] = (at, off + np.arange(size).reshape(x.shape))
+    return out
+
+
+def contiguous_reads(buffers: dict, views: dict) -> dict:
+    """What a kernel that ignores strides reads for each view (:func:`read_positions`):
+    ``{name: array}`` in the kernel's layout."""
+    return {n: np.ascontiguousarray(buffers[views[n].buffer]).reshape(-1)[read]
+            for n, (_, read) in read_positions(buffers, views).items()}
+
+
+def autograd_of_reads(buffers: dict, views: dict, grads: dict) -> dict:
+    """The gradients autograd gives a view when the kernel read it as if contiguous.
+
+    ``grads[name]``: the gradient with respect to what was read (kernel layout). A
+    ``torch.as_strided(x, shape, contiguous strides, offset)`` of a view ``x`` scatters
+    that into ``x``'s storage and hands ``x`` the elements at its own positions; the rest
+    (another input's part of a packed buffer) reaches no input.
+    """
+    out = {}
+    for n, (at, read) in read_positions(buffers, views).items():
+        if n in grads:
+            g = np.zeros(np.asarray(buffers[views[n].buffer]).size)
+            np.add.at(g, read.reshape(-1), np.asarray(grads[n], dtype=np.float64).reshape(-1))
+            out[n] = g[at]
     return out
 
 

@@ -231,12 +231,17 @@ def test_kernel_ignoring_only_a_head_dim_stride_fails_the_transposed_key_case():
     assert bad[0].diagnosis.startswith("reads k as if contiguous (ignores the strides of its view")
 
 
-def test_torch_kernel_ignoring_strides_fails_every_strided_case_named():
+def test_torch_kernel_ignoring_strides_fails_every_strided_case_and_gradient_named():
     pytest.importorskip("torch")
-    rep = verify(_torch_ignores_strides, backend="torch", cases=STRIDED + OTHERS, **FULL)
-    got = [(r.verdict, r.diagnosis) for r in rep.results]
-    assert [v for v, _ in got] == ["fail"] * 4 + ["pass"] * len(OTHERS), got
-    assert all("reads q, k, v as if contiguous" in w for _, w in got[:4]), got
+    rep = verify(_torch_ignores_strides, backend="torch", cases=STRIDED + OTHERS, grads=True,
+                 **FULL)
+    bad = _bad(rep)
+    assert {r.case for r in bad} == {c.id for c in STRIDED}, [r.case for r in bad]
+    assert {(r.output, r.verdict) for r in bad} == {(o, "fail") for o in ("out", "dq", "dk", "dv")}
+    for r in bad:  # the forward named, and the gradients autograd took through the misread
+        words = ("reads q, k, v as if contiguous" if r.output == "out" else
+                 "the forward reads q, k, v as if contiguous (ignores the strides); autograd's")
+        assert words in r.diagnosis, (r.case, r.output, r.diagnosis)
 
 
 def test_backward_ignoring_the_cotangents_strides_fails_only_strided_gradient_rows():
