@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conformance import cases, verify
+from conformance.calling import parse_supports
 from conformance.catalogue import CATALOGUE
 from conformance.judging import prepare
 from conformance.layouts import to_layout
@@ -201,6 +202,11 @@ def test_jax_and_a_kernel_declaring_contiguous_inputs_get_not_applicable():
                  supports={"strided": False}, **FULL)
     assert [r.verdict for r in rep.results] == ["n/a"] * 4 + ["pass"] * len(OTHERS)
     assert "requires contiguous inputs" in rep.results[0].diagnosis
+    assert parse_supports(["strided=no"]) == {"strided": False}  # --supports strided=no
+    # a custom (to_kernel, to_host) pair builds arrays from host data: no views to make
+    pair = (lambda host, dtype: host.astype(dtype), np.asarray)
+    rep = verify(_np_ignores_strides, backend=pair, cases=STRIDED, **FULL)
+    assert all(r.verdict == "n/a" and "the custom backend" in r.diagnosis for r in rep.results)
 
 
 # ------------------------------------------------------------- wrong kernels fail
