@@ -12,7 +12,8 @@ arrays in the canonical ``(B, H, N, d)`` layout. Catalogues are plain lists per 
     broadcasting, large logits, near-ties, one-hot rows, constant keys, padding and
     random masks, fully masked rows, causal in both alignments, additive bias, long
     sequences; batch 3 x 5 heads for every feature set, ``Nk = 4096`` with and
-    without a causal mask, ``Nq != Nk`` both ways at lengths >= 1000.
+    without a causal mask, ``Nq != Nk`` both ways at lengths >= 1000; ``q, k, v`` as
+    strided views of packed, transposed and sliced buffers (:mod:`conformance.strided`).
 ``exhaustive``
     ``standard`` plus longer sequences; :func:`conformance.verify` then runs a
     hypothesis search (:func:`case_strategy`) that shrinks a failure to the smallest
@@ -607,6 +608,31 @@ def _modern_long():
 
 CATALOGUE["standard"] += _modern_standard()
 CATALOGUE["exhaustive"] += _modern_standard() + _modern_long()
+
+
+def _strided():
+    """Non-contiguous inputs (:mod:`conformance.strided`): one case per kind of view.
+
+    Every other case hands the kernel C-contiguous arrays, so a kernel that reads its
+    inputs through a data pointer as if they were contiguous passed them all. Small
+    (2 x 3 heads, 37 tokens: past one head and one batch entry, a length no block size
+    divides), on by default: ``q, k, v`` of one packed QKV buffer; ``k, v`` of a packed
+    KV buffer under queries stored in the other layout (cross attention, Nq != Nk);
+    storage in the other of bhnd/bnhd with ``K^T`` stored (a head-dim stride != 1); and
+    Megatron's ``[q | k | v]`` per-head slices, causal, so that the causal-only variants
+    meet one too. The gradient rows get ``do`` in the other layout.
+    """
+    C = Case
+    bh, feat = (2, 3), ("strided",)
+    return [C("strided", bh, 37, 37, 16, 16, params=(("strided", "qkv"),), features=feat),
+            C("strided", bh, 29, 41, 16, 16, params=(("strided", "kv"),), features=feat),
+            C("strided", bh, 37, 37, 16, 16, params=(("strided", "layout"),), features=feat),
+            C("strided", bh, 37, 37, 16, 16, causal="top-left", params=(("strided", "headdim"),),
+              features=feat)]
+
+
+CATALOGUE["standard"] += _strided()
+CATALOGUE["exhaustive"] += _strided()
 
 
 def _recurrent():

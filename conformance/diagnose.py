@@ -14,7 +14,7 @@ When a case fails, :func:`diagnose` tries, in order:
    swapped, a dropped tail key block, keys past a fixed buffer ignored, zero padding
    left unmasked, an online softmax that never rescales its accumulator, a
    denominator epsilon, Nystromformer's pseudo-inverse started from the other
-   ``pinv_init``...).
+   ``pinv_init``, strided views read as if contiguous (:mod:`conformance.strided`)...).
 3. **Where the error lives**: only in the last partial query block, or only on some
    batch entries / heads (named), every other one within tolerance and ten times
    closer than the worst (so that rounding noise crossing the line on a few slices
@@ -59,6 +59,7 @@ kv-head mapping, a varlen boundary leak).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -69,6 +70,8 @@ from .calling import reference_features
 from .extras import RECURRENT
 from .features import allowed_matrix, sequence_lengths
 from .judging import FLA_CHUNK, fp32_state_form, option_names
+from .layouts import from_layout
+from .strided import KINDS, contiguous_reads, host_views, strided_kind
 from .tolerance import (
     LOW_PRECISION,
     MANTISSA_BITS,
@@ -237,6 +240,23 @@ def _layout_sigs(prep):
         return
     yield ("the layout is mixed up: (batch, heads, seq, dim) read as (batch, seq, heads, dim) "
            "or the reverse", np.swapaxes(np.asarray(out, dtype=np.float64), 1, 2))
+
+
+def _strided_sigs(prep):
+    # the kernel's layout is not known here: a view read as contiguous in the other
+    # layout gives other arrays, so only the layout the kernel was run in can reproduce
+    c = prep.case
+    if strided_kind(c) is None:
+        return
+    layouts = ("bhnd", "bnhd") + (("nd",) if c.batch == (1, 1) and c.kv_batch is None else ())
+    for layout in layouts:
+        reads = contiguous_reads(*host_views(c, prep.arrays, layout))
+        for size in range(1, len(reads) + 1):
+            for names in itertools.combinations(sorted(reads, key="qkv".index), size):
+                what = ", ".join(names)
+                yield (f"reads {what} as if contiguous (ignores the strides of "
+                       f"{'its view' if size == 1 else 'their views'}: {KINDS[strided_kind(c)]})",
+                       _ref(prep, **{n: from_layout(reads[n], layout) for n in names}))
 
 
 # Fixed key buffers a kernel may have been written for (shared memory, a KV cache
@@ -480,6 +500,7 @@ for _sig in (
     Signature("bias", _bias_sigs),
     Signature("swap", _swap_sigs),
     Signature("layout", _layout_sigs),
+    Signature("strided", _strided_sigs),
     Signature("dropped keys", _dropped_keys_sigs, needs_output=True),
     Signature("axis", _axis_sigs, exact_only=True),
     Signature("epsilon", _eps_sigs, exact_only=True),
@@ -1249,7 +1270,7 @@ def _nonfinite(prep, got):
 def _plain_softmax(prep):
     """True when :func:`_logits` is the case's exact logit matrix (softmax features only)."""
     return prep.variant.exact and prep.case.needs <= {
-        "mask", "bias", "causal", "scale", "broadcast", "value_dim"}
+        "mask", "bias", "causal", "scale", "broadcast", "value_dim", "strided"}
 
 
 def _exp_range(prep, rows, compared):

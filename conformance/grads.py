@@ -35,7 +35,9 @@ that explains it is named. ``docs/conformance.md``, "Gradients".
 
 from __future__ import annotations
 
+import itertools
 import zlib
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,6 +55,14 @@ from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
 from .report import CaseResult
+from .strided import (
+    autograd_of_reads,
+    contiguous_reads,
+    cotangent_view,
+    host_views,
+    kernel_views,
+    torch_differentiable_copies,
+)
 from .tolerance import LOGITS_IN_DTYPE, LOW_PRECISION, Tolerance, measure, param_dtype, round_to, ulp
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
@@ -524,7 +534,10 @@ def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k):
     if name == "torch":
         import torch
 
-        leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+        if all(inputs[n].is_contiguous() for n in ("q", "k", "v")):
+            leaves = {n: inputs[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
+        else:  # a strided case: the copies keep the views' strides and shared buffers
+            leaves = torch_differentiable_copies({n: inputs[n] for n in ("q", "k", "v")})
         kw = dict(kw)
         for n, pname in names.items():
             leaves[n] = kw[pname].detach().clone().requires_grad_(True)
@@ -663,7 +676,11 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
                 reason=f"{grad_output(n)} not judged: the kernel declares supports={{'grads': "
                        f"{declared!r}}} ({n} not differentiated)", output=grad_output(n), **base))
             handed.pop(n, None)
-    do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
+    if "strided" in prep.case.needs:  # do stored in the other layout, as the inputs are views
+        buf, view = cotangent_view(do, ctx.layout)
+        do_k = kernel_views(ctx, {"do": buf}, {"do": view}, dtype)[0]["do"]
+    else:
+        do_k = ctx.to_kernel(to_layout(do, ctx.layout), dtype)
     ds = g.get("dfinal_state")
     ds_k = None if ds is None else ctx.to_kernel(pair_layout(ds, ctx.layout),
                                                  state_dtype(prep, _convention(state)))
@@ -729,6 +746,8 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     if ctx.diagnose and any(r.verdict == "fail" and not r.diagnosis for r in rows):
         with np.errstate(all="ignore"):
             words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
+            if "strided" in prep.case.needs:
+                words = {**_strided_grads_words(prep, do, hosts, g, ctx.layout), **words}
         for r in rows:
             n = r.output[1:]
             if r.verdict == "fail" and not r.diagnosis:
@@ -808,6 +827,45 @@ def _reduce(x, shape):
         x = x.sum(0)
     axes = tuple(i for i, s in enumerate(shape) if s == 1 and x.shape[i] != 1)
     return x.sum(axes, keepdims=True) if axes else x
+
+
+def _strided_grads_words(prep, do, got: dict, g: dict, layout: str) -> dict:
+    """``{name: words}`` for failing gradients of a strided case that a stride mistake
+    reproduces, the fewest inputs named: a backward that reads ``do`` and/or some of
+    ``q, k, v`` as if contiguous (:func:`conformance.strided.contiguous_reads`), whose
+    gradients are the reference VJP's on what it read; or a forward that reads them so,
+    differentiated by autograd (:func:`conformance.strided.autograd_of_reads`)."""
+    buffers, views = host_views(prep.case, prep.arrays, layout)
+    buf, view = cotangent_view(do, layout)
+    buffers, views = {**buffers, "do": buf}, {**views, "do": view}
+    reads = contiguous_reads(buffers, views)
+    tried = []
+    for size in range(1, len(reads) + 1):
+        for names in itertools.combinations(sorted(reads, key="qkvdo".index), size):
+            a = {n: from_layout(reads[n], layout) for n in names}
+            sub = replace(prep, arrays={**prep.arrays, **{n: a[n] for n in names if n != "do"}})
+            try:
+                cand = _reference_grads(sub, a.get("do", do), "float64")
+            except Exception:  # the reference cannot take these arrays: no candidate
+                continue
+            what = ", ".join(names)
+            tried.append((cand, f"the backward reads {what} as if contiguous (ignores the strides)"))
+            if "do" not in names:
+                through = autograd_of_reads(buffers, views, {n: to_layout(cand[n], layout)
+                                                             for n in names})
+                tried.append(({**cand, **{n: from_layout(x, layout) for n, x in through.items()}},
+                              f"the forward reads {what} as if contiguous (ignores the strides); "
+                              "autograd's gradients follow it"))
+    out = {}
+    for cand, words in tried:
+        for n, h in got.items():
+            if n in out or n not in cand or cand[n].shape != h.shape:
+                continue
+            gold, keep, tmax, _, _ = g[n]
+            mt, mg = measure(h, cand[n], keep), measure(h, gold, keep)
+            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
+                out[n] = f"matches a known mistake: {words}"
+    return out
 
 
 def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:

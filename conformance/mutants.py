@@ -344,6 +344,22 @@ STRUCTURAL: list[Mutant] = [
            "keys beyond the first 2048 are ignored"),
 ]
 MUTANTS += [replace(m, options={"cases": structural_cases(), **m.options}) for m in STRUCTURAL]
+def _read_as_contiguous(x):
+    # the classic stride bug: x's memory from its first element on, in row-major order
+    base = x if x.base is None else x.base
+    offset = x.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return np.ndarray(x.shape, x.dtype, buffer=base, offset=offset)
+
+
+def _ignores_strides(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
+    return _kernel(*map(_read_as_contiguous, (q, k, v)), mask=mask, bias=bias, causal=causal,
+                   scale=scale)
+
+
+MUTANTS += [
+    Mutant("inputs read as if contiguous", _ignores_strides, "as if contiguous",
+           {"cases": _feature_cases("strided")}),
+]
 MUTANTS += [
     Mutant("scale 1 % too large", _scaled(1.01), "logit scale is 1 % too large"),
     Mutant("zero padding not masked", _unmasked_padding, "padded with zeros from Nk"),

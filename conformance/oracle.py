@@ -64,6 +64,7 @@ from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_optio
 from .layouts import LAYOUTS, from_layout, to_layout
 from .long import dask_settings, is_long
 from .report import CaseResult, Progress, Report
+from .strided import host_views, kernel_views
 from .tolerance import MANTISSA_BITS
 
 __all__ = ["verify", "session", "Session", "run_case", "search", "Interrupted"]
@@ -130,9 +131,17 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), **base)]
     kw.update(requested_keywords(ctx, prep))
-    inputs = {n: convert(to_layout(prep.arrays[n], ctx.layout)) for n in BASE_KEYS}
+    buffers = {}
+    if "strided" in case.needs:
+        # views of buffers built afresh for this call (conformance.strided); the buffers
+        # are snapshotted too, so that a write anywhere in them (through another view's
+        # region, or a gap) is caught as well as one into a view
+        inputs, bufs = kernel_views(ctx, *host_views(case, prep.arrays, ctx.layout), dtype)
+        buffers = {f"{n} buffer": x for n, x in bufs.items()}
+    else:
+        inputs = {n: convert(to_layout(prep.arrays[n], ctx.layout)) for n in BASE_KEYS}
     shapes = {n: tuple(np.shape(to_layout(prep.arrays[n], ctx.layout))) for n in BASE_KEYS}
-    snaps = {n: snapshot(ctx, x) for n, x in inputs.items()}
+    snaps = {n: snapshot(ctx, x) for n, x in {**inputs, **buffers}.items()}
     snaps.update({n: snapshot(ctx, x) for n, x in kw.items() if hasattr(x, "shape")})
     want = to_layout(np.empty(prep.golden.shape, dtype=np.int8), ctx.layout).shape
 
@@ -143,7 +152,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
                                               ctx.layout)
         problem = problems.pop("out", "") or check_container(ctx, out, inputs["q"], want)
         if not problem:
-            name = aliased_input(out, {**inputs, **kw})
+            name = aliased_input(out, {**inputs, **kw, **buffers})
             problem = name and (f"the output is the kernel's input {name!r} or a view of it "
                                 "(it shares its memory): return a new array")
         if problem:
@@ -166,7 +175,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     problem, host, *more = call.value
     extras, problems, side = more[0] if more else ({}, {}, {})
     if not problem:
-        name = changed_input(ctx, {**inputs, **kw}, snaps)
+        name = changed_input(ctx, {**inputs, **kw, **buffers}, snaps)
         problem = name and f"the kernel modified its input {name!r} in place"
     if problem:
         return [CaseResult.error(problem, verdict="fail", time_s=call.elapsed, shapes=shapes,

@@ -217,7 +217,8 @@ def test_capabilities_come_from_the_signature():
     na = [r for r in rep.results if r.verdict == "n/a"]
     assert na and all("does not declare" in r.diagnosis for r in na)
     assert not any(r.verdict == "pass" for r in rep.results if "mask" in r.case)
-    assert rep.features == ["value_dim"]
+    # the two features assumed unless a kernel opts out
+    assert rep.features == ["strided", "value_dim"]
     full = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="both",
                   progress=False)
     assert full.counts["n/a"] == 0 and full.passed

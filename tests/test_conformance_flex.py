@@ -200,6 +200,8 @@ OPTIONS = (
     "window-decode:b3h5-q5k300-d32-causal-br-window63x-1",
     "chunk:b1h2-q65k129-d32-chunk24",
     "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192",
+    # q, k, v views of one packed QKV buffer (conformance.strided)
+    "strided:b2h3-q37k37-d16-stridedqkv",
 )
 
 
@@ -209,7 +211,7 @@ def test_flex_attention_passes(dtype):
     assert {r.output for r in rows} == {"out", "lse"}
     bad = [(r.case, r.output, r.verdict, r.ratio, r.diagnosis) for r in rows if r.verdict != "pass"]
     assert not bad, bad
-    assert len(rows) == (226 if FULL else 2 * len(OPTIONS))
+    assert len(rows) == (234 if FULL else 2 * len(OPTIONS))
     print(f"FLEX {dtype} pass {len(rows)}/{len(rows)} worst {max(r.ratio for r in rows):.2f}")
 
 
