@@ -55,7 +55,7 @@ import numpy as np
 
 from .features import FEATURES, NotApplicable
 from .layouts import pair_layout
-from .strided import check_backend
+from .noncontiguous import check_backend
 from .tolerance import param_dtype
 
 __all__ = ["KernelSpec", "Declaration", "DECLARATIONS", "ALWAYS", "reference_features",
@@ -305,12 +305,12 @@ def applicable(ctx, case):
     if ctx.layout == "nd" and (case.batch != (1, 1) or case.kv_batch is not None):
         raise NotApplicable("layout 'nd' takes one head; case has batch/head dimensions")
     missing = {f for f in case.needs if f not in ctx.kernel.features}
-    if missing == {"strided"}:
-        raise NotApplicable("kernel requires contiguous inputs (supports strided=False); the "
+    if missing == {"noncontiguous"}:
+        raise NotApplicable("kernel requires contiguous inputs (supports noncontiguous=False); the "
                             "case hands it strided views")
     if missing:
         raise NotApplicable(f"kernel does not declare {sorted(missing)}")
-    if "strided" in case.needs:
+    if "noncontiguous" in case.needs:
         check_backend(ctx)
     for name in sorted(ctx.kernel.always - case.needs):
         raise NotApplicable(f"kernel is {name} by construction (supports {name}={ALWAYS!r}); "

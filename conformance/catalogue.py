@@ -13,7 +13,7 @@ arrays in the canonical ``(B, H, N, d)`` layout. Catalogues are plain lists per 
     random masks, fully masked rows, causal in both alignments, additive bias, long
     sequences; batch 3 x 5 heads for every feature set, ``Nk = 4096`` with and
     without a causal mask, ``Nq != Nk`` both ways at lengths >= 1000; ``q, k, v`` as
-    strided views of packed, transposed and sliced buffers (:mod:`conformance.strided`).
+    strided views of packed, transposed and sliced buffers (:mod:`conformance.noncontiguous`).
 ``exhaustive``
     ``standard`` plus longer sequences; :func:`conformance.verify` then runs a
     hypothesis search (:func:`case_strategy`) that shrinks a failure to the smallest
@@ -610,8 +610,8 @@ CATALOGUE["standard"] += _modern_standard()
 CATALOGUE["exhaustive"] += _modern_standard() + _modern_long()
 
 
-def _strided():
-    """Non-contiguous inputs (:mod:`conformance.strided`): one case per kind of view.
+def _noncontiguous():
+    """Non-contiguous inputs (:mod:`conformance.noncontiguous`): one case per kind of view.
 
     Every other case hands the kernel C-contiguous arrays, so a kernel that reads its
     inputs through a data pointer as if they were contiguous passed them all. Small
@@ -623,16 +623,16 @@ def _strided():
     meet one too. The gradient rows get ``do`` in the other layout.
     """
     C = Case
-    bh, feat = (2, 3), ("strided",)
-    return [C("strided", bh, 37, 37, 16, 16, params=(("strided", "qkv"),), features=feat),
-            C("strided", bh, 29, 41, 16, 16, params=(("strided", "kv"),), features=feat),
-            C("strided", bh, 37, 37, 16, 16, params=(("strided", "layout"),), features=feat),
-            C("strided", bh, 37, 37, 16, 16, causal="top-left", params=(("strided", "headdim"),),
+    bh, feat = (2, 3), ("noncontiguous",)
+    return [C("noncontiguous", bh, 37, 37, 16, 16, params=(("views_", "qkv"),), features=feat),
+            C("noncontiguous", bh, 29, 41, 16, 16, params=(("views_", "kv"),), features=feat),
+            C("noncontiguous", bh, 37, 37, 16, 16, params=(("views_", "layout"),), features=feat),
+            C("noncontiguous", bh, 37, 37, 16, 16, causal="top-left", params=(("views_", "headdim"),),
               features=feat)]
 
 
-CATALOGUE["standard"] += _strided()
-CATALOGUE["exhaustive"] += _strided()
+CATALOGUE["standard"] += _noncontiguous()
+CATALOGUE["exhaustive"] += _noncontiguous()
 
 
 def _recurrent():

@@ -14,7 +14,7 @@ When a case fails, :func:`diagnose` tries, in order:
    swapped, a dropped tail key block, keys past a fixed buffer ignored, zero padding
    left unmasked, an online softmax that never rescales its accumulator, a
    denominator epsilon, Nystromformer's pseudo-inverse started from the other
-   ``pinv_init``, strided views read as if contiguous (:mod:`conformance.strided`)...).
+   ``pinv_init``, strided views read as if contiguous (:mod:`conformance.noncontiguous`)...).
 3. **Where the error lives**: only in the last partial query block, or only on some
    batch entries / heads (named), every other one within tolerance and ten times
    closer than the worst (so that rounding noise crossing the line on a few slices
@@ -71,7 +71,7 @@ from .extras import RECURRENT
 from .features import allowed_matrix, sequence_lengths
 from .judging import FLA_CHUNK, fp32_state_form, option_names
 from .layouts import from_layout
-from .strided import KINDS, contiguous_reads, host_views, strided_kind
+from .noncontiguous import KINDS, contiguous_reads, host_views, view_kind
 from .tolerance import (
     LOW_PRECISION,
     MANTISSA_BITS,
@@ -246,7 +246,7 @@ def _strided_sigs(prep):
     # the kernel's layout is not known here: a view read as contiguous in the other
     # layout gives other arrays, so only the layout the kernel was run in can reproduce
     c = prep.case
-    if strided_kind(c) is None:
+    if view_kind(c) is None:
         return
     layouts = ("bhnd", "bnhd") + (("nd",) if c.batch == (1, 1) and c.kv_batch is None else ())
     for layout in layouts:
@@ -255,7 +255,7 @@ def _strided_sigs(prep):
             for names in itertools.combinations(sorted(reads, key="qkv".index), size):
                 what = ", ".join(names)
                 yield (f"reads {what} as if contiguous (ignores the strides of "
-                       f"{'its view' if size == 1 else 'their views'}: {KINDS[strided_kind(c)]})",
+                       f"{'its view' if size == 1 else 'their views'}: {KINDS[view_kind(c)]})",
                        _ref(prep, **{n: from_layout(reads[n], layout) for n in names}))
 
 
@@ -500,7 +500,7 @@ for _sig in (
     Signature("bias", _bias_sigs),
     Signature("swap", _swap_sigs),
     Signature("layout", _layout_sigs),
-    Signature("strided", _strided_sigs),
+    Signature("noncontiguous", _strided_sigs),
     Signature("dropped keys", _dropped_keys_sigs, needs_output=True),
     Signature("axis", _axis_sigs, exact_only=True),
     Signature("epsilon", _eps_sigs, exact_only=True),
@@ -1270,7 +1270,7 @@ def _nonfinite(prep, got):
 def _plain_softmax(prep):
     """True when :func:`_logits` is the case's exact logit matrix (softmax features only)."""
     return prep.variant.exact and prep.case.needs <= {
-        "mask", "bias", "causal", "scale", "broadcast", "value_dim", "strided"}
+        "mask", "bias", "causal", "scale", "broadcast", "value_dim", "noncontiguous"}
 
 
 def _exp_range(prep, rows, compared):

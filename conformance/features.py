@@ -134,9 +134,9 @@ register_feature(Feature("value_dim", declared_only=True, assumed=True,
 register_feature(Feature("broadcast", declared_only=True,
                          doc="k and v with leading (batch, head) dims that broadcast against q's"))
 # on by default: the point of these cases is that a kernel unaware of strides fails them
-register_feature(Feature("strided", declared_only=True, assumed=True,
+register_feature(Feature("noncontiguous", declared_only=True, assumed=True,
                          doc="q, k, v (and do) as strided views of packed or transposed buffers "
-                             "(conformance.strided); a kernel that requires contiguous inputs "
+                             "(conformance.noncontiguous); a kernel that requires contiguous inputs "
                              "opts out with False"))
 
 

@@ -54,8 +54,7 @@ from .extras import RECURRENT, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
-from .report import CaseResult
-from .strided import (
+from .noncontiguous import (
     autograd_of_reads,
     contiguous_reads,
     cotangent_view,
@@ -63,6 +62,7 @@ from .strided import (
     kernel_views,
     torch_differentiable_copies,
 )
+from .report import CaseResult
 from .tolerance import LOGITS_IN_DTYPE, LOW_PRECISION, Tolerance, measure, param_dtype, round_to, ulp
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
@@ -676,7 +676,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
                 reason=f"{grad_output(n)} not judged: the kernel declares supports={{'grads': "
                        f"{declared!r}}} ({n} not differentiated)", output=grad_output(n), **base))
             handed.pop(n, None)
-    if "strided" in prep.case.needs:  # do stored in the other layout, as the inputs are views
+    if "noncontiguous" in prep.case.needs:  # do stored in the other layout, as the inputs are views
         buf, view = cotangent_view(do, ctx.layout)
         do_k = kernel_views(ctx, {"do": buf}, {"do": view}, dtype)[0]["do"]
     else:
@@ -746,8 +746,8 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     if ctx.diagnose and any(r.verdict == "fail" and not r.diagnosis for r in rows):
         with np.errstate(all="ignore"):
             words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
-            if "strided" in prep.case.needs:
-                words = {**_strided_grads_words(prep, do, hosts, g, ctx.layout), **words}
+            if "noncontiguous" in prep.case.needs:
+                words = {**_noncontiguous_grads_words(prep, do, hosts, g, ctx.layout), **words}
         for r in rows:
             n = r.output[1:]
             if r.verdict == "fail" and not r.diagnosis:
@@ -829,12 +829,12 @@ def _reduce(x, shape):
     return x.sum(axes, keepdims=True) if axes else x
 
 
-def _strided_grads_words(prep, do, got: dict, g: dict, layout: str) -> dict:
+def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dict:
     """``{name: words}`` for failing gradients of a strided case that a stride mistake
     reproduces, the fewest inputs named: a backward that reads ``do`` and/or some of
-    ``q, k, v`` as if contiguous (:func:`conformance.strided.contiguous_reads`), whose
+    ``q, k, v`` as if contiguous (:func:`conformance.noncontiguous.contiguous_reads`), whose
     gradients are the reference VJP's on what it read; or a forward that reads them so,
-    differentiated by autograd (:func:`conformance.strided.autograd_of_reads`)."""
+    differentiated by autograd (:func:`conformance.noncontiguous.autograd_of_reads`)."""
     buffers, views = host_views(prep.case, prep.arrays, layout)
     buf, view = cotangent_view(do, layout)
     buffers, views = {**buffers, "do": buf}, {**views, "do": view}

@@ -358,7 +358,7 @@ def _ignores_strides(q, k, v, *, mask=None, bias=None, causal=False, scale=None)
 
 MUTANTS += [
     Mutant("inputs read as if contiguous", _ignores_strides, "as if contiguous",
-           {"cases": _feature_cases("strided")}),
+           {"cases": _feature_cases("noncontiguous")}),
 ]
 MUTANTS += [
     Mutant("scale 1 % too large", _scaled(1.01), "logit scale is 1 % too large"),

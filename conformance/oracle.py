@@ -63,8 +63,8 @@ from .grads import grad_results
 from .judging import BASE_KEYS, parse_semantics, prepare, variant_of, with_options
 from .layouts import LAYOUTS, from_layout, to_layout
 from .long import dask_settings, is_long
+from .noncontiguous import host_views, kernel_views
 from .report import CaseResult, Progress, Report
-from .strided import host_views, kernel_views
 from .tolerance import MANTISSA_BITS
 
 __all__ = ["verify", "session", "Session", "run_case", "search", "Interrupted"]
@@ -132,8 +132,8 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
         return [CaseResult.na(reason=str(exc), **base)]
     kw.update(requested_keywords(ctx, prep))
     buffers = {}
-    if "strided" in case.needs:
-        # views of buffers built afresh for this call (conformance.strided); the buffers
+    if "noncontiguous" in case.needs:
+        # views of buffers built afresh for this call (conformance.noncontiguous); the buffers
         # are snapshotted too, so that a write anywhere in them (through another view's
         # region, or a gap) is caught as well as one into a view
         inputs, bufs = kernel_views(ctx, *host_views(case, prep.arrays, ctx.layout), dtype)

@@ -218,7 +218,7 @@ def test_capabilities_come_from_the_signature():
     assert na and all("does not declare" in r.diagnosis for r in na)
     assert not any(r.verdict == "pass" for r in rep.results if "mask" in r.case)
     # the two features assumed unless a kernel opts out
-    assert rep.features == ["strided", "value_dim"]
+    assert rep.features == ["noncontiguous", "value_dim"]
     full = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="both",
                   progress=False)
     assert full.counts["n/a"] == 0 and full.passed

@@ -200,8 +200,8 @@ OPTIONS = (
     "window-decode:b3h5-q5k300-d32-causal-br-window63x-1",
     "chunk:b1h2-q65k129-d32-chunk24",
     "chunk-decode:b2h8-q5k1000-d64-causal-br-kv_heads2-seqlens_k1000x205-chunk192",
-    # q, k, v views of one packed QKV buffer (conformance.strided)
-    "strided:b2h3-q37k37-d16-stridedqkv",
+    # q, k, v views of one packed QKV buffer (conformance.noncontiguous)
+    "noncontiguous:b2h3-q37k37-d16-views_qkv",
 )
 
 

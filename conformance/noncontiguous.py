@@ -2,7 +2,7 @@
 
 Every array the oracle builds otherwise is C-contiguous, so a kernel that reads its
 inputs as if they were - the classic CUDA/Triton bug of taking a data pointer and
-ignoring the strides - could never fail. The cases of the ``strided`` feature
+ignoring the strides - could never fail. The cases of the ``noncontiguous`` feature
 (:mod:`conformance.features`) hand the kernel views of the buffers real models produce:
 
 ``qkv``
@@ -30,7 +30,7 @@ kernel's library and applies the same operations there (:func:`kernel_views`), s
 kernel gets real views sharing one allocation, on every backend with strides (NumPy,
 PyTorch, CuPy, array-api-strict, whose arrays wrap NumPy views). JAX arrays have no
 strides: there these cases are not applicable, as they are for a kernel that declares
-``supports={"strided": False}`` (it requires contiguous inputs) and for the exported
+``supports={"noncontiguous": False}`` (it requires contiguous inputs) and for the exported
 vectors (files hold contiguous arrays).
 
 :func:`contiguous_reads` gives what a kernel that ignores strides reads instead: the
@@ -47,10 +47,10 @@ import numpy as np
 from .features import NotApplicable
 
 __all__ = ["KINDS", "STRIDED_BACKENDS", "View", "host_views", "cotangent_view", "kernel_views",
-           "contiguous_reads", "read_positions", "autograd_of_reads", "strided_kind",
+           "contiguous_reads", "read_positions", "autograd_of_reads", "view_kind",
            "check_backend", "torch_differentiable_copies"]
 
-#: The kinds of strided case (``Case.param("strided")``), each with what it stands for.
+#: The kinds of strided case (``Case.param("views_")``), each with what it stands for.
 KINDS = {
     "qkv": "q, k, v views of one packed (B, N, 3, H, d) buffer (fused QKV projection)",
     "kv": "k, v views of one packed (B, Nk, 2, H, d) buffer; q stored in the other layout",
@@ -98,9 +98,9 @@ def _to_layout_ops(layout: str) -> tuple:
             "nd": (("index", (0, 0, slice(None), slice(None))),)}[layout]
 
 
-def strided_kind(case) -> str | None:
+def view_kind(case) -> str | None:
     """The case's kind of strided inputs (:data:`KINDS`), or None."""
-    return case.param("strided") if "strided" in case.needs else None
+    return case.param("views_") if "noncontiguous" in case.needs else None
 
 
 def host_views(case, arrays: dict, layout: str) -> tuple[dict, dict]:
@@ -109,7 +109,7 @@ def host_views(case, arrays: dict, layout: str) -> tuple[dict, dict]:
 
     Applied to the buffers, each view equals ``to_layout(arrays[name], layout)`` exactly.
     """
-    kind = strided_kind(case)
+    kind = view_kind(case)
     if kind not in KINDS:
         raise ValueError(f"strided case {case.id}: kind must be one of {sorted(KINDS)}, got {kind!r}")
     full = (slice(None),) * 4

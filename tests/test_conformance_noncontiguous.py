@@ -1,4 +1,4 @@
-"""conformance.strided: q, k, v (and do) handed to the kernel as strided views.
+"""conformance.noncontiguous: q, k, v (and do) handed to the kernel as strided views.
 
 Every other case hands C-contiguous arrays, so a kernel that reads its inputs through a
 data pointer as if they were contiguous - the classic CUDA/Triton stride bug - passed
@@ -18,9 +18,9 @@ from conformance.calling import parse_supports
 from conformance.catalogue import CATALOGUE
 from conformance.judging import prepare
 from conformance.layouts import to_layout
-from conformance.strided import KINDS, contiguous_reads, cotangent_view, host_views
+from conformance.noncontiguous import KINDS, contiguous_reads, cotangent_view, host_views
 
-STRIDED = [c for c in CATALOGUE["standard"] if "strided" in c.needs]
+STRIDED = [c for c in CATALOGUE["standard"] if "noncontiguous" in c.needs]
 OTHERS = [c for c in CATALOGUE["quick"]][:4]
 FULL = {"causal": "top-left", "progress": False}
 
@@ -99,17 +99,17 @@ def _bad(rep):
 
 
 def test_standard_has_one_case_of_each_kind_that_every_variant_meets():
-    assert sorted(c.param("strided") for c in STRIDED) == sorted(KINDS)
+    assert sorted(c.param("views_") for c in STRIDED) == sorted(KINDS)
     assert all(c in CATALOGUE["exhaustive"] for c in STRIDED)
     # self-attention-only and causal-only variants meet some too
     for name in ("softmax", "linformer", "gla", "linear"):
-        assert any("strided" in c.needs for c in cases(name, "standard")), name
+        assert any("noncontiguous" in c.needs for c in cases(name, "standard")), name
     # small: four cases of 2 x 3 heads and <= 41 tokens
     assert len(STRIDED) == 4 and all(c.size <= 2 * 3 * 41 * 41 * 32 for c in STRIDED)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-@pytest.mark.parametrize("case", STRIDED, ids=lambda c: c.param("strided"))
+@pytest.mark.parametrize("case", STRIDED, ids=lambda c: c.param("views_"))
 def test_every_view_is_its_array_and_a_contiguous_read_is_not(case, layout):
     prep = prepare(case, "softmax", "float32", 0)
     buffers, views = host_views(case, prep.arrays, layout)
@@ -199,10 +199,10 @@ def test_jax_and_a_kernel_declaring_contiguous_inputs_get_not_applicable():
     rep = verify(_np_softmax, backend="jax", cases=STRIDED, **FULL)
     assert all(r.verdict == "n/a" and "JAX arrays have no strides" in r.diagnosis for r in rep.results)
     rep = verify(_np_ignores_strides, backend="numpy", cases=STRIDED + OTHERS,
-                 supports={"strided": False}, **FULL)
+                 supports={"noncontiguous": False}, **FULL)
     assert [r.verdict for r in rep.results] == ["n/a"] * 4 + ["pass"] * len(OTHERS)
     assert "requires contiguous inputs" in rep.results[0].diagnosis
-    assert parse_supports(["strided=no"]) == {"strided": False}  # --supports strided=no
+    assert parse_supports(["noncontiguous=no"]) == {"noncontiguous": False}  # --supports noncontiguous=no
     # a custom (to_kernel, to_host) pair builds arrays from host data: no views to make
     pair = (lambda host, dtype: host.astype(dtype), np.asarray)
     rep = verify(_np_ignores_strides, backend=pair, cases=STRIDED, **FULL)
@@ -233,7 +233,7 @@ def _np_bnhd_ignores_strides(q, k, v, *, scale=None, causal=False):
 def test_kernel_ignoring_only_a_head_dim_stride_fails_the_transposed_key_case():
     rep = verify(_np_ignores_headdim_stride, backend="numpy", cases=STRIDED + OTHERS, **FULL)
     bad = _bad(rep)
-    assert [r.case for r in bad] == [c.id for c in STRIDED if c.param("strided") == "layout"]
+    assert [r.case for r in bad] == [c.id for c in STRIDED if c.param("views_") == "layout"]
     assert bad[0].diagnosis.startswith("reads k as if contiguous (ignores the strides of its view")
 
 
