@@ -15,7 +15,9 @@ For each case and dtype:
    exactly like the forward golden;
 3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
    recurrent kernels: with a float32 state, each gradient rounded once to its input's
-   dtype, as the forward's baseline); each gradient's tolerance comes from
+   dtype, as the forward's baseline; float16/bfloat16 softmax kernels that declare
+   ``supports={"backward": "fp32-accumulate"}``: :func:`_fused_softmax_forms`, with
+   :data:`FUSED_GRAD_DEFAULTS`); each gradient's tolerance comes from
    :class:`conformance.tolerance.Tolerance` with its own baseline and magnitude
    (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
@@ -572,7 +574,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None) -> dic
             if fused:
                 # and so is what the cancellation leaves on every element: on rows one-hot
                 # beyond float32 (large logits) dq is ~1e-24 of rounding noise, and the
-                # per-element floor alone (1e-27 RMS) failed SDPA-like kernels at 110x
+                # per-element floor alone (1e-27 RMS) failed attn_ref under torch autograd at 110x
                 trms += tol.floor_rms_ulps * ulp(terms[n], "float32")
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
