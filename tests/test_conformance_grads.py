@@ -503,6 +503,11 @@ def test_jax_autodiff_passes_the_fused_bounds():
 
 
 def test_backward_declaration_takes_one_value():
+    from conformance.calling import KernelSpec, parse_supports
+
+    # as the command line (--supports backward=fp32-accumulate) and the plugin hand it over
+    spec = KernelSpec.of(np_kernel, parse_supports(["backward=fp32-accumulate"]))
+    assert spec.limits == {"backward": "fp32-accumulate"}
     with pytest.raises(ValueError, match="fp32-accumulate"):
         verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:1], backward=make_backward(),
                supports={"backward": "fp32"})
