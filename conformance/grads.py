@@ -15,7 +15,9 @@ For each case and dtype:
    exactly like the forward golden;
 3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
    recurrent kernels: with a float32 state, each gradient rounded once to its input's
-   dtype, as the forward's baseline); each gradient's tolerance comes from
+   dtype, as the forward's baseline; float16/bfloat16 softmax kernels that declare
+   ``supports={"backward": "fp32-accumulate"}``: :func:`_fused_softmax_forms`, with
+   :data:`FUSED_GRAD_DEFAULTS`); each gradient's tolerance comes from
    :class:`conformance.tolerance.Tolerance` with its own baseline and magnitude
    (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
@@ -63,10 +65,22 @@ from .noncontiguous import (
     torch_differentiable_copies,
 )
 from .report import CaseResult
-from .tolerance import LOGITS_IN_DTYPE, LOW_PRECISION, Tolerance, measure, param_dtype, round_to, ulp
+from .tolerance import (
+    LOGITS_IN_DTYPE,
+    LOW_PRECISION,
+    Tolerance,
+    compared_count,
+    elementwise_ulp_rms,
+    gemm_in_dtype,
+    measure,
+    param_dtype,
+    round_to,
+    ulp,
+)
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
-           "JUDGED", "grad_output", "state_cotangent", "state_dtype"]
+           "JUDGED", "grad_output", "state_cotangent", "state_dtype", "FP32_ACCUMULATE",
+           "FUSED_GRAD_DEFAULTS"]
 
 #: Report row of each gradient: ``d`` + the name of the input, as the reference names it
 #: (:func:`grad_output` for inputs not listed: a variant's parameters such as Linformer's
@@ -100,6 +114,27 @@ DECLARATIONS["grads"] = Declaration(
     _grad_names, lambda case, names: "",
     "the inputs the kernel differentiates, e.g. ('q', 'k', 'v'); the gradients of the "
     "others (gates, beta, initial_state...) are reported as not judged")
+
+
+#: ``supports={"backward": FP32_ACCUMULATE}``: the kernel's softmax backward keeps
+#: ``P``, ``dP``, ``D = rowsum(dO * O)`` and ``dS`` in float32, as FlashAttention's and
+#: every fused backward do; its float16/bfloat16 gradients are then judged against
+#: baselines that round so (:func:`_fused_softmax_forms`), with
+#: :data:`FUSED_GRAD_DEFAULTS`, instead of against a plain half-precision VJP.
+FP32_ACCUMULATE = "fp32-accumulate"
+
+
+def _backward_mode(name, value):
+    if value != FP32_ACCUMULATE:
+        raise ValueError(f"supports[{name!r}] must be {FP32_ACCUMULATE!r} (a softmax backward "
+                         f"with P, dP, D and dS in float32, as FlashAttention's); got {value!r}")
+    return value
+
+
+DECLARATIONS["backward"] = Declaration(
+    _backward_mode, lambda case, mode: "",
+    f"{FP32_ACCUMULATE!r}: the softmax backward keeps P, dP, D and dS in float32 (a fused "
+    "kernel's); its float16/bfloat16 gradients get the bounds of such a backward")
 
 
 def _np():
@@ -215,7 +250,7 @@ def _with_arrays(prep, arrays, **options):
     return sub
 
 
-def _baselines(prep):
+def _baselines(prep, backward=None):
     """The plain implementations whose error in the kernel dtype sets the baseline.
 
     Each is ``f(prep, do, dtype) -> grads``. For softmax there are three common ways to
@@ -229,6 +264,8 @@ def _baselines(prep):
     """
     from attn_ref import grad
 
+    if _fused(prep, backward):
+        return _fused_softmax_forms()
     if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
         # As for the forward (conformance.judging, the recurrent forms): the VJP on
         # LowPrecisionArray would round the state and its cotangent to the dtype at every
@@ -274,6 +311,13 @@ def _baselines(prep):
         lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.online_softmax_attention),
         _flash_with_exact_lse,
     ]
+
+
+def _fused(prep, backward) -> bool:
+    """Whether ``prep``'s gradients get the fused baselines of a declared
+    ``supports={"backward": "fp32-accumulate"}``: softmax family, float16/bfloat16."""
+    return (backward == FP32_ACCUMULATE and prep.dtype in LOW_PRECISION
+            and prep.variant.name in ("softmax", "online_softmax"))
 
 
 def _partial_softmax_autograd(prep, do, dtype):
@@ -354,6 +398,56 @@ def _flash_with_exact_lse(prep, do, dtype):
     return {n: np.asarray(x, dtype=np.float64) for n, x in g.items() if n in GRAD_OUTPUTS}
 
 
+def _fused_softmax_forms():
+    """The softmax family's float16/bfloat16 backward as fused kernels round it (the
+    baseline under ``supports={"backward": "fp32-accumulate"}``): the inputs and ``dO``
+    as the dtype holds them, the logits, ``P``, ``dP``, ``D`` and ``dS`` in float32, each
+    gradient rounded once to its input's dtype. Three of them, the one function rounded
+    three ways: every matrix product in float32 (a kernel that keeps its operands
+    wide); FlashAttention-2's, ``P`` and ``dS`` rounded to the dtype as the operands of
+    their matrix products (:class:`conformance.tolerance.GemmInDtypeArray`); and that
+    backward blockwise from a saved output stored in the dtype and a float32 ``lse``
+    (``D = rowsum(dO * O)`` of the rounded ``O``), as a training step saves them."""
+    from attn_ref import grad
+
+    def run(prep, do, dtype, fn, host, stored=False):
+        a = {n: host(x) for n, x in prep.arrays.items()}
+        extra = {}
+        if stored:
+            out, lse = grad.online_softmax_forward(
+                *(np.asarray(prep.arrays[n], dtype=np.float64) for n in ("q", "k", "v")),
+                **{n: x for n, x in prep.arrays.items() if n not in BASE_KEYS},
+                **prep.kwargs, **prep.options, xp=_np())
+            cls = type(a["q"])
+            extra = {"out": host(round_to(np.asarray(out), dtype)),
+                     "lse": np.asarray(lse, dtype=np.float32).view(cls)}
+        g = fn(a["q"], a["k"], a["v"], host(np.asarray(do)),
+               **{n: x for n, x in a.items() if n not in BASE_KEYS},
+               **prep.kwargs, **prep.options, **extra, xp=_np())
+        return {n: round_to(np.asarray(x, dtype=np.float32), param_dtype(n, dtype))
+                for n, x in g.items() if n in GRAD_OUTPUTS}
+
+    def wide(x):
+        return x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
+
+    return [
+        lambda prep, do, dtype: run(prep, do, dtype, grad.softmax_attention, wide),
+        lambda prep, do, dtype: run(prep, do, dtype, grad.softmax_attention,
+                                    lambda x: gemm_in_dtype(x, dtype)),
+        lambda prep, do, dtype: run(prep, do, dtype, grad.online_softmax_attention,
+                                    lambda x: gemm_in_dtype(x, dtype), stored=True),
+    ]
+
+
+#: Gradient tolerances against the fused baselines of :func:`_fused_softmax_forms`
+#: (``supports={"backward": "fp32-accumulate"}``, float16/bfloat16 softmax): the
+#: forward's float16/bfloat16 model (its RMS floor per element and a minimum), twice
+#: its factors, as :data:`GRAD_DEFAULTS` doubles the forward's. Set in the calibration
+#: of docs/conformance.md, "Gradients".
+FUSED_GRAD_DEFAULTS = Tolerance(fudge=4.0, floor_ulps=4.0, fudge_rms=3.0, floor_rms_ulps=1.2,
+                                rms_floor_is_minimum=True)
+
+
 #: Default gradient tolerances: the forward's model with twice its fudge factors - a
 #: backward pass rounds through about twice as many steps (recomputed logits, three
 #: more matrix products, the ``dP - D`` cancellation) as the forward. Calibrated
@@ -414,15 +508,16 @@ def _term_magnitudes(prep, do):
     return terms
 
 
-def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
+def prepare_grads(prep, tolerance=None, final_state=False, backward=None) -> dict:
     """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``.
 
     ``final_state``: the kernel returns the final state (True, or its convention
     ``"input_dtype"``): then ``"dfinal_state"`` holds its cotangent
-    (:func:`state_cotangent`), which the goldens and baselines take.
+    (:func:`state_cotangent`), which the goldens and baselines take. ``backward``: the
+    kernel's declared ``supports={"backward": ...}`` (:data:`FP32_ACCUMULATE`), or None.
     """
     cache = prep.__dict__.setdefault("_grads", {})
-    key = repr((tolerance, final_state))
+    key = repr((tolerance, final_state, backward))
     if key in cache:
         return cache[key]
     do = _cotangent(prep)
@@ -436,7 +531,8 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
                             f"{type(exc).__name__}: {exc}") from exc
     gold = {n: np.asarray(x, dtype=np.float64) for n, x in gold.items()}
     bases = []
-    for plain in _baselines(prep):
+    fused = _fused(prep, backward)
+    for plain in _baselines(prep, backward):
         try:
             with np.errstate(all="ignore"):
                 bases.append(plain(prep, do, prep.dtype) if ds is None else
@@ -467,19 +563,29 @@ def prepare_grads(prep, tolerance=None, final_state=False) -> dict:
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
         mag = own if fp32_terms else max(own, terms.get(n, 0.0))
-        tol = (GRAD_DEFAULTS[prep.dtype] if tolerance is None
+        tol = ((FUSED_GRAD_DEFAULTS if fused else GRAD_DEFAULTS[prep.dtype]) if tolerance is None
                else resolve_tolerance(tolerance, prep.dtype, grad_output(n)))
         if bm is None:
             b_max = b_rms = 16 * ulp(mag, prep.dtype)
         else:
             b_max, b_rms = bm.max_err, bm.rms_err
-        tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype)
+        # the fused baselines round each gradient once, as the output is: its RMS floor
+        # is per element, as the output's (on long rows most of a gradient is far below
+        # its maximum, whose ulp would hide an error of the whole gradient)
+        per_element = dict(ulp_rms=elementwise_ulp_rms(g, prep.dtype, keep),
+                           count=compared_count(g, keep)) if fused else {}
+        tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype, **per_element)
         if fp32_terms and terms.get(n):
             # the terms cancel in float32 and the result is rounded to the dtype once:
             # the terms' floor is in float32 ulps, the gradient's own in the dtype's (the
             # dtype's ulp of a term, 8 to 16 in bfloat16 where |dq| ~ 6 in a recurrent
             # kernel, would pass dq = 0)
             tmax += tol.floor_ulps * ulp(terms[n], "float32")
+            if fused:
+                # and so is what the cancellation leaves on every element: on rows one-hot
+                # beyond float32 (large logits) dq is ~1e-24 of rounding noise, and the
+                # per-element floor alone (1e-27 RMS) failed attn_ref under torch autograd at 110x
+                trms += tol.floor_rms_ulps * ulp(terms[n], "float32")
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
     return out
@@ -646,7 +752,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     state = expected_outputs(ctx).get("final_state") if prep.variant.name in RECURRENT else None
     state = state if isinstance(state, str) else bool(state)
     try:
-        g = prepare_grads(prep, ctx.tolerance, state)
+        g = prepare_grads(prep, ctx.tolerance, state, ctx.kernel.limits.get("backward"))
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), output="grads", **base)]
     do = g["do"]

@@ -56,6 +56,8 @@ __all__ = [
     "LOW_PRECISION",
     "lp_array",
     "LOGITS_IN_DTYPE",
+    "GemmInDtypeArray",
+    "gemm_in_dtype",
     "plain_array",
     "as_dtype",
     "Metrics",
@@ -313,6 +315,86 @@ class _LogitsInDtype:
 #: the NumPy namespace of :class:`_LogitsInDtype`: a reference run on ``LowPrecisionArray``
 #: inputs through it computes its softmax logits and weights in the dtype
 LOGITS_IN_DTYPE = _LogitsInDtype()
+
+
+class GemmInDtypeArray(np.ndarray):
+    """A float32 ndarray whose matrix products round both operands to a narrower dtype.
+
+    What a fused half-precision kernel on tensor cores computes: every elementwise
+    operation and reduction in float32, every matrix product with its operands in the
+    dtype and a float32 accumulator. Through the softmax VJP of :mod:`attn_ref.grad` it
+    is FlashAttention-2's backward: ``S``, ``P``, ``dP``, ``D`` and ``dS`` in float32,
+    ``P`` rounded to the dtype for ``dV = P^T dO`` and ``dS`` for ``dQ = dS K`` and
+    ``dK = dS^T Q`` (``flash_bwd_kernel.h`` converts both before its GEMMs); ``Q``, ``K``,
+    ``V``, ``dO`` are in the dtype already. Subclasses :class:`BF16GemmArray`,
+    :class:`F16GemmArray`; :func:`gemm_in_dtype` makes one.
+    """
+
+    #: the :class:`LowPrecisionArray` whose rounding the operands get
+    rounding: type = LowPrecisionArray
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        inputs = tuple(_plain_gemm(x) for x in inputs)
+        if ufunc is np.matmul and method == "__call__":
+            inputs = tuple(self.rounding.round(np.asarray(x, dtype=np.float32)) for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_plain_gemm(x) for x in kwargs["out"])
+        return _gemm_wrap(type(self), getattr(ufunc, method)(*inputs, **kwargs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        return _gemm_wrap(type(self), func(*_unwrap_gemm(args), **_unwrap_gemm(kwargs)))
+
+
+class BF16GemmArray(GemmInDtypeArray):
+    """float32 arithmetic, matrix products on bfloat16 operands (:class:`GemmInDtypeArray`)."""
+
+    rounding = BF16Array
+
+
+class F16GemmArray(GemmInDtypeArray):
+    """float32 arithmetic, matrix products on float16 operands (:class:`GemmInDtypeArray`)."""
+
+    rounding = F16Array
+
+
+_GEMM_IN_DTYPE = {"bfloat16": BF16GemmArray, "float16": F16GemmArray}
+
+
+def _plain_gemm(x):
+    return x.view(np.ndarray) if isinstance(x, GemmInDtypeArray) else x
+
+
+def _unwrap_gemm(obj):
+    if isinstance(obj, GemmInDtypeArray):
+        return obj.view(np.ndarray)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unwrap_gemm(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _unwrap_gemm(v) for k, v in obj.items()}
+    return obj
+
+
+def _gemm_wrap(cls, out):
+    if isinstance(out, tuple):
+        return tuple(_gemm_wrap(cls, o) for o in out)
+    if isinstance(out, np.ndarray) and out.dtype.kind == "f":
+        # float32 arithmetic (a float64 operand would otherwise promote)
+        return out.astype(np.float32, copy=False).view(cls)
+    if isinstance(out, np.floating):
+        return np.float32(out)
+    return out
+
+
+def gemm_in_dtype(x, dtype: str):
+    """Host data as a :class:`GemmInDtypeArray` of ``dtype`` (``"bfloat16"``, ``"float16"``):
+    float values as float32 (rounded to ``dtype`` first: the kernel's inputs), masks and
+    lengths as they are, in the same array class (the references refuse a mix)."""
+    if not isinstance(x, np.ndarray):
+        return x
+    cls = _GEMM_IN_DTYPE[dtype]
+    if x.dtype.kind in "biu":
+        return x.view(cls)
+    return cls.rounding.round(np.asarray(x, dtype=np.float32)).view(cls)
 
 
 def bf16_array(x: np.ndarray) -> BF16Array:

@@ -400,3 +400,114 @@ def test_half_precision_baseline_forms_round_as_the_kernels_do(variant, case_id)
                  diagnose=False, supports={"broadcast": True})
     rows = [r for r in rep.results if r.output in ("dq", "dk", "dv")]
     assert len(rows) == 3 and all(r.verdict == "pass" for r in rows), rep.table()
+
+
+# ------------------------------------------- fused (fp32-accumulating) softmax backwards
+
+FUSED = {"backward": "fp32-accumulate"}
+
+
+def _fused_backward(torch, change=None, d_in_dtype=False):
+    """A softmax backward as a fused kernel computes it: attn_ref's blockwise VJP in
+    float32 on the half-precision inputs, from a float32 lse and the output stored in the
+    dtype (FlashAttention-2's D = rowsum(dO * O)), each gradient rounded once to its input's
+    dtype; ``change`` plants a mistake in the gradients, ``d_in_dtype`` rounds D to the dtype."""
+    def wide(x):
+        return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def run(q, k, v, do, **kw):
+        kw32 = {n: wide(x) for n, x in kw.items()}
+        out, lse = attn_ref.grad.online_softmax_forward(wide(q), wide(k), wide(v), **kw32)
+        out = out.to(q.dtype).float()
+        if d_in_dtype:
+            d = (wide(do) * out).sum(-1, keepdim=True)
+            # the same VJP with D = rowsum(dO * O) rounded to the dtype: O rescaled per row
+            out = out * torch.where(d != 0, d.to(q.dtype).float() / d, torch.ones_like(d))
+        g = attn_ref.grad.online_softmax_attention(wide(q), wide(k), wide(v), wide(do), out=out,
+                                                   lse=lse, **kw32)
+        g = {"d" + n: x.to(q.dtype) for n, x in g.items()}
+        return change(g) if change else g
+    return run
+
+
+def _scaled(name, factor):
+    return lambda g: g if name not in g else {**g, name: (g[name].float() * factor).to(g[name].dtype)}
+
+
+def _fused_cases():
+    """The quick suite and the standard suite's bias, large-logit and offset-values rows."""
+    extra = ("bias:b2h2-q65k65-d32-bias", "combo:b2h2-q65k129-d32-causal-tl-mask-random-bias",
+             "range:b3h5-q37k37-d16-bias-bias_batch3", "large-logits:b1h2-q64k64-d64-large_logits",
+             "near-ties:b1h2-q64k64-d32-near_ties", "long:b1h1-q1000k1000-d64-offset_values")
+    return QUICK + [c for c in cases("softmax", "standard") if c.id in extra]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_fused_backward_declaration_fails_one_to_three_percent_wrong_gradients(dtype):
+    """supports={"backward": "fp32-accumulate"}: the float16/bfloat16 softmax gradients are
+    judged against baselines with P, dP, D, dS in float32 (conformance.grads, the fused
+    forms), not against a plain half-precision VJP, whose error let a 3 % wrong dq, dk or
+    dv pass every bfloat16 row of the standard suite (and dbias x 1.08). A fused
+    backward passes every row; the same backward with one gradient 2 % off (dbias 3 %), or
+    with D rounded to the dtype, fails."""
+    torch = pytest.importorskip("torch")
+    todo = _fused_cases()
+
+    def run(backward, supports=FUSED):
+        rep = verify(attn_ref.softmax_attention, "softmax", backend="torch", dtypes=(dtype,),
+                     cases=todo, backward=backward, causal="both", diagnose=False,
+                     supports={"broadcast": True, **supports})
+        return rep, [r for r in rep.results if r.output != "out" and r.verdict != "n/a"]
+
+    rep, rows = run(_fused_backward(torch))
+    assert len(rows) >= 60 and all(r.verdict == "pass" for r in rows), rep.table()
+    for name, factor in (("dq", 1.02), ("dk", 1.02), ("dv", 1.02), ("dbias", 1.03)):
+        rep, rows = run(_fused_backward(torch, _scaled(name, factor)))
+        mine = [r for r in rows if r.output == name]
+        failed = [r for r in mine if r.verdict == "fail"]
+        # the rows that pass hold a gradient that is zero (one key, no key, a one-hot row)
+        assert len(mine) >= 4 and len(failed) >= len(mine) * 4 // 5, (name, rep.table())
+        assert all(r.verdict == "pass" for r in rows if r.output != name), rep.table()
+    rep, rows = run(_fused_backward(torch, d_in_dtype=True))
+    assert {r.output for r in rows if r.verdict == "fail"} == {"dq", "dk"}, rep.table()
+
+
+def test_half_precision_autograd_passes_the_fused_bounds():
+    """SDPA's autograd (math path) and attn_ref's softmax under torch autograd keep the
+    logits and the softmax's backward in float32 and pass the fused bounds in both dtypes."""
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale)
+
+    todo = _fused_cases()
+    for kernel, kw in ((sdpa, {}), (attn_ref.softmax_attention, {"causal": "both"})):
+        rep = verify(kernel, "softmax", backend="torch", dtypes=("bfloat16", "float16"), cases=todo,
+                     grads=True, diagnose=False, supports={"broadcast": True, **FUSED}, **kw)
+        rows = [r for r in rep.results if r.output != "out" and r.verdict != "n/a"]
+        assert len(rows) >= 80 and rep.passed, rep.table()
+
+
+def test_jax_autodiff_passes_the_fused_bounds():
+    """attn_ref's softmax differentiated by JAX in bfloat16 (XLA on CPU: no float16 dot)."""
+    pytest.importorskip("jax")
+    # no mask: under jax.jit(jax.vjp) the reference refuses one ("mask must live on the
+    # device of q (None)": a tracer has no device)
+    todo = [c for c in _fused_cases() if c.id.startswith(("basic", "cross", "bias", "large-logits",
+                                                          "near-ties", "scale"))]
+    rep = verify(attn_ref.softmax_attention, "softmax", backend="jax", dtypes=("bfloat16",),
+                 cases=todo, grads=True, diagnose=False, causal="both", supports=FUSED)
+    rows = [r for r in rep.results if r.output != "out" and r.verdict != "n/a"]
+    assert len(rows) >= 15 and rep.passed, rep.table()
+
+
+def test_backward_declaration_takes_one_value():
+    from conformance.calling import KernelSpec, parse_supports
+
+    # as the command line (--supports backward=fp32-accumulate) and the plugin hand it over
+    spec = KernelSpec.of(np_kernel, parse_supports(["backward=fp32-accumulate"]))
+    assert spec.limits == {"backward": "fp32-accumulate"}
+    with pytest.raises(ValueError, match="fp32-accumulate"):
+        verify(np_kernel, "softmax", backend="numpy", cases=QUICK[:1], backward=make_backward(),
+               supports={"backward": "fp32"})
