@@ -93,8 +93,10 @@ def check_array(name, x, *, like, like_name="q", kind="real floating", dtype=Non
     if not xp.isdtype(x.dtype, kind):
         want = "dtype bool (True = may attend)" if kind == "bool" else f"{what} dtype"
         raise TypeError(f"{name} must have {want}, got {x.dtype}")
-    dev_x, dev_like = str(array_api_compat.device(x)), str(array_api_compat.device(like))
-    if dev_x != dev_like:
+    dev_x, dev_like = array_api_compat.device(x), array_api_compat.device(like)
+    # A JAX tracer (under jax.vjp, jax.grad, jax.jit) has no device yet (None): a concrete
+    # mask closed over by a differentiated function meets a traced q, and is placed with it.
+    if dev_x is not None and dev_like is not None and str(dev_x) != str(dev_like):
         raise ValueError(f"{name} must live on the device of {like_name} ({dev_like}), got {dev_x}")
     return x
 
@@ -205,7 +207,8 @@ def check_qkv(q, k, v, *, xp=None, same_length=False):
             f"this variant is self-attention only and needs Nq == Nk, got q {tuple(q.shape)} "
             f"and k {tuple(k.shape)}"
         )
-    devices = {str(array_api_compat.device(x)) for x in (q, k, v)}
+    # None: a JAX tracer, not placed yet (see check_array)
+    devices = {str(d) for d in (array_api_compat.device(x) for x in (q, k, v)) if d is not None}
     if len(devices) > 1:
         raise ValueError(f"q, k and v live on different devices: {sorted(devices)}")
     batch = broadcast_batch([("q", tuple(q.shape[:-2])), ("k", tuple(k.shape[:-2])),

@@ -310,3 +310,31 @@ def test_compressed_params_at_d_zero():
 def test_random_features_takes_numpy_integers(backend):
     w = random_features(np.int64(4), np.int32(8), seed=np.int64(0), xp=backend.xp)
     assert tuple(w.shape) == (8, 4)
+
+
+def test_jax_differentiation_with_concrete_mask_and_keys_closed_over():
+    # Under jax.vjp a traced q has no device (None) where the mask, k and v closed over
+    # are placed on cpu:0: "mask must live on the device of q (None), got cpu:0" before.
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from attn_ref import softmax_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, 4))) for _ in range(3))
+    mask = jnp.asarray(rng.random((1, 5, 5)) > 0.3)
+    out, pull = jax.vjp(lambda q: softmax_attention(q, k, v, mask=mask), q)
+    (dq,) = pull(jnp.ones_like(out))
+    assert dq.shape == q.shape and bool(jnp.all(jnp.isfinite(dq)))
+
+def test_arrays_on_different_devices_are_refused_by_name():
+    # torch's "meta" device stands in for a second device on a CPU-only machine
+    torch = pytest.importorskip("torch")
+    from attn_ref import softmax_attention
+
+    q = torch.zeros(2, 5, 4, dtype=torch.float64)
+    on_meta = torch.ones(1, 5, 5, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match=r"mask must live on the device of q \(cpu\), got meta"):
+        softmax_attention(q, q, q, mask=on_meta)
+    with pytest.raises(ValueError, match="q, k and v live on different devices"):
+        softmax_attention(q, q, torch.zeros(2, 5, 4, dtype=torch.float64, device="meta"))
