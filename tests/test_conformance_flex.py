@@ -234,7 +234,7 @@ def test_flex_attention_passes_in_low_precision(dtype):
 
 # Each planted bug, the cases where it shows, and the words its `out` rows must carry.
 # The ALiBi and soft-cap factors were named "a plain bfloat16/float16 implementation"
-# before the oracle fitted them (conformance.diagnose._option_factor_sigs).
+# before the oracle fitted them (conformance.diagnose.modern._option_factor_sigs).
 PLANTS = {
     "window": (("window:b1h2-q65k129-d32-window0x5",
                 "seqlens:b2h4-q4k200-d32-seqlens_k200x77-window16x1"),
