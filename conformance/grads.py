@@ -9,9 +9,12 @@ For each case and dtype:
    rounded to the kernel dtype; zero on rows with no key to attend to unless the kernel
    declared ``fully_masked="zeros"``, so a ``"mean"`` or ``"excluded"`` convention does
    not leak into ``dk``/``dv``); when a recurrent kernel returns its final state, also
-   its cotangent ``dfinal_state`` (:func:`state_cotangent`);
+   its cotangent ``dfinal_state`` (:func:`state_cotangent`); when a softmax kernel
+   returns its log-sum-exp (an ``lse`` row is judged), also its cotangent ``dlse``
+   (:func:`lse_cotangent`: standard normal, zero on rows with no key, in the lse's
+   dtype);
 2. golden gradients: the reference VJP :data:`attn_ref.grad.VJPS` of the variant on the
-   rounded inputs (and ``dfinal_state``), in float64 (longdouble for float64 kernels),
+   rounded inputs (and ``dfinal_state``, ``dlse``), in float64 (longdouble for float64 kernels),
    exactly like the forward golden;
 3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
    recurrent kernels: with a float32 state, each gradient rounded once to its input's
@@ -20,7 +23,8 @@ For each case and dtype:
    (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
    backend, ``jax.vjp`` on JAX, with ``(do, dfinal_state)`` when the kernel returns a
-   final state) or from an explicit ``backward(q, k, v, do, [dfinal_state=...,] **kw)``
+   final state, ``(do, dlse)`` when it returns an lse) or from an explicit
+   ``backward(q, k, v, do, [dfinal_state=...,] [dlse=...,] **kw)``
    returning ``(dq, dk, dv)``, ``(dq, dk, dv, dbias)`` or a dict keyed by the inputs'
    reference names, ``d``-prefixed or not, or the kernel's own parameter names (what a
    raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
@@ -30,7 +34,20 @@ Each gradient is a report row of its own (``output`` :func:`grad_output`: ``dq``
 unless the kernel declares the inputs it differentiates (``supports={"grads": ("q",
 "k", "v")}``): the others' rows then read "not judged" (n/a). A failing softmax
 gradient is compared with the known backward mistakes (:data:`MISTAKES`) and the one
-that explains it is named. ``docs/conformance.md``, "Gradients".
+that explains it is named.
+
+The lse's cotangent. ``d lse_i / dS_ij = P_ij``, so ``dS = P * (dP - D + dlse)``:
+``dlse_i`` enters the backward exactly where ``D_i = rowsum(dO * O)`` does, and its
+rounding is that of one more term of the same cancellation. The bound is the model
+above with the cancelling terms' size ``max|dP|`` grown to ``max|dP| + max|dlse|``
+(:func:`_term_magnitudes`; ``dv`` does not see the lse); the goldens and the baselines
+take ``dlse``, so the gradients' own magnitudes and the baselines' errors carry the
+term. A backward ignoring ``dlse`` then fails ``dq``/``dk`` by 379 to 9.8e5x the bound in
+float32 and 3.2 to 114x in bfloat16 (quick suite; in half precision not on large logits,
+where two baselines recompute ``P`` from an lse rounded to the dtype). ``dlse`` is handed only to an explicit
+backward that names a ``dlse`` parameter, and never under ``supports={"lse_grad":
+False}``: then the goldens are those of ``<dO, O>`` alone and a row ``dlse`` reads
+"not judged" (n/a). ``docs/conformance.md``, "Gradients".
 """
 
 from __future__ import annotations
