@@ -11,6 +11,7 @@ takes no ``dlse``, or ``supports={"lse_grad": False}``, reads "not judged" on a 
 row; an lse returned detached from torch's graph is an error that says so.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -147,18 +148,21 @@ def torch_lse(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
     return p.to(q.dtype) @ v, lse
 
 
-def _lse_function(factor):
-    """A ``torch.autograd.Function`` over :func:`torch_lse` whose backward multiplies the
-    lse's cotangent by ``factor`` (1: right; 0: ignored; -1: wrong sign; ln 2: base 2)."""
+def _lse_function(factor, forward=None):
+    """A ``torch.autograd.Function`` over ``forward`` (:func:`torch_lse`) whose backward
+    multiplies the lse's cotangent by ``factor`` (1: right; 0: ignored; -1: wrong sign;
+    ln 2: base 2)."""
     import torch
+
+    forward = forward or torch_lse
 
     class Attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, bias, mask, causal, scale):
+        def forward(ctx, q, k, v, bias, kw):
             with torch.enable_grad():
                 leaves = [x.detach().requires_grad_() for x in (q, k, v)]
                 b = None if bias is None else bias.detach().requires_grad_()
-                out, lse = torch_lse(*leaves, mask=mask, bias=b, causal=causal, scale=scale)
+                out, lse = forward(*leaves, bias=b, **kw)
             ctx.graph = (leaves + ([b] if b is not None else []), out, lse)
             return out.detach(), lse.detach()
 
@@ -166,10 +170,11 @@ def _lse_function(factor):
         def backward(ctx, do, dlse):
             leaves, out, lse = ctx.graph
             g = torch.autograd.grad((out, lse), leaves, (do, dlse * factor))
-            return g[0], g[1], g[2], (g[3] if len(g) > 3 else None), None, None, None
+            return g[0], g[1], g[2], (g[3] if len(g) > 3 else None), None
 
-    def kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
-        return Attention.apply(q, k, v, bias, mask, causal, scale)
+    @functools.wraps(forward)
+    def kernel(q, k, v, *, bias=None, **kw):
+        return Attention.apply(q, k, v, bias, kw)
 
     return kernel
 
@@ -235,18 +240,65 @@ def test_torch_lse_returned_detached_is_an_error_that_says_so():
     assert rep.passed, rep.table()
 
 
-def test_attn_ref_forward_under_torch_autograd_passes():
-    pytest.importorskip("torch")
+def attn_ref_lse(q, k, v, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None,
+                 softcap=None, alibi_slopes=None, seqlens_q=None, seqlens_k=None, gqa=False):
+    """attn_ref's blockwise forward, ``(out, lse)`` (``+inf`` on rows with no key)."""
     from attn_ref.grad import online_softmax_forward
 
-    def ref(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
-        return online_softmax_forward(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
-                                      block_q=8, block_k=8)
+    return online_softmax_forward(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale,
+                                  window=window, chunk=chunk, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  seqlens_q=seqlens_q, seqlens_k=seqlens_k, gqa=gqa, block_q=16, block_k=16)
 
-    rep = verify(ref, "softmax", backend="torch", dtypes=("float64", "float32"), suite="quick",
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_attn_ref_forward_under_torch_autograd_passes():
+    pytest.importorskip("torch")
+    rep = verify(attn_ref_lse, "softmax", backend="torch", dtypes=("float64", "float32"), suite="quick",
                  causal="both", supports={"lse": "+inf"}, grads=True)
     assert rep.passed, rep.table()
     assert {"lse", "dq", "dk", "dv", "dbias"} <= {r.output for r in rep.results if r.verdict == "pass"}
+
+
+# one standard case per option: GQA, window, soft-cap (with bias), ALiBi, padded varlen,
+# per-sequence key lengths with a window, chunks
+OPTION_CASES = ("gqa:b2h6-q63k63-d32-mask-random-kv_heads3", "window:b1h2-q65k129-d32-window0x5",
+                "softcap:b2h2-q65k65-d32-bias-softcap5", "alibi:b1h4-q65k129-d32",
+                "varlen:b3h2-q64k64-d32-causal-br-seqlens_q5x64x33-seqlens_k5x64x33",
+                "seqlens:b2h4-q4k200-d32-seqlens_k200x77-window16x1", "chunk:b1h2-q65k129-d32-chunk24")
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_options_pass_under_autograd_and_fail_with_dlse_ignored():
+    # as an error: attn_ref's forward read max|q| back under a graph, which torch warns of
+    pytest.importorskip("torch")
+    chosen = [c for c in cases("softmax", "standard") if c.id in OPTION_CASES]
+    assert len(chosen) == len(OPTION_CASES)
+    kw = dict(backend="torch", dtypes=("float64",), cases=chosen, causal="both",
+              supports={"lse": "+inf", "broadcast": True}, grads=True, time_limit=None)
+    rep = verify(attn_ref_lse, "softmax", **kw)
+    assert rep.passed, rep.table()
+    rep = verify(_lse_function(0.0, attn_ref_lse), "softmax", **kw)
+    failed = {(r.case, r.output) for r in rep.failures}
+    assert failed == {(c.id, n) for c in chosen for n in ("dq", "dk")} | {
+        (r.case, "dbias") for r in rep.results if r.output == "dbias"}, rep.table()
+    assert all(MISTAKES["lse_ignored"] in r.diagnosis or "no known mistake" in r.diagnosis
+               for r in rep.failures)
+
+
+def test_lse_cotangent_in_the_nd_layout():
+    pytest.importorskip("torch")
+
+    def nd(kernel):
+        def run(q, k, v, *, scale=None, causal=False):
+            out, lse = kernel(q[None, None], k[None, None], v[None, None], scale=scale, causal=causal)
+            return out[0, 0], lse[0, 0]
+        return run
+
+    kw = dict(backend="torch", layout="nd", dtypes=("float32",), suite="quick", supports={"lse": True},
+              grads=True)
+    assert verify(nd(torch_lse), "softmax", **kw).passed
+    rep = verify(nd(_lse_function(0.0)), "softmax", **kw)
+    assert {r.output for r in rep.failures} == {"dq", "dk"} and len(rep.failures) >= 2
 
 
 # ------------------------------------------------------------- JAX: jax.vjp
