@@ -67,7 +67,7 @@ from .calling import (
     first_output,
     snapshot,
 )
-from .extras import RECURRENT, expected_outputs, split_outputs
+from .extras import EXTRAS, RECURRENT, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
@@ -735,7 +735,7 @@ def _lse_judged(ctx, prep, returned, backward):
     """``(hand dlse?, why not judged or "")``: the lse's cotangent goes to a kernel that
     returned an lse (``returned``: the extras its forward gave back) unless it declares
     ``supports={"lse_grad": False}`` or its explicit backward takes no ``dlse``."""
-    if "lse" not in returned or prep.variant.name not in ("softmax", "online_softmax"):
+    if "lse" not in returned or prep.variant.name not in EXTRAS["lse"].variants:
         return False, ""
     if ctx.kernel.limits.get("lse_grad") is False:
         return False, ("the lse's gradient not judged: the kernel declares supports={'lse_grad': "
