@@ -196,6 +196,7 @@ TORCH_MUTANTS = {
     "lse_ignored": 0.0,
     "lse_sign": -1.0,
     "lse_ln2": math.log(2),
+    "lse_log2e": 1 / math.log(2),
 }
 
 
