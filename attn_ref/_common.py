@@ -40,6 +40,7 @@ __all__ = [
     "is_lazy",
     "pool_helps",
     "owned_writeable",
+    "records_graph",
     "add_into",
     "mul_into",
 ]
@@ -335,6 +336,12 @@ def is_lazy(*arrays):
     return any(array_api_compat.is_lazy_array(x) for x in arrays)
 
 
+def records_graph(x):
+    """Whether ``x`` is a torch tensor that records an autograd graph (reading its values
+    back to the host makes torch warn, and the backward may read what it was made from)."""
+    return array_api_compat.is_torch_array(x) and x.requires_grad
+
+
 def owned_writeable(x):
     """Whether ``x``, an array the caller made itself, may be updated in place
     (``x += y``, ``x[..., i] = y``): a writeable array (NumPy, PyTorch, CuPy,
@@ -347,7 +354,7 @@ def owned_writeable(x):
     """
     if not array_api_compat.is_writeable_array(x) or is_lazy(x):
         return False
-    return not (array_api_compat.is_torch_array(x) and x.requires_grad)
+    return not records_graph(x)
 
 
 def _keeps_shape(x, y):

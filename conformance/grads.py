@@ -9,9 +9,12 @@ For each case and dtype:
    rounded to the kernel dtype; zero on rows with no key to attend to unless the kernel
    declared ``fully_masked="zeros"``, so a ``"mean"`` or ``"excluded"`` convention does
    not leak into ``dk``/``dv``); when a recurrent kernel returns its final state, also
-   its cotangent ``dfinal_state`` (:func:`state_cotangent`);
+   its cotangent ``dfinal_state`` (:func:`state_cotangent`); when a softmax kernel
+   returns its log-sum-exp (an ``lse`` row is judged), also its cotangent ``dlse``
+   (:func:`lse_cotangent`: standard normal, zero on rows with no key, in the lse's
+   dtype);
 2. golden gradients: the reference VJP :data:`attn_ref.grad.VJPS` of the variant on the
-   rounded inputs (and ``dfinal_state``), in float64 (longdouble for float64 kernels),
+   rounded inputs (and ``dfinal_state``, ``dlse``), in float64 (longdouble for float64 kernels),
    exactly like the forward golden;
 3. a baseline per gradient: the same VJP run in the kernel dtype (float16/bfloat16
    recurrent kernels: with a float32 state, each gradient rounded once to its input's
@@ -22,7 +25,8 @@ For each case and dtype:
    (override one with ``tolerance={"dq": Tolerance(...)}``);
 4. the kernel's gradients: from its own framework (``torch.autograd.grad`` on the torch
    backend, ``jax.vjp`` on JAX, with ``(do, dfinal_state)`` when the kernel returns a
-   final state) or from an explicit ``backward(q, k, v, do, [dfinal_state=...,] **kw)``
+   final state, ``(do, dlse)`` when it returns an lse) or from an explicit
+   ``backward(q, k, v, do, [dfinal_state=...,] [dlse=...,] **kw)``
    returning ``(dq, dk, dv)``, ``(dq, dk, dv, dbias)`` or a dict keyed by the inputs'
    reference names, ``d``-prefixed or not, or the kernel's own parameter names (what a
    raw CUDA/Triton kernel provides); ``kw`` is what the forward got.
@@ -32,12 +36,27 @@ Each gradient is a report row of its own (``output`` :func:`grad_output`: ``dq``
 unless the kernel declares the inputs it differentiates (``supports={"grads": ("q",
 "k", "v")}``): the others' rows then read "not judged" (n/a). A failing softmax
 gradient is compared with the known backward mistakes (:data:`MISTAKES`) and the one
-that explains it is named. ``docs/conformance.md``, "Gradients".
+that explains it is named.
+
+The lse's cotangent. ``d lse_i / dS_ij = P_ij``, so ``dS = P * (dP - D + dlse)``:
+``dlse_i`` enters the backward exactly where ``D_i = rowsum(dO * O)`` does, and its
+rounding is that of one more term of the same cancellation. The bound is the model
+above with the cancelling terms' size ``max|dP|`` grown to ``max|dP| + max|dlse|``
+(:func:`_term_magnitudes`; ``dv`` does not see the lse); the goldens and the baselines
+take ``dlse``, so the gradients' own magnitudes and the baselines' errors carry the
+term. A backward ignoring ``dlse`` then fails ``dq``/``dk`` by 379 to 9.8e5x the bound in
+float32 and 3.2 to 114x in bfloat16 (quick suite; in half precision not on large logits,
+where two baselines recompute ``P`` from an lse rounded to the dtype). ``dlse`` is handed only to an explicit
+backward that names a ``dlse`` parameter, and never under ``supports={"lse_grad":
+False}``: then the goldens are those of ``<dO, O>`` alone and a row ``dlse`` reads
+"not judged" (n/a). ``docs/conformance.md``, "Gradients".
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import math
 import zlib
 from dataclasses import replace
 
@@ -52,7 +71,7 @@ from .calling import (
     first_output,
     snapshot,
 )
-from .extras import RECURRENT, expected_outputs, split_outputs
+from .extras import EXTRAS, RECURRENT, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
@@ -80,7 +99,7 @@ from .tolerance import (
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
            "JUDGED", "grad_output", "state_cotangent", "state_dtype", "FP32_ACCUMULATE",
-           "FUSED_GRAD_DEFAULTS"]
+           "FUSED_GRAD_DEFAULTS", "lse_cotangent", "lse_dtype", "takes_dlse", "LSE_MISTAKES"]
 
 #: Report row of each gradient: ``d`` + the name of the input, as the reference names it
 #: (:func:`grad_output` for inputs not listed: a variant's parameters such as Linformer's
@@ -137,6 +156,21 @@ DECLARATIONS["backward"] = Declaration(
     "kernel's); its float16/bfloat16 gradients get the bounds of such a backward")
 
 
+def _lse_grad_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"supports[{name!r}] must be True or False (whether the oracle hands the "
+                        f"kernel's lse a cotangent in a gradient run); got {value!r}")
+    return value
+
+
+# supports={"lse_grad": False}: a kernel that returns an lse but does not differentiate
+# it. Its gradient runs then hand the lse no cotangent, and a row "dlse" says so (n/a).
+DECLARATIONS["lse_grad"] = Declaration(
+    _lse_grad_flag, lambda case, value: "",
+    "False: the kernel's lse is not differentiated (a gradient run hands it no cotangent "
+    "and reports the lse's gradient as not judged)")
+
+
 def _np():
     import array_api_compat.numpy as npx
 
@@ -160,6 +194,26 @@ def _cotangent(prep) -> np.ndarray:
     if prep.dead_rows is not None and prep.semantics["fully_masked"] != "zeros":
         do = np.where(prep.dead_rows[..., None], 0.0, do)
     return round_to(do, prep.dtype)
+
+
+def lse_dtype(prep) -> str:
+    """The dtype an lse comes back in, and so its cotangent is handed in: float32 for
+    float16/bfloat16 kernels (FlashAttention's ``softmax_lse``, the logits' dtype), else
+    the kernel dtype."""
+    return "float32" if prep.dtype in LOW_PRECISION else prep.dtype
+
+
+def lse_cotangent(prep) -> np.ndarray:
+    """``dlse (B, H, Nq)``: the cotangent of the kernel's log-sum-exp, standard normal
+    drawn from the seed and the case id as ``do`` is, zero on rows with no key to attend
+    to (their lse is a convention, ``-inf`` or ``+inf``, not a function of the inputs),
+    rounded to :func:`lse_dtype`."""
+    seed = zlib.crc32(f"{prep.case.id}/dlse".encode()) ^ prep.seed
+    b, h = prep.golden.shape[:2]
+    dlse = np.random.default_rng(seed).standard_normal((b, h, prep.case.nq))
+    if prep.dead_rows is not None:
+        dlse = np.where(np.broadcast_to(prep.dead_rows, dlse.shape), 0.0, dlse)
+    return round_to(dlse, lse_dtype(prep))
 
 
 def _state_shape(prep):
@@ -191,15 +245,18 @@ def state_cotangent(prep, convention=None) -> np.ndarray:
     return round_to(ds, state_dtype(prep, convention))
 
 
-def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None):
+def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse=None):
     """The reference VJP on ``prep``'s inputs in ``dtype``: ``{input name: gradient}``,
     every gradient it returns (float64, or longdouble values for ``"longdouble"``);
     ``xp`` a NumPy namespace other than array_api_compat's
-    (:data:`conformance.tolerance.LOGITS_IN_DTYPE`)."""
+    (:data:`conformance.tolerance.LOGITS_IN_DTYPE`); ``dlse`` the lse's cotangent."""
     a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
     p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in prep.params.items()}
     extra = {} if dfinal_state is None else {
         "dfinal_state": as_dtype(dfinal_state, dtype)}
+    if dlse is not None:
+        # in the dtype, as do: a half-precision baseline holds it as it holds the rest
+        extra["dlse"] = as_dtype(dlse, dtype)
     g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
                    **{n: x for n, x in a.items() if n not in BASE_KEYS},
                    **prep.kwargs, **p, **prep.options, **extra, xp=xp or _np())
@@ -307,8 +364,10 @@ def _baselines(prep, backward=None):
     if prep.variant.name not in ("softmax", "online_softmax"):
         return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
     return [
-        lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.softmax_attention),
-        lambda prep, do, dtype: _reference_grads(prep, do, dtype, grad.online_softmax_attention),
+        lambda prep, do, dtype, dlse=None: _reference_grads(prep, do, dtype, grad.softmax_attention,
+                                                            dlse=dlse),
+        lambda prep, do, dtype, dlse=None: _reference_grads(prep, do, dtype, grad.online_softmax_attention,
+                                                            dlse=dlse),
         _flash_with_exact_lse,
     ]
 
@@ -384,7 +443,7 @@ def _unbroadcast(x, shape):
     return np.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _flash_with_exact_lse(prep, do, dtype):
+def _flash_with_exact_lse(prep, do, dtype, dlse=None):
     from attn_ref import grad
 
     def call(fn, dt, *extra, **kw):
@@ -393,8 +452,9 @@ def _flash_with_exact_lse(prep, do, dtype):
                   **prep.kwargs, **prep.options, **kw, xp=_np())
 
     out, lse = call(grad.online_softmax_forward, "float64")
+    extra = {} if dlse is None else {"dlse": as_dtype(dlse, dtype)}
     g = call(grad.online_softmax_attention, dtype, as_dtype(do, dtype), out=as_dtype(np.asarray(out), dtype),
-             lse=as_dtype(np.asarray(lse), dtype))
+             lse=as_dtype(np.asarray(lse), dtype), **extra)
     return {n: np.asarray(x, dtype=np.float64) for n, x in g.items() if n in GRAD_OUTPUTS}
 
 
@@ -410,17 +470,18 @@ def _fused_softmax_forms():
     (``D = rowsum(dO * O)`` of the rounded ``O``), as a training step saves them."""
     from attn_ref import grad
 
-    def run(prep, do, dtype, fn, host, stored=False):
+    def run(prep, do, dtype, fn, host, stored=False, dlse=None):
         a = {n: host(x) for n, x in prep.arrays.items()}
-        extra = {}
+        # the lse's cotangent enters dS beside D, in float32 as D is
+        extra = {} if dlse is None else {"dlse": np.asarray(dlse, dtype=np.float32)}
         if stored:
             out, lse = grad.online_softmax_forward(
                 *(np.asarray(prep.arrays[n], dtype=np.float64) for n in ("q", "k", "v")),
                 **{n: x for n, x in prep.arrays.items() if n not in BASE_KEYS},
                 **prep.kwargs, **prep.options, xp=_np())
             cls = type(a["q"])
-            extra = {"out": host(round_to(np.asarray(out), dtype)),
-                     "lse": np.asarray(lse, dtype=np.float32).view(cls)}
+            extra.update(out=host(round_to(np.asarray(out), dtype)),
+                         lse=np.asarray(lse, dtype=np.float32).view(cls))
         g = fn(a["q"], a["k"], a["v"], host(np.asarray(do)),
                **{n: x for n, x in a.items() if n not in BASE_KEYS},
                **prep.kwargs, **prep.options, **extra, xp=_np())
@@ -431,11 +492,13 @@ def _fused_softmax_forms():
         return x.astype(np.float32) if isinstance(x, np.ndarray) and x.dtype.kind == "f" else x
 
     return [
-        lambda prep, do, dtype: run(prep, do, dtype, grad.softmax_attention, wide),
-        lambda prep, do, dtype: run(prep, do, dtype, grad.softmax_attention,
-                                    lambda x: gemm_in_dtype(x, dtype)),
-        lambda prep, do, dtype: run(prep, do, dtype, grad.online_softmax_attention,
-                                    lambda x: gemm_in_dtype(x, dtype), stored=True),
+        lambda prep, do, dtype, dlse=None: run(prep, do, dtype, grad.softmax_attention, wide,
+                                               dlse=dlse),
+        lambda prep, do, dtype, dlse=None: run(prep, do, dtype, grad.softmax_attention,
+                                               lambda x: gemm_in_dtype(x, dtype), dlse=dlse),
+        lambda prep, do, dtype, dlse=None: run(prep, do, dtype, grad.online_softmax_attention,
+                                               lambda x: gemm_in_dtype(x, dtype), stored=True,
+                                               dlse=dlse),
     ]
 
 
@@ -473,7 +536,7 @@ FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled"
                         "compressed", "block_sparse", "nystrom"})
 
 
-def _term_magnitudes(prep, do):
+def _term_magnitudes(prep, do, dlse=None):
     """Size of the largest single term of each gradient, for the ulp floor.
 
     For softmax, ``dS = P * (dP - D)`` cancels terms of size ``|dP| = |dO V^T|``; a
@@ -481,6 +544,14 @@ def _term_magnitudes(prep, do):
     that sees one key - still carries rounding of that size, so the floor is taken at
     ``scale max|dP| max|K|`` for ``dq`` (``max|Q|`` for ``dk``), ``max|dO|`` for ``dv``
     and ``max|dP|`` for ``dbias``, when these exceed the gradient's own magnitude.
+
+    With the lse's cotangent ``dlse`` the row term is ``D_i - dlse_i``
+    (``dS = P * (dP - D + dlse)``, since ``d lse_i / dS_ij = P_ij``): ``dlse_i`` enters
+    exactly where ``D_i = rowsum(dO * O)`` does, one more term of the same cancellation,
+    so ``|dP|`` above becomes ``max|dP| + max|dlse|`` - the same magnitude model, the
+    terms' size grown by the new one. ``dv`` does not see it (``lse`` does not depend on
+    ``V``). The gradients' own magnitudes and the baselines (which take ``dlse``) carry
+    the rest of the bound.
     Every other variant normalises weights formed from ``q`` and ``k`` the same way
     (a linear-attention row with one key gives ``dq = 0`` from ``phi(k) (v.do) / z -
     phi(k) (out.do) / z``), so the same products bound its terms, with the scale and
@@ -494,6 +565,8 @@ def _term_magnitudes(prep, do):
         return {}
     scale = prep.scale
     dp = float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1)))
+    if dlse is not None and dlse.size:
+        dp += float(np.max(np.abs(dlse)))
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
     if prep.variant.name not in ("softmax", "online_softmax"):
         scale, qmax, kmax = max(abs(scale), 1.0), max(qmax, 1.0), max(kmax, 1.0)
@@ -508,22 +581,25 @@ def _term_magnitudes(prep, do):
     return terms
 
 
-def prepare_grads(prep, tolerance=None, final_state=False, backward=None) -> dict:
+def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=False) -> dict:
     """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``.
 
     ``final_state``: the kernel returns the final state (True, or its convention
     ``"input_dtype"``): then ``"dfinal_state"`` holds its cotangent
     (:func:`state_cotangent`), which the goldens and baselines take. ``backward``: the
     kernel's declared ``supports={"backward": ...}`` (:data:`FP32_ACCUMULATE`), or None.
+    ``lse``: the kernel returns a differentiated log-sum-exp: then ``"dlse"`` holds its
+    cotangent (:func:`lse_cotangent`), which the goldens and baselines take too.
     """
     cache = prep.__dict__.setdefault("_grads", {})
-    key = repr((tolerance, final_state, backward))
+    key = repr((tolerance, final_state, backward, lse))
     if key in cache:
         return cache[key]
     do = _cotangent(prep)
     ds = state_cotangent(prep, _convention(final_state)) if final_state else None
+    dlse = lse_cotangent(prep) if lse else None
     try:
-        gold = _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds)
+        gold = _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds, dlse=dlse)
     except NotApplicable:
         raise
     except Exception as exc:
@@ -533,16 +609,23 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None) -> dic
     bases = []
     fused = _fused(prep, backward)
     for plain in _baselines(prep, backward):
+        if dlse is not None and "dlse" not in inspect.signature(plain).parameters:
+            # an oracle bug, never skipped like a form that cannot take the case: a
+            # baseline without the lse's term would set the bound of another function
+            raise TypeError(f"softmax baseline {getattr(plain, '__name__', plain)!r} takes no dlse")
         try:
             with np.errstate(all="ignore"):
-                bases.append(plain(prep, do, prep.dtype) if ds is None else
-                             plain(prep, do, prep.dtype, ds))
+                bases.append(plain(prep, do, prep.dtype, ds) if ds is not None else
+                             plain(prep, do, prep.dtype, dlse=dlse) if dlse is not None else
+                             plain(prep, do, prep.dtype))
         except Exception:
             pass
     out = {"do": do}
     if ds is not None:
         out["dfinal_state"] = ds
-    terms = _term_magnitudes(prep, do)
+    if dlse is not None:
+        out["dlse"] = dlse
+    terms = _term_magnitudes(prep, do, dlse)
     # Where the terms cancel in float32 (every fp32-accumulating kernel in float16 or
     # bfloat16: a recurrent state kept in float32; FlashAttention's and SDPA's dP, D and
     # dS), their floor is in float32 ulps and the gradient's own in the dtype's
@@ -611,7 +694,7 @@ def _kernel_names(ctx, prep, gold, kw) -> dict:
     (gates ``g``, ``beta``, projections) under its own."""
     out = {}
     for n in gold:
-        if n in BASE_KEYS or n in ("do", "dfinal_state"):
+        if n in BASE_KEYS or n in ("do", "dfinal_state", "dlse"):
             continue
         pname = ctx.kernel.names.get(n) if n in prep.arrays else n
         if pname is not None and pname in kw and hasattr(kw[pname], "shape"):
@@ -619,23 +702,27 @@ def _kernel_names(ctx, prep, gold, kw) -> dict:
     return out
 
 
-def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k):
+def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k, dl_k=None):
     """``{name: kernel-layout gradient}`` from the kernel's own framework.
 
     ``names``: ``{reference name: kernel keyword}`` of the inputs to differentiate besides
-    ``q, k, v``; ``ds_k``: the final state's cotangent, or None (the output's alone).
+    ``q, k, v``; ``ds_k``: the final state's cotangent, ``dl_k`` the lse's, or None (the
+    output's alone).
     """
     name = getattr(ctx.backend, "name", "custom")
     order = ["q", "k", "v", *names]
     declared = expected_outputs(ctx)
+    side = {n: c for n, c in (("final_state", ds_k), ("lse", dl_k)) if c is not None}
 
     def outputs(ret):
-        if ds_k is None:
-            return (first_output(ret),)
+        """``(out, *extras)`` and the extras' names, those ``side`` has cotangents for."""
+        if not side:
+            return (first_output(ret),), ()
         out, extras, _ = split_outputs(ret, ctx.variant, declared, prep, ctx.layout)
-        # a final state that did not come back fails its own forward row; here the
-        # gradients are then those of the output alone, and the goldens say otherwise
-        return (out,) if "final_state" not in extras else (out, extras["final_state"])
+        # an extra that did not come back fails its own forward row; here the gradients
+        # are then those of the output alone, and the goldens say otherwise
+        got = tuple(n for n in side if n in extras)
+        return (out, *(extras[n] for n in got)), got
 
     if name == "torch":
         import torch
@@ -648,38 +735,45 @@ def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k):
         for n, pname in names.items():
             leaves[n] = kw[pname].detach().clone().requires_grad_(True)
             kw[pname] = leaves[n]
-        outs = outputs(ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw))
-        cots = (do_k,) + ((ds_k.to(outs[1].dtype),) if len(outs) > 1 else ())
-        if len(outs) > 1 and not outs[1].requires_grad:
-            # a final state returned detached: dht reaches nothing (the gradients that
-            # depend on it then fail their rows); torch refuses an output without a graph
-            outs, cots = outs[:1], cots[:1]
+        outs, got = outputs(ctx.kernel.fn(leaves["q"], leaves["k"], leaves["v"], **kw))
+        cots = (do_k,) + tuple(side[n].to(x.dtype) for n, x in zip(got, outs[1:]))
+        if "lse" in got and not outs[1 + got.index("lse")].requires_grad:
+            raise ValueError("the kernel's lse carries no autograd graph (requires_grad=False), so "
+                             "its cotangent reaches nothing: return it attached, or declare "
+                             "supports={'lse_grad': False} if the lse is not differentiated")
+        keep = [i for i, x in enumerate(outs) if i == 0 or x.requires_grad]
+        # a final state returned detached: dht reaches nothing (the gradients that depend
+        # on it then fail their rows); torch refuses an output without a graph
+        outs, cots = tuple(outs[i] for i in keep), tuple(cots[i] for i in keep)
         grads = torch.autograd.grad(outs, [leaves[n] for n in order], grad_outputs=cots,
                                     allow_unused=True)
         return dict(zip(order, grads))
     if name == "jax":
         import jax
 
+        got = []  # the extras the traced kernel returned, in the order of its outputs
+
         def f(*xs):
             kw2 = dict(kw)
             for n, x in zip(order[3:], xs[3:]):
                 kw2[names[n]] = x
-            return outputs(ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2))
+            outs, got[:] = outputs(ctx.kernel.fn(xs[0], xs[1], xs[2], **kw2))
+            return outs
 
         vals = [inputs["q"], inputs["k"], inputs["v"]] + [kw[names[n]] for n in order[3:]]
 
         def vjp(*args):
             outs, pull = jax.vjp(f, *args[:-2])
-            cots = (args[-2],) + ((args[-1].astype(outs[1].dtype),) if len(outs) > 1 else ())
-            return pull(cots)
+            do, extra = args[-2:]
+            return pull((do,) + tuple(extra[n].astype(x.dtype) for n, x in zip(got, outs[1:])))
 
         # One compilation of forward + backward instead of one per operation; a kernel
         # that cannot be traced runs eagerly.
         try:
-            grads = jax.jit(vjp)(*vals, do_k, ds_k)
+            grads = jax.jit(vjp)(*vals, do_k, side)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError):
-            grads = vjp(*vals, do_k, ds_k)
+            grads = vjp(*vals, do_k, side)
         return dict(zip(order, grads))
     raise NotApplicable(_NO_AUTODIFF.format(name=name))
 
@@ -688,8 +782,8 @@ _NO_AUTODIFF = ("backend {name!r} has no automatic differentiation: pass "
                 "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv) or a dict")
 
 
-def _explicit(backward, inputs, kw, do_k, ds_k, known, aliases):
-    """``backward(q, k, v, do, [dfinal_state=...,] **kw)``'s gradients by reference name.
+def _explicit(backward, inputs, kw, do_k, ds_k, known, aliases, dl_k=None):
+    """``backward(q, k, v, do, [dfinal_state=...,] [dlse=...,] **kw)``'s gradients by reference name.
 
     A dict may name each gradient by the input's reference name (``"g"``,
     ``"initial_state"``), with a ``d`` prefix (``"dg"``, ``"dinitial_state"``), or by the
@@ -697,6 +791,8 @@ def _explicit(backward, inputs, kw, do_k, ds_k, known, aliases):
     ``known`` holds the reference names.
     """
     extra = {} if ds_k is None else {"dfinal_state": ds_k}
+    if dl_k is not None:
+        extra["dlse"] = dl_k
     got = backward(inputs["q"], inputs["k"], inputs["v"], do_k, **extra, **kw)
     if isinstance(got, dict):
         out = {}
@@ -734,8 +830,6 @@ def _canonical(ctx, n, h):
 def _inputs_of(prep) -> set:
     """The names a ``supports={"grads": ...}`` declaration may use for ``prep``'s variant:
     ``q, k, v``, ``bias`` and the keyword parameters of its reference VJP."""
-    import inspect
-
     params = inspect.signature(_vjp(prep)).parameters
     return {"q", "k", "v", "bias"} | {n for n, p in params.items()
                                       if p.kind is inspect.Parameter.KEYWORD_ONLY and n != "xp"}
@@ -746,17 +840,49 @@ def _unknown_inputs(prep, declared) -> list:
     return [] if declared is None else sorted(set(declared) - _inputs_of(prep))
 
 
-def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
-    """The gradient rows of one case (see the module docstring); never raises for a kernel's fault."""
+def takes_dlse(backward) -> bool:
+    """Whether an explicit ``backward`` names a ``dlse`` parameter (``**kwargs`` alone
+    does not count: a backward passing its keywords on would hand ``dlse`` to code that
+    may not expect it)."""
+    try:
+        params = inspect.signature(backward).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    p = params.get("dlse")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def _lse_judged(ctx, prep, returned, backward):
+    """``(hand dlse?, why not judged or "")``: the lse's cotangent goes to a kernel that
+    returned an lse (``returned``: the extras its forward gave back) unless it declares
+    ``supports={"lse_grad": False}`` or its explicit backward takes no ``dlse``."""
+    if "lse" not in returned or prep.variant.name not in EXTRAS["lse"].variants:
+        return False, ""
+    if ctx.kernel.limits.get("lse_grad") is False:
+        return False, ("the lse's gradient not judged: the kernel declares supports={'lse_grad': "
+                       "False} (its lse is handed no cotangent)")
+    if backward is not None and not takes_dlse(backward):
+        return False, ("the lse's gradient not judged: the backward takes no dlse (a backward "
+                       "that differentiates the lse takes backward(q, k, v, do, *, dlse, ...), "
+                       "dlse of the lse's shape)")
+    return True, ""
+
+
+def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
+    """The gradient rows of one case (see the module docstring); never raises for a kernel's fault.
+
+    ``returned``: the extra outputs the kernel's forward returned (``"lse"``...).
+    """
     base = {"case": prep.case.id, "dtype": dtype}
     state = expected_outputs(ctx).get("final_state") if prep.variant.name in RECURRENT else None
     state = state if isinstance(state, str) else bool(state)
+    backward = ctx.extra.get("backward")
+    with_lse, lse_na = _lse_judged(ctx, prep, returned, backward)
     try:
-        g = prepare_grads(prep, ctx.tolerance, state, ctx.kernel.limits.get("backward"))
+        g = prepare_grads(prep, ctx.tolerance, state, ctx.kernel.limits.get("backward"), lse=with_lse)
     except NotApplicable as exc:
         return [CaseResult.na(reason=str(exc), output="grads", **base)]
     do = g["do"]
-    backward = ctx.extra.get("backward")
     name = getattr(ctx.backend, "name", "custom")
     if backward is None and name not in ("torch", "jax"):
         return [CaseResult.na(reason=_NO_AUTODIFF.format(name=name), output="grads", **base)]
@@ -769,7 +895,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
             f"supports={{'grads': {declared!r}}} names {unknown}, which the "
             f"{prep.variant.name} reference does not take; its inputs: "
             f"{sorted(_inputs_of(prep))}", output="grads", **base)]
-    rows = []
+    rows = [CaseResult.na(reason=lse_na, output="dlse", **base)] if lse_na else []
     for n in [n for n in handed if n not in JUDGED]:
         rows.append(CaseResult.na(
             reason=f"{grad_output(n)} not judged: no derived bound yet for the gradient of a "
@@ -790,17 +916,21 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
     ds = g.get("dfinal_state")
     ds_k = None if ds is None else ctx.to_kernel(pair_layout(ds, ctx.layout),
                                                  state_dtype(prep, _convention(state)))
+    dl = g.get("dlse")
+    # the lse's layout (conformance.extras): (B, H, Nq), or (Nq,) for nd
+    dl_k = None if dl is None else ctx.to_kernel(dl[0, 0] if ctx.layout == "nd" else dl, lse_dtype(prep))
     # what the backward is handed and must leave unchanged: q, k, v, do and the forward's
     # array arguments (autodiff differentiates copies, so only backward= can write)
-    given = {**inputs, "do": do_k, **kw, **({} if ds_k is None else {"dfinal_state": ds_k})}
+    given = {**inputs, "do": do_k, **kw, **({} if ds_k is None else {"dfinal_state": ds_k}),
+             **({} if dl_k is None else {"dlse": dl_k})}
     snaps = {n: snapshot(ctx, x) for n, x in given.items() if hasattr(x, "shape")}
     if backward is not None:
         aliases = {p: n for n, p in handed.items() if p != n}
         aliases.update({"d" + p: n for p, n in list(aliases.items())})
         call = call_kernel(_explicit, backward, inputs, kw, do_k, ds_k, {"q", "k", "v", *handed}, aliases,
-                           time_limit=ctx.time_limit, what="kernel backward")
+                           dl_k, time_limit=ctx.time_limit, what="kernel backward")
     else:
-        call = call_kernel(_autodiff, ctx, prep, inputs, kw, handed, do_k, ds_k,
+        call = call_kernel(_autodiff, ctx, prep, inputs, kw, handed, do_k, ds_k, dl_k,
                            time_limit=ctx.time_limit, what="kernel backward")
     elapsed = call.elapsed
     if not call.ok:  # raised (an error) or stopped at the time limit (a failure)
@@ -851,7 +981,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype) -> list:
         rows.append(res)
     if ctx.diagnose and any(r.verdict == "fail" and not r.diagnosis for r in rows):
         with np.errstate(all="ignore"):
-            words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts})
+            words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts}, dlse=dl)
             if "noncontiguous" in prep.case.needs:
                 words = {**_noncontiguous_grads_words(prep, do, hosts, g, ctx.layout), **words}
         for r in rows:
@@ -887,11 +1017,31 @@ MISTAKES = {
     "mask_leak": "gradients leak through the mask: the backward recomputes P without the "
                  "mask/causal restriction",
     "dq_dk_swapped": "dq and dk are swapped",
+    "lse_ignored": "the backward ignores the lse's cotangent (dS = P * (dP - D) without the "
+                   "dlse_i P_ij term)",
+    "lse_sign": "the lse's cotangent is added with the wrong sign (dS = P * (dP - D - dlse) "
+                "instead of P * (dP - D + dlse))",
+    "lse_ln2": "the lse's cotangent is scaled by ln 2 (a base-2 lse's derivative, dlse P ln 2, "
+               "for the natural-log lse)",
+    "lse_log2e": "the lse's cotangent is scaled by 1 / ln 2 (dlse P / ln 2: the derivative of "
+                 "a base-2 lse for the natural-log one)",
+    "lse_masked_rows": "the lse's cotangent is dropped on rows with masked keys (mask, causal, "
+                       "window or sequence-length rows): dlse_i P_ij only where row i sees "
+                       "every key",
 }
 
+#: The mistakes of :data:`MISTAKES` that concern the lse's cotangent: tried only when the
+#: kernel was handed one.
+LSE_MISTAKES = ("lse_ignored", "lse_sign", "lse_ln2", "lse_log2e", "lse_masked_rows")
 
-def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None):
-    """Plain float64 softmax-attention gradients, optionally with one known mistake."""
+#: The factor each lse mistake puts on ``dlse`` (``lse_masked_rows``: 1 on full rows, 0
+#: on the others).
+_LSE_FACTOR = {"lse_ignored": 0.0, "lse_sign": -1.0, "lse_ln2": math.log(2), "lse_log2e": 1 / math.log(2)}
+
+
+def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None):
+    """Plain float64 softmax-attention gradients, optionally with one known mistake;
+    ``dlse`` the lse's cotangent ``(B, H, Nq)``, or None."""
     s = np.einsum("...id,...jd->...ij", q, k) * scale
     if bias is not None:
         s = s + bias
@@ -914,6 +1064,11 @@ def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None):
     dv = np.swapaxes(pb, -1, -2) @ do
     dp = do @ np.swapaxes(v, -1, -2)
     dcoef = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
+    if dlse is not None:
+        dl = np.asarray(dlse, dtype=np.float64)[..., None] * _LSE_FACTOR.get(mistake, 1.0)
+        if mistake == "lse_masked_rows" and allowed is not None:
+            dl = np.where(np.all(allowed, axis=-1, keepdims=True), dl, 0.0)
+        dcoef = dcoef - dl
     ds = pb * (dp - dcoef)
     dq = ds @ k * (1.0 if mistake == "dq_no_scale" else scale)
     if mistake == "ds_not_transposed":
@@ -974,8 +1129,9 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
     return out
 
 
-def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:
-    """``{name: words}`` for failing softmax gradients that a known mistake explains."""
+def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None) -> dict:
+    """``{name: words}`` for failing softmax gradients that a known mistake explains
+    (``dlse``: the lse's cotangent the kernel was handed, or None)."""
     if prep.variant.name not in ("softmax", "online_softmax"):
         return {}
     a = prep.arrays
@@ -983,8 +1139,11 @@ def diagnose_grads(prep, do, got: dict, gold: dict) -> dict:
     allowed = allowed_matrix(prep.case, a, prep.kwargs)
     out = {}
     for mistake, words in MISTAKES.items():
+        if dlse is None and mistake in LSE_MISTAKES:
+            continue
         try:
-            cand = _softmax_grads(a["q"], a["k"], a["v"], do, scale, a.get("bias"), allowed, mistake)
+            cand = _softmax_grads(a["q"], a["k"], a["v"], do, scale, a.get("bias"), allowed, mistake,
+                                  dlse=dlse)
         except ValueError:
             continue
         for n, h in got.items():

@@ -216,7 +216,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     for r in rows[1:]:
         r.time_s = call.elapsed
     if ctx.extra.get("grads"):
-        return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype)
+        return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=tuple(extras))
     return rows
 
 

@@ -26,6 +26,7 @@ from attn_ref._common import (
     online_step,
     owned_writeable,
     partial_lse,
+    records_graph,
     softmax_partial,
 )
 from conformance.backends import from_numpy
@@ -150,6 +151,27 @@ def test_add_into_and_mul_into_write_only_where_they_may(backend):
         assert tuple(out.shape) == (4, 2, 3)
         assert_close(out, op(x0, np.ones((4, 2, 3))), backend, rtol=0, atol=0)
         assert_close(x, x0, backend, rtol=0, atol=0)
+
+
+def test_records_graph_only_for_torch_tensors_under_autograd(backend):
+    x = from_numpy(np.ones(3), backend)
+    assert not records_graph(x)
+    if backend.name == "torch":
+        assert records_graph(x.clone().requires_grad_(True))
+        assert records_graph(x.clone().requires_grad_(True) * 2)
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_online_forward_reads_nothing_back_under_autograd():
+    # the scale folding reads max|q|, max|k| on the host: under a graph torch warned
+    # 'Converting a tensor with requires_grad=True to a scalar'; now the clamped path
+    torch = pytest.importorskip("torch")
+    from attn_ref.grad import online_softmax_forward
+
+    q = torch.randn(2, 1, 5, 4, dtype=torch.float64, requires_grad=True)
+    out, lse = online_softmax_forward(q, q, q, seqlens_k=torch.tensor([5, 3]), block_q=2, block_k=2)
+    g = torch.autograd.grad((out.sum() + lse[0].sum()), q)[0]
+    assert torch.isfinite(g).all()
 
 
 def test_add_into_leaves_autograd_tensors_alone():

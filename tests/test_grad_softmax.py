@@ -1,5 +1,6 @@
 """attn_ref.grad.softmax: one-shot and blockwise gradients of exact softmax attention."""
 
+import array_api_compat
 import numpy as np
 import pytest
 
@@ -372,3 +373,96 @@ def test_varlen_matches_finite_differences_and_keeps_sequences_apart(backend, on
     do2[:4] = 0.0
     g = run_vjp(backend, grad.varlen_attention, args, do2, options)
     assert np.all(host(g["k"])[:6] == 0.0) and np.all(host(g["v"])[:6] == 0.0)
+
+
+# ---------------------------------------------------------------- the lse's cotangent
+
+# Cases for dlse: the masked, biased case with a dead row (mask row 1) in each causal
+# alignment, and every option of the forward (GQA, window, soft-cap, ALiBi, dropout,
+# padded varlen lengths, chunks).
+LSE_CASES = [f"mask-bias-{c}" for c in CAUSAL] + list(OPTIONS)
+
+
+def _lse_case(name):
+    if name.startswith("mask-bias-"):
+        args, do, options = _case(15, nq=6, nk=7, batch=(2,), bias_shape=(6, 7))
+        c = name.removeprefix("mask-bias-")
+        options["causal"] = False if c == "False" else c
+    else:
+        args, do, options = _option_case(name)
+    dlse = np.random.default_rng(16).standard_normal(do.shape[:-1])
+    return args, do, dlse, options
+
+
+def _out_and_lse(*pos, **kw):
+    """The forward's output and lse flattened into one vector (the lse's +inf on rows
+    with no key replaced by 0): ``<[do, dlse], this>`` is ``<do, O> + <dlse, lse>``."""
+    out, lse = grad.online_softmax_forward(*pos, block_q=4, block_k=5, **kw)
+    xp = array_api_compat.array_namespace(out)
+    lse = xp.where(lse < xp.inf, lse, xp.zeros_like(lse))
+    return xp.concat([xp.reshape(out, (-1,)), xp.reshape(lse, (-1,))])
+
+
+def _dead_rows(args, options):
+    """Rows with no key to attend to: where the forward's lse is +inf."""
+    _, lse = grad.online_softmax_forward(*(args[n] for n in "qkv"), bias=args.get("bias"), **options)
+    return np.isposinf(lse)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("name", LSE_CASES)
+def test_dlse_matches_finite_differences_of_the_forwards_lse(backend, form, name):
+    args, do, dlse, options = _lse_case(name)
+    if ("lse", name) not in _FD:
+        _FD[("lse", name)] = numeric_vjp(_out_and_lse, args, np.concatenate([do.ravel(), dlse.ravel()]),
+                                         options)
+    want = _FD[("lse", name)]
+    # A row with no key ignores its dlse, whatever it holds (NaN here).
+    dead = _dead_rows(args, options)
+    if name.startswith("mask-bias-") or name == "seqlens":  # a masked row; varlen padding rows
+        assert dead.any()
+    dlse = np.where(np.broadcast_to(dead, dlse.shape), np.nan, dlse)
+    got = run_vjp(backend, FORMS[form], args, do, dict(options, dlse=from_numpy(dlse, backend)))
+    assert_grads_close(got, want, backend, rtol=1e-7, atol=1e-8)
+    # The term is there: without dlse, dq differs by far more than the tolerance.
+    without = run_vjp(backend, FORMS[form], args, do, options)
+    assert np.max(np.abs(host(without["q"]) - want["q"])) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["mask-bias-bottom-right", "softcap", "seqlens", "gqa-window"])
+def test_dlse_matches_torch_autograd_of_the_forwards_lse(name):
+    pytest.importorskip("torch")
+    from conformance.backends import load
+
+    backend = load("torch")
+    args, do, dlse, options = _lse_case(name)
+    want = torch_vjp(_out_and_lse, args, np.concatenate([do.ravel(), dlse.ravel()]), options)
+    assert all(np.all(np.isfinite(g)) for g in want.values())
+    for form in FORMS:
+        got = run_vjp(backend, FORMS[form], args, do, dict(options, dlse=from_numpy(dlse, backend)))
+        assert_grads_close(got, want, backend)
+
+
+@pytest.mark.parametrize("name", ["mask-bias-top-left", "gqa-bias", "chunk"])
+def test_dlse_matches_jax_vjp_of_the_forwards_lse(name):
+    pytest.importorskip("jax")
+    from conformance.backends import load
+
+    backend = load("jax")
+    args, do, dlse, options = _lse_case(name)
+    want = jax_vjp(_out_and_lse, args, np.concatenate([do.ravel(), dlse.ravel()]), options)
+    for form in FORMS:
+        got = run_vjp(backend, FORMS[form], args, do, dict(options, dlse=from_numpy(dlse, backend)))
+        assert_grads_close(got, want, backend)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_dlse_of_the_wrong_shape_or_dtype_is_named(backend, form):
+    q, _ = randn(backend, (2, 5, 3))
+    v, _ = randn(backend, (2, 5, 4))
+    do = backend.xp.ones((2, 5, 4), dtype=q.dtype, device=backend.device)
+    with pytest.raises(ValueError, match=r"dlse must have .*\(2, 5\), got shape \(2, 5, 1\)"):
+        FORMS[form](q, q, v, do, dlse=backend.xp.ones((2, 5, 1), dtype=q.dtype, device=backend.device))
+    with pytest.raises(TypeError, match="dlse"):
+        FORMS[form](q, q, v, do, dlse=backend.xp.ones((2, 5), dtype=backend.xp.float32,
+                                                      device=backend.device))

@@ -11,6 +11,15 @@ With logits ``S = scale Q K^T + B`` (masked entries ``-inf``), ``P = softmax(S)`
 never holds more than one ``block_q x block_k`` tile, recomputing ``P`` per tile as
 ``exp(S - lse)`` from the log-sum-exp that :func:`online_softmax_forward` saves.
 
+The log-sum-exp is an output too (FlashAttention's ``softmax_lse``, what ring attention
+and split-KV merges combine partial results with), and a cotangent ``dlse`` of it adds
+``d lse_i / dS_ij = P_ij`` to the logits' cotangent::
+
+    dS = P * (dP - D + dlse)    (dlse broadcast along the keys)
+
+that is, ``D`` becomes ``rowsum(dO * O) - dlse``; ``dV`` is unchanged (``lse`` does not
+depend on ``V``), and ``dQ``, ``dK``, ``dB`` follow from ``dS`` as above.
+
 The options of the forward are differentiated through as the forward applies them:
 soft-capping ``S = c tanh(S0 / c)`` multiplies ``dS`` by ``1 - tanh^2(S0 / c)``; ALiBi
 and ``bias`` are additive (``dB = dS``; the slopes are not differentiated); a dropout
@@ -22,7 +31,8 @@ query heads; per-sequence lengths and windows mask like ``mask``.
 Masked entries have ``P = 0`` and so ``dS = 0``: gradients never leak through a mask
 or a causal boundary, and a query row with no key to attend to (output zero) gives
 zero gradients, not NaN. Its ``lse`` is ``+inf`` (as in FlashAttention), so the
-recomputed ``P`` of that row is ``exp(-inf) = 0``.
+recomputed ``P`` of that row is ``exp(-inf) = 0``, and the ``dlse`` of that row
+contributes nothing, whatever its value (an infinite or NaN one included).
 """
 
 from __future__ import annotations
@@ -88,6 +98,18 @@ def _zeros(pb, q, k, v, bias, bias_dtype):
     return out
 
 
+def _lse_cotangent(pb, dlse):
+    """Check ``dlse`` (shape ``batch + (Nq,)``, the lse's dtype: ``q``'s, float32 for a
+    narrower one) and view it like the grouped queries, as a column ``(..., Nq, 1)`` in
+    ``q``'s dtype (the one ``dS`` is formed in); None stays None."""
+    if dlse is None:
+        return None
+    xp = pb.xp
+    dlse = _grouped_cotangent(pb, dlse, "dlse", None, dtype=logit_dtype(xp, pb.q.dtype))
+    dlse = dlse[..., None]
+    return dlse if dlse.dtype == pb.q.dtype else xp.astype(dlse, pb.q.dtype)
+
+
 def _softcap_vjp(xp, spec, ds, s0):
     """``dS0`` from ``dS`` through ``S = c tanh(S0 / c)`` (``s0``: the scaled raw logits)."""
     if spec.softcap is None:
@@ -105,8 +127,9 @@ _OPTIONS = """
 
 def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None,
                       chunk=None, softcap=None, alibi_slopes=None, dropout_p=0.0, dropout_mask=None,
-                      seqlens_q=None, seqlens_k=None, gqa=False, xp=None):
-    """VJP of :func:`attn_ref.softmax_attention`: the gradients of ``<do, O>``.
+                      seqlens_q=None, seqlens_k=None, gqa=False, dlse=None, xp=None):
+    """VJP of :func:`attn_ref.softmax_attention`: the gradients of ``<do, O>``, plus
+    ``<dlse, lse>`` when ``dlse`` is given.
 
     Parameters
     ----------
@@ -117,6 +140,11 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     seqlens_q, seqlens_k, gqa, xp
         As in :func:`attn_ref.softmax_attention`. Only ``bias`` among them is
         differentiated.
+    dlse : array, shape (..., Nq), optional
+        Cotangent of the row log-sum-exp that :func:`online_softmax_forward` returns
+        (FlashAttention's ``softmax_lse``), in the lse's dtype: ``q``'s, float32 for
+        float16 and bfloat16. Adds ``dlse_i P_ij`` to ``dS``; a row with no key to
+        attend to ignores its entry.
 
     Returns
     -------
@@ -148,6 +176,7 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
                                 gqa=gqa), xp)
     xp, spec = pb.xp, pb.spec
     do = _grouped_cotangent(pb, do, "do", v.shape[-1])
+    dlse = _lse_cotangent(pb, dlse)
     if spec.nq == 0 or spec.nk == 0:
         return _zeros(pb, q, k, v, bias, bias_dtype)
     kt = xp.matrix_transpose(pb.k)
@@ -164,7 +193,13 @@ def softmax_attention(q, k, v, do, /, *, mask=None, bias=None, causal=False, sca
     dp = keep_tile(xp, do @ transpose(xp, pb.v), spec, 0, 0)
     if drop != 1.0:
         dp = dp * drop
-    ds = through_clamp(xp, p * (dp - xp.sum(p * dp, axis=-1, keepdims=True)), s)
+    dcoef = xp.sum(p * dp, axis=-1, keepdims=True)
+    if dlse is not None:
+        # d lse_i / dS_ij = P_ij: the lse's cotangent joins the row term. A row with no
+        # key (denominator 0) has P = 0, and its dlse is dropped so that an inf or NaN
+        # there cannot make 0 * inf.
+        dcoef = dcoef - xp.where(denom > 0, dlse, xp.zeros_like(dlse))
+    ds = through_clamp(xp, p * (dp - dcoef), s)
     ds0 = _softcap_vjp(xp, spec, ds, scaled_logits(xp, pb.q @ kt, spec.scale)
                        if spec.softcap is not None else None)
     dq = (ds0 @ pb.k) * spec.scale
@@ -227,7 +262,7 @@ def _bias_piece(xp, ds, bias):
 def online_softmax_attention(
     q, k, v, do, /, *, mask=None, bias=None, causal=False, scale=None, window=None, chunk=None, softcap=None,
     alibi_slopes=None, dropout_p=0.0, dropout_mask=None, seqlens_q=None, seqlens_k=None, gqa=False,
-    block_q=512, block_k=1024, out=None, lse=None, xp=None,
+    block_q=512, block_k=1024, out=None, lse=None, dlse=None, xp=None,
 ):
     """Blockwise VJP of :func:`attn_ref.online_softmax_attention` (FlashAttention-2 backward).
 
@@ -236,7 +271,7 @@ def online_softmax_attention(
 
         P_ij = exp(S_ij - lse_i)           (recomputed from q, k, bias, mask, ...)
         dV_j += (P_ij K_ij / (1-p))^T dO_i dP_ij = (dO_i V_j^T) K_ij / (1-p)
-        dS_ij = P_ij * (dP_ij - D_i)       with D = rowsum(dO * O), computed once
+        dS_ij = P_ij * (dP_ij - D_i)       with D = rowsum(dO * O) - dlse, computed once
         dQ_i += scale dS_ij K_j            dK_j += scale dS_ij^T Q_i
 
     (``K_ij``: the dropout keep-mask tile, 1 without dropout; soft-capping multiplies
@@ -253,6 +288,8 @@ def online_softmax_attention(
         The forward's output and log-sum-exp from :func:`online_softmax_forward`
         (what a training step saves). When omitted they are recomputed with that
         function and the same tiling. Give both or neither.
+    dlse : array, shape (..., Nq), optional
+        Cotangent of the forward's ``lse``, as in :func:`softmax_attention`.
 
     Returns
     -------
@@ -285,6 +322,7 @@ def online_softmax_attention(
     check_positive_int("block_q", block_q)
     check_positive_int("block_k", block_k)
     do = _grouped_cotangent(pb, do, "do", v.shape[-1])
+    dlse = _lse_cotangent(pb, dlse)
     if (out is None) != (lse is None):
         raise ValueError("give both out and lse (from online_softmax_forward) or neither")
     if out is None:
@@ -307,6 +345,11 @@ def online_softmax_attention(
     # D_i = rowsum(dO_i * O_i) equals rowsum(P_i * dP_i): the softmax VJP's row term.
     dcoef = xp.sum(do * out, axis=-1, keepdims=True)
     lse = lse[..., None]
+    if dlse is not None:
+        # d lse_i / dS_ij = P_ij: dS = P * (dP - D + dlse). Rows with no key (lse = +inf,
+        # P = 0) drop their dlse, so that an inf or NaN there cannot make 0 * inf.
+        live = lse < xp.inf
+        dcoef = dcoef - xp.where(live, dlse, xp.zeros_like(dlse))
     qblocks = [(q0, min(q0 + block_q, nq)) for q0 in range(0, nq, block_q)]
     kblocks = [(k0, min(k0 + block_k, nk)) for k0 in range(0, nk, block_k)]
     dq = [None] * len(qblocks)

@@ -23,6 +23,7 @@ from .._common import (
     parallel_map,
     partial_lse,
     pool_helps,
+    records_graph,
     row_groups,
     torch_cpu,
 )
@@ -79,9 +80,12 @@ def _folded_scale(xp, pb, dtype):
     soft-cap, bias and ALiBi, which act on the scaled logits.
     """
     spec = pb.spec
+    # A torch tensor that records a graph keeps the clamped path too: reading its maximum
+    # back makes torch warn ('Converting a tensor with requires_grad=True to a scalar'),
+    # as under autograd of (out, lse) in the oracle's gradient runs.
     if (spec.softcap is not None or spec.bias is not None or spec.alibi is not None
             or spec.scale == 1.0 or pb.q.shape[-1] == 0
-            or is_lazy(pb.q, pb.k)):
+            or is_lazy(pb.q, pb.k) or records_graph(pb.q) or records_graph(pb.k)):
         return None
     fi = xp.finfo(dtype)
     big, tiny, eps = float(fi.max), float(fi.smallest_normal), float(fi.eps)
