@@ -427,19 +427,24 @@ def prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp, featu
 def default_eps(xp, dtype):
     """The default denominator floor of ``dtype``: the least positive number it holds that is
     a normal float32 number (float16's smallest subnormal ``2^-24``; float32's and
-    bfloat16's smallest normal), float64's smallest normal for float64 and wider dtypes.
+    bfloat16's smallest normal), float64's smallest normal for float64 and wider dtypes;
+    on JAX the dtype's smallest normal.
 
     It floors only a zero denominator: every positive float16 number is at least
     ``2^-24``. float16's smallest normal, ``6.1e-5``, floored real ones: FAVOR+'s features
     are at most ``1/sqrt(m)`` after the stabiliser, and 20 % of the denominators of a
     33-token, ``d = 80`` case were below it, off by up to 3x (an output error of 1.17 on
-    outputs of 2.3). Subnormals of float32 are not used: JAX on CPU flushes them to zero,
-    where a floor of 0 would leave ``0 / 0``. A Python float: a dtype's smallest normal
-    below float64's (np.longdouble's 3.4e-4932) is 0.0 as a float.
+    outputs of 2.3). JAX (XLA on CPU) flushes subnormals to zero, float16's too: a
+    subnormal floor is 0 there and leaves ``0 / 0`` (NaN on 96 outputs of that case), so
+    JAX keeps the smallest normal - its subnormal denominators are flushed anyway. A
+    Python float: a dtype's smallest normal below float64's (np.longdouble's 3.4e-4932)
+    is 0.0 as a float.
     """
     fi = xp.finfo(dtype)
     if fi.bits > 32:
         return max(float(fi.smallest_normal), sys.float_info.min)
+    if array_api_compat.is_jax_namespace(xp):
+        return float(fi.smallest_normal)
     return max(float(fi.smallest_normal) * float(fi.eps), FLOAT32_SMALLEST_NORMAL)
 
 

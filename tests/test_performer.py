@@ -354,6 +354,15 @@ def test_default_eps_floors_only_a_zero_denominator_in_float16():
     import array_api_compat.torch as tx
 
     assert default_eps(tx, torch.bfloat16) == 2.0 ** -126  # its smallest subnormal is not float32-normal
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    # XLA flushes subnormals on CPU, float16's too: a floor of 2^-24 would be 0 (0 / 0)
+    assert default_eps(jnp, jnp.float16) == 2.0 ** -14
+    q16 = jnp.zeros((1, 4, 8), dtype=jnp.float16)
+    w16 = jnp.ones((4, 8), dtype=jnp.float16) * 30  # every feature underflows: den = 0
+    assert bool(jnp.all(jnp.isfinite(performer_attention(q16 - 1, q16 - 1, q16 + 1, projection=w16,
+                                                         stabilize=False))))
     rng = np.random.default_rng(0)
     d, m = 80, 351
     q, k, v = (rng.standard_normal((33, d)) for _ in range(3))
