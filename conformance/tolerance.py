@@ -255,18 +255,18 @@ class F16Array(LowPrecisionArray):
 LOW_PRECISION = {"bfloat16": BF16Array, "float16": F16Array}
 
 
-def _plain(x):
-    return x.view(np.ndarray) if isinstance(x, LowPrecisionArray) else x
+def _plain(x, cls=None):
+    """``x`` as a plain ndarray when it is a ``cls`` (default :class:`LowPrecisionArray`)."""
+    return x.view(np.ndarray) if isinstance(x, cls or LowPrecisionArray) else x
 
 
-def _unwrap(obj):
-    if isinstance(obj, LowPrecisionArray):
-        return obj.view(np.ndarray)
+def _unwrap(obj, cls=None):
+    """:func:`_plain` of ``obj`` and of the arrays in its lists, tuples and dicts."""
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_unwrap(o) for o in obj)
+        return type(obj)(_unwrap(o, cls) for o in obj)
     if isinstance(obj, dict):
-        return {k: _unwrap(v) for k, v in obj.items()}
-    return obj
+        return {k: _unwrap(v, cls) for k, v in obj.items()}
+    return _plain(obj, cls)
 
 
 def _lp_wrap(cls, out):
@@ -334,15 +334,16 @@ class GemmInDtypeArray(np.ndarray):
     rounding: type = LowPrecisionArray
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        inputs = tuple(_plain_gemm(x) for x in inputs)
+        inputs = tuple(_plain(x, GemmInDtypeArray) for x in inputs)
         if ufunc is np.matmul and method == "__call__":
             inputs = tuple(self.rounding.round(np.asarray(x, dtype=np.float32)) for x in inputs)
         if "out" in kwargs:
-            kwargs["out"] = tuple(_plain_gemm(x) for x in kwargs["out"])
+            kwargs["out"] = tuple(_plain(x, GemmInDtypeArray) for x in kwargs["out"])
         return _gemm_wrap(type(self), getattr(ufunc, method)(*inputs, **kwargs))
 
     def __array_function__(self, func, types, args, kwargs):
-        return _gemm_wrap(type(self), func(*_unwrap_gemm(args), **_unwrap_gemm(kwargs)))
+        plain = _unwrap(args, GemmInDtypeArray), _unwrap(kwargs, GemmInDtypeArray)
+        return _gemm_wrap(type(self), func(*plain[0], **plain[1]))
 
 
 class BF16GemmArray(GemmInDtypeArray):
@@ -358,20 +359,6 @@ class F16GemmArray(GemmInDtypeArray):
 
 
 _GEMM_IN_DTYPE = {"bfloat16": BF16GemmArray, "float16": F16GemmArray}
-
-
-def _plain_gemm(x):
-    return x.view(np.ndarray) if isinstance(x, GemmInDtypeArray) else x
-
-
-def _unwrap_gemm(obj):
-    if isinstance(obj, GemmInDtypeArray):
-        return obj.view(np.ndarray)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_unwrap_gemm(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _unwrap_gemm(v) for k, v in obj.items()}
-    return obj
 
 
 def _gemm_wrap(cls, out):

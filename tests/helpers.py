@@ -1,6 +1,8 @@
 """Shared test utilities: seeded inputs on any backend, and a comparison that checks
 namespace, dtype, shape and device before values."""
 
+import math
+
 import array_api_compat
 import numpy as np
 import pytest
@@ -248,6 +250,29 @@ class Reports:
         passed = sum(1 for r in self.reports if r.when == "call" and r.passed)
         return (passed, sum(1 for r in self.reports if r.failed),
                 sum(1 for r in self.reports if r.skipped))
+
+
+def allowed_keys(nq, nk, mask, causal):
+    """Host ``(Nq, Nk)`` boolean: the keys each query may see under ``causal`` (False,
+    True or "top-left", "bottom-right") and ``mask`` (None or a host boolean array), for
+    the hand-written NumPy and torch kernels of the gradient tests."""
+    allowed = np.ones((nq, nk), dtype=bool)
+    if causal:
+        off = 0 if causal in (True, "top-left") else nk - nq
+        allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
+    return allowed if mask is None else allowed & mask
+
+
+def masked_logits(q, k, mask, bias, causal, scale):
+    """Host logits of the hand-written kernels: ``(masked, raw, allowed, scale)``, the
+    masked ones ``-inf`` where :func:`allowed_keys` hides a key, ``scale`` defaulting to
+    ``1/sqrt(d)``."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    allowed = allowed_keys(q.shape[-2], k.shape[-2], mask, causal)
+    return np.where(allowed, s, -np.inf), s, allowed, scale
 
 
 def run_plugin(monkeypatch, where, *args):

@@ -1,7 +1,6 @@
 """conformance.grads: verify(..., grads=True) - gradient rows, calibration, broken backwards."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -11,29 +10,12 @@ from conformance import verify
 from conformance.catalogue import cases
 from conformance.grads import MISTAKES
 from conformance.vectors import export_vectors, load_vectors
-from tests.helpers import run_plugin
+from tests.helpers import masked_logits, run_plugin
 
 QUICK = cases(None, "quick")
 
 
 # ------------------------------------------------------------- a NumPy kernel and its backward
-
-
-def _allowed(nq, nk, mask, causal):
-    allowed = np.ones((nq, nk), dtype=bool)
-    if causal:
-        off = 0 if causal in (True, "top-left") else nk - nq
-        allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
-    return allowed if mask is None else allowed & mask
-
-
-def _logits(q, k, mask, bias, causal, scale):
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = q @ np.swapaxes(k, -1, -2) * scale
-    if bias is not None:
-        s = s + bias
-    allowed = _allowed(q.shape[-2], k.shape[-2], mask, causal)
-    return np.where(allowed, s, -np.inf), s, allowed, scale
 
 
 def _softmax(s):
@@ -44,7 +26,7 @@ def _softmax(s):
 
 
 def np_kernel(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
-    s, _, _, _ = _logits(q, k, mask, bias, causal, scale)
+    s, _, _, _ = masked_logits(q, k, mask, bias, causal, scale)
     return (_softmax(s)[0] @ v).astype(q.dtype)
 
 
@@ -52,7 +34,7 @@ def make_backward(mistake=None):
     """An explicit FlashAttention-style backward in NumPy, optionally with one mistake."""
 
     def backward(q, k, v, do, *, mask=None, bias=None, causal=False, scale=None):
-        s, raw, allowed, sc = _logits(q, k, mask, bias, causal, scale)
+        s, raw, allowed, sc = masked_logits(q, k, mask, bias, causal, scale)
         p, e = _softmax(s)
         out = p @ v
         if mistake == "p_unnormalised":

@@ -20,16 +20,9 @@ import pytest
 from conformance import verify
 from conformance.catalogue import cases
 from conformance.grads import MISTAKES
+from tests.helpers import allowed_keys, masked_logits
 
 QUICK = cases(None, "quick")
-
-
-def _allowed(nq, nk, mask, causal):
-    allowed = np.ones((nq, nk), dtype=bool)
-    if causal:
-        off = 0 if causal in (True, "top-left") else nk - nq
-        allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off
-    return allowed if mask is None else allowed & mask
 
 
 # ------------------------------------------------------------- NumPy: an explicit backward
@@ -42,12 +35,7 @@ def np_flash(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
 
 
 def _probs(q, k, mask, bias, causal, scale):
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = q @ np.swapaxes(k, -1, -2) * scale
-    if bias is not None:
-        s = s + bias
-    allowed = _allowed(q.shape[-2], k.shape[-2], mask, causal)
-    s = np.where(allowed, s, -np.inf)
+    s, _, allowed, _ = masked_logits(q, k, mask, bias, causal, scale)
     m = np.max(s, -1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m)
@@ -140,8 +128,8 @@ def torch_lse(q, k, v, *, mask=None, bias=None, causal=False, scale=None):
     s = (q.float() @ k.float().transpose(-1, -2) if low else q @ k.transpose(-1, -2)) * sc
     if bias is not None:
         s = s + bias.to(s.dtype)
-    allowed = torch.as_tensor(_allowed(q.shape[-2], k.shape[-2], None if mask is None else mask.cpu().numpy(),
-                                       causal), device=q.device)
+    host_mask = None if mask is None else mask.cpu().numpy()
+    allowed = torch.as_tensor(allowed_keys(q.shape[-2], k.shape[-2], host_mask, causal), device=q.device)
     s = s.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
