@@ -57,6 +57,7 @@ from .tolerance import (
     as_dtype,
     compared_count,
     elementwise_ulp_rms,
+    lp_array,
     measure,
     param_dtype,
     plain_array,
@@ -876,13 +877,14 @@ def _nystrom_fused_kernels(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv
     from attn_ref.reduced import iterative_pinv, landmark_means
     from attn_ref.softmax import attention_weights
 
-    cls = type(q) if isinstance(q, LowPrecisionArray) else None
+    # the dtype the emulated inputs round to (None: plain float32/float64 arrays)
+    dtype = next((n for n, c in LOW_PRECISION.items() if type(q) is c), None)
 
     def exact(x):
-        return np.asarray(plain_array(x), dtype=np.float64) if cls is not None else x
+        return np.asarray(plain_array(x), dtype=np.float64) if dtype else x
 
     def rounded(x):
-        return cls.round(np.asarray(x, dtype=np.float32)).view(cls) if cls is not None else x
+        return lp_array(x, dtype) if dtype else x
 
     scale = default_scale(q.shape[-1]) if scale is None else scale
     npx = _np_compat()
