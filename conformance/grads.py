@@ -93,13 +93,15 @@ from .tolerance import (
     gemm_in_dtype,
     measure,
     param_dtype,
+    plain_array,
     round_to,
     ulp,
 )
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
            "JUDGED", "grad_output", "state_cotangent", "state_dtype", "FP32_ACCUMULATE",
-           "FUSED_GRAD_DEFAULTS", "lse_cotangent", "lse_dtype", "takes_dlse", "LSE_MISTAKES"]
+           "FUSED_GRAD_DEFAULTS", "SOFTMAX_HALF_GRAD_DEFAULTS", "lse_cotangent", "lse_dtype",
+           "takes_dlse", "LSE_MISTAKES"]
 
 #: Report row of each gradient: ``d`` + the name of the input, as the reference names it
 #: (:func:`grad_output` for inputs not listed: a variant's parameters such as Linformer's
@@ -245,21 +247,36 @@ def state_cotangent(prep, convention=None) -> np.ndarray:
     return round_to(ds, state_dtype(prep, convention))
 
 
-def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse=None):
+def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse=None,
+                     logits_fp32=False, **extra):
     """The reference VJP on ``prep``'s inputs in ``dtype``: ``{input name: gradient}``,
     every gradient it returns (float64, or longdouble values for ``"longdouble"``);
     ``xp`` a NumPy namespace other than array_api_compat's
-    (:data:`conformance.tolerance.LOGITS_IN_DTYPE`); ``dlse`` the lse's cotangent."""
+    (:data:`conformance.tolerance.LOGITS_IN_DTYPE`); ``dlse`` the lse's cotangent;
+    ``extra`` more keywords of the VJP (a saved ``out``, ``lse``).
+
+    ``logits_fp32`` (float16/bfloat16): the inputs of the logits (``q``, ``k``, a bias)
+    handed as plain float32 arrays of the dtype's values, so that the logits, the row
+    statistics and ``P`` are computed in float32 and everything after ``P`` meets
+    ``V`` or ``dO`` rounds to the dtype, as attn_ref itself computes a real half-precision
+    input (:func:`attn_ref.softmax.tiles.logit_dtype`) and every kernel that recomputes
+    ``P`` from a saved lse must (FlashAttention's ``softmax_lse`` is float32). On the
+    emulation alone (:class:`conformance.tolerance.LowPrecisionArray`, float32 to
+    attn_ref's eyes) the logits and the lse round to the dtype: on
+    ``large-logits:b1h2-q16k16-d8`` in bfloat16 (logits of some thousands, an ulp of 16)
+    ``exp(S - lse)`` was off by up to ``e^8`` and the bound on ``dq`` 1e13 times ``dq``'s size."""
     a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
+    if logits_fp32 and dtype in LOW_PRECISION:
+        a.update({n: plain_array(a[n]) for n in ("q", "k", "bias") if n in a})
     p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in prep.params.items()}
-    extra = {} if dfinal_state is None else {
-        "dfinal_state": as_dtype(dfinal_state, dtype)}
+    if dfinal_state is not None:
+        extra["dfinal_state"] = as_dtype(dfinal_state, dtype)
     if dlse is not None:
         # in the dtype, as do: a half-precision baseline holds it as it holds the rest
         extra["dlse"] = as_dtype(dlse, dtype)
     g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
-                   **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                   **prep.kwargs, **p, **prep.options, **extra, xp=xp or _np())
+                            **{n: x for n, x in a.items() if n not in BASE_KEYS},
+                            **prep.kwargs, **p, **prep.options, **extra, xp=xp or _np())
     return {n: np.asarray(x, dtype=np.float64) if dtype != "longdouble" else np.asarray(x)
             for n, x in g.items()}
 
@@ -317,7 +334,11 @@ def _baselines(prep, backward=None):
     that backward with the saved ``out``/``lse`` correctly rounded from a float64
     forward, so that - as in a real kernel whose forward and backward tile differently
     - the recomputed logits do not round exactly like the ones ``lse`` came from (on
-    peaked rows with logits of size ``L`` this moves ``P`` by ``ulp(L)``).
+    peaked rows with logits of size ``L`` this moves ``P`` by ``ulp(L)``). In float16 and
+    bfloat16 the two lse forms keep the logits, the lse and ``P`` in float32 (everything
+    from ``P V`` and ``dO`` on rounds to the dtype), as attn_ref does on a real
+    half-precision input and as every kernel that saves an lse must: an lse rounded to
+    bfloat16 moves ``P`` by up to ``exp(ulp(lse) / 2)``, ``e^8`` at logits of 1e4.
     """
     from attn_ref import grad
 
@@ -366,10 +387,18 @@ def _baselines(prep, backward=None):
     forms = [
         lambda prep, do, dtype, dlse=None: _reference_grads(prep, do, dtype, grad.softmax_attention,
                                                             dlse=dlse),
-        lambda prep, do, dtype, dlse=None: _reference_grads(prep, do, dtype, grad.online_softmax_attention,
-                                                            dlse=dlse),
+        _online_in_dtype,
         _flash_with_exact_lse,
     ]
+    if prep.dtype in LOW_PRECISION:
+        # eager attention under autograd (HuggingFace's, Gemma 2's soft-cap): the logits
+        # computed in the dtype, scale, soft-cap and bias each a rounded operation, and
+        # their VJP in the dtype. With the two lse forms above holding P in float32 this
+        # is the form that admits such a kernel: Gemma 2's bfloat16 eager attention erred
+        # 1.5-2.2x the dq and dk bounds of softcap:b1h2-q64k64-d64-large_logits-softcap50
+        # without it (0.0049 from this form's gradients, 0.024 from the exact ones).
+        forms.append(lambda prep, do, dtype, dlse=None: _reference_grads(
+            prep, do, dtype, grad.softmax_attention, xp=LOGITS_IN_DTYPE, dlse=dlse))
     if prep.variant.name == "online_softmax" and prep.dtype in LOW_PRECISION:
         # autograd through the online forward (one key tile up to 1024 keys): the partial
         # softmax's rounding, as block_sparse's. attn_ref's own online softmax under torch
@@ -402,7 +431,10 @@ def _partial_softmax_autograd(prep, do, dtype, dlse=None):
     attains it. On ``long:b1h1-q1000k1000-d64-offset_values`` (values 4 + 0.5 N(0, 1),
     near-uniform rows over ~500 keys) in float16 that is ``dq`` 2.2x and ``dk`` 4.2x
     the float32 floor's bound, 0.11x and 0.06x with ``m`` detached. The form reproduces
-    both steps, so that its error, not a wider floor, is what the bound allows there.
+    both steps, so that its error, not a wider floor, is what the bound allows there -
+    and where that error exceeds a quarter of the gradient (that case's ``dq`` and
+    ``dk``: 0.031 on a ``dq`` of 0.073 in float16, 0.25 in bfloat16), the row is
+    ill-conditioned in the dtype (:func:`prepare_grads`).
     """
     from attn_ref.sparse import layout_mask
 
@@ -461,19 +493,45 @@ def _unbroadcast(x, shape):
     return np.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _flash_with_exact_lse(prep, do, dtype, dlse=None):
+def _saved_forward(prep, dtype, logits_fp32=False):
+    """``(out, lse)`` of :func:`attn_ref.grad.online_softmax_forward` on ``prep``'s inputs
+    in ``dtype`` (``logits_fp32`` as in :func:`_reference_grads`)."""
     from attn_ref import grad
 
-    def call(fn, dt, *extra, **kw):
-        a = {n: as_dtype(x, dt) for n, x in prep.arrays.items()}
-        return fn(a["q"], a["k"], a["v"], *extra, **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                  **prep.kwargs, **prep.options, **kw, xp=_np())
+    a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
+    if logits_fp32 and dtype in LOW_PRECISION:
+        a.update({n: plain_array(a[n]) for n in ("q", "k", "bias") if n in a})
+    out, lse = grad.online_softmax_forward(a["q"], a["k"], a["v"],
+                                           **{n: x for n, x in a.items() if n not in BASE_KEYS},
+                                           **prep.kwargs, **prep.options, xp=_np())
+    return np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
 
-    out, lse = call(grad.online_softmax_forward, "float64")
-    extra = {} if dlse is None else {"dlse": as_dtype(dlse, dtype)}
-    g = call(grad.online_softmax_attention, dtype, as_dtype(do, dtype), out=as_dtype(np.asarray(out), dtype),
-             lse=as_dtype(np.asarray(lse), dtype), **extra)
-    return {n: np.asarray(x, dtype=np.float64) for n, x in g.items() if n in GRAD_OUTPUTS}
+
+def _saved_backward(prep, do, dtype, out, lse, dlse=None):
+    """FlashAttention's backward in ``dtype`` from a saved ``out`` (held in the dtype) and
+    ``lse`` (held as the kernel saves it, :func:`lse_dtype`: float32 for float16/bfloat16),
+    ``P`` recomputed in float32 (``logits_fp32``)."""
+    from attn_ref import grad
+
+    g = _reference_grads(prep, do, dtype, grad.online_softmax_attention, dlse=dlse,
+                         logits_fp32=True, out=as_dtype(out, dtype),
+                         lse=as_dtype(lse, lse_dtype(prep)))
+    return {n: x for n, x in g.items() if n in GRAD_OUTPUTS}
+
+
+def _online_in_dtype(prep, do, dtype, dlse=None):
+    """The online forward in ``dtype`` (its statistics, as attn_ref's on a real half-precision
+    input, in float32: the lse of the emulated forward rounds ``m + log l`` to the dtype)
+    and :func:`_saved_backward` from its output and lse."""
+    out, _ = _saved_forward(prep, dtype, logits_fp32=True)
+    _, lse = _saved_forward(prep, lse_dtype(prep))
+    return _saved_backward(prep, do, dtype, out, lse, dlse)
+
+
+def _flash_with_exact_lse(prep, do, dtype, dlse=None):
+    """:func:`_saved_backward` from the exact output and lse correctly rounded to the dtypes
+    a kernel saves them in (see :func:`_baselines`)."""
+    return _saved_backward(prep, do, dtype, *_saved_forward(prep, "float64"), dlse)
 
 
 def _fused_softmax_forms():
@@ -535,6 +593,21 @@ FUSED_GRAD_DEFAULTS = Tolerance(fudge=4.0, floor_ulps=4.0, fudge_rms=3.0, floor_
 #: against PyTorch SDPA's autograd over the standard suite (see the report).
 GRAD_DEFAULTS = {dt: Tolerance(fudge=8.0, floor_ulps=4.0, fudge_rms=6.0, floor_rms_ulps=1.0)
                  for dt in ("float16", "bfloat16", "float32", "float64")}
+
+#: The softmax family's float16/bfloat16 gradient tolerances: the forward's factors, not
+#: twice them. Its baselines are whole backwards in the dtype (:func:`_baselines`: the
+#: plain VJP, two FlashAttention-style forms from a float32 lse, eager attention's logits
+#: in the dtype), so the backward's extra steps are in the baseline's error already, and
+#: FlashAttention's own tests allow twice a plain PyTorch backward's error. Its RMS floor
+#: is per element, as the fused bounds' (:data:`FUSED_GRAD_DEFAULTS`): at the ulp of the
+#: gradient's largest value it hid an error of the whole gradient. Calibrated on the
+#: standard suite, seeds 0-3, torch SDPA (default and math paths), eager attention
+#: (logits and soft-cap in the dtype), attn_ref's softmax and online softmax under torch
+#: autograd, ``jax.nn.dot_product_attention`` (bfloat16): worst 0.58 (eager attention's
+#: dv, float16). With twice these factors and the RMS floor at the largest value's ulp,
+#: a dq, dk or dv 3 % off passed every bfloat16 row; now 2 % off fails 93-112 of 113-118.
+SOFTMAX_HALF_GRAD_DEFAULTS = Tolerance(fudge=4.0, floor_ulps=4.0, fudge_rms=3.0, floor_rms_ulps=1.2,
+                                       rms_floor_is_minimum=True)
 
 
 #: Variants whose float16/bfloat16 gradient bounds take the cancelling terms' floor in
@@ -608,6 +681,18 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     kernel's declared ``supports={"backward": ...}`` (:data:`FP32_ACCUMULATE`), or None.
     ``lse``: the kernel returns a differentiated log-sum-exp: then ``"dlse"`` holds its
     cotangent (:func:`lse_cotangent`), which the goldens and baselines take too.
+
+    ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
+    forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
+    plain implementation in the dtype errs so much that the bound's baseline term
+    (``fudge`` times its error) reaches the gradient's size (its own largest value, or
+    for float16/bfloat16 the float32 rounding of its cancelling terms if larger), so
+    that a zero gradient would pass. Their rows read n/a with the reason. Not under
+    ``backward="fp32-accumulate"``, whose baselines' error there is the float32 noise of
+    the cancelling terms (its floor) and whose rows stay judged at that bound. On
+    ``large-logits:b1h2-q16k16-d8`` in bfloat16 (one-hot rows, ``dq`` about 1e-24 of
+    rounding) a FlashAttention-style backward with ``dP`` rounded to the dtype errs by
+    1.4, and the bound it set passed a ``dq`` off by anything below 11.
     """
     cache = prep.__dict__.setdefault("_grads", {})
     key = repr((tolerance, final_state, backward, lse))
@@ -654,6 +739,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     # half-precision autograd) is what the baselines measure, case by case.
     fp32_terms = prep.dtype in LOW_PRECISION and (prep.variant.name in RECURRENT
                                                   or prep.variant.name in FP32_TERMS)
+    softmax_half = prep.dtype in LOW_PRECISION and prep.variant.name in ("softmax", "online_softmax")
     for n, g in gold.items():
         keep = None
         if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
@@ -664,7 +750,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
         mag = own if fp32_terms else max(own, terms.get(n, 0.0))
-        tol = ((FUSED_GRAD_DEFAULTS if fused else GRAD_DEFAULTS[prep.dtype]) if tolerance is None
+        tol = ((FUSED_GRAD_DEFAULTS if fused else SOFTMAX_HALF_GRAD_DEFAULTS if softmax_half
+                else GRAD_DEFAULTS[prep.dtype]) if tolerance is None
                else resolve_tolerance(tolerance, prep.dtype, grad_output(n)))
         if bm is None:
             b_max = b_rms = 16 * ulp(mag, prep.dtype)
@@ -674,7 +761,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         # is per element, as the output's (on long rows most of a gradient is far below
         # its maximum, whose ulp would hide an error of the whole gradient)
         per_element = dict(ulp_rms=elementwise_ulp_rms(g, prep.dtype, keep),
-                           count=compared_count(g, keep)) if fused else {}
+                           count=compared_count(g, keep)) if fused or softmax_half else {}
         tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype, **per_element)
         if fp32_terms and terms.get(n):
             # the terms cancel in float32 and the result is rounded to the dtype once:
@@ -682,11 +769,25 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             # dtype's ulp of a term, 8 to 16 in bfloat16 where |dq| ~ 6 in a recurrent
             # kernel, would pass dq = 0)
             tmax += tol.floor_ulps * ulp(terms[n], "float32")
-            if fused:
+            if fused or softmax_half:
                 # and so is what the cancellation leaves on every element: on rows one-hot
                 # beyond float32 (large logits) dq is ~1e-24 of rounding noise, and the
                 # per-element floor alone (1e-27 RMS) failed attn_ref under torch autograd at 110x
                 trms += tol.floor_rms_ulps * ulp(terms[n], "float32")
+        # the size a structural mistake is measured against: the gradient's own, or the
+        # float32 rounding of its cancelling terms where it is below that (dq of a row
+        # one-hot, or of one key, is zero but for the rounding of dP - D)
+        floor = tol.floor_ulps * ulp(terms[n], "float32") if fp32_terms and terms.get(n) else 0.0
+        size = max(mag, floor)
+        if not fused and bm is not None and size > 0 and (
+                tol.fudge * bm.max_err >= size or (mag > floor and tmax >= mag)):
+            out.setdefault("ill", {})[n] = (
+                f"{grad_output(n)} ill-conditioned in {prep.dtype}: a plain {prep.dtype} backward "
+                f"is off by {bm.max_err:.2g} on gradients of size {own:.2g}"
+                + (f" (the float32 rounding of their cancelling terms: {size:.2g})" if size > own else "")
+                + ("" if prep.variant.name not in ("softmax", "online_softmax") else
+                   f" (a kernel whose backward keeps dP, D and dS in float32 declares "
+                   f"supports={{'backward': '{FP32_ACCUMULATE}'}} and is judged against that)"))
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
     return out
@@ -914,6 +1015,10 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
             f"{prep.variant.name} reference does not take; its inputs: "
             f"{sorted(_inputs_of(prep))}", output="grads", **base)]
     rows = [CaseResult.na(reason=lse_na, output="dlse", **base)] if lse_na else []
+    for n, why in g.get("ill", {}).items():
+        if n in handed or n in BASE_KEYS:
+            rows.append(CaseResult.na(reason=why, output=grad_output(n), **base))
+            handed.pop(n, None)
     for n in [n for n in handed if n not in JUDGED]:
         rows.append(CaseResult.na(
             reason=f"{grad_output(n)} not judged: no derived bound yet for the gradient of a "
@@ -962,7 +1067,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
     got = call.value
     hosts = {}
     for n in ("q", "k", "v", *handed):
-        if declared is not None and n not in declared:
+        if (declared is not None and n not in declared) or n in g.get("ill", {}):
             continue
         gold, keep, tmax, trms, bm = g[n]
         out_name = grad_output(n)

@@ -364,6 +364,8 @@ def _add_grads(prep, arrays, layout, dtype):
     for n in [n for n in ("q", "k", "v") if n in g] + sorted(
             n for n in g if n not in ("q", "k", "v", "do", "dfinal_state")
             and n in JUDGED and (n in prep.arrays or isinstance(prep.params.get(n), np.ndarray))):
+        if n in g.get("ill", {}):  # no bound derives from the plain implementation: not exported
+            continue
         gold, keep, tmax, trms, bm = g[n]
         name = "golden_" + grad_output(n)
         gold = np.where(keep, gold, np.nan) if keep is not None else gold

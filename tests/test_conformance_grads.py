@@ -381,7 +381,11 @@ def test_half_precision_baseline_forms_round_as_the_kernels_do(variant, case_id)
     rep = verify(kernel, variant, backend="torch", dtypes=("float16",), cases=todo, grads=True,
                  diagnose=False, supports={"broadcast": True})
     rows = [r for r in rep.results if r.output in ("dq", "dk", "dv")]
-    assert len(rows) == 3 and all(r.verdict == "pass" for r in rows), rep.table()
+    # or ill-conditioned: block_sparse's form errs by 0.031 on a dq of 0.073 in float16
+    # (prepare_grads), and the bound it set admitted dq = 0
+    assert len(rows) == 3 and all(r.verdict == "pass" or "ill-conditioned" in r.diagnosis
+                                  for r in rows), rep.table()
+    assert any(r.verdict == "pass" for r in rows), rep.table()
 
 
 # ------------------------------------------- fused (fp32-accumulating) softmax backwards
@@ -496,16 +500,131 @@ def test_backward_declaration_takes_one_value():
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_online_softmax_under_autograd_passes_the_offset_values_case(dtype):
+def test_online_softmax_under_autograd_on_the_offset_values_case(dtype):
     # autograd through attn_ref's online forward rounds as a partial softmax does (dO / l
     # rounded before it meets V, the row maximum differentiated): on near-uniform rows of
     # values 4 +- 0.5 over 1000 keys it failed dq 2.6x and dk 6.5x in bfloat16 (2.5x and
-    # 6.2x in float16) until that rounding was a baseline form of online_softmax too. Over
-    # the standard suite the form costs few rows of a wrong gradient: dq x 1.1 fails 107 of
-    # 120 float16 rows (112 before), 42 of 118 bfloat16 (43).
+    # 6.2x in float16) until that rounding was a baseline form of online_softmax too. That
+    # form errs by 0.25 on a dq of size 0.073 in bfloat16 (0.031 in float16), and the bound
+    # it set (1.99) passed dq = 0: the dq and dk rows are ill-conditioned in the dtype, n/a
+    # with the reason, as the forward's; out and dv stay judged and pass.
     pytest.importorskip("torch")
     todo = [c for c in cases("online_softmax", "standard")
             if c.id == "long:b1h1-q1000k1000-d64-offset_values"]
     rep = verify(attn_ref.online_softmax_attention, "online_softmax", backend="torch", dtypes=(dtype,),
                  cases=todo, grads=True, causal="both")
-    assert rep.passed and rep.counts["pass"] == 4, rep.table()
+    assert rep.passed and {r.output for r in rep.results if r.verdict == "pass"} == {"out", "dv"}, rep.table()
+    na = {r.output: r.diagnosis for r in rep.results if r.verdict == "n/a"}
+    assert set(na) == {"dq", "dk"} and all(f"ill-conditioned in {dtype}" in w for w in na.values()), na
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("lse", [False, True])
+def test_half_precision_softmax_gradient_bounds_are_below_the_gradients(dtype, lse):
+    """Every judged float16/bfloat16 softmax gradient row of the standard suite has a
+    bound below the gradient's own size (so a zero gradient fails it), or reads n/a as
+    ill-conditioned. Two default baselines had recomputed P from an lse rounded to the
+    dtype (the emulated arrays are float32 to attn_ref's eyes, so the lse was not kept
+    in float32 as attn_ref and FlashAttention keep it): on the large-logit cases in
+    bfloat16 the dq bound was 17408 and the dv bound 1.4e15, and any gradient passed."""
+    from conformance.features import NotApplicable
+    from conformance.grads import prepare_grads
+    from conformance.judging import prepare
+
+    judged = ill = 0
+    for case in cases("softmax", "standard", grads=True):
+        try:
+            g = prepare_grads(prepare(case, "softmax", dtype, 0), lse=lse)
+        except NotApplicable:  # the forward is ill-conditioned in the dtype
+            continue
+        ill += len(g.get("ill", {}))
+        for n in ("q", "k", "v", "bias"):
+            if n in g and n not in g.get("ill", {}):
+                gold, _, tmax, _, _ = g[n]
+                own = float(np.max(np.abs(gold)))
+                assert own == 0 or tmax < own, (case.id, n, tmax, own)
+                judged += 1
+    assert judged >= 300 and (lse or ill >= 4), (judged, ill)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_large_logit_half_precision_gradients_are_judged_or_ill_conditioned(dtype):
+    """On the large-logit cases SDPA's autograd passes; a dv 5 % too large fails every dv
+    row (it passed every one in bfloat16 before, against a bound of 1.4e15); the dq and dk
+    rows whose plain half-precision backward errs by more than a quarter of the gradient
+    (one-hot rows in bfloat16, dq ~1e-24 of rounding) read n/a, naming the declaration
+    under which they are judged."""
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+
+    def dv_scaled(q, k, v, do, **kw):
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        dq, dk, dv = torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)
+        return dq, dk, dv * 1.05
+
+    todo = [c for c in cases("softmax", "standard", grads=True) if c.dist == "large_logits"]
+    rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), cases=todo, grads=True,
+                 causal="top-left", diagnose=False)
+    assert rep.passed, rep.table()
+    na = [r for r in rep.results if r.output in ("dq", "dk") and r.verdict == "n/a"]
+    assert all("ill-conditioned" in r.diagnosis and "fp32-accumulate" in r.diagnosis for r in na), na
+    if dtype == "bfloat16":
+        assert {(r.case, r.output) for r in na} >= {("large-logits:b1h2-q16k16-d8-large_logits", "dq"),
+                                                     ("large-logits:b1h2-q16k16-d8-large_logits", "dk")}
+    bad = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), cases=todo, backward=dv_scaled,
+                 causal="top-left", diagnose=False)
+    dv = [r for r in bad.results if r.output == "dv" and r.verdict != "n/a"]
+    assert len(dv) >= 2 and all(r.verdict == "fail" for r in dv), bad.table()
+    assert not [r for r in bad.failures if r.output != "dv"], bad.table()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_eager_attention_gradients_with_logits_in_the_dtype_pass(dtype):
+    """Eager attention in PyTorch (Gemma 2's: the scaled logits, then divide, tanh and
+    multiply for the soft-cap, each a half-precision tensor operation) under autograd
+    passes the default gradient bounds: a baseline form computes the logits in the
+    dtype. Without it, once the lse forms held P in float32, it erred 1.5-2.2x the dq and
+    dk bounds of the soft-capped large-logit case in bfloat16, 2.5-3.5x in float16."""
+    torch = pytest.importorskip("torch")
+
+    def eager(q, k, v, *, scale=None, softcap=None):
+        s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    todo = [c for c in cases("softmax", "standard", grads=True)
+            if c.id.startswith(("softcap:b1h2", "basic:", "scale:"))]
+    rep = verify(eager, "softmax", backend="torch", dtypes=(dtype,), cases=todo, grads=True,
+                 diagnose=False)
+    rows = [r for r in rep.results if r.output != "out" and r.verdict != "n/a"]
+    assert len(rows) >= 9 and all(r.verdict == "pass" for r in rows), rep.table()
+
+
+@pytest.mark.parametrize("name", ["dq", "dk", "dv"])
+def test_bfloat16_softmax_gradients_two_percent_off_fail_by_default(name):
+    """The default half-precision softmax bounds (conformance.grads.SOFTMAX_HALF_GRAD_DEFAULTS:
+    the forward's factors, an RMS floor per element) fail a bfloat16 gradient 2 % off on
+    most quick cases; with twice the factors, the RMS floor at the largest value's ulp and
+    baselines that held the lse in bfloat16, 3 % passed every row of the standard suite.
+    SDPA's own autograd passes (test_torch_sdpa_autograd_passes_in_every_dtype)."""
+    torch = pytest.importorskip("torch")
+
+    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale)
+
+    def backward(q, k, v, do, **kw):
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        g = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)))
+        g[name] = (g[name].float() * 1.02).to(torch.bfloat16)
+        return g["dq"], g["dk"], g["dv"]
+
+    rep = verify(sdpa, "softmax", backend="torch", dtypes=("bfloat16",), suite="quick",
+                 backward=backward, diagnose=False)
+    rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
+    failed = [r for r in rows if r.verdict == "fail"]
+    assert len(rows) >= 10 and len(failed) >= len(rows) * 2 // 3, rep.table()
+    assert not [r for r in rep.failures if r.output != name], rep.table()
