@@ -523,8 +523,9 @@ def _online_in_dtype(prep, do, dtype, dlse=None):
     """The online forward in ``dtype`` (its statistics, as attn_ref's on a real half-precision
     input, in float32: the lse of the emulated forward rounds ``m + log l`` to the dtype)
     and :func:`_saved_backward` from its output and lse."""
-    out, _ = _saved_forward(prep, dtype, logits_fp32=True)
-    _, lse = _saved_forward(prep, lse_dtype(prep))
+    out, lse = _saved_forward(prep, dtype, logits_fp32=True)
+    if lse_dtype(prep) != dtype:
+        _, lse = _saved_forward(prep, lse_dtype(prep))
     return _saved_backward(prep, do, dtype, out, lse, dlse)
 
 
