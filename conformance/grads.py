@@ -384,12 +384,19 @@ def _baselines(prep, backward=None):
                 lambda prep, do, dtype: _reference_grads(prep, do, dtype, xp=LOGITS_IN_DTYPE)]
     if prep.variant.name not in ("softmax", "online_softmax"):
         return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
-    forms = [
-        lambda prep, do, dtype, dlse=None: _reference_grads(prep, do, dtype, grad.softmax_attention,
-                                                            dlse=dlse),
-        _online_in_dtype,
-        _flash_with_exact_lse,
-    ]
+    def one_shot(xp=None):
+        # softmax_attention takes none of the online form's block sizes (summation order
+        # only): they are dropped, or the form raised and was silently skipped for
+        # online_softmax, whose cases carry them
+        takes = inspect.signature(grad.softmax_attention).parameters
+
+        def run(prep, do, dtype, dlse=None):
+            sub = _with_arrays(prep, {})
+            sub.options = {n: x for n, x in prep.options.items() if n in takes}
+            return _reference_grads(sub, do, dtype, grad.softmax_attention, xp=xp, dlse=dlse)
+        return run
+
+    forms = [one_shot(), _online_in_dtype, _flash_with_exact_lse]
     if prep.dtype in LOW_PRECISION:
         # eager attention under autograd (HuggingFace's, Gemma 2's soft-cap): the logits
         # computed in the dtype, scale, soft-cap and bias each a rounded operation, and
@@ -397,8 +404,7 @@ def _baselines(prep, backward=None):
         # is the form that admits such a kernel: Gemma 2's bfloat16 eager attention erred
         # 1.5-2.2x the dq and dk bounds of softcap:b1h2-q64k64-d64-large_logits-softcap50
         # without it (0.0049 from this form's gradients, 0.024 from the exact ones).
-        forms.append(lambda prep, do, dtype, dlse=None: _reference_grads(
-            prep, do, dtype, grad.softmax_attention, xp=LOGITS_IN_DTYPE, dlse=dlse))
+        forms.append(one_shot(LOGITS_IN_DTYPE))
     if prep.variant.name == "online_softmax" and prep.dtype in LOW_PRECISION:
         # autograd through the online forward (one key tile up to 1024 keys): the partial
         # softmax's rounding, as block_sparse's. attn_ref's own online softmax under torch
