@@ -247,6 +247,17 @@ def state_cotangent(prep, convention=None) -> np.ndarray:
     return round_to(ds, state_dtype(prep, convention))
 
 
+def _inputs_in(prep, dtype, logits_fp32=False) -> dict:
+    """``prep``'s inputs as the NumPy arrays that compute in ``dtype``
+    (:func:`conformance.judging.as_dtype`); with ``logits_fp32`` (float16/bfloat16) the
+    inputs of the logits - ``q``, ``k``, a bias - as plain float32 arrays of the dtype's
+    values (see :func:`_reference_grads`)."""
+    a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
+    if logits_fp32 and dtype in LOW_PRECISION:
+        a.update({n: plain_array(a[n]) for n in ("q", "k", "bias") if n in a})
+    return a
+
+
 def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse=None,
                      logits_fp32=False, **extra):
     """The reference VJP on ``prep``'s inputs in ``dtype``: ``{input name: gradient}``,
@@ -265,9 +276,7 @@ def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse
     attn_ref's eyes) the logits and the lse round to the dtype: on
     ``large-logits:b1h2-q16k16-d8`` in bfloat16 (logits of some thousands, an ulp of 16)
     ``exp(S - lse)`` was off by up to ``e^8`` and the bound on ``dq`` 1e13 times ``dq``'s size."""
-    a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
-    if logits_fp32 and dtype in LOW_PRECISION:
-        a.update({n: plain_array(a[n]) for n in ("q", "k", "bias") if n in a})
+    a = _inputs_in(prep, dtype, logits_fp32)
     p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in prep.params.items()}
     if dfinal_state is not None:
         extra["dfinal_state"] = as_dtype(dfinal_state, dtype)
@@ -504,9 +513,7 @@ def _saved_forward(prep, dtype, logits_fp32=False):
     in ``dtype`` (``logits_fp32`` as in :func:`_reference_grads`)."""
     from attn_ref import grad
 
-    a = {n: as_dtype(x, dtype) for n, x in prep.arrays.items()}
-    if logits_fp32 and dtype in LOW_PRECISION:
-        a.update({n: plain_array(a[n]) for n in ("q", "k", "bias") if n in a})
+    a = _inputs_in(prep, dtype, logits_fp32)
     out, lse = grad.online_softmax_forward(a["q"], a["k"], a["v"],
                                            **{n: x for n, x in a.items() if n not in BASE_KEYS},
                                            **prep.kwargs, **prep.options, xp=_np())
@@ -770,12 +777,13 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         per_element = dict(ulp_rms=elementwise_ulp_rms(g, prep.dtype, keep),
                            count=compared_count(g, keep)) if fused or softmax_half else {}
         tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype, **per_element)
-        if fp32_terms and terms.get(n):
-            # the terms cancel in float32 and the result is rounded to the dtype once:
-            # the terms' floor is in float32 ulps, the gradient's own in the dtype's (the
-            # dtype's ulp of a term, 8 to 16 in bfloat16 where |dq| ~ 6 in a recurrent
-            # kernel, would pass dq = 0)
-            tmax += tol.floor_ulps * ulp(terms[n], "float32")
+        # the terms cancel in float32 and the result is rounded to the dtype once: the
+        # terms' floor is in float32 ulps, the gradient's own in the dtype's (the dtype's
+        # ulp of a term, 8 to 16 in bfloat16 where |dq| ~ 6 in a recurrent kernel, would
+        # pass dq = 0)
+        floor = tol.floor_ulps * ulp(terms[n], "float32") if fp32_terms and terms.get(n) else 0.0
+        if floor:
+            tmax += floor
             if fused or softmax_half:
                 # and so is what the cancellation leaves on every element: on rows one-hot
                 # beyond float32 (large logits) dq is ~1e-24 of rounding noise, and the
@@ -784,7 +792,6 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         # the size a structural mistake is measured against: the gradient's own, or the
         # float32 rounding of its cancelling terms where it is below that (dq of a row
         # one-hot, or of one key, is zero but for the rounding of dP - D)
-        floor = tol.floor_ulps * ulp(terms[n], "float32") if fp32_terms and terms.get(n) else 0.0
         size = max(mag, floor)
         if not fused and bm is not None and size > 0 and (
                 tol.fudge * bm.max_err >= size or (mag > floor and tmax >= mag)):
@@ -792,7 +799,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
                 f"{grad_output(n)} ill-conditioned in {prep.dtype}: a plain {prep.dtype} backward "
                 f"is off by {bm.max_err:.2g} on gradients of size {own:.2g}"
                 + (f" (the float32 rounding of their cancelling terms: {size:.2g})" if size > own else "")
-                + ("" if prep.variant.name not in ("softmax", "online_softmax") else
+                + ("" if not softmax_half else
                    f" (a kernel whose backward keeps dP, D and dS in float32 declares "
                    f"supports={{'backward': '{FP32_ACCUMULATE}'}} and is judged against that)"))
         out[n] = (g, keep, tmax, trms, bm)
@@ -1022,10 +1029,6 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
             f"{prep.variant.name} reference does not take; its inputs: "
             f"{sorted(_inputs_of(prep))}", output="grads", **base)]
     rows = [CaseResult.na(reason=lse_na, output="dlse", **base)] if lse_na else []
-    for n, why in g.get("ill", {}).items():
-        if n in handed or n in BASE_KEYS:
-            rows.append(CaseResult.na(reason=why, output=grad_output(n), **base))
-            handed.pop(n, None)
     for n in [n for n in handed if n not in JUDGED]:
         rows.append(CaseResult.na(
             reason=f"{grad_output(n)} not judged: no derived bound yet for the gradient of a "
@@ -1038,6 +1041,11 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
                 reason=f"{grad_output(n)} not judged: the kernel declares supports={{'grads': "
                        f"{declared!r}}} ({n} not differentiated)", output=grad_output(n), **base))
             handed.pop(n, None)
+    ill = {n: why for n, why in g.get("ill", {}).items()
+           if n in handed or (n in BASE_KEYS and (declared is None or n in declared))}
+    for n, why in ill.items():  # of the gradients still judged: one n/a row each
+        rows.append(CaseResult.na(reason=why, output=grad_output(n), **base))
+        handed.pop(n, None)
     if "noncontiguous" in prep.case.needs:  # do stored in the other layout, as the inputs are views
         buf, view = cotangent_view(do, ctx.layout)
         do_k = kernel_views(ctx, {"do": buf}, {"do": view}, dtype)[0]["do"]
@@ -1074,7 +1082,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
     got = call.value
     hosts = {}
     for n in ("q", "k", "v", *handed):
-        if (declared is not None and n not in declared) or n in g.get("ill", {}):
+        if (declared is not None and n not in declared) or n in ill:
             continue
         gold, keep, tmax, trms, bm = g[n]
         out_name = grad_output(n)

@@ -64,6 +64,25 @@ def make_backward(mistake=None):
     return backward
 
 
+def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """PyTorch SDPA, its mask, causal flag and scale."""
+    import torch
+
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                                            is_causal=is_causal, scale=scale)
+
+
+def sdpa_backward(change):
+    """``backward(q, k, v, do, **kw)``: :func:`sdpa`'s gradients by torch autograd, passed
+    through ``change(dq, dk, dv) -> (dq, dk, dv)`` (a planted mistake)."""
+    def run(q, k, v, do, **kw):
+        import torch
+
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        return change(*torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do))
+    return run
+
+
 def test_correct_explicit_backward_passes_with_a_row_per_gradient():
     rep = verify(np_kernel, "softmax", backend="numpy", dtypes=("float32", "float64"), suite="quick",
                  backward=make_backward(), causal="both")
@@ -114,11 +133,7 @@ def test_gradients_that_leak_through_a_causal_mask_fail_on_causal_cases():
 
 
 def test_torch_sdpa_autograd_passes_in_every_dtype():
-    torch = pytest.importorskip("torch")
-
-    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                                is_causal=is_causal, scale=scale)
+    pytest.importorskip("torch")
 
     rep = verify(sdpa, "softmax", backend="torch", dtypes=("float32", "bfloat16", "float16"),
                  suite="quick", grads=True)
@@ -288,22 +303,11 @@ def test_half_precision_softmax_gradients_off_by_ten_percent_fail():
     passes (test_torch_sdpa_autograd_passes_in_every_dtype)."""
     torch = pytest.importorskip("torch")
 
-    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                                is_causal=is_causal, scale=scale)
-
-    def backward(change):
-        def run(q, k, v, do, **kw):
-            q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-            dq, dk, dv = torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)
-            return change(dq, dk, dv)
-        return run
-
     for dtype in ("bfloat16", "float16"):
         for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
                              ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
             rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), suite="quick",
-                         backward=backward(change), diagnose=False)
+                         backward=sdpa_backward(change), diagnose=False)
             rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
             failed = [r for r in rows if r.verdict == "fail"]
             assert len(rows) >= 10 and len(failed) >= len(rows) // 2, (dtype, name, rep.table())
@@ -461,11 +465,7 @@ def test_fused_backward_declaration_fails_one_to_three_percent_wrong_gradients(d
 def test_half_precision_autograd_passes_the_fused_bounds():
     """SDPA's autograd (math path) and attn_ref's softmax under torch autograd keep the
     logits and the softmax's backward in float32 and pass the fused bounds in both dtypes."""
-    torch = pytest.importorskip("torch")
-
-    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                                is_causal=is_causal, scale=scale)
+    pytest.importorskip("torch")
 
     todo = _fused_cases()
     for kernel, kw in ((sdpa, {}), (attn_ref.softmax_attention, {"causal": "both"})):
@@ -554,16 +554,9 @@ def test_large_logit_half_precision_gradients_are_judged_or_ill_conditioned(dtyp
     rows whose plain half-precision backward errs by more than a quarter of the gradient
     (one-hot rows in bfloat16, dq ~1e-24 of rounding) read n/a, naming the declaration
     under which they are judged."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
 
-    def sdpa(q, k, v, *, is_causal=False, scale=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
-
-    def dv_scaled(q, k, v, do, **kw):
-        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        dq, dk, dv = torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)
-        return dq, dk, dv * 1.05
-
+    dv_scaled = sdpa_backward(lambda dq, dk, dv: (dq, dk, dv * 1.05))
     todo = [c for c in cases("softmax", "standard", grads=True) if c.dist == "large_logits"]
     rep = verify(sdpa, "softmax", backend="torch", dtypes=(dtype,), cases=todo, grads=True,
                  causal="top-left", diagnose=False)
@@ -612,18 +605,13 @@ def test_bfloat16_softmax_gradients_two_percent_off_fail_by_default(name):
     SDPA's own autograd passes (test_torch_sdpa_autograd_passes_in_every_dtype)."""
     torch = pytest.importorskip("torch")
 
-    def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                                is_causal=is_causal, scale=scale)
-
-    def backward(q, k, v, do, **kw):
-        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        g = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do)))
+    def off(*grads):
+        g = dict(zip(("dq", "dk", "dv"), grads))
         g[name] = (g[name].float() * 1.02).to(torch.bfloat16)
         return g["dq"], g["dk"], g["dv"]
 
     rep = verify(sdpa, "softmax", backend="torch", dtypes=("bfloat16",), suite="quick",
-                 backward=backward, diagnose=False)
+                 backward=sdpa_backward(off), diagnose=False)
     rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
     failed = [r for r in rows if r.verdict == "fail"]
     assert len(rows) >= 10 and len(failed) >= len(rows) * 2 // 3, rep.table()
