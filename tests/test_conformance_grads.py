@@ -423,6 +423,43 @@ def test_zero_gradient_rows_of_linear_attention_pass_in_half_precision():
         assert rows and all(r.verdict == "pass" for r in rows), rep.table()
 
 
+def test_a_gradient_baseline_that_raises_is_an_error_not_a_skipped_form(monkeypatch):
+    """prepare_grads skipped every baseline that raised, so a form broken for a whole
+    variant vanished and the bound came from the forms left: online_softmax's fused
+    baselines (the float32 VJP, FlashAttention-2's rounding) raised TypeError on its block
+    sizes on every case, leaving one form of three. A form that declares the case outside
+    its function (NotApplicable) or overflows (ArithmeticError) is still skipped."""
+    from conformance import grads
+    from conformance.features import NotApplicable
+    from conformance.judging import prepare
+
+    case = next(c for c in cases("online_softmax", "standard", grads=True)
+                if c.id.startswith("basic:"))
+    prep = prepare(case, "online_softmax", "bfloat16", 0)
+    # every fused and default form takes the online cases (their block sizes included)
+    for backward in (None, "fp32-accumulate"):
+        g = grads.prepare_grads(prep, backward=backward, lse=True)
+        assert {"q", "k", "v"} <= set(g) and all(g[n][4] is not None for n in "qkv")
+    real = grads._baselines
+
+    def with_form(form):
+        monkeypatch.setattr(grads, "_baselines", lambda p, b=None: [*real(p, b), form])
+
+    def broken(prep, do, dtype, dlse=None):
+        raise TypeError("an oracle bug")
+
+    def outside(prep, do, dtype, dlse=None):
+        raise NotApplicable("this form takes no such case")
+
+    with_form(broken)
+    # seeds 1 and 2: prepare_grads caches its result on the prepared case of seed 0
+    with pytest.raises(TypeError, match="an oracle bug"):
+        grads.prepare_grads(prepare(case, "online_softmax", "bfloat16", 1), lse=True)
+    with_form(outside)
+    g = grads.prepare_grads(prepare(case, "online_softmax", "bfloat16", 2), lse=True)
+    assert g["q"][4] is not None
+
+
 def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
     """A gradient row that fails and matches none of MISTAKES said nothing (an empty
     diagnosis, where a failing output row reads "no known mistake explains it")."""
