@@ -111,7 +111,12 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
-           "wy_chunks", "WY_CHUNKS"]
+           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES"]
+
+#: The online softmax's options that fix its summation order only (its tiles): the forms
+#: that compute its function another way (the lse's forward, the one-shot baselines,
+#: conformance.judging's fixed tiles) drop them.
+BLOCK_SIZES = ("block_q", "block_k")
 
 #: The factor over the derived per-row bound (module docstring).
 LSE_FUDGE = 4.0
@@ -272,7 +277,7 @@ def _lse_canonical(x, layout):
 def _forward_lse(q, k, v, /, **kw):
     from attn_ref.grad.softmax import online_softmax_forward
 
-    kw.pop("block_q", None), kw.pop("block_k", None)
+    kw = {n: x for n, x in kw.items() if n not in BLOCK_SIZES}
     return online_softmax_forward(q, k, v, **kw)[1]
 
 

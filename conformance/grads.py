@@ -71,7 +71,7 @@ from .calling import (
     first_output,
     snapshot,
 )
-from .extras import EXTRAS, RECURRENT, expected_outputs, split_outputs
+from .extras import BLOCK_SIZES, EXTRAS, RECURRENT, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, as_dtype, resolve_tolerance, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
@@ -419,16 +419,13 @@ def _baselines(prep, backward=None):
 
 
 def _one_shot_options(prep) -> dict:
-    """``prep``'s options that :func:`attn_ref.grad.softmax_attention` takes: the one-shot
-    baselines of ``online_softmax`` drop the online form's block sizes (summation order
-    only). Kept, they raised on every online_softmax case, and until baselines that raise
-    became errors (:func:`prepare_grads`) those forms were skipped silently: the plain
-    and eager forms until 22c46e4, the fused forms' float32 VJP and FlashAttention-2
-    rounding until this function."""
-    from attn_ref import grad
-
-    takes = inspect.signature(grad.softmax_attention).parameters
-    return {n: x for n, x in prep.options.items() if n in takes}
+    """``prep``'s options less :data:`conformance.extras.BLOCK_SIZES`, for the one-shot
+    softmax baselines. Kept, the block sizes raised on every online_softmax case, and
+    while a raising baseline was skipped (:func:`prepare_grads`) those forms were lost
+    silently: the default plain and eager forms until 22c46e4, the fused float32 VJP and
+    FlashAttention-2 forms until d6d50d4. Only these are dropped: any other option a
+    form does not take raises, as dropping it would change the function."""
+    return {n: x for n, x in prep.options.items() if n not in BLOCK_SIZES}
 
 
 def _fused(prep, backward) -> bool:
@@ -649,9 +646,9 @@ HALF_GRAD_DEFAULTS = Tolerance(fudge=4.0, floor_ulps=4.0, fudge_rms=3.0, floor_r
 #: with one gradient x 1.03 failed 0-7 of 26-29 recurrent rows per gradient, linear's
 #: dq 0 of 63, compressed's 0 of 65; now 26-29 of 26-29, 16 of 63, 57 of 65 (bfloat16,
 #: seed 0). The others are not: with these bounds their references fail rows (sparse
-#: and clustered softmax patterns at 1.4-7.3 on ``long:...-offset_values`` and
-#: large-logit rows, whose plain backwards round ``dP`` unlike the VJP in the dtype;
-#: docs/conformance.md, "Gradients").
+#: and clustered softmax patterns at 1.4-14.7 on the N = 1000 and large-logit rows,
+#: whose plain backwards round ``dP`` unlike the VJP in the dtype; docs/conformance.md,
+#: "Half-precision gradients of the other variants").
 HALF_GRAD_VARIANTS = frozenset({"softmax", "online_softmax", "linear", "compressed", "retention",
                                 "gla", "ssd", "deltanet", "gated_deltanet"})
 
@@ -771,7 +768,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             # a form that declares the case outside its function (the partial softmax
             # takes no bias), or one that overflows in the dtype, as the forward's
             # baselines may; any other exception is the oracle's bug and is raised: skipped,
-            # it left the bound to the forms that remained (22c46e4, _one_shot_options)
+            # it left the bound to the forms that remained (_one_shot_options)
             pass
     out = {"do": do}
     if ds is not None:

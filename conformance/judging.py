@@ -42,7 +42,7 @@ import numpy as np
 
 from .calling import reference_features
 from .catalogue import case_gates
-from .extras import FLA_CHUNK, RECURRENT
+from .extras import BLOCK_SIZES, FLA_CHUNK, RECURRENT
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
@@ -688,7 +688,7 @@ class Form:
 def _online(q, k, v, /, **kw):
     from attn_ref.softmax import online_softmax_attention
 
-    kw = {n: x for n, x in kw.items() if n not in ("block_q", "block_k")}
+    kw = {n: x for n, x in kw.items() if n not in BLOCK_SIZES}
     return online_softmax_attention(q, k, v, block_q=64, block_k=32, **kw)
 
 

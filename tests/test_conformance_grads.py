@@ -73,15 +73,20 @@ def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
                                                             is_causal=is_causal, scale=scale)
 
 
-def sdpa_backward(change):
-    """``backward(q, k, v, do, **kw)``: :func:`sdpa`'s gradients by torch autograd, passed
+def autograd_backward(kernel, change):
+    """``backward(q, k, v, do, **kw)``: ``kernel``'s gradients by torch autograd, passed
     through ``change(dq, dk, dv) -> (dq, dk, dv)`` (a planted mistake)."""
     def run(q, k, v, do, **kw):
         import torch
 
         q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        return change(*torch.autograd.grad(sdpa(q_, k_, v_, **kw), (q_, k_, v_), do))
+        return change(*torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do))
     return run
+
+
+def sdpa_backward(change):
+    """:func:`autograd_backward` of :func:`sdpa`."""
+    return autograd_backward(sdpa, change)
 
 
 def test_correct_explicit_backward_passes_with_a_row_per_gradient():
@@ -329,13 +334,6 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
     from conformance.cli import reference_kernel
 
     kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
-
-    def backward(change):
-        def run(q, k, v, do, **kw):
-            q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-            return change(*torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do))
-        return run
-
     ok = verify(kernel, variant, backend="torch", dtypes=(dtype,), suite="quick", grads=True,
                 causal="both", diagnose=False, supports={"broadcast": True})
     # the gradient rows: nystrom's own forward in float16 fails one output row
@@ -345,7 +343,7 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
     for name, change in (("dq", lambda dq, dk, dv: (torch.zeros_like(dq), dk, dv)),
                          ("dk", lambda dq, dk, dv: (dq, dk * 1.1, dv))):
         rep = verify(kernel, variant, backend="torch", dtypes=(dtype,), suite="quick",
-                     backward=backward(change), causal="both", diagnose=False,
+                     backward=autograd_backward(kernel, change), causal="both", diagnose=False,
                      supports={"broadcast": True})
         rows = [r for r in rep.results if r.output == name and r.verdict != "n/a"]
         assert len(rows) >= 5 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, \
