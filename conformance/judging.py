@@ -68,6 +68,7 @@ from .tolerance import (
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
            "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "lse_form", "lse_softmax_attention",
+           "softmax_pattern",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
 
@@ -982,13 +983,22 @@ def lse_form(name):
         raise ValueError(f"lse_form takes a variant of {LSE_VARIANTS}, got {name!r}")
 
     def form(q, k, v, /, *, scale=None, xp=None, return_lse=False, **options):
-        from attn_ref.registry import get
-
-        allowed = get(name).weights(xp.zeros_like(q), k, scale=scale, xp=xp, **options) > 0
+        allowed = softmax_pattern(name, q, k, scale=scale, xp=xp, **options)
         return lse_softmax_attention(q, k, v, mask=allowed, scale=scale, xp=xp, return_lse=return_lse)
 
     form.__name__ = f"{name}_lse_softmax"
     return form
+
+
+def softmax_pattern(name, q, k, /, *, xp, **options):
+    """The ``(..., Nq, Nk)`` boolean pattern of the sparse variant ``name`` (one of
+    :data:`LSE_VARIANTS` besides softmax): where its own attention matrix is nonzero on
+    ``q = 0``, every allowed logit 0 and the row uniform over the allowed keys, so no
+    allowed weight underflows. ``options`` are the variant's (``causal``, ``scale``, its
+    pattern's parameters). ``O(Nq Nk d)`` time."""
+    from attn_ref.registry import get
+
+    return get(name).weights(xp.zeros_like(q), k, xp=xp, **options) > 0
 
 
 def _causal_square(prep):

@@ -166,3 +166,15 @@ def test_math_is_bundled_for_offline_reading():
     assert spec is not None, "the docs extra's sphinx-mathjax-offline is not installed"
     bundled = Path(spec.origin).parent / "static" / "mathjax" / "tex-chtml.js"
     assert bundled.is_file()
+
+
+def test_pages_hold_no_control_characters():
+    # A page written through a Python string that was not raw turns TeX's \t, \b into a
+    # tab and a backspace ("$\times$" into "$<TAB>imes$"): the formula renders as text.
+    # Found on 3 December 2026 on twelve lines of conformance.md and reduction.md.
+    bad = []
+    for p in pages():
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if re.search(r"[\x00-\x09\x0b-\x1f\x7f]", line):
+                bad.append(f"{p.name}:{n}: {line.strip()[:60]!r}")
+    assert not bad, bad
