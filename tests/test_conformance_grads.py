@@ -373,7 +373,8 @@ def _scaled_gradient(kernel, name, factor):
 
 
 @pytest.mark.parametrize("variant", ["linear", "compressed", "retention", "gla", "ssd", "deltanet",
-                                     "gated_deltanet", "fixed", "strided", "local"])
+                                     "gated_deltanet", "fixed", "strided", "local", "longformer",
+                                     "bigbird"])
 @pytest.mark.parametrize("dtype, factor", [("bfloat16", 1.03), ("float16", 1.005)])
 def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, factor):
     """conformance.grads.HALF_GRAD_VARIANTS: their float16/bfloat16 gradients are judged with
@@ -382,7 +383,7 @@ def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, fact
     most rows. With twice the factors and the RMS floor at the largest value's ulp, dq or
     dk x 1.03 passed every quick bfloat16 row of linear and compressed attention and of
     the recurrent family's first case; and with the dtype's ulp of the cancelling terms
-    as their floor, every standard row of fixed, strided and local."""
+    as their floor, every standard row of fixed, strided, local, longformer and bigbird."""
     pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
@@ -440,8 +441,8 @@ def test_the_partial_softmax_baseline_is_the_sparse_patterns_function(variant):
 def test_sdpa_with_a_sparse_pattern_as_its_mask_passes_half_precision_gradients():
     """A third-party kernel of the patterns moved to the tight half-precision bounds: torch
     SDPA (4-D) with the pattern as a boolean mask, under autograd, passes every gradient
-    of fixed, strided and local in bfloat16 and float16 (calibration: 0.52 at most, seeds
-    0-3); the same kernel with dq x 1.03 fails most bfloat16 rows."""
+    of fixed, strided, local, longformer and bigbird in bfloat16 and float16 (calibration:
+    0.52 at most, seeds 0-3); the same kernel with dq x 1.03 fails most bfloat16 rows."""
     torch = pytest.importorskip("torch")
     import inspect
 
@@ -460,7 +461,7 @@ def test_sdpa_with_a_sparse_pattern_as_its_mask_passes_half_precision_gradients(
         run.__signature__ = inspect.signature(attn_ref.registry.get(name).fn)
         return run
 
-    for variant in ("fixed", "strided", "local"):
+    for variant in ("fixed", "strided", "local", "longformer", "bigbird"):
         for dtype in ("bfloat16", "float16"):
             rep = verify(masked_sdpa(variant), variant, backend="torch", dtypes=(dtype,), suite="quick",
                          grads=True, diagnose=False, causal="both")

@@ -187,12 +187,17 @@ def test_block_sparse_equals_dense_masked(backend, causal, nq, nk, b, seed):
                  backend)
 
 
-@pytest.mark.parametrize("b,w,g,r,causal", [(4, 0, 1, 1, False), (3, 1, 1, 2, True), (5, 0, 0, 1, False)])
-def test_bigbird_equals_dense_masked(backend, causal, b, w, g, r):
+@pytest.mark.parametrize("b,w,g,r,causal,last", [(4, 0, 1, 1, False, 0), (3, 1, 1, 2, True, 0),
+                                                  (5, 0, 0, 1, False, 0), (3, 0, 1, 1, True, 1),
+                                                  (2, 1, 0, 1, False, 2)])
+def test_bigbird_equals_dense_masked(backend, causal, b, w, g, r, last):
+    # last: last_global_blocks, global rows and columns at the end too (the global blocks
+    # are a columns part of the plan for the other rows)
     (q, k, v), (qh, kh, vh) = _qkv(backend)
     out = call(backend, bigbird_attention, q, k, v, block_size=b, window=w, global_blocks=g,
-               random_blocks=r, seed=7, causal=causal)
-    lay = bigbird_layout(-(-N // b), window=w, global_blocks=g, random_blocks=r, seed=7)
+               random_blocks=r, seed=7, causal=causal, last_global_blocks=last)
+    lay = bigbird_layout(-(-N // b), window=w, global_blocks=g, random_blocks=r, seed=7,
+                         last_global_blocks=last)
     want, _ = naive_attention(qh, kh, vh, mask=ref_layout(lay, b, N, N),
                               causal="top-left" if causal else None)
     assert_close(out, want, backend)
