@@ -380,12 +380,18 @@ def _baselines(prep, backward=None):
             return run
 
         return [form(), form(chunk_size=FLA_CHUNK), form(form="recurrent")]
-    if prep.variant.name in LSE_VARIANTS and prep.dtype in LOW_PRECISION and \
-            prep.variant.name not in ("softmax", "online_softmax"):
-        # a sparse softmax pattern as a half-precision kernel computes it: a partial
-        # softmax over the allowed keys (attn_ref.sparse.plans.attend_plan), differentiated
-        # step by step (block_sparse's differentiated row maximum put 4.2x the bound on dk)
-        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype), _partial_softmax_autograd]
+    if prep.variant.name in LSE_VARIANTS and prep.variant.name not in ("softmax", "online_softmax"):
+        # a sparse softmax pattern: its VJP; FlashAttention's backward with the pattern as
+        # its mask (FlexAttention's, SDPA's with a mask: P recomputed from a saved lse,
+        # which on large logits moves P by ulp(lse) - SDPA with the pattern as its mask
+        # erred 500-1300x the reference VJP's bound on dv in float32); and in
+        # float16/bfloat16 the partial softmax over the allowed keys
+        # (attn_ref.sparse.plans.attend_plan) differentiated step by step (block_sparse's
+        # differentiated row maximum put 4.2x the bound on dk)
+        forms = [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
+                 lambda prep, do, dtype: _flash_with_exact_lse(_softmax_view(prep), do, dtype),
+                 lambda prep, do, dtype: _online_in_dtype(_softmax_view(prep), do, dtype)]
+        return forms + [_partial_softmax_autograd] if prep.dtype in LOW_PRECISION else forms
     if prep.variant.name == "nystrom" and prep.dtype in LOW_PRECISION:
         # The landmark kernel K2 as a half-precision Nystromformer holds it (softmax
         # weights in the dtype, HuggingFace's and lucidrains' code in float16): its
@@ -420,6 +426,25 @@ def _baselines(prep, backward=None):
         # dk 6.5x in bfloat16; 2.5x and 6.2x in float16)
         forms.append(_partial_softmax_autograd)
     return forms
+
+
+def _softmax_view(prep):
+    """``prep`` of a sparse pattern (:data:`conformance.judging.LSE_VARIANTS`) as a softmax
+    case: the pattern (:func:`conformance.judging.softmax_pattern`, causal included) as
+    its boolean ``mask``, the pattern's own parameters and options dropped. The same
+    function, for the softmax family's backward forms."""
+    from attn_ref.registry import get
+
+    a = {n: np.asarray(x, dtype=np.float64) for n, x in prep.arrays.items()}
+    if {"mask", "bias"} & set(a):
+        raise NotApplicable("the softmax view of a sparse pattern takes no mask or bias of its own")
+    pat = softmax_pattern(prep.variant.name, a["q"], a["k"], xp=np, **prep.kwargs, **prep.params,
+                          **prep.options)
+    sub = _with_arrays(prep, {"mask": np.asarray(pat)})
+    sub.variant = get("softmax")
+    sub.params, sub.options = {}, {}
+    sub.kwargs = {n: x for n, x in prep.kwargs.items() if n != "causal"}
+    return sub
 
 
 def _one_shot_options(prep) -> dict:

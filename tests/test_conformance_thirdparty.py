@@ -817,10 +817,11 @@ def _local_rows(plant=None, dtypes=("float64", "float32"), keep=lambda case_id: 
 
 
 def test_huggingface_local_self_attention_passes_as_its_chunk_layout():
-    # one-hot rows (|lse| ~280) are left out: its softmax exp(s - logsumexp(s)) errs by
-    # |lse| eps there, 1.06x the bound at seed 0 in float64, a form the oracle refuses and
-    # names (tests/test_conformance_lse_form.py; docs/conformance.md)
-    ratio = _passes(_local_rows(keep=lambda i: not i.startswith("one-hot")), 20)
+    # one-hot rows (|lse| ~280) included: its softmax exp(s - logsumexp(s)) errs by |lse|
+    # eps there, 1.06x the bound at seed 0 in float64 while block_sparse's baselines were
+    # its efficient forms alone; a dense product's logits round as much, and with the
+    # dense masked softmax among the forms it passes (tests/test_conformance_lse_form.py)
+    ratio = _passes(_local_rows(), 22)
     print(f"THIRDPARTY hf-local (block_sparse, layout: chunk and chunk before) worst ratio {ratio:.2f}")
     for plant in ({"q_factor": 1.01}, {"before": 0}):
         _fails(_local_rows(plant, ("float32",), keep=lambda i: i.startswith(("length", "causal"))))
