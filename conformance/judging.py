@@ -850,29 +850,17 @@ def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_d
     return form
 
 
-def _reformer_dense(q, k, v, /, **kw):
-    """Reformer as its defining form: the union-mask softmax matrix times ``v``."""
-    from attn_ref.hashing import reformer_weights
-
-    return reformer_weights(q, k, **kw) @ v
-
-
-def _sinkhorn_dense(q, k, v, /, **kw):
-    """Sparse Sinkhorn as its defining form: the dense weights matrix times ``v``."""
-    from attn_ref.sorting import sinkhorn_weights
-
-    return sinkhorn_weights(q, k, **kw) @ v
-
-
-def _dense_pattern(name):
-    """The sparse pattern ``name`` as its defining form: its dense weights matrix (the
-    masked softmax over all ``N`` keys, one matrix product for the logits) times ``v``.
-    The efficient form's logits are products over gathered blocks, which NumPy sums
-    more exactly than a BLAS product of the whole matrix: on large logits (|S| ~ 1e4) in
-    float32 its logits erred 1e-3 where the dense product's err 3e-3, and eager masked
-    attention, SDPA with the pattern as its mask and attn_ref's own bigbird under torch
-    failed their outputs at 1.15-1.73x (bigbird, strided, local, block_sparse; seeds 10
-    and 15)."""
+def _dense_form(name):
+    """The variant ``name`` as its defining form: its dense weights matrix (the
+    registry's ``weights``; for a sparse pattern the masked softmax over all ``N`` keys,
+    one matrix product for the logits) times ``v``. Reformer's and Sinkhorn's union-mask
+    softmax; and the sparse patterns', whose efficient forms' logits are products over
+    gathered blocks, which NumPy sums more exactly than a BLAS product of the whole
+    matrix: on large logits (|S| ~ 1e4) in float32 those logits erred 1e-3 where the dense
+    product's err 3e-3, and eager masked attention, SDPA with the pattern as its mask and
+    attn_ref's own bigbird under torch failed their outputs at 1.15-1.73x (bigbird,
+    strided, local, block_sparse; seeds 10 and 15) while the efficient forms were the
+    only baselines."""
     def dense(q, k, v, /, **kw):
         from attn_ref.registry import get
 
@@ -1112,15 +1100,15 @@ register_forms("nystrom", AS_REGISTERED, FOLD, SPLIT, PERTURBED,
 register_forms("linformer", AS_REGISTERED, FOLD,
                Form("projections summed key by key", fn=_linformer_key_by_key, applies=_FULL))
 # Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
-register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_reformer_dense),
+register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_dense_form("reformer")),
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
-register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_sinkhorn_dense))
+register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_dense_form("sinkhorn")))
 for _name in ("local", "longformer"):
     register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
-# the sparse patterns: their defining form too, the dense masked softmax (_dense_pattern);
+# the sparse patterns: their defining form too, the dense masked softmax (_dense_form);
 # in float32 and float64, where a dense product's logits round differently enough
 for _name in ("block_sparse", "local", "longformer", "bigbird", "strided", "fixed"):
-    register_forms(_name, *FORMS[_name], Form("dense masked softmax", fn=_dense_pattern(_name),
+    register_forms(_name, *FORMS[_name], Form("dense masked softmax", fn=_dense_form(_name),
                                               applies=_FULL))
 # routing: q enters the routing only through q / |q|, which the fold's positive factor
 # leaves alone, so the fold is the same function

@@ -143,7 +143,7 @@ def test_huggingface_local_self_attention_one_hot_passes_as_a_dense_kernel(seed,
     # over gathered blocks) NumPy sums more exactly than a BLAS product of the whole
     # matrix. A plain dense kernel (eager masked attention, max-shifted) failed such cases
     # at 1.15-1.73; with the dense masked softmax among the forms (conformance.judging,
-    # _dense_pattern) both pass: HuggingFace's at 0.62 and 0.45. Without that form the old
+    # _dense_form) both pass: HuggingFace's at 0.62 and 0.45. Without that form the old
     # verdict, and the lse form's diagnosis, come back.
     pytest.importorskip("torch")
     from conformance import judging
