@@ -67,8 +67,8 @@ from .tolerance import (
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
-           "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "lse_form", "lse_softmax_attention",
-           "softmax_pattern",
+           "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "SPARSE_PATTERNS", "lse_form",
+           "lse_softmax_attention", "softmax_pattern",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
 
@@ -969,10 +969,13 @@ def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, re
     return (out, pb.ungroup(lse)[..., 0]) if return_lse else out
 
 
+#: The sparse patterns: a softmax over the keys a fixed pattern allows (with causal),
+#: read off the variant's own attention matrix by :func:`softmax_pattern`.
+SPARSE_PATTERNS = ("block_sparse", "local", "longformer", "bigbird", "strided", "fixed")
+
 #: The variants whose output is a softmax over a row of logits ``scale q . k`` (plus the
 #: softmax options), masked by the variant's pattern: :func:`lse_form` computes them.
-LSE_VARIANTS = ("softmax", "online_softmax", "block_sparse", "local", "longformer", "bigbird",
-                "strided", "fixed")
+LSE_VARIANTS = ("softmax", "online_softmax") + SPARSE_PATTERNS
 
 
 def lse_form(name):
@@ -1084,8 +1087,7 @@ for _name in RECURRENT:
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED,
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
-for _name in ("compressed", "pooled", "query_reduced", "clustered",
-              "clustered_topk", "block_sparse", "strided", "fixed", "bigbird"):
+for _name in ("compressed", "pooled", "query_reduced", "clustered", "clustered_topk"):
     register_forms(_name, AS_REGISTERED, FOLD)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
 # Nystromformer: the paper and HuggingFace scale q and k by d**-0.25 each; both enter the
@@ -1103,13 +1105,13 @@ register_forms("linformer", AS_REGISTERED, FOLD,
 register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_dense_form("reformer")),
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
 register_forms("sinkhorn", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_dense_form("sinkhorn")))
-for _name in ("local", "longformer"):
-    register_forms(_name, AS_REGISTERED, FOLD, Form("blocks of 5", (("block_size", 5),)))
-# the sparse patterns: their defining form too, the dense masked softmax (_dense_form);
-# in float32 and float64, where a dense product's logits round differently enough
-for _name in ("block_sparse", "local", "longformer", "bigbird", "strided", "fixed"):
-    register_forms(_name, *FORMS[_name], Form("dense masked softmax", fn=_dense_form(_name),
-                                              applies=_FULL))
+# the sparse patterns: local and longformer in other blocks too; each its defining form,
+# the dense masked softmax (_dense_form), in float32 and float64, where a dense product's
+# logits round differently enough
+for _name in SPARSE_PATTERNS:
+    _blocks = (Form("blocks of 5", (("block_size", 5),)),) if _name in ("local", "longformer") else ()
+    register_forms(_name, AS_REGISTERED, FOLD, *_blocks,
+                   Form("dense masked softmax", fn=_dense_form(_name), applies=_FULL))
 # routing: q enters the routing only through q / |q|, which the fold's positive factor
 # leaves alone, so the fold is the same function
 register_forms("routing", AS_REGISTERED, FOLD)

@@ -10,6 +10,7 @@ import attn_ref
 from conformance import verify
 from conformance.catalogue import cases
 from conformance.grads import HALF_GRAD_VARIANTS, MISTAKES
+from conformance.judging import SPARSE_PATTERNS
 from conformance.vectors import export_vectors, load_vectors
 from tests.helpers import masked_logits, run_plugin
 
@@ -403,8 +404,7 @@ def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, fact
         assert len(rows) >= 6 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
 
 
-@pytest.mark.parametrize("variant", ["block_sparse", "local", "longformer", "bigbird", "strided",
-                                     "fixed"])
+@pytest.mark.parametrize("variant", SPARSE_PATTERNS)
 def test_the_partial_softmax_baseline_is_the_sparse_patterns_function(variant):
     """The partial softmax's autograd and FlashAttention's backward on the pattern as a
     mask (conformance.grads._baselines: baselines of every sparse softmax pattern) read the
@@ -464,8 +464,7 @@ def _pattern_kernel(name, how="sdpa"):
         dead = ~al.any(-1, keepdim=True)
         scale = kw.get("scale") if kw.get("scale") is not None else q.shape[-1] ** -0.5
         if how == "sdpa":
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=al | dead, scale=scale)
-            return out.masked_fill(dead, 0)
+            return sdpa(q, k, v, attn_mask=al | dead, scale=scale).masked_fill(dead, 0)
         s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~al, float("-inf")).masked_fill(dead, 0)
         p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype).masked_fill(dead, 0)
         return p @ v
@@ -479,15 +478,13 @@ def test_sdpa_with_a_sparse_pattern_as_its_mask_passes_half_precision_gradients(
     of fixed, strided, local, longformer and bigbird in bfloat16 and float16 (calibration:
     0.52 at most, seeds 0-3); the same kernel with dq x 1.03 fails most bfloat16 rows."""
     pytest.importorskip("torch")
-    masked_sdpa = _pattern_kernel
-
     for variant in ("fixed", "strided", "local", "longformer", "bigbird"):
         for dtype in ("bfloat16", "float16"):
-            rep = verify(masked_sdpa(variant), variant, backend="torch", dtypes=(dtype,), suite="quick",
+            rep = verify(_pattern_kernel(variant), variant, backend="torch", dtypes=(dtype,), suite="quick",
                          grads=True, diagnose=False, causal="both")
             rows = [r for r in rep.results if r.verdict != "n/a"]
             assert len(rows) >= 15 and all(r.verdict == "pass" for r in rows), rep.table()
-        bad = verify(_scaled_gradient(masked_sdpa(variant), "q", 1.03), variant, backend="torch",
+        bad = verify(_scaled_gradient(_pattern_kernel(variant), "q", 1.03), variant, backend="torch",
                      dtypes=("bfloat16",), suite="quick", grads=True, diagnose=False, causal="both")
         rows = [r for r in bad.results if r.output == "dq" and r.verdict != "n/a"]
         assert len(rows) >= 4 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, bad.table()

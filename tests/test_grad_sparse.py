@@ -203,9 +203,8 @@ def test_global_keys_gradients_under_half_precision_autograd():
     want = grad.longformer_attention(q, k, v, do, **opts)
     t = [torch.tensor(x, dtype=torch.bfloat16, requires_grad=True) for x in (q, k, v)]
     S.longformer_attention(*t, **opts).backward(torch.tensor(do, dtype=torch.bfloat16))
-    for name, x in zip("qkv", t):
-        if name == "q":  # a global query's dq is its own row's, over all 1000 keys
-            continue
+    # not dq: a global query's dq is its own row's, over all 1000 keys
+    for name, x in zip("kv", t[1:]):
         got, ref = x.grad.double().numpy(), want[name]
         for j in opts["global_tokens"]:
             err = np.max(np.abs(got[..., j, :] - ref[..., j, :])) / np.max(np.abs(ref[..., j, :]))
