@@ -402,6 +402,12 @@ def _baselines(prep, backward=None):
         # float16 torch run of the same function, 155 units of its rounding).
         return [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
                 lambda prep, do, dtype: _reference_grads(prep, do, dtype, xp=LOGITS_IN_DTYPE)]
+    if prep.variant.name == "clustered_topk" and prep.dtype in LOW_PRECISION:
+        # the VJP with every operation in the dtype, as the forward's form of that name
+        # (conformance.judging): the k-means and the top-k choice in the dtype, where a
+        # half-precision kernel makes them and may choose otherwise than float32 does
+        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
+                lambda prep, do, dtype: _reference_grads(prep, do, dtype, xp=LOGITS_IN_DTYPE)]
     if prep.variant.name not in ("softmax", "online_softmax"):
         return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
     def one_shot(xp=None):

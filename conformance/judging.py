@@ -1089,6 +1089,13 @@ register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "q
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
 for _name in ("compressed", "pooled", "query_reduced", "clustered", "clustered_topk"):
     register_forms(_name, AS_REGISTERED, FOLD)
+# Improved clustered attention: the k-means on the queries and each centroid's top-k keys
+# in the dtype, as a half-precision kernel computes them. Without this form attn_ref's
+# own reference under torch failed 4 float16 output rows at 73-883x and 5 bfloat16 at
+# 6.4-15 (seeds 0-3), where its half-precision clusters or top-k keys differ from those
+# of the float32-accumulating form; with it, none and 2 (2.4 and 12.6).
+register_forms("clustered_topk", AS_REGISTERED, FOLD,
+               Form("every operation in the dtype", in_dtype=True, applies=_HALF))
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)))
 # Nystromformer: the paper and HuggingFace scale q and k by d**-0.25 each; both enter the
 # landmark means and the three logit matrices linearly, so that is the same function. On
