@@ -67,7 +67,9 @@ from .linear import (
     readout,
     safe_denominator,
     weights_from_features,
+    zero_keyless_rows,
 )
+from .softmax.tiles import logit_dtype
 
 __all__ = [
     "KERNELS",
@@ -312,7 +314,8 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
     if order == "quadratic":
         a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
-        return readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
+        return zero_keyless_rows(xp, readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps),
+                                  alignment, k.shape[-2])
     nq = fq.shape[-2]
     p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
     fq = pad_rows(xp, fq, p_q, 0)
@@ -320,7 +323,9 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
     fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
     ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
     num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
-    return readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
+    out = readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
+    return zero_keyless_rows(xp, out, alignment, k.shape[-2])
+
 
 
 def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
@@ -512,13 +517,21 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
                                                   feature_eps, stabilize)
     check_order(order)
     check_positive_int("chunk_size", chunk_size)
+    work = logit_dtype(xp, q.dtype)
+    if work != q.dtype:
+        out = performer_attention(*(xp.astype(x, work) for x in (q, k, v)),
+                                  projection=xp.astype(projection, work), kernel=kernel, causal=causal,
+                                  stabilize=stabilize, scale=scale, order=order, chunk_size=chunk_size,
+                                  eps=eps, feature_eps=feature_eps, xp=xp)
+        return xp.astype(out, q.dtype)
     if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
         return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
     if alignment is None and order == "linear" and not feature_eps:
         return _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps)
     fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
-    return linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
-                                eps=eps, xp=xp)
+    out = linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
+                               eps=eps, xp=xp)
+    return zero_keyless_rows(xp, out, alignment, k.shape[-2])
 
 
 def _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps):

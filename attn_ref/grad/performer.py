@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+from ..linear import zero_keyless_rows
 from ..performer import performer_features, prepare_performer
 from ._common import transpose, unbroadcast
 from .linear import linear_from_features
@@ -85,6 +86,8 @@ def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal
     xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp,
                                                   feature_eps, stabilize)
     fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
+    # the forward selects zeros on queries without a key: no cotangent reaches them
+    do = zero_keyless_rows(xp, do, alignment, k.shape[-2])
     g = linear_from_features(fq, fk, v, do, causal=alignment or False, order=order, chunk_size=chunk_size,
                              eps=eps, xp=xp)
     root = math.sqrt(scale)

@@ -30,6 +30,7 @@ __all__ = [
     "safe_denominator",
     "readout",
     "causal_visible",
+    "zero_keyless_rows",
     "similarities",
     "hide",
     "quadratic_order",
@@ -59,6 +60,25 @@ def causal_visible(xp, nq, nk, alignment, device):
     """Boolean ``(Nq, Nk)``: True where query ``i`` may see key ``j``."""
     off = causal_offset(alignment, nq, nk)
     return xp.arange(nk, device=device)[None, :] <= xp.arange(nq, device=device)[:, None] + off
+
+
+def zero_keyless_rows(xp, x, alignment, nk):
+    """``x (..., Nq, dv)`` with exact zeros, selected, on the queries that the causal
+    ``alignment`` (None: none) leaves without a key among ``nk``.
+
+    Their output is ``0 / eps = 0`` already; selected, it does not depend on that
+    division, whose ``1 / eps`` times ``V`` overflows at Performer's ``eps`` (the
+    dtype's smallest normal number) before the causal mask's zero meets it. Applied to
+    the output (torch and JAX autograd) and to its cotangent (the VJP), it keeps their
+    gradients finite: attn_ref's causal Performer had NaN ``dq`` and ``dk`` under torch
+    autograd, and its VJP a non-finite ``dq`` in float64, on every bottom-right case with
+    more queries than keys. ``O(Nq dv)``."""
+    nq = x.shape[-2]
+    if alignment is None or causal_offset(alignment, nq, nk) >= 0:
+        return x
+    dev = array_api_compat.device(x)
+    keyless = (xp.arange(nq, device=dev) + causal_offset(alignment, nq, nk) < 0)[:, None]
+    return xp.where(keyless, xp.zeros((), dtype=x.dtype, device=dev), x)
 
 
 def similarities(xp, fq, fk, alignment):
