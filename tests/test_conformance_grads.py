@@ -405,19 +405,22 @@ def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, fact
         assert len(rows) >= 6 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
 
 
-@pytest.mark.parametrize("variant", ["reformer", "sinkhorn"])
-def test_float16_gradients_of_hashed_and_sorted_attention_take_the_float32_floor(variant):
-    """reformer and sinkhorn in conformance.grads.FP32_TERMS: the cancelling terms' floor in
-    float32 ulps. Their references under torch autograd pass; one gradient 3 % off fails
-    most float16 rows, where with the float16 ulp of the terms as the floor dq x 1.03
-    passed every standard float16 row (seed 0; 0 of 40-42). They keep the doubled factors: under
-    the forward's their references fail the long offset-values rows (1.4-1.6x)."""
+@pytest.mark.parametrize("variant", ["reformer", "sinkhorn", "performer"])
+def test_float16_gradients_three_percent_off_fail(variant):
+    """reformer, sinkhorn and performer in conformance.grads.FP32_TERMS: the cancelling
+    terms' floor in float32 ulps (performer with the forward's factors too). Their
+    references under torch autograd pass; one gradient 3 % off fails most float16 rows,
+    where with the float16 ulp of the terms as the floor dq x 1.03 passed every standard
+    float16 row (seed 0; 0 of 40-64). reformer and sinkhorn keep the doubled factors:
+    under the forward's their references fail the long offset-values rows (1.4-1.6x).
+    In bfloat16 x 1.03 still passes most rows of the three (performer: 6-34 of 61-64
+    fail)."""
     pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
     from conformance.grads import FP32_TERMS
 
-    assert variant in FP32_TERMS and variant not in HALF_GRAD_VARIANTS
+    assert variant in FP32_TERMS and (variant in HALF_GRAD_VARIANTS) == (variant == "performer")
     kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
     todo = [c for c in cases(variant, "standard", grads=True)][:8]
     kw = dict(backend="torch", dtypes=("float16",), cases=todo, grads=True, diagnose=False,
