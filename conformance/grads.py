@@ -742,6 +742,14 @@ FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled"
                         "longformer", "routing", "reformer", "sinkhorn", "performer",
                         "synthesizer_random", "synthesizer_random_mix"})
 
+#: Variants whose float16 gradient bounds (not bfloat16's) take the float32 floor of
+#: :data:`FP32_TERMS`: the clustered patterns' references under torch autograd pass it in
+#: float16 (seeds 0-3, worst 0.18), where one gradient x 1.03 failed 0 of 36-49 dq and dk
+#: rows and now fails 33-45 (dv 31-35 before, 35-48 now; seed 0). In bfloat16 they fail
+#: it on one large-logit row each (3.2-7.3x, seeds 0-3), whose baseline does not round
+#: as their autograd does.
+FP32_TERMS_FLOAT16 = frozenset({"clustered", "query_reduced", "clustered_topk"})
+
 
 def _term_magnitudes(prep, do, dlse=None):
     """Size of the largest single term of each gradient, for the ulp floor.
@@ -858,7 +866,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     # suite, dk x 1.1 every one. Rounding dP to the dtype before the cancellation (a plain
     # half-precision autograd) is what the baselines measure, case by case.
     fp32_terms = prep.dtype in LOW_PRECISION and (prep.variant.name in RECURRENT
-                                                  or prep.variant.name in FP32_TERMS)
+                                                  or prep.variant.name in FP32_TERMS) or (
+        prep.dtype == "float16" and prep.variant.name in FP32_TERMS_FLOAT16)
     softmax_half = prep.dtype in LOW_PRECISION and prep.variant.name in ("softmax", "online_softmax")
     half_bounds = prep.dtype in LOW_PRECISION and prep.variant.name in HALF_GRAD_VARIANTS
     for n, g in gold.items():
