@@ -375,7 +375,8 @@ def _scaled_gradient(kernel, name, factor):
 
 @pytest.mark.parametrize("variant", ["linear", "compressed", "retention", "gla", "ssd", "deltanet",
                                      "gated_deltanet", "fixed", "strided", "local", "longformer",
-                                     "bigbird", "routing", "synthesizer_random", "synthesizer_random_mix"])
+                                     "bigbird", "routing", "synthesizer_random", "synthesizer_random_mix",
+                                     "block_sparse", "clustered", "query_reduced", "clustered_topk"])
 @pytest.mark.parametrize("dtype, factor", [("bfloat16", 1.03), ("float16", 1.005)])
 def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, factor):
     """conformance.grads.HALF_GRAD_VARIANTS: their float16/bfloat16 gradients are judged with
@@ -398,7 +399,7 @@ def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, fact
               causal="both", supports={"broadcast": True})
     ok = verify(kernel, variant, **kw)
     rows = [r for r in ok.results if r.output != "out" and r.verdict != "n/a"]
-    assert len(rows) >= 20 and all(r.verdict == "pass" for r in rows), ok.table()
+    assert len(rows) >= 18 and all(r.verdict == "pass" for r in rows), ok.table()
     # the random Synthesizer's logits are a parameter: its dq and dk are zero, x 1.03 too
     for name in ("v",) if variant == "synthesizer_random" else ("q", "k", "v"):
         rep = verify(_scaled_gradient(kernel, name, factor), variant, **kw)
@@ -407,12 +408,10 @@ def test_half_precision_gradients_take_the_forwards_factors(variant, dtype, fact
         assert len(rows) >= 6 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
 
 
-@pytest.mark.parametrize("variant", ["reformer", "sinkhorn", "performer", "clustered", "query_reduced",
-                                     "clustered_topk"])
+@pytest.mark.parametrize("variant", ["reformer", "sinkhorn", "performer"])
 def test_float16_gradients_three_percent_off_fail(variant):
-    """reformer, sinkhorn and performer in conformance.grads.FP32_TERMS, the clustered
-    patterns in FP32_TERMS_FLOAT16: the cancelling terms' floor in float32 ulps
-    (performer with the forward's factors too). Their
+    """reformer, sinkhorn and performer in conformance.grads.FP32_TERMS: the cancelling
+    terms' floor in float32 ulps (performer with the forward's factors too). Their
     references under torch autograd pass; one gradient 3 % off fails most float16 rows,
     where with the float16 ulp of the terms as the floor dq x 1.03 passed every standard
     float16 row (seed 0; 0 of 40-64). reformer and sinkhorn keep the doubled factors:
@@ -422,9 +421,9 @@ def test_float16_gradients_three_percent_off_fail(variant):
     pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
-    from conformance.grads import FP32_TERMS, FP32_TERMS_FLOAT16
+    from conformance.grads import FP32_TERMS
 
-    assert variant in FP32_TERMS | FP32_TERMS_FLOAT16
+    assert variant in FP32_TERMS
     assert (variant in HALF_GRAD_VARIANTS) == (variant == "performer")
     kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
     todo = [c for c in cases(variant, "standard", grads=True)][:8]
