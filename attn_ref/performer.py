@@ -314,8 +314,7 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
     if order == "quadratic":
         a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
-        return zero_keyless_rows(xp, readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps),
-                                  alignment, k.shape[-2])
+        return readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
     nq = fq.shape[-2]
     p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
     fq = pad_rows(xp, fq, p_q, 0)
@@ -323,9 +322,7 @@ def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order,
     fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
     ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
     num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
-    out = readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
-    return zero_keyless_rows(xp, out, alignment, k.shape[-2])
-
+    return readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
 
 
 def favor_features(x, projection, /, *, kernel="positive", offset=None, xp=None):
@@ -524,13 +521,14 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
                                   stabilize=stabilize, scale=scale, order=order, chunk_size=chunk_size,
                                   eps=eps, feature_eps=feature_eps, xp=xp)
         return xp.astype(out, q.dtype)
-    if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
-        return _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
     if alignment is None and order == "linear" and not feature_eps:
         return _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps)
-    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
-    out = linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
-                               eps=eps, xp=xp)
+    if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
+        out = _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps)
+    else:
+        fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
+        out = linear_from_features(fq, fk, v, causal=alignment or False, order=order, chunk_size=chunk_size,
+                                   eps=eps, xp=xp)
     return zero_keyless_rows(xp, out, alignment, k.shape[-2])
 
 

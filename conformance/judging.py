@@ -1087,7 +1087,7 @@ for _name in RECURRENT:
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED,
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
-for _name in ("compressed", "pooled", "query_reduced", "clustered", "clustered_topk"):
+for _name in ("pooled", "query_reduced", "clustered"):
     register_forms(_name, AS_REGISTERED, FOLD)
 # Improved clustered attention: the k-means on the queries and each centroid's top-k keys
 # in the dtype, as a half-precision kernel computes them. Without this form attn_ref's

@@ -74,10 +74,11 @@ def zero_keyless_rows(xp, x, alignment, nk):
     autograd, and its VJP a non-finite ``dq`` in float64, on every bottom-right case with
     more queries than keys. ``O(Nq dv)``."""
     nq = x.shape[-2]
-    if alignment is None or causal_offset(alignment, nq, nk) >= 0:
+    off = 0 if alignment is None else causal_offset(alignment, nq, nk)
+    if off >= 0:
         return x
     dev = array_api_compat.device(x)
-    keyless = (xp.arange(nq, device=dev) + causal_offset(alignment, nq, nk) < 0)[:, None]
+    keyless = (xp.arange(nq, device=dev) + off < 0)[:, None]
     return xp.where(keyless, xp.zeros((), dtype=x.dtype, device=dev), x)
 
 
