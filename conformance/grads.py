@@ -87,6 +87,7 @@ from .report import CaseResult
 from .tolerance import (
     LOGITS_IN_DTYPE,
     LOW_PRECISION,
+    MANTISSA_BITS,
     Tolerance,
     compared_count,
     elementwise_ulp_rms,
@@ -100,7 +101,8 @@ from .tolerance import (
 
 __all__ = ["grad_results", "prepare_grads", "MISTAKES", "GRAD_OUTPUTS", "GRAD_DEFAULTS",
            "JUDGED", "grad_output", "state_cotangent", "state_dtype", "FP32_ACCUMULATE",
-           "FUSED_GRAD_DEFAULTS", "HALF_GRAD_DEFAULTS", "HALF_GRAD_VARIANTS", "lse_cotangent",
+           "FUSED_GRAD_DEFAULTS", "HALF_GRAD_DEFAULTS", "HALF_GRAD_VARIANTS", "HALF_GRAD_BFLOAT16",
+           "FP32_TERMS", "relu_kink_rows", "lse_cotangent",
            "lse_dtype", "takes_dlse", "LSE_MISTAKES"]
 
 #: Report row of each gradient: ``d`` + the name of the input, as the reference names it
@@ -718,11 +720,26 @@ HALF_GRAD_DEFAULTS = Tolerance(fudge=4.0, floor_ulps=4.0, fudge_rms=3.0, floor_r
 #: the one row whose top-k choice in the dtype differs and whose output fails too,
 #: docs/conformance.md); one gradient x 1.03 in bfloat16 failed 0 of 33-62 dq and dk
 #: rows, now 24-54 of 29-63, and dv 31-62 of 33-64, 0 before (seed 0).
+#: synthesizer_dense: since the rows of dq whose relu the dtype cannot resolve are left
+#: out (:func:`relu_kink_rows`: 1.6 % of the standard suite's rows in bfloat16, 0.2 % in
+#: float16, none in float32), its reference passes (seeds 0-3, worst 0.74, failing up to
+#: 13.6x on those rows before); dq = 0 passed every bfloat16 row and 43 of 68 float16 ones
+#: under the doubled factors and the dtype's floor of softmax's terms (its dq's terms are
+#: the MLP's, not ``scale dP K``), and now fails 66 of 68 in each, dq x 1.03 58 and 64 of
+#: 68 (0 before), dv x 1.03 63 and 68 of 68 (3 and 59 before; seed 0).
 HALF_GRAD_VARIANTS = frozenset({"softmax", "online_softmax", "linear", "compressed", "retention",
                                 "gla", "ssd", "deltanet", "gated_deltanet", "fixed", "strided",
                                 "local", "longformer", "bigbird", "routing", "performer",
                                 "synthesizer_random", "synthesizer_random_mix", "block_sparse",
-                                "clustered", "query_reduced", "clustered_topk"})
+                                "clustered", "query_reduced", "clustered_topk",
+                                "synthesizer_dense"})
+
+#: The variants that take :data:`HALF_GRAD_DEFAULTS` in bfloat16 only: linformer and pooled,
+#: whose references under torch autograd pass in bfloat16 (seeds 0-3, worst 0.56 and 0.48)
+#: but in float16 fail the gradients of one large-logit row each (linformer's forward there
+#: too, 5.9; pooled's dk 1.85), where the float32 floor of the terms (:data:`FP32_TERMS`)
+#: with the doubled factors already fails one gradient x 1.03 on 44-67 of 48-68 rows.
+HALF_GRAD_BFLOAT16 = frozenset({"linformer", "pooled"})
 
 
 #: Variants whose float16/bfloat16 gradient bounds take the cancelling terms' floor in
@@ -743,7 +760,7 @@ FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled"
                         "compressed", "block_sparse", "nystrom", "fixed", "strided", "bigbird",
                         "longformer", "routing", "reformer", "sinkhorn", "performer",
                         "synthesizer_random", "synthesizer_random_mix", "clustered",
-                        "query_reduced", "clustered_topk"})
+                        "query_reduced", "clustered_topk", "synthesizer_dense"})
 
 
 def _term_magnitudes(prep, do, dlse=None):
@@ -789,6 +806,39 @@ def _term_magnitudes(prep, do, dlse=None):
         terms["g"] = max(qmax * terms["q"], kmax * terms["k"])
         terms["initial_state"] = scale * qmax * float(np.max(np.abs(do)))
     return terms
+
+
+def relu_kink_rows(prep) -> np.ndarray | None:
+    """The rows of ``q`` whose gradient the dtype cannot resolve: ``(..., Nq)`` booleans, or
+    None where the variant has no kink (every variant but the dense Synthesizer).
+
+    The dense Synthesizer's logits ``relu(q W1 + b1) W2 + b2`` have a derivative that
+    jumps at every hidden pre-activation ``z = q W1 + b1`` that is zero: ``dq`` takes the
+    unit's ``(dB W2^T) W1^T`` term on one side and not on the other (attn_ref's VJP, and
+    torch's ``relu``, take 0 at 0; torch's ``maximum(z, 0)`` takes half at a tie). Where
+    ``|z|`` is within the rounding of computing it in the kernel dtype - the product
+    ``q W1`` and the bias's addition rounded once each, half an ulp of ``|q W1|``, of
+    ``|b1|`` and of ``|z|`` - a correct kernel may land on either side, and its ``dq``
+    row differs from the golden by a whole unit's term (attn_ref's reference under torch
+    autograd in float16: ``|z| = 1.6e-5`` rounded to 0, ``dq`` off by 0.026 on a row of
+    size 0.02, 5.5 times the bound). Those rows of ``dq`` are left out of the comparison,
+    as a dead row's are; the others are judged. ``O(Nq d h)``.
+    """
+    p = prep.params
+    if prep.variant.name != "synthesizer_dense" or not {"w1", "b1"} <= set(p):
+        return None
+    x = np.asarray(prep.arrays["q"], dtype=np.float64)
+    a = x @ np.asarray(p["w1"], dtype=np.float64)
+    b1 = np.asarray(p["b1"], dtype=np.float64)
+    z = a + b1
+
+    def half_ulp(m):
+        m = np.abs(m)
+        return np.where(m > 0, np.exp2(np.floor(np.log2(np.where(m > 0, m, 1.0)))
+                                       - MANTISSA_BITS[prep.dtype] - 1), 0.0)
+
+    tol = half_ulp(a) + half_ulp(b1) + half_ulp(z)
+    return np.any(np.abs(z) <= tol, axis=-1)
 
 
 def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=False) -> dict:
@@ -863,12 +913,20 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     fp32_terms = prep.dtype in LOW_PRECISION and (prep.variant.name in RECURRENT
                                                   or prep.variant.name in FP32_TERMS)
     softmax_half = prep.dtype in LOW_PRECISION and prep.variant.name in ("softmax", "online_softmax")
-    half_bounds = prep.dtype in LOW_PRECISION and prep.variant.name in HALF_GRAD_VARIANTS
+    half_bounds = prep.dtype in LOW_PRECISION and (
+        prep.variant.name in HALF_GRAD_VARIANTS
+        or (prep.dtype == "bfloat16" and prep.variant.name in HALF_GRAD_BFLOAT16))
     for n, g in gold.items():
         keep = None
         if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
             # fully_masked="excluded": a dead row's dq is as arbitrary as its output.
             keep = np.broadcast_to(prep.keep[..., :1], g.shape)
+        kinked = relu_kink_rows(prep) if n == "q" else None
+        if kinked is not None and kinked.shape == g.shape[:-1] and kinked.any():
+            # a row whose derivative is discontinuous within the dtype's rounding of its
+            # inputs: dq there is as arbitrary as a dead row's
+            smooth = np.broadcast_to(~kinked[..., None], g.shape)
+            keep = smooth if keep is None else keep & smooth
         ms = [measure(b[n], g, keep) for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
