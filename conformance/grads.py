@@ -629,15 +629,14 @@ def _sinkhorn_partial_softmax_autograd(prep, do, dtype, dlse=None):
         raise NotApplicable(f"the Sinkhorn partial softmax form takes no {sorted(set(a) - set(BASE_KEYS))}")
     opts = {**prep.kwargs, **prep.params, **prep.options}
     b, causal = int(opts["block_size"]), bool(opts.get("causal"))
-    xp = _np()
+    xp = balancing = _np()
     logits = np.asarray(opts["sort_logits"], dtype=np.float64)
     if dtype in LOW_PRECISION:
         # the balancing iterations in the dtype too, as a half-precision kernel runs them
-        logits, xp = lp_array(logits, dtype), LOGITS_IN_DTYPE
+        logits, balancing = lp_array(logits, dtype), LOGITS_IN_DTYPE
     sort = rnd(np.asarray(plain_array(sinkhorn_sort_matrix(
         logits, n_iters=opts.get("n_iters", 8), temperature=opts.get("temperature", 0.75),
-        causal=causal, xp=xp)), dtype=np.float64))
-    xp = _np()
+        causal=causal, xp=balancing)), dtype=np.float64))
     q, k, v = a["q"], a["k"], a["v"]
     kk, vv, mask = (np.asarray(x) for x in block_keys_and_mask(xp, k, v, sort, b, causal))
     do = blocked(xp, np.asarray(do, dtype=np.float64), b)
@@ -866,7 +865,7 @@ HALF_GRAD_BFLOAT16 = frozenset({"linformer", "pooled"})
 #: longformer and bigbird: with the kernels and seeds of :data:`HALF_GRAD_VARIANTS`.
 #: reformer and sinkhorn: their references pass (seeds 0-3, worst 0.80), where dq x 1.03
 #: had passed every float16 row under the dtype's floor (now 32-41 of 37-42 fail;
-#: docs/conformance.md; reformer has the forward's factors since, HALF_GRAD_VARIANTS); the
+#: docs/conformance.md; both take the forward's factors since, HALF_GRAD_VARIANTS); the
 #: variants not listed were not measured.
 FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled", "linformer",
                         "compressed", "block_sparse", "nystrom", "fixed", "strided", "bigbird",
