@@ -532,6 +532,10 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     keep = None
     if dead is not None and sem["fully_masked"] == "excluded" and dead.any():
         keep = np.broadcast_to(~dead[..., None], (b, h, case.nq, case.dv))
+        if not keep.any() and keep.size:
+            # nothing left to compare: a verdict of no values would read as a pass
+            raise NotApplicable("every query row is fully masked and fully_masked='excluded': "
+                                "no value is judged")
     prep = Prepared(case, v, dtype, seed, sem, arrays, kwargs, params, options,
                     golden=None, keep=keep, dead_rows=dead, baseline=None, baseline_note="",
                     tol_max=0.0, tol_rms=0.0, tolerance=tol, golden_dtype="float64")

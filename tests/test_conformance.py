@@ -264,6 +264,14 @@ def test_semantics_are_declared_not_guessed():
     assert not rep.passed and "fully_masked='mean'" in rep.failures[0].diagnosis
     assert verify(mean_rows, "softmax", backend="numpy", cases=only, fully_masked="excluded",
                   progress=False).passed
+    # every row fully masked: with its rows excluded nothing is left to judge (n/a, where
+    # it had read a pass on no values); declared as zeros, it is judged
+    dead = [Case("fully-masked", (1, 1), 1, 4, 4, 4, mask="fully_masked_rows")]
+    rep = verify(mean_rows, "softmax", backend="numpy", cases=dead, fully_masked="excluded",
+                 progress=False)
+    assert [r.verdict for r in rep.results] == ["n/a"] and "no value is judged" in rep.results[0].diagnosis
+    assert [r.verdict for r in verify(mean_rows, "softmax", backend="numpy", cases=dead,
+                                      progress=False).results] == ["fail"]
     with pytest.raises(ValueError, match="fully_masked"):
         verify(mean_rows, "softmax", backend="numpy", fully_masked="nan")
     with pytest.raises(TypeError, match="semantics"):

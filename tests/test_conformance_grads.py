@@ -460,6 +460,18 @@ def test_dense_synthesizer_rows_at_a_relu_kink_are_left_out_of_dq():
     assert np.argwhere(relu_kink_rows(prep64)).tolist() == [[0, 1, 40]]
     assert relu_kink_rows(prepare(case, "synthesizer_random", "float16", seed=0)) is None
 
+    # every row of dq left out: the gradient reads n/a, never a pass on no values
+    one = next(c for c in cases("synthesizer_dense", "standard", grads=True)
+               if c.id == "length1:b1h1-q1k1-d4")
+    prep1 = prepare(one, "synthesizer_dense", "float64", seed=0)
+    x = np.asarray(prep1.arrays["q"], dtype=np.float64)
+    b1 = np.array(prep1.params["b1"], dtype=np.float64)
+    b1[0] = -(x[0, 0, 0] @ np.asarray(prep1.params["w1"], dtype=np.float64)[:, 0])
+    prep1.params = {**prep1.params, "b1": b1}
+    g = prepare_grads(prep1)
+    assert relu_kink_rows(prep1).all() and "every row is left out" in g["ill"]["q"]
+    assert "k" not in g.get("ill", {}) and "v" not in g.get("ill", {})
+
 
 @pytest.mark.parametrize("variant", ["reformer", "sinkhorn", "performer"])
 def test_float16_gradients_three_percent_off_fail(variant):
