@@ -87,9 +87,9 @@ from .report import CaseResult
 from .tolerance import (
     LOGITS_IN_DTYPE,
     LOW_PRECISION,
-    MANTISSA_BITS,
     Tolerance,
     compared_count,
+    elementwise_ulp,
     elementwise_ulp_rms,
     gemm_in_dtype,
     lp_array,
@@ -337,6 +337,11 @@ def _with_arrays(prep, arrays, **options):
     return sub
 
 
+def _plain_vjp(prep, do, dtype):
+    """The reference VJP on ``prep``'s inputs in ``dtype``: the plain baseline form."""
+    return _reference_grads(prep, do, dtype)
+
+
 def _baselines(prep, backward=None):
     """The plain implementations whose error in the kernel dtype sets the baseline.
 
@@ -392,27 +397,24 @@ def _baselines(prep, backward=None):
         # float16/bfloat16 the partial softmax over the allowed keys
         # (attn_ref.sparse.plans.attend_plan) differentiated step by step (block_sparse's
         # differentiated row maximum put 4.2x the bound on dk)
-        forms = [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
+        forms = [_plain_vjp,
                  lambda prep, do, dtype: _flash_with_exact_lse(_softmax_view(prep), do, dtype),
                  lambda prep, do, dtype: _online_in_dtype(_softmax_view(prep), do, dtype)]
         return forms + [_partial_softmax_autograd] if prep.dtype in LOW_PRECISION else forms
-    if prep.variant.name == "sinkhorn" and prep.dtype in LOW_PRECISION:
-        # the plain VJP and the partial softmax's autograd over each block's own and sorted
-        # keys, the sort matrix's balancing in the dtype (_sinkhorn_partial_softmax_autograd):
-        # with the plain VJP alone attn_ref's own sinkhorn under torch autograd failed the
-        # forward's factors on long:b1h1-q1000k1000-d64-offset_values in bfloat16 (dq, dk
-        # 1.3-1.6x); with the sort matrix rounded once instead of balanced in the dtype, dk
-        # of length:b1h2-q7k7-d32 (blocks of one query: every key a sorted mixture) at 1.02
-        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
-                _sinkhorn_partial_softmax_autograd]
-    if prep.variant.name == "reformer" and prep.dtype in LOW_PRECISION:
-        # the plain VJP and the partial softmax's autograd over the union of its buckets'
-        # chunks (_partial_softmax_autograd): under the forward's factors attn_ref's own
-        # reformer under torch autograd failed long:b1h1-q1000k1000-d64-offset_values in
-        # bfloat16 at 1.4-1.6x with the plain VJP alone (the partial softmax's rounded
-        # dO / l and differentiated row maximum, as block_sparse's); with it those dq rows
-        # are ill-conditioned in bfloat16 (n/a) and the rest pass (seeds 0-7, worst 0.83)
-        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype), _partial_softmax_autograd]
+    if prep.variant.name in ("reformer", "sinkhorn") and prep.dtype in LOW_PRECISION:
+        # the plain VJP and the partial softmax's autograd over their keys: reformer's over
+        # the union of its buckets' chunks (_partial_softmax_autograd), sinkhorn's over each
+        # block's own and sorted keys with the sort matrix balanced in the dtype
+        # (_sinkhorn_partial_softmax_autograd). With the plain VJP alone attn_ref's own
+        # reformer and sinkhorn under torch autograd failed the forward's factors on
+        # long:b1h1-q1000k1000-d64-offset_values in bfloat16 (dq, dk 1.3-1.6x: the partial
+        # softmax's rounded dO / l and differentiated row maximum, as block_sparse's); with
+        # it those dq rows are ill-conditioned in bfloat16 (n/a) and the rest pass (seeds
+        # 0-7, worst 0.83). With sinkhorn's sort matrix rounded once instead of balanced in
+        # the dtype, dk of length:b1h2-q7k7-d32 (blocks of one query: every key a sorted
+        # mixture) failed at 1.02.
+        return [_plain_vjp, _partial_softmax_autograd if prep.variant.name == "reformer"
+                else _sinkhorn_partial_softmax_autograd]
     if prep.variant.name in ("nystrom", "clustered_topk") and prep.dtype in LOW_PRECISION:
         # The VJP with every operation in the dtype too. nystrom: the landmark kernel K2 as
         # a half-precision Nystromformer holds it (softmax weights in the dtype,
@@ -423,7 +425,7 @@ def _baselines(prep, backward=None):
         # function, 155 units of its rounding). clustered_topk: as the forward's form of
         # that name (conformance.judging), the k-means and the top-k choice in the dtype,
         # where a half-precision kernel makes them and may choose otherwise than float32.
-        return [lambda prep, do, dtype: _reference_grads(prep, do, dtype),
+        return [_plain_vjp,
                 lambda prep, do, dtype: _reference_grads(prep, do, dtype, xp=LOGITS_IN_DTYPE)]
     if prep.variant.name not in ("softmax", "online_softmax"):
         return [lambda prep, do, dtype, ds=None: _reference_grads(prep, do, dtype, dfinal_state=ds)]
@@ -453,31 +455,25 @@ def _baselines(prep, backward=None):
 
 
 def _sparse_pattern(prep) -> np.ndarray:
-    """The boolean pattern of ``prep``'s sparse variant
-    (:data:`conformance.judging.SPARSE_PATTERNS`; :func:`conformance.judging.softmax_pattern`,
-    causal included), computed once per prepared case: it is ``O(Nq Nk d)`` (160 ms of
-    block_sparse's 790 ms of baselines at N = 1000) and three baseline forms read it."""
+    """The boolean pattern of ``prep``'s sparse variant, computed once per prepared case:
+    for :data:`conformance.judging.SPARSE_PATTERNS`, :func:`conformance.judging.softmax_pattern`
+    (causal included; ``O(Nq Nk d)``, 160 ms of block_sparse's 790 ms of baselines at
+    N = 1000, and three baseline forms read it); for reformer, whose keys depend on the
+    data (its hash buckets), where its float64 weights on ``prep``'s inputs are nonzero (a
+    key whose weight underflows float64 is left out; its term is below any rounding of
+    the others)."""
     pat = prep.__dict__.get("_pattern")
     if pat is None:
         q, k = (np.asarray(prep.arrays[n], dtype=np.float64) for n in ("q", "k"))
-        pat = prep.__dict__["_pattern"] = np.asarray(softmax_pattern(
-            prep.variant.name, q, k, xp=np, **prep.kwargs, **prep.params, **prep.options))
-    return pat
+        if prep.variant.name in SPARSE_PATTERNS:
+            pat = softmax_pattern(prep.variant.name, q, k, xp=np, **prep.kwargs, **prep.params,
+                                  **prep.options)
+        else:
+            from attn_ref.registry import get
 
-
-def _data_pattern(prep) -> np.ndarray:
-    """The boolean pattern of a variant whose keys depend on the data (reformer's hash
-    buckets): where its float64 weights on ``prep``'s inputs are nonzero, computed once per
-    prepared case. A key whose weight underflows float64 is left out; its term is below
-    any rounding of the others."""
-    pat = prep.__dict__.get("_pattern")
-    if pat is None:
-        from attn_ref.registry import get
-
-        q, k = (np.asarray(prep.arrays[n], dtype=np.float64) for n in ("q", "k"))
-        w = get(prep.variant.name).weights(q, k, **prep.kwargs, **prep.params, **prep.options,
-                                            xp=_np())
-        pat = prep.__dict__["_pattern"] = np.asarray(w) > 0
+            pat = get(prep.variant.name).weights(q, k, **prep.kwargs, **prep.params, **prep.options,
+                                                 xp=_np()) > 0
+        pat = prep.__dict__["_pattern"] = np.asarray(pat)
     return pat
 
 
@@ -539,26 +535,24 @@ def _partial_softmax_autograd(prep, do, dtype, dlse=None):
     a = {n: np.asarray(x, dtype=np.float64) for n, x in prep.arrays.items()}
     q, k, v = a["q"], a["k"], a["v"]
     al = allowed_matrix(prep.case, a, prep.kwargs)
-    if prep.variant.name in SPARSE_PATTERNS:
-        # a sparse pattern (block_sparse's layout, fixed's columns, ...): read off the
-        # variant's own attention matrix, as lse_form does
-        pat = _sparse_pattern(prep)
-        al = pat if al is None else np.logical_and(pat, al)
     const = None
     if prep.variant.name == "reformer":
         from attn_ref.hashing import DEFAULT_SELF_LOGIT
 
-        # the union of its hash buckets' chunks, read off its weights; a pair (i, i)
-        # takes the constant self logit (no gradient to q or k), which only a query with no
-        # other key keeps (its weight is 1, every other query's 0)
+        # the union of its hash buckets' chunks (its pattern, _sparse_pattern); a pair
+        # (i, i) takes the constant self logit (no gradient to q or k), which only a query
+        # with no other key keeps (its weight is 1, every other query's 0)
         opts = {**prep.kwargs, **prep.params, **prep.options}
         if not opts.get("dedup", True):
             raise NotApplicable("the partial softmax form takes no pair counts (dedup=False)")
-        pat = _data_pattern(prep)
-        al = pat if al is None else np.logical_and(pat, al)
         self_logit = opts.get("self_logit", DEFAULT_SELF_LOGIT)
         if self_logit is not None:
             const = (np.eye(q.shape[-2], k.shape[-2], dtype=bool), float(self_logit))
+    if prep.variant.name in SPARSE_PATTERNS or prep.variant.name == "reformer":
+        # a sparse pattern (block_sparse's layout, fixed's columns, reformer's buckets...):
+        # read off the variant's own attention matrix, as lse_form does
+        pat = _sparse_pattern(prep)
+        al = pat if al is None else np.logical_and(pat, al)
     if al is None:
         al = np.ones((q.shape[-2], k.shape[-2]), dtype=bool)
     other = {n for n in ("bias", "dropout_mask") if n in a} | {
@@ -942,13 +936,8 @@ def relu_kink_rows(prep) -> np.ndarray | None:
     a = x @ np.asarray(p["w1"], dtype=np.float64)
     b1 = np.asarray(p["b1"], dtype=np.float64)
     z = a + b1
-
-    def half_ulp(m):
-        m = np.abs(m)
-        return np.where(m > 0, np.exp2(np.floor(np.log2(np.where(m > 0, m, 1.0)))
-                                       - MANTISSA_BITS[prep.dtype] - 1), 0.0)
-
-    tol = half_ulp(a) + half_ulp(b1) + half_ulp(z)
+    tol = (elementwise_ulp(a, prep.dtype) + elementwise_ulp(b1, prep.dtype)
+           + elementwise_ulp(z, prep.dtype)) / 2
     return np.any(np.abs(z) <= tol, axis=-1)
 
 

@@ -532,7 +532,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     keep = None
     if dead is not None and sem["fully_masked"] == "excluded" and dead.any():
         keep = np.broadcast_to(~dead[..., None], (b, h, case.nq, case.dv))
-        if not keep.any() and keep.size:
+        if not keep.any():
             # nothing left to compare: a verdict of no values would read as a pass
             raise NotApplicable("every query row is fully masked and fully_masked='excluded': "
                                 "no value is judged")

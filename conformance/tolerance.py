@@ -45,6 +45,7 @@ __all__ = [
     "DEFAULTS",
     "MANTISSA_BITS",
     "ulp",
+    "elementwise_ulp",
     "elementwise_ulp_rms",
     "compared_count",
     "round_to",
@@ -150,6 +151,15 @@ def compared_count(golden: np.ndarray, keep: np.ndarray | None = None) -> int:
     return int(np.count_nonzero(fin if keep is None else np.broadcast_to(keep, g.shape) & fin))
 
 
+def elementwise_ulp(x, dtype: str) -> np.ndarray:
+    """Each element's own ``dtype`` ulp, the spacing at its magnitude (0 at 0 and where
+    not finite): the array form of :func:`ulp`."""
+    m = np.abs(np.asarray(x, dtype=np.float64))
+    live = np.isfinite(m) & (m > 0)
+    return np.where(live, np.exp2(np.floor(np.log2(np.where(live, m, 1.0))) - MANTISSA_BITS[dtype]),
+                    0.0)
+
+
 def elementwise_ulp_rms(golden: np.ndarray, dtype: str, keep: np.ndarray | None = None) -> float:
     """RMS over the compared finite elements of each element's own ``dtype`` ulp (0 at 0)."""
     g = np.abs(np.asarray(golden, dtype=np.float64))
@@ -159,7 +169,7 @@ def elementwise_ulp_rms(golden: np.ndarray, dtype: str, keep: np.ndarray | None 
     n = compared_count(g, keep)
     if n == 0 or not sel.any():
         return 0.0
-    u = np.exp2(np.floor(np.log2(g[sel])) - MANTISSA_BITS[dtype])
+    u = elementwise_ulp(g[sel], dtype)
     return float(np.sqrt(np.sum(u * u) / n))
 
 
