@@ -75,6 +75,7 @@ __all__ = [
     "PINV_INITS",
     "assign_clusters",
     "prepare_clustered",
+    "check_topk_keys",
     "gather_rows",
     "topk_parts",
 ]
@@ -640,6 +641,24 @@ def prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal, sca
     return xp, batch, default_scale(q.shape[-1], scale)
 
 
+def check_topk_keys(topk_keys, topk, num_clusters, nk, fn):
+    """Refuse a ``topk_keys`` of :func:`clustered_attention` that is not ``(..., C, topk)``
+    integers, or one given without ``topk``. Its values (distinct keys in ``[0, Nk)``)
+    are the caller's to keep: checking them would read the array on the host."""
+    if topk_keys is None:
+        return
+    if topk is None:
+        raise ValueError(f"{fn}: topk_keys fixes the top-k selection, but topk is None")
+    shape = tuple(getattr(topk_keys, "shape", ()))
+    dtype = getattr(topk_keys, "dtype", None)
+    xp = array_api_compat.array_namespace(topk_keys) if hasattr(topk_keys, "shape") else None
+    if len(shape) < 2 or shape[-2:] != (num_clusters, topk) or xp is None or \
+            not xp.isdtype(dtype, "integral"):
+        raise ValueError(f"{fn}: topk_keys must be an integer array of shape (..., C, topk) = "
+                         f"(..., {num_clusters}, {topk}) indexing the Nk={nk} keys; got shape "
+                         f"{shape} and dtype {dtype}")
+
+
 def gather_rows(xp, x, idx, batch):
     """``x (..., Nk, e)`` rows at ``idx (batch..., R, t)``: ``(batch..., R, t, e)``."""
     e = x.shape[-1]
@@ -649,17 +668,22 @@ def gather_rows(xp, x, idx, batch):
     return xp.reshape(xp.take_along_axis(x, flat, axis=-2), batch + (r, t, e))
 
 
-def topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
+def topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch, order=None):
     """Pieces of improved clustered attention for every query.
 
     Returns ``(p_top, keys_idx, mass, pc, order)``: each query's exact softmax over its
     cluster's top-k keys ``(..., N, topk)``, those key indices, the centroid's
     probability mass on them ``(..., N, 1)``, the centroids' rows ``(..., C, Nk)`` and
-    each centroid's top-k key indices ``(..., C, topk)``.
+    each centroid's top-k key indices ``(..., C, topk)``: the ``topk`` largest of its
+    row (ties to the lower key index), or ``order`` when given (see
+    :func:`clustered_attention`'s ``topk_keys``).
     """
     pc = attention_weights(centroids, k, scale=scale, xp=xp)
     pc = xp.broadcast_to(pc, batch + tuple(pc.shape[-2:]))
-    order = xp.argsort(pc, axis=-1, descending=True, stable=True)[..., :topk]
+    if order is None:
+        order = xp.argsort(pc, axis=-1, descending=True, stable=True)[..., :topk]
+    else:
+        order = xp.broadcast_to(order, batch + (centroids.shape[-2], topk))
     mass_c = xp.sum(xp.take_along_axis(pc, order, axis=-1), axis=-1, keepdims=True)
     nq = q.shape[-2]
     idx = xp.broadcast_to(idx, batch + (nq,))
@@ -671,7 +695,7 @@ def topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch):
 
 
 def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
-                        scale=None, xp=None):
+                        scale=None, topk_keys=None, xp=None):
     """Clustered attention (Vyas et al. 2020): queries grouped by k-means share attention.
 
     Parameters
@@ -693,6 +717,13 @@ def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, s
     causal
         Not supported (a centroid averages queries from the whole sequence).
     scale : float, optional
+    topk_keys : int array, shape (..., C, topk), optional
+        Each centroid's selected keys (distinct indices in ``[0, Nk)``), instead of the
+        ``topk`` largest of its softmax row. The selection is a discrete choice: where
+        a centroid's ``topk``-th and next logits are closer than a dtype's rounding, a
+        correct kernel may select either key, and ``conformance`` judges it against the
+        function of each admissible selection (:mod:`conformance.ties`). None (default)
+        selects by the row.
 
     Returns
     -------
@@ -720,11 +751,12 @@ def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, s
     """
     xp, batch, scale = prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal,
                                          scale, xp, "clustered_attention")
+    check_topk_keys(topk_keys, topk, num_clusters, k.shape[-2], "clustered_attention")
     centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
     if topk is None:
         return onehot @ softmax_attention(centroids, k, v, scale=scale, xp=xp)
     p_top, keys_idx, mass, pc, order = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
-                                                  batch)
+                                                  batch, topk_keys)
     v_top = gather_rows(xp, v, keys_idx, batch)  # (..., N, topk, dv)
     top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
     # The centroid's output on the keys outside its top-k: everything minus the top-k part.

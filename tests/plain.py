@@ -260,8 +260,9 @@ def naive_kmeans(x, c, iterations, seed):
     return cent, assign
 
 
-def naive_clustered(qh, kh, vh, c, iterations, seed, topk):
-    """Clustered attention, and with ``topk`` the improved form; returns (out, weights)."""
+def naive_clustered(qh, kh, vh, c, iterations, seed, topk, topk_keys=None):
+    """Clustered attention, and with ``topk`` the improved form; returns (out, weights).
+    ``topk_keys (..., c, topk)``: each centroid's selected keys instead of its top-k."""
     out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
     weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
     for idx in np.ndindex(qh.shape[:-2]):
@@ -271,7 +272,8 @@ def naive_clustered(qh, kh, vh, c, iterations, seed, topk):
         for i in range(q.shape[0]):
             row = pc[assign[i]].copy()
             if topk is not None:
-                top = np.argsort(-row, kind="stable")[:topk]
+                top = np.argsort(-row, kind="stable")[:topk] if topk_keys is None else \
+                    np.broadcast_to(topk_keys, qh.shape[:-2] + (c, topk))[idx][assign[i]]
                 _, pi = naive_attention(q[i:i + 1], k[top], v[top])
                 row[top] = row[top].sum() * pi[0]
             weights[idx + (i,)] = row

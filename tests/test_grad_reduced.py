@@ -178,6 +178,20 @@ def test_clustered_topk_matches_finite_differences(backend, form):
     assert_grads_close(got, _FD[key], backend, rtol=1e-7, atol=1e-8)
 
 
+def test_clustered_topk_fixed_selection_matches_finite_differences(backend):
+    # topk_keys fixes the selection as the forward's does: the VJP is that of the function
+    # with those keys, another function than the natural selection's here.
+    args, do, options = _topk_case("topk3")
+    options = {**options, "topk_keys": np.array([[0, 1, 2], [2, 4, 6], [5, 6, 3]])}
+    natural = R.clustered_attention(args["q"], args["k"], args["v"], **TOPK["topk3"][1])
+    fixed = R.clustered_attention(args["q"], args["k"], args["v"], **options)
+    assert np.max(np.abs(fixed - natural)) > 1e-2
+    if "clustered-fixed" not in _FD:
+        _FD["clustered-fixed"] = numeric_vjp(R.clustered_attention, args, do, options)
+    got = run_vjp(backend, grad.clustered_attention, args, do, options)
+    assert_grads_close(got, _FD["clustered-fixed"], backend, rtol=1e-7, atol=1e-8)
+
+
 def test_clustered_topk_matches_torch_autograd_and_jax_vjp_of_the_forward():
     args, do, options = _topk_case("topk3")
     for name, autodiff in (("torch", torch_vjp), ("jax", jax_vjp)):

@@ -30,6 +30,7 @@ from ..random import permutation
 from ..reduced import (
     assign_clusters,
     check_pinv_init,
+    check_topk_keys,
     front_padded_sizes,
     gather_rows,
     landmark_means,
@@ -302,7 +303,7 @@ def _by_cluster(xp, onehot, w, x):
     return xp.reshape(out, tuple(out.shape[:-2]) + (onehot.shape[-1], t, e))
 
 
-def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch):
+def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch, topk_keys=None):
     """Cotangents ``(dcentroids, dq, dk, dv)`` (batch shape) of improved clustered attention.
 
     With ``T_c`` the centroid's top-k keys (held constant), ``p_c = softmax(scale c K^T)``
@@ -311,7 +312,7 @@ def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch):
     ``mass_c = sum_{j in T_c} p_cj``.
     """
     p_top, keys_idx, mass, pc, order = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,
-                                                  batch)
+                                                  batch, topk_keys)
     nk = k.shape[-2]
     k_top, v_top = gather_rows(xp, k, keys_idx, batch), gather_rows(xp, v, keys_idx, batch)
     top_out = (p_top[..., None, :] @ v_top)[..., 0, :]
@@ -335,7 +336,7 @@ def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch):
 
 
 def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
-                        scale=None, xp=None):
+                        scale=None, topk_keys=None, xp=None):
     """VJP of :func:`attn_ref.reduced.clustered_attention`: ``{"q", "k", "v"}``.
 
     The k-means assignments are piecewise constant in ``q`` and held constant (the
@@ -349,7 +350,8 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     each member query's exact softmax over the selected keys (to ``q`` and to those
     keys and values), through the centroid's probability mass on them, which scales the
     members' outputs, and through the centroid's weights on the other keys (to the
-    centroid, hence ``q``, and to ``k`` and ``v``). Sending the members' key and value
+    centroid, hence ``q``, and to ``k`` and ``v``); ``topk_keys`` fixes that selection
+    as the forward's does. Sending the members' key and value
     gradients back to the selected keys takes an ``(..., C, topk, Nk)`` one-hot: cost
     ``O(Nq topk (d + dv) + C topk Nk (d + dv))`` on top of the forward's. Range: with
     ``topk``, the gradient is finite while ``|scale| max|q| max|k| d`` is below the
@@ -371,13 +373,14 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     """
     xp, batch, scale = prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal, scale, xp,
                                          "clustered_attention")
+    check_topk_keys(topk_keys, topk, num_clusters, k.shape[-2], "clustered_attention")
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed)
     if topk is None:
         g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)
         return {"q": unbroadcast(xp, _lloyd_vjp(xp, g["q"], steps, first, q), q.shape),
                 "k": g["k"], "v": g["v"]}
-    dc, dq, dk, dv = _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch)
+    dc, dq, dk, dv = _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch, topk_keys)
     dq = unbroadcast(xp, dq, q.shape) + _lloyd_vjp(xp, unbroadcast(xp, dc, centroids.shape), steps,
                                                    first, q)
     return {"q": unbroadcast(xp, dq, q.shape), "k": unbroadcast(xp, dk, k.shape),
