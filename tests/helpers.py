@@ -1,6 +1,7 @@
 """Shared test utilities: seeded inputs on any backend, and a comparison that checks
 namespace, dtype, shape and device before values."""
 
+import functools
 import math
 
 import array_api_compat
@@ -286,3 +287,25 @@ def run_plugin(monkeypatch, where, *args):
     code = pytest.main(["--pyargs", "conformance", "-q", "-p", "no:cacheprovider", *args],
                        plugins=[seen])
     return code, seen
+
+
+def scaled_gradient(kernel, name, factor):
+    """``kernel`` with the gradient of its input ``name`` scaled by ``factor`` under torch
+    autograd (the forward unchanged): a backward slightly wrong in one gradient."""
+    torch = pytest.importorskip("torch")
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * factor
+
+    @functools.wraps(kernel)
+    def run(q, k, v, **kw):
+        x = {"q": q, "k": k, "v": v}
+        x[name] = Scale.apply(x[name])
+        return kernel(x["q"], x["k"], x["v"], **kw)
+    return run

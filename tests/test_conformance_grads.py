@@ -1,6 +1,5 @@
 """conformance.grads: verify(..., grads=True) - gradient rows, calibration, broken backwards."""
 
-import functools
 import inspect
 import json
 
@@ -13,7 +12,7 @@ from conformance.catalogue import cases
 from conformance.grads import HALF_GRAD_VARIANTS, MISTAKES
 from conformance.judging import SPARSE_PATTERNS
 from conformance.vectors import export_vectors, load_vectors
-from tests.helpers import masked_logits, run_plugin
+from tests.helpers import masked_logits, run_plugin, scaled_gradient
 
 QUICK = cases(None, "quick")
 
@@ -352,28 +351,6 @@ def test_half_precision_gradients_of_other_variants_off_by_ten_percent_fail(vari
             (name, rep.table())
 
 
-def _scaled_gradient(kernel, name, factor):
-    """``kernel`` with the gradient of its input ``name`` scaled by ``factor`` under torch
-    autograd (the forward unchanged): a backward slightly wrong in one gradient."""
-    torch = pytest.importorskip("torch")
-
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * factor
-
-    @functools.wraps(kernel)
-    def run(q, k, v, **kw):
-        x = {"q": q, "k": k, "v": v}
-        x[name] = Scale.apply(x[name])
-        return kernel(x["q"], x["k"], x["v"], **kw)
-    return run
-
-
 @pytest.mark.parametrize("variant", ["linear", "compressed", "retention", "gla", "ssd", "deltanet",
                                      "gated_deltanet", "fixed", "strided", "local", "longformer",
                                      "bigbird", "routing", "synthesizer_random", "synthesizer_random_mix",
@@ -504,7 +481,7 @@ def _reference_passes_one_gradient_off_fails(variant, dtype, factor, names, min_
     rows = [r for r in ok.results if r.output != "out" and r.verdict != "n/a"]
     assert len(rows) >= 18 and all(r.verdict == "pass" for r in rows), ok.table()
     for name in names:
-        rep = verify(_scaled_gradient(kernel, name, factor), variant, **kw)
+        rep = verify(scaled_gradient(kernel, name, factor), variant, **kw)
         rows = [r for r in rep.results if r.output == "d" + name and r.verdict != "n/a"]
         failed = [r for r in rows if r.verdict == "fail"]
         assert len(rows) >= 6 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
@@ -629,7 +606,7 @@ def test_sdpa_with_a_sparse_pattern_as_its_mask_passes_half_precision_gradients(
                          grads=True, diagnose=False, causal="both")
             rows = [r for r in rep.results if r.verdict != "n/a"]
             assert len(rows) >= 15 and all(r.verdict == "pass" for r in rows), rep.table()
-        bad = verify(_scaled_gradient(_pattern_kernel(variant), "q", 1.03), variant, backend="torch",
+        bad = verify(scaled_gradient(_pattern_kernel(variant), "q", 1.03), variant, backend="torch",
                      dtypes=("bfloat16",), suite="quick", grads=True, diagnose=False, causal="both")
         rows = [r for r in bad.results if r.output == "dq" and r.verdict != "n/a"]
         assert len(rows) >= 4 and sum(r.verdict == "fail" for r in rows) >= len(rows) * 2 // 3, bad.table()

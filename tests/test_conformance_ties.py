@@ -11,6 +11,7 @@ from conformance import verify
 from conformance.catalogue import cases
 from conformance.judging import prepare
 from conformance.ties import alternatives, nearest, settled
+from tests.helpers import scaled_gradient
 
 # attn_ref's reference under torch in float16 selected another key at a near tie of this
 # case's head 10 and failed its output at 77x and its gradients at 40-90x (seed 4)
@@ -66,24 +67,13 @@ def test_a_kernel_that_chose_otherwise_at_a_near_tie_passes_and_a_wrong_one_fail
     assert prep.check(out).verdict == "pass"
 
     def run(factor, grad_factor=1.0, name="k"):
-        class Scale(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.view_as(x)
-
-            @staticmethod
-            def backward(ctx, g):
-                return g * grad_factor
-
         def kernel(q, k, v, **kw):
-            x = {"q": q, "k": k, "v": v}
-            x[name] = Scale.apply(x[name])
-            return ref(x["q"], x["k"], x["v"], **kw) * factor
+            return ref(q, k, v, **kw) * factor
 
         kernel.__signature__ = inspect.signature(get("clustered_topk").fn)
-        rep = verify(kernel, "clustered_topk", backend="torch", dtypes=(dtype,), seed=seed,
-                     cases=[_case(case_id)], grads=True, diagnose=False, progress=False,
-                     time_limit=None)
+        rep = verify(scaled_gradient(kernel, name, grad_factor), "clustered_topk", backend="torch",
+                     dtypes=(dtype,), seed=seed, cases=[_case(case_id)], grads=True,
+                     diagnose=False, progress=False, time_limit=None)
         return {r.output: r.verdict for r in rep.results}
 
     assert run(1.0) == {"out": "pass", "dq": "pass", "dk": "pass", "dv": "pass"}
