@@ -84,7 +84,7 @@ from .noncontiguous import (
     torch_differentiable_copies,
 )
 from .report import CaseResult
-from .ties import nearest
+from .ties import moved, nearest
 from .tolerance import (
     LOGITS_IN_DTYPE,
     LOW_PRECISION,
@@ -988,11 +988,16 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     gold = {n: np.asarray(x, dtype=np.float64) for n, x in gold.items()}
     # each near tie's other admissible choices (conformance.ties): their gradients, as
     # differences from the golden's, per gradient
-    ties = {}
+    ties, far = {}, None
     if prep.tie_set is not None:
-        deltas = prep.tie_set.deltas(lambda o: _reference_grads(
-            prep, do, prep.golden_dtype, dfinal_state=ds, dlse=dlse, **o), gold)
+        def run(o):
+            return _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds, dlse=dlse, **o)
+
+        deltas = prep.tie_set.deltas(run, gold)
         ties = {n: [[d[n] for d in opts] for opts in deltas] for n in gold}
+        if prep.tie_set.far:
+            # ties of more keys than were enumerated: what their selection moves is left out
+            far = run(prep.tie_set.far_keywords())
     bases = []
     fused = _fused(prep, backward)
     for plain in _baselines(prep, backward):
@@ -1042,10 +1047,16 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             # inputs: dq there is as arbitrary as a dead row's
             smooth = np.broadcast_to(~kinked[..., None], g.shape)
             keep = smooth if keep is None else keep & smooth
+        if far is not None and n in far:
+            # against the size of the gradient's terms: dq over identical keys is zero but
+            # for their rounding, and stays so whatever is selected
+            still = ~moved(far[n], g, queries=n == "q", size=terms.get(n))
+            keep = still if keep is None else keep & still
         if keep is not None and g.size and not np.any(keep):
             # nothing left to compare: a verdict of no values would read as a pass
             out.setdefault("ill", {})[n] = (f"{grad_output(n)} not judged: every row is left out "
-                                            f"(dead rows, or a relu kink within {prep.dtype}'s rounding)")
+                                            f"(dead rows, or a relu kink or a tie of many keys "
+                                            f"within {prep.dtype}'s rounding)")
         ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep), keep) for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None

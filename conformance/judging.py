@@ -46,7 +46,7 @@ from .extras import BLOCK_SIZES, FLA_CHUNK, RECURRENT
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
-from .ties import alternatives, nearest
+from .ties import alternatives, moved, nearest
 from .tolerance import (
     DEFAULTS,
     LOGITS_IN_DTYPE,
@@ -588,10 +588,22 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # admissible one (conformance.ties), before the baselines, which choose too
         prep.tie_set = alternatives(prep)
         if prep.tie_set is not None:
-            deltas = prep.tie_set.deltas(lambda o: {"out": prep.apply_semantics(np.asarray(
-                prep.reference(gdt, options={**prep.options, **o}), dtype=np.float64))},
-                {"out": prep.golden})
+            def run(o):
+                return {"out": prep.apply_semantics(np.asarray(
+                    prep.reference(gdt, options={**prep.options, **o}), dtype=np.float64))}
+
+            deltas = prep.tie_set.deltas(run, {"out": prep.golden})
             prep.ties = [[d["out"] for d in opts] for opts in deltas]
+            if prep.tie_set.far:
+                # ties of more keys than were enumerated: the rows their selection moves
+                # are left out, as dead rows are
+                still = ~moved(run(prep.tie_set.far_keywords())["out"], prep.golden,
+                               size=float(np.max(np.abs(prep.arrays["v"]), initial=0.0)))
+                keep = still if keep is None else keep & still
+                prep.keep = keep
+                if not keep.any():
+                    raise NotApplicable(f"every output row is left out: its centroid's top-k "
+                                        f"selection is a tie of more keys than {dtype} resolves")
     bdt = "float64" if dtype == "float64" else dtype
     try:
         bm = None

@@ -28,7 +28,7 @@ k-means without the top-k (``clustered``) passes every row of the same runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,7 +43,7 @@ UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 **
 PER_CENTROID = 4
 PER_CASE = 96
 
-__all__ = ["UNIT_ROUNDOFF", "Ties", "alternatives", "nearest", "settled"]
+__all__ = ["UNIT_ROUNDOFF", "Ties", "alternatives", "moved", "nearest", "settled"]
 
 
 def _settings(prep):
@@ -67,6 +67,17 @@ class Ties:
 
     chosen: np.ndarray
     ties: list
+    #: centroids whose admissible selections are more than were enumerated (an exact tie
+    #: of many keys: ``constant-keys``), each with a far one: its selected keys within the
+    #: margin replaced by unselected ones (:meth:`far_keywords`, :func:`moved`)
+    far: dict = field(default_factory=dict)
+
+    def far_keywords(self) -> dict:
+        """The reference keywords of the far selection of every such centroid at once."""
+        alt = self.chosen.copy()
+        for pos, row in self.far.items():
+            alt[pos] = row
+        return {"topk_keys": alt}
 
     def keywords(self, picks) -> dict:
         """The reference keywords of the selection with ``picks``, ``[(tie, option)]``, made."""
@@ -138,6 +149,7 @@ def alternatives(prep) -> Ties | None:
     order = np.argsort(-logits, axis=-1, kind="stable")
     chosen = np.ascontiguousarray(order[..., :topk])
     found = []  # (closeness, centroid, key selected, key not)
+    far = {}  # centroids with more admissible swaps than PER_CENTROID: a far selection
     for pos in np.ndindex(*order.shape[:-1]):
         row, e, o = logits[pos], err[pos], order[pos]
         pairs = []
@@ -151,14 +163,49 @@ def alternatives(prep) -> Ties | None:
                 if gap > e[a] + e[b]:
                     break
                 pairs.append((gap / (e[a] + e[b]), int(a), int(b)))
+        if len(pairs) > PER_CENTROID:
+            far[pos] = _far(chosen[pos], pairs)
         found += [(r, pos, a, b) for r, a, b in sorted(pairs)[:PER_CENTROID]]
     found.sort(key=lambda t: t[0])
+    for _, pos, _, _ in found[PER_CASE:]:
+        far.setdefault(pos, _far(chosen[pos], [(0.0, a, b) for r, p, a, b in found if p == pos]))
     ties = {}
     for _, pos, a, b in found[:PER_CASE]:
         row = chosen[pos].copy()
         row[row == a] = b
         ties.setdefault(pos, []).append(row)
-    return Ties(chosen, list(ties.items())) if ties else None
+    return Ties(chosen, list(ties.items()), far) if ties else None
+
+
+def _far(row, pairs):
+    """``row`` (a centroid's selection) with as many of its keys in ``pairs`` (``(closeness,
+    selected, unselected)`` within the margin) replaced by unselected keys of the pairs."""
+    ins = sorted({a for _, a, _ in pairs})
+    outs = sorted({b for _, _, b in pairs})
+    row = row.copy()
+    for a, b in zip(ins, outs):
+        row[row == a] = b
+    return row
+
+
+def moved(alt, golden, queries=True, size=None) -> np.ndarray:
+    """Booleans of ``golden``'s shape ``(B, H, N, e)``: the values a selection that was not
+    enumerated may change, judged by the far one's result ``alt``. With ``queries`` (the
+    output, ``dq``) the rows the far selection changed; else (``dk``, ``dv``) every row of
+    a head where it changed any, since the keys such a selection takes are any of its
+    tied ones. "Changed": by more than ``1e-12`` of ``size`` (default: the golden's
+    largest value), the size of the terms the values are summed from: two float64
+    evaluations of a function the selection does not change - the output over identical
+    keys, or ``dq`` there, which is zero but for rounding of the size of its terms -
+    differ by rounding alone."""
+    golden = np.asarray(golden, dtype=np.float64)
+    big = float(np.max(np.abs(golden))) if golden.size else 0.0
+    big = big if size is None else max(big, size)
+    rows = np.any(np.abs(np.asarray(alt, dtype=np.float64) - golden) > 1e-12 * big, axis=-1,
+                  keepdims=True)
+    if not queries:
+        rows = np.any(rows, axis=-2, keepdims=True)
+    return np.broadcast_to(rows, golden.shape)
 
 
 def nearest(got, golden, deltas, keep=None):

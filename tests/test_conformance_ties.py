@@ -10,7 +10,7 @@ from attn_ref.registry import get
 from conformance import verify
 from conformance.catalogue import cases
 from conformance.judging import prepare
-from conformance.ties import alternatives, nearest, settled
+from conformance.ties import alternatives, moved, nearest, settled
 from tests.helpers import scaled_gradient
 
 # attn_ref's reference under torch in float16 selected another key at a near tie of this
@@ -95,3 +95,55 @@ def test_vectors_leave_out_the_values_a_near_tie_changes(tmp_path):
     with np.load(f) as z:
         assert np.array_equal(np.isnan(z["golden"]), changed)
         assert np.isnan(z["golden_dk"][2, 0]).all() and not np.isnan(z["golden_dk"][0, 1]).any()
+
+
+def test_moved_marks_changed_query_rows_and_whole_heads_of_keys():
+    golden = np.ones((1, 2, 3, 2))
+    alt = golden.copy()
+    alt[0, 1, 2, 0] += 1e-3
+    alt[0, 0, 1, 1] += 1e-15  # rounding of the same function: not moved
+    rows = moved(alt, golden)
+    assert rows[0, 1, 2].all() and rows.sum() == 2
+    heads = moved(alt, golden, queries=False)
+    assert heads[0, 1].all() and not heads[0, 0].any()
+
+
+def test_an_exact_tie_of_many_keys_leaves_out_what_the_selection_moves():
+    # constant-keys: every key ties with every other, so any topk of them is admissible,
+    # more selections than are enumerated. The output does not depend on the selection
+    # (identical keys: uniform weights whatever is selected) and stays judged; dk does, and
+    # its rows are left out. A kernel selecting the last keys instead of the first (as
+    # torch.topk may) failed dk at 42-276x before (a plain torch kernel, seeds 0-7).
+    torch = pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    case = _case("constant-keys:b1h2-q65k65-d32-constant_keys")
+    prep = prepare(case, "clustered_topk", "float32", 0)
+    ties = alternatives(prep)
+    assert ties is not None and ties.far
+    ref = reference_kernel(get("clustered_topk"), B.load("torch"))
+
+    def last_keys(q, k, v, **kw):
+        nk, c, t = k.shape[-2], kw["num_clusters"], kw["topk"]
+        order = torch.arange(nk - 1, nk - 1 - t, -1).expand(c, t)
+        return ref(q, k, v, **kw, topk_keys=order)
+
+    last_keys.__signature__ = inspect.signature(get("clustered_topk").fn)
+    rep = verify(last_keys, "clustered_topk", backend="torch", dtypes=("float32",), cases=[case],
+                 grads=True, diagnose=False, progress=False, time_limit=None)
+    got = {r.output: r for r in rep.results}
+    assert got["out"].verdict == "pass" and got["dq"].verdict == "pass"
+    assert got["dk"].verdict == "n/a" and "every row is left out" in got["dk"].diagnosis + str(
+        getattr(got["dk"], "reason", ""))
+    # the same kernel with the golden's selection passes dk; the other selection's dk is
+    # another gradient, far outside the bound
+    from conformance.grads import prepare_grads
+
+    g = prepare_grads(prep)
+    a = {n: torch.tensor(np.asarray(prep.arrays[n], np.float32), requires_grad=True) for n in "qkv"}
+    kw = {**prep.kwargs, **prep.params, **prep.options}
+    out = last_keys(a["q"], a["k"], a["v"], **kw)
+    torch.autograd.backward(out, torch.tensor(g["do"], dtype=torch.float32))
+    gold, _, tmax, _, _ = g["k"]
+    assert np.max(np.abs(a["k"].grad.double().numpy() - gold)) > 10 * tmax
