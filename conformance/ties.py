@@ -34,9 +34,10 @@ import numpy as np
 
 from attn_ref.reduced import kmeans
 
-#: unit roundoff of each kernel dtype
-UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24,
-                 "float64": 2.0 ** -53}
+from .tolerance import MANTISSA_BITS
+
+#: unit roundoff of each kernel dtype, half an ulp of 1: ``2^-(mantissa bits + 1)``
+UNIT_ROUNDOFF = {dt: 2.0 ** -(bits + 1) for dt, bits in MANTISSA_BITS.items()}
 #: the other selections tried per centroid (nearest ties first) and per case: every
 #: pair of keys within the margin at once would be ``topk (Nk - topk)`` functions where
 #: the keys are equal (``constant-keys``), whose reference selection by index is kept
@@ -72,20 +73,21 @@ class Ties:
     #: margin replaced by unselected ones (:meth:`far_keywords`, :func:`moved`)
     far: dict = field(default_factory=dict)
 
-    def far_keywords(self) -> dict:
-        """The reference keywords of the far selection of every such centroid at once."""
+    def _selection(self, rows) -> dict:
+        """The reference keywords of ``chosen`` with some centroids' rows replaced
+        (``rows``: ``(centroid, selection)`` pairs)."""
         alt = self.chosen.copy()
-        for pos, row in self.far.items():
+        for pos, row in rows:
             alt[pos] = row
         return {"topk_keys": alt}
 
+    def far_keywords(self) -> dict:
+        """The reference keywords of the far selection of every such centroid at once."""
+        return self._selection(self.far.items())
+
     def keywords(self, picks) -> dict:
         """The reference keywords of the selection with ``picks``, ``[(tie, option)]``, made."""
-        alt = self.chosen.copy()
-        for t, o in picks:
-            pos, rows = self.ties[t]
-            alt[pos] = rows[o]
-        return {"topk_keys": alt}
+        return self._selection((self.ties[t][0], self.ties[t][1][o]) for t, o in picks)
 
     def deltas(self, run, golden: dict) -> list:
         """``[[{name: delta} per option] per tie]``: what each other admissible choice
