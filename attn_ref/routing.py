@@ -51,6 +51,9 @@ __all__ = [
     # Named steps that attn_ref.grad differentiates.
     "prepare_routing",
     "balanced_routes",
+    "check_routes",
+    "fixed_routes",
+    "route_tokens",
     "combine_clusters",
     "cluster_causal_mask",
     "plain_routing_mask",
@@ -126,6 +129,50 @@ def balanced_routes(xp, x, centroids, w, batch):
     return order[..., :w], rank
 
 
+def fixed_routes(xp, idx, n, batch):
+    """:func:`balanced_routes`' ``(idx, rank)`` for a given selection ``idx (..., C, w)``
+    of ``n`` tokens: token ``i`` is in cluster ``c`` at slot ``s`` iff ``idx[c, s] == i``,
+    and its rank is ``w`` (not chosen) otherwise. Found by comparison (the array API
+    has no scatter): ``O(C w n)`` time and memory.
+    """
+    c, w = idx.shape[-2], idx.shape[-1]
+    idx = xp.broadcast_to(idx, batch + (c, w))
+    dev = array_api_compat.device(idx)
+    hit = idx[..., :, :, None] == xp.arange(n, dtype=idx.dtype, device=dev)  # (..., C, w, n)
+    slot = xp.broadcast_to(xp.arange(w, dtype=idx.dtype, device=dev)[:, None], (w, n))
+    placed = xp.sum(xp.where(hit, slot, xp.zeros_like(slot)), axis=-2)
+    rank = xp.where(xp.any(hit, axis=-2), placed, xp.full_like(placed, w))
+    return idx, rank
+
+
+def check_routes(name, routes, c, w, n, balanced, fn):
+    """Refuse a ``query_routes`` / ``key_routes`` (``name``) of :func:`routing_attention`
+    that is not ``(..., C, w)`` integers, or one given with ``balanced=False``. Its
+    values (distinct tokens in ``[0, n)``) are the caller's to keep: checking them would
+    read the array on the host."""
+    if routes is None:
+        return
+    if not balanced:
+        raise ValueError(f"{fn}: {name} fixes the balanced routing, but balanced is False")
+    shape = tuple(getattr(routes, "shape", ()))
+    dtype = getattr(routes, "dtype", None)
+    xp = array_api_compat.array_namespace(routes) if hasattr(routes, "shape") else None
+    if len(shape) < 2 or shape[-2:] != (c, w) or xp is None or not xp.isdtype(dtype, "integral"):
+        raise ValueError(f"{fn}: {name} must be an integer array of shape (..., C, w) = "
+                         f"(..., {c}, {w}) indexing the {n} tokens; got shape {shape} and dtype "
+                         f"{dtype}")
+
+
+def route_tokens(xp, x, centroids, w, batch, given, name, balanced, fn):
+    """Each centroid's ``w`` tokens of ``x`` and their ranks (:func:`balanced_routes`), or
+    those of the selection ``given`` (:func:`fixed_routes`), checked as ``name``."""
+    n = x.shape[-2]
+    check_routes(name, given, centroids.shape[-2], w, n, balanced, fn)
+    if given is None:
+        return balanced_routes(xp, x, centroids, w, batch)
+    return fixed_routes(xp, given, n, batch)
+
+
 def cluster_causal_mask(xp, qidx, kidx, alignment, nq, nk):
     """``(..., C, wq, wk)``: inside each cluster, key ``kidx`` is not after query ``qidx``."""
     if alignment is None:
@@ -166,7 +213,7 @@ def plain_routing_mask(xp, q, k, centroids):
 
 
 def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True, causal=False,
-                      scale=None, xp=None):
+                      scale=None, query_routes=None, key_routes=None, xp=None):
     """Routing Transformer attention: each query attends to the keys of its clusters.
 
     Parameters
@@ -188,6 +235,13 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
         Inside a cluster, keys after the query (by original position) are masked.
     scale : float, optional
         Logit scale, default ``1/sqrt(d)``.
+    query_routes, key_routes : int array, shape (..., C, w), optional
+        Balanced routing: each centroid's ``w`` queries (keys), distinct token indices,
+        instead of its ``w`` nearest. The routing is a discrete choice: where a
+        centroid's ``w``-th and next scores are closer than a dtype's rounding, a correct
+        kernel may take either token, and ``conformance`` judges it against the
+        function of each admissible routing (:mod:`conformance.ties`). None (default)
+        routes by the scores. ``O(C w N)`` more to place them.
 
     Returns
     -------
@@ -223,10 +277,14 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
                                                           causal, scale, xp)
     nq, nk = q.shape[-2], k.shape[-2]
     if not balanced:
+        for name, given in (("query_routes", query_routes), ("key_routes", key_routes)):
+            check_routes(name, given, centroids.shape[-2], 0, 0, balanced, "routing_attention")
         mask = plain_routing_mask(xp, q, k, centroids)
         return softmax_attention(q, k, v, mask=mask, causal=alignment or False, scale=scale, xp=xp)
-    qidx, qrank = balanced_routes(xp, q, centroids, wq, batch)
-    kidx, _ = balanced_routes(xp, k, centroids, wk, batch)
+    qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
+                               balanced, "routing_attention")
+    kidx, _ = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes", balanced,
+                           "routing_attention")
     # Gather each cluster's w queries, keys and values: C dense w x w problems.
     qg, kg, vg = (gather_rows(xp, x, i, batch) for x, i in ((q, qidx), (k, kidx), (v, kidx)))
     mask = cluster_causal_mask(xp, qidx, kidx, alignment, nq, nk)

@@ -343,9 +343,10 @@ def _case_keywords(v) -> set:
 
 
 #: keywords that fix a discrete choice of the reference (clustered_topk's
-#: ``topk_keys``): the oracle's handle on a near tie's other admissible choice
-#: (:mod:`conformance.ties`), per case and head, never an option of what a kernel computes
-TIE_KEYWORDS = frozenset({"topk_keys"})
+#: ``topk_keys``, routing's ``query_routes`` and ``key_routes``): the oracle's handle
+#: on a near tie's other admissible choice (:mod:`conformance.ties`), per case and head,
+#: never an option of what a kernel computes
+TIE_KEYWORDS = frozenset({"topk_keys", "query_routes", "key_routes"})
 
 
 def option_names(variant) -> tuple:

@@ -284,12 +284,14 @@ def naive_clustered(qh, kh, vh, c, iterations, seed, topk, topk_keys=None):
 # ---------------------------------------------------------------- routing
 
 
-def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balanced=True):
+def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balanced=True,
+                  query_routes=None, key_routes=None):
     """Routing Transformer attention with loops: per batch entry, per cluster, per query.
 
     Balanced: centroid c takes the w tokens of largest mu_c . x / |x| (ties: lower
-    index); each query averages its clusters' softmax outputs. Plain: each token to
-    the centroid nearest (Euclidean) to x / |x|. Returns (out, weights).
+    index), or the tokens ``query_routes[..., c, :]`` (``key_routes``) when given; each
+    query averages its clusters' softmax outputs. Plain: each token to the centroid
+    nearest (Euclidean) to x / |x|. Returns (out, weights).
     """
     out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
     weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
@@ -320,8 +322,10 @@ def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balance
         wk = min(cluster_size or -(-nk // c), nk)
         count = np.zeros(nq)
         for cl in range(c):
-            qs = np.argsort(-(unit(q) @ mu[cl]), kind="stable")[:wq]
-            ks = np.argsort(-(unit(k) @ mu[cl]), kind="stable")[:wk]
+            qs = np.argsort(-(unit(q) @ mu[cl]), kind="stable")[:wq] if query_routes is None \
+                else np.broadcast_to(query_routes, qh.shape[:-2] + query_routes.shape[-2:])[idx][cl]
+            ks = np.argsort(-(unit(k) @ mu[cl]), kind="stable")[:wk] if key_routes is None \
+                else np.broadcast_to(key_routes, kh.shape[:-2] + key_routes.shape[-2:])[idx][cl]
             for i in qs:
                 count[i] += 1
                 keys = [j for j in ks if allowed(i, j)]

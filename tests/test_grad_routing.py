@@ -47,6 +47,23 @@ def test_matches_finite_differences(backend, form):
     assert_grads_close(got, _FD[form], backend, rtol=1e-6, atol=1e-8)
 
 
+def test_given_routes_are_held_and_differentiated(backend):
+    # conformance.ties' handle: a routing given (here one no score would choose, a query
+    # in two clusters and one in none) is the routing the VJP holds constant
+    args, do, mu = _case(3)
+    rng = np.random.default_rng(4)
+    qr = np.stack([np.stack([rng.permutation(7)[:3] for _ in range(3)]) for _ in range(2)])
+    kr = np.stack([rng.permutation(8)[:3] for _ in range(3)])  # (C, w): every head
+    assert np.any(np.bincount(qr[0].ravel(), minlength=7) == 0)
+    assert np.any(np.bincount(qr[0].ravel(), minlength=7) > 1)
+    options = {"centroids": mu, "query_routes": qr, "key_routes": kr, "causal": True}
+    want = numeric_vjp(R.routing_attention, args, do, options)
+    default = grad.routing_attention(args["q"], args["k"], args["v"], do, centroids=mu, causal=True)
+    assert not np.allclose(default["k"], want["k"])
+    got = run_vjp(backend, grad.routing_attention, args, do, options)
+    assert_grads_close(got, want, backend, rtol=1e-6, atol=1e-8)
+
+
 def test_the_average_over_clusters_is_differentiated():
     # w = 4 of N = 6 per centroid, 3 centroids: 12 places for 6 queries, so some sit in two;
     # dropping the 1/n of the average would double the gradients.

@@ -67,6 +67,36 @@ def test_matches_plain_loops_and_weights(backend, balanced, causal, nq, size):
     np.testing.assert_allclose(host(w) @ vh, host(out), rtol=1e-12, atol=1e-12)
 
 
+def _other_routes(seed, batch, c, w, n):
+    """A routing no score would choose: ``w`` distinct random tokens per centroid."""
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(n)[:w] for _ in range(int(np.prod(batch)) * c)]).reshape(
+        batch + (c, w))
+
+
+@pytest.mark.parametrize("causal", [False, "bottom-right"])
+def test_given_routes_are_the_function_of_that_routing(backend, causal):
+    # The tie handle of conformance.ties: each centroid's tokens given instead of chosen.
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nq=7)
+    mu, muh = _centroids(backend, 3)
+    qr, kr = _other_routes(0, (2, 3), 3, 3, 7), _other_routes(1, (3,), 3, 4, N)  # keys: per head
+    out = call(backend, routing_attention, q, k, v, centroids=mu, causal=causal,
+               query_routes=from_numpy(qr, backend), key_routes=from_numpy(kr, backend))
+    want, _ = naive_routing(qh, kh, vh, muh, causal or None, None, True, qr, kr)
+    assert not np.allclose(want, naive_routing(qh, kh, vh, muh, causal or None)[0])
+    assert_close(out, want, backend, rtol=1e-12, atol=1e-12)
+    # the routing the scores choose, given in another slot order, is the default
+    from attn_ref.routing import balanced_routes
+
+    qi, _ = balanced_routes(npx, qh, muh, 3, (2, 3))
+    ki, _ = balanced_routes(npx, kh, muh, 4, (2, 3))
+    same = call(backend, routing_attention, q, k, v, centroids=mu, causal=causal,
+                query_routes=from_numpy(np.ascontiguousarray(qi[..., ::-1]), backend),
+                key_routes=from_numpy(ki, backend))
+    assert_close(same, host(call(backend, routing_attention, q, k, v, centroids=mu, causal=causal)),
+                 backend, rtol=1e-14, atol=1e-14)
+
+
 def test_balanced_average_zeros_and_overlaps():
     # The rules the docs state, on one case with each: a query in two clusters gets the
     # mean of two softmax outputs, one in none gets zeros.
@@ -153,6 +183,17 @@ def test_bad_input(backend):
         routing_attention(q, k, v, centroids=mu, causal="yes")
     with pytest.raises(ValueError, match="leading .batch, head. dimensions do not broadcast"):
         routing_attention(q, k, v, centroids=from_numpy(np.ones((4, 3, D)), backend))
+    routes = from_numpy(_other_routes(0, (), 3, 5, N), backend)  # w = ceil(10 / 3) = 4
+    with pytest.raises(ValueError, match=r"query_routes must be an integer array of shape "
+                                         r"\(\.\.\., C, w\) = \(\.\.\., 3, 4\) indexing the 10 "
+                                         r"tokens; got shape \(3, 5\)"):
+        routing_attention(q, k, v, centroids=mu, query_routes=routes)
+    with pytest.raises(ValueError, match=r"key_routes must be an integer array .* got shape "
+                                         r"\(3, 4\) and dtype .*float"):
+        routing_attention(q, k, v, centroids=mu, key_routes=from_numpy(np.ones((3, 4)), backend))
+    with pytest.raises(ValueError, match="key_routes fixes the balanced routing, but balanced is "
+                                         "False"):
+        routing_attention(q, k, v, centroids=mu, key_routes=routes, balanced=False)
 
 
 # ------------------------------------------------------- calibration: routing-transformer

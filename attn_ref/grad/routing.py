@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from ..reduced import gather_rows
 from ..routing import (
-    balanced_routes,
+    check_routes,
     cluster_causal_mask,
     combine_clusters,
     plain_routing_mask,
     prepare_routing,
+    route_tokens,
 )
 from ._common import check_cotangent, unbroadcast
 from .softmax import softmax_attention
@@ -33,8 +34,11 @@ __all__ = ["routing_attention"]
 
 
 def routing_attention(q, k, v, do, /, *, centroids, cluster_size=None, balanced=True, causal=False,
-                      scale=None, xp=None):
+                      scale=None, query_routes=None, key_routes=None, xp=None):
     """VJP of :func:`attn_ref.routing.routing_attention`: ``{"q", "k", "v"}``.
+
+    ``query_routes`` and ``key_routes`` fix the balanced routing as in the forward (the
+    routing is held constant either way).
 
     Same cost as the forward: ``O(N C d + C w^2 (d + dv))`` balanced.
 
@@ -55,11 +59,15 @@ def routing_attention(q, k, v, do, /, *, centroids, cluster_size=None, balanced=
     nq, nk = q.shape[-2], k.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), q)
     if not balanced:
+        for name, given in (("query_routes", query_routes), ("key_routes", key_routes)):
+            check_routes(name, given, centroids.shape[-2], 0, 0, balanced, "routing_attention")
         mask = plain_routing_mask(xp, q, k, centroids)
         g = softmax_attention(q, k, v, do, mask=mask, causal=alignment or False, scale=scale, xp=xp)
         return {n: g[n] for n in "qkv"}
-    qidx, qrank = balanced_routes(xp, q, centroids, wq, batch)
-    kidx, krank = balanced_routes(xp, k, centroids, wk, batch)
+    qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
+                               balanced, "routing_attention")
+    kidx, krank = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes", balanced,
+                               "routing_attention")
     qg, kg, vg = (gather_rows(xp, x, i, batch) for x, i in ((q, qidx), (k, kidx), (v, kidx)))
     mask = cluster_causal_mask(xp, qidx, kidx, alignment, nq, nk)
     # d out_c[s] = do[i] / n_i for the query i at slot s of cluster c.
