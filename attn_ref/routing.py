@@ -132,17 +132,30 @@ def balanced_routes(xp, x, centroids, w, batch):
 def fixed_routes(xp, idx, n, batch):
     """:func:`balanced_routes`' ``(idx, rank)`` for a given selection ``idx (..., C, w)``
     of ``n`` tokens: token ``i`` is in cluster ``c`` at slot ``s`` iff ``idx[c, s] == i``,
-    and its rank is ``w`` (not chosen) otherwise. Found by comparison (the array API
-    has no scatter): ``O(C w n)`` time and memory.
+    and its rank is ``w`` (not chosen) otherwise.
+
+    The array API has no scatter, so the ranks come from a sort: the keys
+    ``idx[c, s] (w + 1) + s`` of the chosen tokens and ``i (w + 1) + w`` of every token,
+    sorted, put each chosen token's key just before its own token key. ``O(C (w + n)
+    log(w + n))`` (a comparison of every slot with every token, ``O(C w n)``, took
+    40% of the oracle's time on routing's standard suite in bfloat16).
     """
     c, w = idx.shape[-2], idx.shape[-1]
     idx = xp.broadcast_to(idx, batch + (c, w))
     dev = array_api_compat.device(idx)
-    hit = idx[..., :, :, None] == xp.arange(n, dtype=idx.dtype, device=dev)  # (..., C, w, n)
-    slot = xp.broadcast_to(xp.arange(w, dtype=idx.dtype, device=dev)[:, None], (w, n))
-    placed = xp.sum(xp.where(hit, slot, xp.zeros_like(slot)), axis=-2)
-    rank = xp.where(xp.any(hit, axis=-2), placed, xp.full_like(placed, w))
-    return idx, rank
+    step = w + 1
+    slots = xp.arange(w, dtype=xp.int64, device=dev)
+    tokens = xp.arange(n, dtype=xp.int64, device=dev) * step + w
+    keys = xp.concat([xp.astype(idx, xp.int64) * step + slots,
+                      xp.broadcast_to(tokens, batch + (c, n))], axis=-1)
+    perm = xp.argsort(keys, axis=-1, stable=True)
+    where_ = xp.argsort(perm, axis=-1, stable=True)[..., w:]  # each token key's sorted place
+    before = xp.take_along_axis(xp.take_along_axis(keys, perm, axis=-1),
+                                xp.clip(where_ - 1, min=0), axis=-1)
+    token = xp.arange(n, dtype=xp.int64, device=dev)
+    chosen = (where_ > 0) & (before // step == token) & (before % step < w)
+    rank = xp.where(chosen, before % step, xp.full_like(before, w))
+    return idx, xp.astype(rank, idx.dtype)
 
 
 def check_routes(name, routes, c, w, n, balanced, fn):
