@@ -54,6 +54,7 @@ False}``: then the goldens are those of ``<dO, O>`` alone and a row ``dlse`` rea
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -944,6 +945,20 @@ def relu_kink_rows(prep) -> np.ndarray | None:
     return np.any(np.abs(z) <= tol, axis=-1)
 
 
+def _tie_rerun(prep, run):
+    """``rerun(name, picks)``: gradient ``name`` of the choices ``picks`` (``((tie,
+    option), ...)``) at near ties taken together, ``run(keywords)`` giving every gradient
+    of a selection; each picks run once (:func:`conformance.ties.nearest`)."""
+    cache = {}
+
+    def rerun(name, picks):
+        if picks not in cache:
+            cache[picks] = {n: np.asarray(x, dtype=np.float64)
+                            for n, x in run(prep.tie_set.keywords(list(picks))).items()}
+        return cache[picks][name]
+    return rerun
+
+
 def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=False) -> dict:
     """``{"do": do, name: (golden, keep, tol_max, tol_rms, baseline or None)}``, cached on ``prep``.
 
@@ -957,7 +972,9 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     ``"ties"``: ``{name: [[delta, ...] per near tie]}``, what each other admissible choice
     at a near tie of a discrete choice changes in each gradient (:mod:`conformance.ties`;
     empty without ties): the kernel's gradients and the baselines are measured against
-    the nearest admissible one (:func:`conformance.ties.nearest`).
+    the nearest admissible one (:func:`conformance.ties.nearest`). ``"rerun"``:
+    ``rerun(name, picks)``, the gradient ``name`` of the choices ``picks`` taken together
+    (None without ties).
 
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
@@ -988,13 +1005,14 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     gold = {n: np.asarray(x, dtype=np.float64) for n, x in gold.items()}
     # each near tie's other admissible choices (conformance.ties): their gradients, as
     # differences from the golden's, per gradient
-    ties, far = {}, None
+    ties, far, rerun = {}, None, None
     if prep.tie_set is not None:
         def run(o):
             return _reference_grads(prep, do, prep.golden_dtype, dfinal_state=ds, dlse=dlse, **o)
 
         deltas = prep.tie_set.deltas(run, gold)
         ties = {n: [[d[n] for d in opts] for opts in deltas] for n in gold}
+        rerun = _tie_rerun(prep, run)
         if prep.tie_set.far:
             # ties of more keys than were enumerated: what their selection moves is left out
             far = run(prep.tie_set.far_keywords())
@@ -1016,7 +1034,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             # baselines may; any other exception is the oracle's bug and is raised: skipped,
             # it left the bound to the forms that remained (_one_shot_options)
             pass
-    out = {"do": do, "ties": ties}
+    out = {"do": do, "ties": ties, "rerun": rerun}
     if ds is not None:
         out["dfinal_state"] = ds
     if dlse is not None:
@@ -1050,14 +1068,25 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         if far is not None and n in far:
             # against the size of the gradient's terms: dq over identical keys is zero but
             # for their rounding, and stays so whatever is selected
-            still = ~moved(far[n], g, queries=n == "q", size=terms.get(n))
+            changed = moved(far[n], g, queries=n == "q", size=terms.get(n))
+            if n == "q":
+                changed = changed | prep.tie_set.loose_rows(g.shape)
+            still = ~changed
             keep = still if keep is None else keep & still
         if keep is not None and g.size and not np.any(keep):
             # nothing left to compare: a verdict of no values would read as a pass
             out.setdefault("ill", {})[n] = (f"{grad_output(n)} not judged: every row is left out "
                                             f"(dead rows, or a relu kink or a tie of many keys "
                                             f"within {prep.dtype}'s rounding)")
-        ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep), keep) for b in bases if n in b]
+        elif far is not None and keep is not None and np.any(g) and \
+                not np.any(g[np.broadcast_to(keep, g.shape)]):
+            # only the zeros of tokens no selection reaches are left: no verdict on the rest
+            out.setdefault("ill", {})[n] = (f"{grad_output(n)} not judged: every row left is zero, "
+                                            f"the others left out for a tie of more tokens than "
+                                            f"{prep.dtype} resolves")
+        again = None if rerun is None else functools.partial(rerun, n)
+        ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep, again), keep)
+              for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
@@ -1412,7 +1441,8 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
             continue
         hosts[n] = h
         # against the gradient of the admissible choice nearest to it at a near tie
-        m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep), keep)
+        again = None if g.get("rerun") is None else functools.partial(g["rerun"], n)
+        m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep, again), keep)
         res = _judge(prep, m, out_name, tmax, trms, bm)
         res.time_s, res.shapes = elapsed, shapes
         rows.append(res)

@@ -176,6 +176,9 @@ class Prepared:
     #: difference each other admissible choice makes to the golden, per tie
     tie_set: Any = None
     ties: list = field(default_factory=list)
+    #: the goldens of choices taken together at several ties, by their picks
+    #: (:meth:`tie_golden`)
+    tie_goldens: dict = field(default_factory=dict)
 
     # -- the reference in any NumPy dtype, used for golden, baseline and diagnosis
     def reference(self, dtype="float64", *, arrays=None, kwargs=None, fn=None, options=None, xp=None):
@@ -212,7 +215,16 @@ class Prepared:
     def nearest_golden(self, out_host: np.ndarray) -> np.ndarray:
         """The golden of the admissible choice nearest to ``out_host`` at each near tie
         (:func:`conformance.ties.nearest`); the golden itself where there is none."""
-        return nearest(out_host, self.golden, self.ties, self.keep)
+        return nearest(out_host, self.golden, self.ties, self.keep, self.tie_golden)
+
+    def tie_golden(self, picks) -> np.ndarray:
+        """The golden of the admissible choices ``picks`` (``((tie, option), ...)``) taken
+        together, computed as the golden is (once per picks)."""
+        if picks not in self.tie_goldens:
+            kw = self.tie_set.keywords(list(picks))
+            self.tie_goldens[picks] = self.apply_semantics(np.asarray(self.reference(
+                self.golden_dtype, options={**self.options, **kw}), dtype=np.float64))
+        return self.tie_goldens[picks]
 
     def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
         """Judge a kernel output (host, canonical layout) against the golden (of the
@@ -598,13 +610,21 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
             if prep.tie_set.far:
                 # ties of more keys than were enumerated: the rows their selection moves
                 # are left out, as dead rows are
-                still = ~moved(run(prep.tie_set.far_keywords())["out"], prep.golden,
-                               size=float(np.max(np.abs(prep.arrays["v"]), initial=0.0)))
+                still = ~(moved(run(prep.tie_set.far_keywords())["out"], prep.golden,
+                                size=float(np.max(np.abs(prep.arrays["v"]), initial=0.0)))
+                          | prep.tie_set.loose_rows(prep.golden.shape))
                 keep = still if keep is None else keep & still
                 prep.keep = keep
                 if not keep.any():
                     raise NotApplicable(f"every output row is left out: its centroid's top-k "
                                         f"selection is a tie of more keys than {dtype} resolves")
+                if not np.any(prep.golden[np.broadcast_to(keep, prep.golden.shape)]) and \
+                        np.any(prep.golden):
+                    # what is left is the zeros of queries no centroid takes: a pass on
+                    # those alone would read as a verdict on the routing
+                    raise NotApplicable(f"every output row left judged is zero: the others are "
+                                        f"left out, their selection a tie of more tokens than "
+                                        f"{dtype} resolves")
     bdt = "float64" if dtype == "float64" else dtype
     try:
         bm = None
