@@ -77,7 +77,13 @@ GROUP_ELEMENTS = 1 << 17
 def l2_normalize(x, /, *, eps=L2NORM_EPS, xp=None):
     """``x / sqrt(sum(x^2, -1) + eps)``: fla's ``use_qk_l2norm_in_kernel`` normalisation."""
     xp = array_api_compat.array_namespace(x) if xp is None else xp
-    return x / xp.sqrt(xp.sum(x * x, axis=-1, keepdims=True) + eps)
+    return x / _l2_norm(xp, x, eps)
+
+
+def _l2_norm(xp, x, eps=L2NORM_EPS):
+    # vecdot: one pass, where x * x and a sum took two and a temporary (half the time
+    # on NumPy, (8, 4, 64, 64) float32 rows, measured)
+    return xp.sqrt(xp.vecdot(x, x)[..., None] + eps)
 
 
 def _zeros_state(xp, k, v):
@@ -245,9 +251,10 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
+        # the scale goes with q's normalisation, one pass over q
+        qg = qg * (scale / _l2_norm(xp, qg)) if l2norm else scale * qg
         if l2norm:
-            qg, kg = l2_normalize(qg, xp=xp), l2_normalize(kg, xp=xp)
-        qg = scale * qg
+            kg = kg / _l2_norm(xp, kg)
         # K^T in row-major order: K K^T, Q K^T and the state's update are untransposed
         # GEMMs (common.row_major_transpose), and the copy is ours to scale in place.
         kt = row_major_transpose(xp, kg)
