@@ -217,3 +217,32 @@ def test_a_routing_kernel_that_chose_otherwise_at_a_near_tie_passes_and_a_wrong_
     assert run(qr, 1.01)["out"] == "fail"
     assert run(qr, 1.0, 1.03, "k")["dk"] == "fail"
     assert set(run(far).values()) == {"fail"}
+
+
+def test_loose_rows_fold_the_dimensions_a_gradient_sums():
+    from conformance.ties import Ties
+
+    loose = np.zeros((2, 3, 5), bool)
+    loose[1, 2, 4] = True
+    ties = Ties({}, [], {}, loose)
+    rows = ties.loose_rows((2, 3, 5, 4))
+    assert rows[1, 2, 4].all() and rows.sum() == 4
+    summed = ties.loose_rows((2, 1, 5, 4))  # dq of a q broadcast over the heads
+    assert summed[1, 0, 4].all() and summed.sum() == 4
+    assert not Ties({}, [], {}).loose_rows((2, 3, 5, 4)).any()
+
+
+def test_queries_near_a_centroid_whose_keys_tie_widely_are_left_out():
+    # bfloat16, 64 tokens: a centroid's keys have more near ties than are enumerated (a
+    # far selection), and some queries are within the margin of that centroid: a kernel
+    # may take them in, where they read keys nothing pins down, so their rows go
+    prep = prepare(_routing_case("length:b1h2-q64k64-d32"), "routing", "bfloat16", 0)
+    ties = prep.tie_set
+    assert any(name == "key_routes" for name, _ in ties.far) and ties.loose is not None
+    kept = np.broadcast_to(prep.keep, prep.golden.shape)[..., 0]
+    assert not kept[ties.loose].any() and kept.any()
+    # past a thousand keys nothing but unrouted queries' zeros is left: not applicable
+    from conformance.judging import NotApplicable
+
+    with pytest.raises(NotApplicable, match="every output row left judged is zero"):
+        prepare(_routing_case("long:b1h1-q64k4096-d32-causal-br"), "routing", "bfloat16", 0)
