@@ -53,6 +53,7 @@ __all__ = [
     "balanced_routes",
     "check_routes",
     "fixed_routes",
+    "refuse_routes",
     "route_tokens",
     "combine_clusters",
     "cluster_causal_mask",
@@ -150,23 +151,21 @@ def fixed_routes(xp, idx, n, batch):
                       xp.broadcast_to(tokens, batch + (c, n))], axis=-1)
     perm = xp.argsort(keys, axis=-1, stable=True)
     where_ = xp.argsort(perm, axis=-1, stable=True)[..., w:]  # each token key's sorted place
+    # the key sorted just before each token's own: a chosen key of that token (its slot),
+    # or another token's (not chosen); the first token key reads itself, slot w
     before = xp.take_along_axis(xp.take_along_axis(keys, perm, axis=-1),
                                 xp.clip(where_ - 1, min=0), axis=-1)
     token = xp.arange(n, dtype=xp.int64, device=dev)
-    chosen = (where_ > 0) & (before // step == token) & (before % step < w)
-    rank = xp.where(chosen, before % step, xp.full_like(before, w))
+    rank = xp.where(before // step == token, before % step, xp.full_like(before, w))
     return idx, xp.astype(rank, idx.dtype)
 
 
-def check_routes(name, routes, c, w, n, balanced, fn):
+def check_routes(name, routes, c, w, n, fn):
     """Refuse a ``query_routes`` / ``key_routes`` (``name``) of :func:`routing_attention`
-    that is not ``(..., C, w)`` integers, or one given with ``balanced=False``. Its
-    values (distinct tokens in ``[0, n)``) are the caller's to keep: checking them would
-    read the array on the host."""
+    that is not ``(..., C, w)`` integers. Its values (distinct tokens in ``[0, n)``) are
+    the caller's to keep: checking them would read the array on the host."""
     if routes is None:
         return
-    if not balanced:
-        raise ValueError(f"{fn}: {name} fixes the balanced routing, but balanced is False")
     shape = tuple(getattr(routes, "shape", ()))
     dtype = getattr(routes, "dtype", None)
     xp = array_api_compat.array_namespace(routes) if hasattr(routes, "shape") else None
@@ -176,11 +175,18 @@ def check_routes(name, routes, c, w, n, balanced, fn):
                          f"{dtype}")
 
 
-def route_tokens(xp, x, centroids, w, batch, given, name, balanced, fn):
+def refuse_routes(query_routes, key_routes, fn):
+    """Plain routing has no top-``w`` selection: a given one is refused, by name."""
+    for name, given in (("query_routes", query_routes), ("key_routes", key_routes)):
+        if given is not None:
+            raise ValueError(f"{fn}: {name} fixes the balanced routing, but balanced is False")
+
+
+def route_tokens(xp, x, centroids, w, batch, given, name, fn):
     """Each centroid's ``w`` tokens of ``x`` and their ranks (:func:`balanced_routes`), or
     those of the selection ``given`` (:func:`fixed_routes`), checked as ``name``."""
     n = x.shape[-2]
-    check_routes(name, given, centroids.shape[-2], w, n, balanced, fn)
+    check_routes(name, given, centroids.shape[-2], w, n, fn)
     if given is None:
         return balanced_routes(xp, x, centroids, w, batch)
     return fixed_routes(xp, given, n, batch)
@@ -254,7 +260,7 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
         centroid's ``w``-th and next scores are closer than a dtype's rounding, a correct
         kernel may take either token, and ``conformance`` judges it against the
         function of each admissible routing (:mod:`conformance.ties`). None (default)
-        routes by the scores. ``O(C w N)`` more to place them.
+        routes by the scores. ``O(C (w + N) log(w + N))`` more to place them.
 
     Returns
     -------
@@ -290,13 +296,12 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
                                                           causal, scale, xp)
     nq, nk = q.shape[-2], k.shape[-2]
     if not balanced:
-        for name, given in (("query_routes", query_routes), ("key_routes", key_routes)):
-            check_routes(name, given, centroids.shape[-2], 0, 0, balanced, "routing_attention")
+        refuse_routes(query_routes, key_routes, "routing_attention")
         mask = plain_routing_mask(xp, q, k, centroids)
         return softmax_attention(q, k, v, mask=mask, causal=alignment or False, scale=scale, xp=xp)
     qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
-                               balanced, "routing_attention")
-    kidx, _ = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes", balanced,
+                               "routing_attention")
+    kidx, _ = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes",
                            "routing_attention")
     # Gather each cluster's w queries, keys and values: C dense w x w problems.
     qg, kg, vg = (gather_rows(xp, x, i, batch) for x, i in ((q, qidx), (k, kidx), (v, kidx)))

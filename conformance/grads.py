@@ -945,18 +945,10 @@ def relu_kink_rows(prep) -> np.ndarray | None:
     return np.any(np.abs(z) <= tol, axis=-1)
 
 
-def _tie_rerun(prep, run):
-    """``rerun(name, picks)``: gradient ``name`` of the choices ``picks`` (``((tie,
-    option), ...)``) at near ties taken together, ``run(keywords)`` giving every gradient
-    of a selection; each picks run once (:func:`conformance.ties.nearest`)."""
-    cache = {}
-
-    def rerun(name, picks):
-        if picks not in cache:
-            cache[picks] = {n: np.asarray(x, dtype=np.float64)
-                            for n, x in run(prep.tie_set.keywords(list(picks))).items()}
-        return cache[picks][name]
-    return rerun
+def _gradient_of(rerun, name, picks):
+    """Gradient ``name`` of the choices ``picks`` taken together (``rerun``: ``prepare_grads``'
+    ``"rerun"``)."""
+    return rerun(picks)[name]
 
 
 def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=False) -> dict:
@@ -973,8 +965,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     at a near tie of a discrete choice changes in each gradient (:mod:`conformance.ties`;
     empty without ties): the kernel's gradients and the baselines are measured against
     the nearest admissible one (:func:`conformance.ties.nearest`). ``"rerun"``:
-    ``rerun(name, picks)``, the gradient ``name`` of the choices ``picks`` taken together
-    (None without ties).
+    ``rerun(picks)``, the gradients of the choices ``picks`` taken together
+    (:meth:`conformance.ties.Ties.combined`; None without ties).
 
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
@@ -1012,7 +1004,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
 
         deltas = prep.tie_set.deltas(run, gold)
         ties = {n: [[d[n] for d in opts] for opts in deltas] for n in gold}
-        rerun = _tie_rerun(prep, run)
+        rerun = prep.tie_set.combined(run)
         if prep.tie_set.far:
             # ties of more keys than were enumerated: what their selection moves is left out
             far = run(prep.tie_set.far_keywords())
@@ -1084,7 +1076,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             out.setdefault("ill", {})[n] = (f"{grad_output(n)} not judged: every row left is zero, "
                                             f"the others left out for a tie of more tokens than "
                                             f"{prep.dtype} resolves")
-        again = None if rerun is None else functools.partial(rerun, n)
+        again = None if rerun is None else functools.partial(_gradient_of, rerun, n)
         ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep, again), keep)
               for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
@@ -1441,7 +1433,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
             continue
         hosts[n] = h
         # against the gradient of the admissible choice nearest to it at a near tie
-        again = None if g.get("rerun") is None else functools.partial(g["rerun"], n)
+        again = None if g.get("rerun") is None else functools.partial(_gradient_of, g["rerun"], n)
         m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep, again), keep)
         res = _judge(prep, m, out_name, tmax, trms, bm)
         res.time_s, res.shapes = elapsed, shapes

@@ -177,8 +177,8 @@ class Prepared:
     tie_set: Any = None
     ties: list = field(default_factory=list)
     #: the goldens of choices taken together at several ties, by their picks
-    #: (:meth:`tie_golden`)
-    tie_goldens: dict = field(default_factory=dict)
+    #: (:meth:`conformance.ties.Ties.combined`), or None
+    tie_golden: Any = None
 
     # -- the reference in any NumPy dtype, used for golden, baseline and diagnosis
     def reference(self, dtype="float64", *, arrays=None, kwargs=None, fn=None, options=None, xp=None):
@@ -215,16 +215,8 @@ class Prepared:
     def nearest_golden(self, out_host: np.ndarray) -> np.ndarray:
         """The golden of the admissible choice nearest to ``out_host`` at each near tie
         (:func:`conformance.ties.nearest`); the golden itself where there is none."""
-        return nearest(out_host, self.golden, self.ties, self.keep, self.tie_golden)
-
-    def tie_golden(self, picks) -> np.ndarray:
-        """The golden of the admissible choices ``picks`` (``((tie, option), ...)``) taken
-        together, computed as the golden is (once per picks)."""
-        if picks not in self.tie_goldens:
-            kw = self.tie_set.keywords(list(picks))
-            self.tie_goldens[picks] = self.apply_semantics(np.asarray(self.reference(
-                self.golden_dtype, options={**self.options, **kw}), dtype=np.float64))
-        return self.tie_goldens[picks]
+        together = None if self.tie_golden is None else (lambda p: self.tie_golden(p)["out"])
+        return nearest(out_host, self.golden, self.ties, self.keep, together)
 
     def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
         """Judge a kernel output (host, canonical layout) against the golden (of the
@@ -607,6 +599,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
 
             deltas = prep.tie_set.deltas(run, {"out": prep.golden})
             prep.ties = [[d["out"] for d in opts] for opts in deltas]
+            prep.tie_golden = prep.tie_set.combined(run)
             if prep.tie_set.far:
                 # ties of more keys than were enumerated: the rows their selection moves
                 # are left out, as dead rows are

@@ -7,7 +7,7 @@ nearest keys. Where the last selected and a next score are closer than the kerne
 dtype's rounding of computing them, a correct kernel may select either token, and then
 computes another function of the same inputs: its output differs from the golden by a
 whole token's share, not by rounding (attn_ref's own reference failed such heads at
-1.4-77x in float16 and bfloat16 under torch, and routing's up to 193x under
+1.4-77x in float16 and bfloat16 under torch, and routing's up to 298x under
 ``jax.jit``, ``docs/conformance.md``, "Near ties"; where a baseline flipped, the case
 was "ill-conditioned" and not judged at all, 27 of routing's 68 bfloat16 cases). Leaving
 those heads out would not pay: by the margins below about half the heads of the
@@ -126,6 +126,18 @@ class Ties:
         """The reference keywords of the selection with ``picks``, ``[(tie, option)]``, made."""
         return self._selection(pair for t, o in picks for pair in self.ties[t][1][o])
 
+    def combined(self, run):
+        """``together(picks)``: ``run``'s results (``{name: array}``) for the choices
+        ``picks`` (``((tie, option), ...)``) taken together, each picks run once: the
+        goldens :func:`nearest` recomputes where choices do not add."""
+        cache = {}
+
+        def together(picks):
+            if picks not in cache:
+                cache[picks] = run(self.keywords(list(picks)))
+            return cache[picks]
+        return together
+
     def deltas(self, run, golden: dict) -> list:
         """``[[{name: delta} per option] per tie]``: what each other admissible choice
         changes in the results ``golden`` (``{name: array}``), ``run(keywords)`` giving
@@ -215,16 +227,18 @@ def _loose_queries(chosen, near, far, nq):
         return None
     qbatch = tuple(chosen["query_routes"].shape[:-2])
     kbatch = tuple(chosen["key_routes"].shape[:-2])
-    loose = np.zeros(qbatch + (nq,), bool)
+    c = chosen["query_routes"].shape[-2]
+    kfar = np.zeros(kbatch + (c,), bool)
     for name, pos in far:
-        if name != "key_routes":
-            continue
-        khead, c = pos[:-1], pos[-1]
-        for qhead in np.ndindex(*qbatch):
-            if all(kb in (0, q) if n == 1 else kb == q
-                   for kb, q, n in zip(khead[::-1], qhead[::-1], kbatch[::-1])):
-                for _, a, b in near.get(("query_routes", qhead + (c,)), []):
-                    loose[qhead + (a,)] = loose[qhead + (b,)] = True
+        if name == "key_routes":
+            kfar[pos] = True
+    full = np.broadcast_shapes(qbatch, kbatch)
+    loose = np.zeros(qbatch + (nq,), bool)
+    for *head, cen in zip(*np.nonzero(np.broadcast_to(kfar, full + (c,)))):
+        # the query head of this (broadcast) head: index 0 along a dimension of size 1
+        qhead = tuple(int(i) if m > 1 else 0 for i, m in zip(head[len(full) - len(qbatch):], qbatch))
+        for _, a, b in near.get(("query_routes", qhead + (int(cen),)), []):
+            loose[qhead + (a,)] = loose[qhead + (b,)] = True
     return loose if loose.any() else None
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from ..reduced import gather_rows
 from ..routing import (
-    check_routes,
     cluster_causal_mask,
     combine_clusters,
     plain_routing_mask,
     prepare_routing,
+    refuse_routes,
     route_tokens,
 )
 from ._common import check_cotangent, unbroadcast
@@ -59,14 +59,13 @@ def routing_attention(q, k, v, do, /, *, centroids, cluster_size=None, balanced=
     nq, nk = q.shape[-2], k.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), q)
     if not balanced:
-        for name, given in (("query_routes", query_routes), ("key_routes", key_routes)):
-            check_routes(name, given, centroids.shape[-2], 0, 0, balanced, "routing_attention")
+        refuse_routes(query_routes, key_routes, "routing_attention")
         mask = plain_routing_mask(xp, q, k, centroids)
         g = softmax_attention(q, k, v, do, mask=mask, causal=alignment or False, scale=scale, xp=xp)
         return {n: g[n] for n in "qkv"}
     qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
-                               balanced, "routing_attention")
-    kidx, krank = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes", balanced,
+                               "routing_attention")
+    kidx, krank = route_tokens(xp, k, centroids, wk, batch, key_routes, "key_routes",
                                "routing_attention")
     qg, kg, vg = (gather_rows(xp, x, i, batch) for x, i in ((q, qidx), (k, kidx), (v, kidx)))
     mask = cluster_causal_mask(xp, qidx, kidx, alignment, nq, nk)

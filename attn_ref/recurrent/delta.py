@@ -251,10 +251,10 @@ def _chunks(xp, q, k, v, g, beta, s, c, scale, l2norm):
         g1 = min(g0 + per, n)
         cut = (..., slice(g0, g1), slice(None), slice(None))
         qg, kg, vg, bg = qc[cut], kc[cut], vc[cut], bc[cut]
-        # the scale goes with q's normalisation, one pass over q
-        qg = qg * (scale / _l2_norm(xp, qg)) if l2norm else scale * qg
-        if l2norm:
-            kg = kg / _l2_norm(xp, kg)
+        if l2norm:  # the scale goes with q's normalisation, one pass over q
+            qg, kg = qg * (scale / _l2_norm(xp, qg)), kg / _l2_norm(xp, kg)
+        else:
+            qg = scale * qg
         # K^T in row-major order: K K^T, Q K^T and the state's update are untransposed
         # GEMMs (common.row_major_transpose), and the copy is ours to scale in place.
         kt = row_major_transpose(xp, kg)
