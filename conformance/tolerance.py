@@ -51,6 +51,7 @@ __all__ = [
     "round_to",
     "host_dtype",
     "bf16_round",
+    "f16_round",
     "LowPrecisionArray",
     "BF16Array",
     "F16Array",
@@ -195,6 +196,45 @@ def bf16_round(x: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Below this many elements NumPy's own cast is quicker than :func:`f16_round`'s passes.
+_F16_CAST_BELOW = 256
+
+
+def f16_round(x: np.ndarray) -> np.ndarray:
+    """Round to the nearest float16 (ties to even), returned as float32.
+
+    The same values as ``x.astype(float32).astype(float16).astype(float32)`` on every
+    float32 bit pattern (checked exhaustively once; ``tests/test_conformance.py``
+    samples it), faster: NumPy's cast takes a scalar path for float16's subnormal
+    range (``|x| < 2^-14``), about 70 ns an element, and the low-precision baselines'
+    probabilities live there (a float16 softmax over 4096 keys: mostly below
+    ``2^-14``). In float32 bits as :func:`bf16_round`: 13 of the 23 fraction bits are
+    rounded off, right for float16's normal range; the subnormal range is a grid of
+    ``2^-24`` (``rint(x 2^24) 2^-24``, exact scalings); magnitudes from 65520 up become
+    infinities and NaN keeps its bits. On 2^20 normal values 1.3 ms against the cast's
+    4.4, on values mostly in the subnormal range 12 against 71 ms.
+    """
+    a = np.array(x, dtype=np.float32)  # a C-contiguous copy that keeps 0-d arrays 0-d
+    if a.size < _F16_CAST_BELOW:
+        return a.astype(np.float16).astype(np.float32)
+    bits = a.view(np.uint32)
+    r = np.asarray(np.right_shift(bits, 13))
+    np.bitwise_and(r, 1, out=r)
+    np.add(r, 0x0FFF, out=r)
+    np.add(r, bits, out=r)
+    np.bitwise_and(r, 0xFFFFE000, out=r)
+    out = r.view(np.float32)
+    m = np.abs(a)
+    # one reduction each decides whether the fix-ups are needed (a NaN makes both run)
+    if not np.min(m) >= 2.0 ** -14:
+        small = m < 2.0 ** -14
+        out[small] = np.rint(a[small] * np.float32(2.0 ** 24)) * np.float32(2.0 ** -24)
+    if not np.max(m) < 65520:
+        np.copyto(out, np.copysign(np.float32(np.inf), a), where=m >= 65520)
+        np.copyto(out, a, where=np.isnan(a))
+    return out
+
+
 def host_dtype(dtype: str):
     """The NumPy dtype holding values of ``dtype`` on the host (bfloat16 -> float32)."""
     return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
@@ -259,7 +299,7 @@ class F16Array(LowPrecisionArray):
 
     @staticmethod
     def round(x):
-        return np.asarray(x, dtype=np.float32).astype(np.float16).astype(np.float32)
+        return f16_round(x)
 
 
 LOW_PRECISION = {"bfloat16": BF16Array, "float16": F16Array}

@@ -21,7 +21,7 @@ from conformance.judging import judge
 from conformance.mutants import MUTANTS, correct_kernel, run_mutant
 from conformance.oracle import session
 from conformance.report import Progress
-from conformance.tolerance import DEFAULTS, BF16Array, bf16_round, measure, round_to, ulp
+from conformance.tolerance import DEFAULTS, BF16Array, bf16_round, f16_round, measure, round_to, ulp
 from tests.helpers import run_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,6 +123,43 @@ def test_bf16_rounding_matches_ml_dtypes_on_every_kind_of_bit_pattern():
     assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
     assert not np.shares_memory(got, x) and np.array_equal(x.view(np.uint32), bits)  # input kept
     zero_d = bf16_round(np.float64(1.0 + 2.0**-9))
+    assert isinstance(zero_d, np.ndarray) and zero_d.shape == () and zero_d == np.float32(1.0)
+
+
+def test_f16_rounding_is_numpys_cast_on_every_kind_of_bit_pattern():
+    # f16_round rounds in float32 bits with fix-ups for float16's subnormals, overflow
+    # and NaN (a NaN whose payload is all in the 13 bits rounded off would become
+    # infinity): float32 patterns across the whole range (a prime stride over all 2^32),
+    # exact ties below even and odd float16 neighbours in the normal range, ties of the
+    # 2^-24 grid below 2^-14, both sides of 2^-14, of 65504 (the largest float16) and
+    # of 65520 (the first to round to inf), infinities, NaNs, signed zeros; as one array
+    # (the bit path) and in pieces smaller than the cast threshold (NumPy's cast).
+    rng = np.random.default_rng(2)
+    upper = rng.integers(0, 1 << 19, 4000, dtype=np.uint64) << 13
+    grid = rng.integers(0, 1 << 10, 2000).astype(np.float64) * 2.0**-24
+    special = np.array([2.0**-14, 2.0**-14 * (1 - 2.0**-24), 2.0**-25, 3 * 2.0**-25,
+                        2.0**-24 * 0.5000001, 65504.0, 65519.996, 65520.0, 65536.0, 0.0],
+                       dtype=np.float32)
+    bits = np.concatenate([
+        np.arange(0, 1 << 32, 65521, dtype=np.uint64), upper | 0x1000, upper | 0x0FFF,
+        upper | 0x1001, np.array([0x7F800000, 0xFF800000, 0x7F800001, 0xFF801FFF, 0x7FC00000,
+                                  0xFFFFFFFF, 0x7F7FFFFF, 1, 0x80000001], dtype=np.uint64),
+    ]).astype(np.uint32)
+    x = np.concatenate([bits.view(np.float32), (grid + 2.0**-25).astype(np.float32),
+                        special, -special])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x.astype(np.float16).astype(np.float32)
+    nan = np.isnan(x)
+    for got in (f16_round(x), np.concatenate([f16_round(p) for p in np.array_split(x, 1000)])):
+        assert got.dtype == np.float32 and np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    kept = x.copy()
+    f16_round(x)
+    assert np.array_equal(x.view(np.uint32), kept.view(np.uint32))  # input kept
+    # one typical array of each regime through the bit path: normal and mostly subnormal
+    for y in (rng.standard_normal(4096), np.exp(rng.standard_normal(4096) * 4 - 14)):
+        assert np.array_equal(f16_round(y), y.astype(np.float32).astype(np.float16).astype(np.float32))
+    zero_d = f16_round(np.float64(1.0 + 2.0**-11))
     assert isinstance(zero_d, np.ndarray) and zero_d.shape == () and zero_d == np.float32(1.0)
 
 
