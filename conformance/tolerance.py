@@ -225,7 +225,8 @@ def f16_round(x: np.ndarray) -> np.ndarray:
     """
     a = np.array(x, dtype=np.float32)  # a C-contiguous copy that keeps 0-d arrays 0-d
     if a.size < _F16_CAST_BELOW:
-        return a.astype(np.float16).astype(np.float32)
+        with np.errstate(over="ignore"):  # to infinity is the rounding, not an error
+            return a.astype(np.float16).astype(np.float32)
     out = _round_off_bits(a, 13)
     m = np.abs(a)
     # one reduction each decides whether the fix-ups are needed (a NaN makes both run)
