@@ -246,3 +246,38 @@ def test_queries_near_a_centroid_whose_keys_tie_widely_are_left_out():
 
     with pytest.raises(NotApplicable, match="every output row left judged is zero"):
         prepare(_routing_case("long:b1h1-q64k4096-d32-causal-br"), "routing", "bfloat16", 0)
+
+
+def test_kmeans_margins_name_a_near_tie_in_a_failure_on_few_heads():
+    # attn_ref's clustered_topk under jax.jit failed this case's batch 0, head 0 at 18.7x
+    # in bfloat16 (seed 0): a k-means assignment at 0.09 of its rounding bound went the
+    # other way. The margins are the golden's (float64, deterministic); the diagnosis of a
+    # failure confined to heads adds the clause only where every failing head has a near tie.
+    pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+    from conformance.ties import kmeans_margins
+
+    case = _case("range:b3h5-q37k37-d16")
+    prep = prepare(case, "clustered_topk", "bfloat16", 0)
+    ratio = kmeans_margins(prep)
+    assert ratio.shape == (3, 5) and 0.05 < ratio[0, 0] < 0.15 and ratio[1, 4] > 1.0
+    assert kmeans_margins(prepare(case, "clustered_topk", "float64", 0))[0, 0] > 1e6
+    assert kmeans_margins(prepare(case, "softmax", "bfloat16", 0)) is None
+    ref = reference_kernel(get("clustered_topk"), B.load("torch"))
+
+    def off_on(b, h):
+        def kernel(q, k, v, **kw):
+            out = ref(q, k, v, **kw).clone()
+            out[b, h] += 0.5  # a mistake confined to one head
+            return out
+
+        kernel.__signature__ = inspect.signature(get("clustered_topk").fn)
+        rep = verify(kernel, "clustered_topk", backend="torch", dtypes=("bfloat16",), seed=0,
+                     cases=[case], progress=False, time_limit=None)
+        (res,) = rep.results
+        assert res.verdict == "fail" and f"batch entry {b}" in res.diagnosis, res.diagnosis
+        return res.diagnosis
+
+    assert "k-means assignment within bfloat16's rounding" in off_on(0, 0)
+    assert "k-means" not in off_on(1, 4)

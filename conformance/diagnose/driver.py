@@ -11,6 +11,7 @@ import numpy as np
 
 from ..extras import RECURRENT
 from ..judging import FLA_CHUNK, fp32_state_form
+from ..ties import kmeans_margins
 from ..tolerance import (
     LOW_PRECISION,
     MANTISSA_BITS,
@@ -270,7 +271,24 @@ def _where(prep, got, tol):
              + "; the other batch entries and heads are within tolerance, ten times closer")
     if np.all(got[sel] == 0) and np.any(prep.golden[sel] != 0):
         words += "; the output there is all zeros (never written)"
-    return words
+    return words + _kmeans_tie(prep, bad.any(2))
+
+
+def _kmeans_tie(prep, bad_heads):
+    """A clause for failures on some heads of a clustered variant whose every failing
+    head has a k-means assignment within the dtype's rounding
+    (:func:`conformance.ties.kmeans_margins`): there a correct kernel may cluster
+    otherwise, which the oracle does not enumerate; else ``""``."""
+    ratio = kmeans_margins(prep)
+    if ratio is None:
+        return ""
+    ratio = np.broadcast_to(ratio, bad_heads.shape)[bad_heads]
+    if not np.all(ratio <= 1.0):
+        return ""
+    return (f"; each of these has a k-means assignment within {prep.dtype}'s rounding of "
+            f"its distances (the closest at {float(np.min(ratio)):.2g} of the bound): a kernel "
+            f"that rounds one the other way clusters otherwise and computes another "
+            f"function, a choice the oracle does not enumerate (docs/conformance.md, Near ties)")
 
 
 def _lp_accumulator(block):
