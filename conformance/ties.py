@@ -30,7 +30,8 @@ the softmax probability the selection sorts stored in it (relative ``u``, that i
 the logit). Routing's score ``s = mu . x / |x|`` takes ``2 u (|mu| . |x / |x|| + |s|)``
 (:func:`_routing_rows`). Tokens ``a`` selected and ``b`` not are a near tie when
 ``s_a - s_b <= e_a + e_b``. The k-means assignments (``clustered``, ``clustered_topk``)
-and plain routing's nearest centroids are left as they are.
+and plain routing's nearest centroids are not enumerated; a failure that a k-means near
+tie may explain says so in its diagnosis (:func:`kmeans_margins`).
 """
 
 from __future__ import annotations
