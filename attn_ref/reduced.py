@@ -76,6 +76,7 @@ __all__ = [
     "assign_clusters",
     "prepare_clustered",
     "check_topk_keys",
+    "check_assignments",
     "gather_rows",
     "topk_parts",
 ]
@@ -570,15 +571,19 @@ def nystrom_weights(q, k, /, *, num_landmarks, pinv_iterations=6, pinv_init="mat
 
 # ----------------------------------------------------------------- clustered attention
 
-def assign_clusters(xp, x, centroids):
+def assign_clusters(xp, x, centroids, forced=None):
     """Nearest centroid of every row of ``x``: indices ``(..., N)`` and one-hot ``(..., N, C)``.
 
     ``|x|^2`` is the same for every centroid and is left out; ties go to the lowest
-    centroid index (``argmin`` returns the first minimum).
+    centroid index (``argmin`` returns the first minimum). ``forced (..., N)``, optional:
+    where it is ``>= 0``, that cluster instead of the nearest (a row of
+    :func:`kmeans`'s ``assignments``).
     """
     d2 = xp.sum(centroids * centroids, axis=-1)[..., None, :] - 2 * (
         x @ xp.matrix_transpose(centroids))
     idx = xp.argmin(d2, axis=-1)
+    if forced is not None:
+        idx = xp.where(forced >= 0, xp.astype(forced, idx.dtype), idx)
     c = centroids.shape[-2]
     onehot = xp.astype(idx[..., None] == xp.arange(c, device=array_api_compat.device(x)), x.dtype)
     return idx, onehot
@@ -596,7 +601,23 @@ def kmeans_initial_rows(n, num_clusters, seed=0):
     return [int(i) for i in permutation(n, seed=seed)[:num_clusters]]
 
 
-def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
+def check_assignments(assignments, iterations, n, fn):
+    """Refuse an ``assignments`` of :func:`kmeans` that is not ``(..., iterations + 1, N)``
+    integers. Its values (``-1`` or a cluster in ``[0, C)``) are the caller's to keep:
+    checking them would read the array on the host."""
+    if assignments is None:
+        return
+    shape = tuple(getattr(assignments, "shape", ()))
+    xp = array_api_compat.array_namespace(assignments) if hasattr(assignments, "shape") else None
+    if len(shape) < 2 or shape[-2:] != (iterations + 1, n) or xp is None or \
+            not xp.isdtype(assignments.dtype, "integral"):
+        raise ValueError(f"{fn}: assignments must be an integer array of shape "
+                         f"(..., iterations + 1, N) = (..., {iterations + 1}, {n}), one row per "
+                         f"Lloyd assignment of the N={n} rows; got shape {shape} and dtype "
+                         f"{getattr(assignments, 'dtype', type(assignments).__name__)}")
+
+
+def kmeans(x, num_clusters, /, *, iterations=10, seed=0, assignments=None, xp=None):
     """Lloyd's k-means on the rows of ``x (..., N, d)``, deterministic from ``seed``.
 
     The initial centroids are the rows ``permutation(N, seed)[:C]``
@@ -604,6 +625,12 @@ def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
     ``iterations`` rounds of assign-to-nearest and centroid-as-mean-of-members. A
     centroid that loses all its members keeps its position. Everything is one-hot
     matrices and matmuls: no data-dependent control flow, so it runs under ``jax.jit``.
+
+    ``assignments (..., iterations + 1, N)`` int, optional: row ``t`` overrides the
+    ``t``-th assignment (the last row: the final one) wherever it is ``>= 0``; ``-1``
+    keeps the nearest centroid. Where a row is nearly as near to two centroids as a
+    dtype resolves, a correct kernel may assign it to either and continue from there:
+    ``conformance`` fixes such a choice with it (:mod:`conformance.ties`).
 
     Returns
     -------
@@ -616,16 +643,21 @@ def kmeans(x, num_clusters, /, *, iterations=10, seed=0, xp=None):
     n = x.shape[-2]
     first_rows = kmeans_initial_rows(n, num_clusters, seed)
     check_nonnegative_int("iterations", iterations)
+    check_assignments(assignments, iterations, n, "kmeans")
     device = array_api_compat.device(x)
     first = xp.asarray(first_rows, device=device)
     centroids = xp.take(x, first, axis=x.ndim - 2)
-    for _ in range(iterations):
-        _, onehot = assign_clusters(xp, x, centroids)
+
+    def forced(t):
+        return None if assignments is None else assignments[..., t, :]
+
+    for t in range(iterations):
+        _, onehot = assign_clusters(xp, x, centroids, forced(t))
         counts = xp.sum(onehot, axis=-2)[..., None]
         sums = xp.matrix_transpose(onehot) @ x
         means = sums / xp.where(counts > 0, counts, xp.ones_like(counts))
         centroids = xp.where(counts > 0, means, centroids)
-    idx, onehot = assign_clusters(xp, x, centroids)
+    idx, onehot = assign_clusters(xp, x, centroids, forced(iterations))
     return centroids, idx, onehot
 
 
@@ -695,7 +727,7 @@ def topk_parts(xp, q, k, centroids, idx, onehot, topk, scale, batch, order=None)
 
 
 def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
-                        scale=None, topk_keys=None, xp=None):
+                        scale=None, topk_keys=None, assignments=None, xp=None):
     """Clustered attention (Vyas et al. 2020): queries grouped by k-means share attention.
 
     Parameters
@@ -724,6 +756,11 @@ def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, s
         correct kernel may select either key, and ``conformance`` judges it against the
         function of each admissible selection (:mod:`conformance.ties`). None (default)
         selects by the row.
+    assignments : int array, shape (..., iterations + 1, Nq), optional
+        Each query's cluster at every Lloyd assignment where it is ``>= 0``, instead of
+        its nearest centroid (:func:`kmeans`): a query about as near two centroids as a
+        dtype resolves is a discrete choice too, judged the same way. None (default):
+        every assignment to the nearest.
 
     Returns
     -------
@@ -752,7 +789,9 @@ def clustered_attention(q, k, v, /, *, num_clusters, iterations=10, topk=None, s
     xp, batch, scale = prepare_clustered(q, k, v, num_clusters, iterations, topk, seed, causal,
                                          scale, xp, "clustered_attention")
     check_topk_keys(topk_keys, topk, num_clusters, k.shape[-2], "clustered_attention")
-    centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed, xp=xp)
+    check_assignments(assignments, iterations, q.shape[-2], "clustered_attention")
+    centroids, idx, onehot = kmeans(q, num_clusters, iterations=iterations, seed=seed,
+                                    assignments=assignments, xp=xp)
     if topk is None:
         return onehot @ softmax_attention(centroids, k, v, scale=scale, xp=xp)
     p_top, keys_idx, mass, pc, order = topk_parts(xp, q, k, centroids, idx, onehot, topk, scale,

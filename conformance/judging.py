@@ -143,7 +143,8 @@ class Prepared:
         kernel's error over this one's.
     tie_set : conformance.ties.Ties or None
         The near ties of a discrete choice the dtype cannot resolve (clustered_topk's
-        top-k selections) and every other admissible choice at each.
+        top-k selections, routing's, the k-means assignments of clustered and
+        clustered_topk) and every other admissible choice at each.
     ties : list
         Per near tie, what each other admissible choice changes in the golden: the
         kernel's output is judged against the nearest admissible golden
@@ -179,6 +180,11 @@ class Prepared:
     #: the goldens of choices taken together at several ties, by their picks
     #: (:meth:`conformance.ties.Ties.combined`), or None
     tie_golden: Any = None
+
+    @property
+    def tie_conflicts(self) -> list | None:
+        """Per near tie, the ties it excludes (:attr:`conformance.ties.Ties.conflicts`)."""
+        return None if self.tie_set is None else self.tie_set.conflicts
 
     # -- the reference in any NumPy dtype, used for golden, baseline and diagnosis
     def reference(self, dtype="float64", *, arrays=None, kwargs=None, fn=None, options=None, xp=None):
@@ -216,7 +222,7 @@ class Prepared:
         """The golden of the admissible choice nearest to ``out_host`` at each near tie
         (:func:`conformance.ties.nearest`); the golden itself where there is none."""
         together = None if self.tie_golden is None else (lambda p: self.tie_golden(p)["out"])
-        return nearest(out_host, self.golden, self.ties, self.keep, together)
+        return nearest(out_host, self.golden, self.ties, self.keep, together, self.tie_conflicts)
 
     def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
         """Judge a kernel output (host, canonical layout) against the golden (of the
@@ -347,10 +353,11 @@ def _case_keywords(v) -> set:
 
 
 #: keywords that fix a discrete choice of the reference (clustered_topk's
-#: ``topk_keys``, routing's ``query_routes`` and ``key_routes``): the oracle's handle
+#: ``topk_keys``, routing's ``query_routes`` and ``key_routes``, the k-means
+#: ``assignments`` of clustered and clustered_topk): the oracle's handle
 #: on a near tie's other admissible choice (:mod:`conformance.ties`), per case and head,
 #: never an option of what a kernel computes
-TIE_KEYWORDS = frozenset({"topk_keys", "query_routes", "key_routes"})
+TIE_KEYWORDS = frozenset({"topk_keys", "query_routes", "key_routes", "assignments"})
 
 
 def option_names(variant) -> tuple:

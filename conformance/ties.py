@@ -29,9 +29,15 @@ in the dtype (each coordinate within ``u |c_i|``), the logit stored in it (``u |
 the softmax probability the selection sorts stored in it (relative ``u``, that is ``u`` in
 the logit). Routing's score ``s = mu . x / |x|`` takes ``2 u (|mu| . |x / |x|| + |s|)``
 (:func:`_routing_rows`). Tokens ``a`` selected and ``b`` not are a near tie when
-``s_a - s_b <= e_a + e_b``. The k-means assignments (``clustered``, ``clustered_topk``)
-and plain routing's nearest centroids are not enumerated; a failure that a k-means near
-tie may explain says so in its diagnosis (:func:`kmeans_margins`).
+``s_a - s_b <= e_a + e_b``.
+
+The k-means assignments of ``clustered`` and ``clustered_topk`` are choices too: a query
+about as near two centroids as the dtype resolves may go to either, and the clustering
+goes on from there. Each such assignment is a tie whose options are the clusterings with
+that one query assigned otherwise (:func:`_kmeans_ties`, the reference keyword
+``assignments``); two flips in one clustering are not enumerated, and a failure that
+they may explain says so in its diagnosis (:func:`kmeans_margins`). Plain routing's
+nearest centroids are not enumerated.
 """
 
 from __future__ import annotations
@@ -98,6 +104,22 @@ class Ties:
     #: selection, which moves the cluster's members only, does not show it
     #: (:meth:`loose_rows`)
     loose: Any = None
+
+    @property
+    def conflicts(self) -> list:
+        """Per tie, the ties whose options cannot be taken with its own (:func:`nearest`):
+        a k-means tie's option is a whole other clustering of its head, which sets that
+        head's top-k selections too, so it goes with no other tie of that head."""
+        heads = [pos[:-1] for (_, pos), _ in self.ties]
+        out = [set() for _ in self.ties]
+        for t, ((kw, _), _) in enumerate(self.ties):
+            if kw != "assignments":
+                continue
+            for u, head in enumerate(heads):
+                if u != t and (head == heads[t] or len(head) != len(heads[t])):
+                    out[t].add(u)
+                    out[u].add(t)
+        return [frozenset(c) for c in out]
 
     def loose_rows(self, shape) -> np.ndarray:
         """Booleans of ``shape`` ``(..., Nq, e)``: the query rows (output, ``dq``) left
@@ -188,7 +210,7 @@ def alternatives(prep) -> Ties | None:
     centroids on the host.
     """
     u = UNIT_ROUNDOFF[prep.dtype]
-    if prep.variant.name == "clustered_topk":
+    if prep.variant.name in KMEANS_VARIANTS:
         rows = _topk_rows(prep, u)
     elif prep.variant.name == "routing":
         rows = _routing_rows(prep, u)
@@ -218,6 +240,8 @@ def alternatives(prep) -> Ties | None:
     if prep.variant.name == "routing":
         _join_shared_queries(ties, swaps)
         loose = _loose_queries(chosen, near, far, prep.arrays["q"].shape[-2])
+    if prep.variant.name in KMEANS_VARIANTS:
+        _kmeans_ties(prep, u, chosen, ties)
     return Ties(chosen, list(ties.items()), far, loose) if ties else None
 
 
@@ -301,6 +325,78 @@ def _topk_rows(prep, u) -> dict:
 KMEANS_VARIANTS = ("clustered", "clustered_topk")
 
 
+def _kmeans_steps(prep, u):
+    """Per Lloyd assignment of the golden's k-means (:func:`attn_ref.reduced.kmeans`, in
+    float64, the final one last): ``(d, e)``, each query's squared distance to each
+    centroid less ``|x|^2``, ``d_j = |c_j|^2 - 2 x . c_j``, and its rounding in a kernel
+    of unit roundoff ``u``, ``e_j = u (2 |x| . |c_j| + 2 |c_j|^2 + |d_j|)`` (the centroid
+    stored in the dtype, each coordinate within ``u |c_i|``, and the distance stored in
+    it); both ``(..., Nq, C)``. ``O(iterations^2 Nq C d)``."""
+    c, iterations, _, seed = _settings(prep)
+    x = np.asarray(prep.arrays["q"], dtype=np.float64)
+    for it in range(iterations + 1):
+        # the centroids the reference assigns against in iteration ``it`` (attn_ref's own
+        # k-means stopped there: its trajectory, not a replay of it)
+        cent = np.swapaxes(kmeans(x, c, iterations=it, seed=seed, xp=np)[0], -1, -2)
+        sq = np.sum(cent * cent, axis=-2)[..., None, :]
+        d = sq - 2 * (x @ cent)
+        yield d, u * (2 * (np.abs(x) @ np.abs(cent)) + 2 * sq + np.abs(d))
+
+
+def _kmeans_ties(prep, u, chosen, ties):
+    """Add to ``ties`` (``{at: [option]}``, :func:`alternatives`) one tie per head whose
+    k-means has assignments within the margin (:func:`_kmeans_steps`: the nearest ``a``
+    and a centroid ``b`` with ``d_b - d_a <= e_a + e_b``), and ``chosen["assignments"]``,
+    all ``-1`` (every assignment to the nearest, :func:`attn_ref.reduced.kmeans`).
+
+    Each option assigns one such query to ``b`` at that step and lets Lloyd's iterations
+    go on from there: the clustering a kernel computes that rounds that one distance the
+    other way. Up to :data:`PER_CENTROID` per head, the nearest ties first, and
+    :data:`PER_CASE` in all; two flips in one clustering are not enumerated. With
+    clustered_topk's ``topk_keys`` chosen, an option also sets the top-k keys of the
+    centroids it moves (the top-k of its own centroids, in float64).
+    """
+    c, iterations, topk, seed = _settings(prep)
+    if c is None or c < 2:
+        return
+    found = []
+    for t, (d, e) in enumerate(_kmeans_steps(prep, u)):
+        a = np.argmin(d, axis=-1)[..., None]
+        gap = d - np.take_along_axis(d, a, -1)
+        margin = e + np.take_along_axis(e, a, -1)
+        near = (gap <= margin) & (np.arange(c) != a)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            close = np.where(margin > 0, gap / margin, 0.0)
+        for *head, i, b in np.argwhere(near):
+            found.append((float(close[(*head, i, b)]), tuple(map(int, head)), t, int(i), int(b)))
+    found.sort(key=lambda f: f[0])
+    per_head = {}
+    for f in found:
+        if len(per_head.setdefault(f[1], [])) < PER_CENTROID:
+            per_head[f[1]].append(f)
+    picks = sorted((f for fs in per_head.values() for f in fs), key=lambda f: f[0])[:PER_CASE]
+    if not picks:
+        return
+    x = np.asarray(prep.arrays["q"], dtype=np.float64)
+    n = x.shape[-2]
+    chosen["assignments"] = np.full(x.shape[:-2] + (iterations + 1, n), -1, dtype=np.int64)
+    if "topk_keys" in chosen:
+        kt = np.swapaxes(np.asarray(prep.arrays["k"], dtype=np.float64), -1, -2)
+        centroids = kmeans(x, c, iterations=iterations, seed=seed, xp=np)[0]
+    for _, head, t, i, b in picks:
+        forced = np.full((iterations + 1, n), -1, dtype=np.int64)
+        forced[t, i] = b
+        option = [(("assignments", head + (t,)), forced[t])]
+        if "topk_keys" in chosen:
+            moved_c = centroids.copy()
+            moved_c[head] = kmeans(x[head], c, iterations=iterations, seed=seed,
+                                   assignments=forced, xp=np)[0]
+            top = np.argsort(-(prep.scale * (moved_c @ kt)), axis=-1, kind="stable")[..., :topk]
+            for p in np.argwhere(np.any(top != chosen["topk_keys"], axis=-1)):
+                option.append((("topk_keys", tuple(map(int, p))), top[tuple(p)]))
+        ties.setdefault(("assignments", head + (iterations,)), []).append(tuple(option))
+
+
 def kmeans_margins(prep) -> np.ndarray | None:
     """Per batch entry and head, the tightest k-means assignment of the golden's
     clustering, as its margin over the dtype's rounding: ``(B, H)`` ratios (at most 1: a
@@ -313,26 +409,17 @@ def kmeans_margins(prep) -> np.ndarray | None:
     dtype, each coordinate within ``u |c_i|``, and the distance stored in it); the
     nearest ``a`` and the next ``b`` are a near tie when ``d_b - d_a <= e_a + e_b``. A
     kernel that assigns such a query otherwise clusters otherwise from that iteration
-    on and computes another function: the oracle does not enumerate those trees of
-    choices (as it does clustered_topk's top-k keys), and names them in a diagnosis
-    (:mod:`conformance.diagnose`). In bfloat16 most heads of the standard suite have one
-    (the bound is a worst case; 75 of 96 clustered_topk heads, seed 0), so they are no
-    reason to leave a head out: a flip shows as a failure on a few heads only.
+    on and computes another function: the oracle enumerates one such flip per
+    clustering (:func:`alternatives`), not two or more, and names a failure they may
+    explain in its diagnosis (:mod:`conformance.diagnose`). In bfloat16 most heads of
+    the standard suite have a near tie (the bound is a worst case; 75 of 96
+    clustered_topk heads, seed 0), so they are no reason to leave a head out.
     """
-    c, iterations, _, seed = _settings(prep)
+    c = _settings(prep)[0]
     if prep.variant.name not in KMEANS_VARIANTS or c is None or c < 2:
         return None
-    x = np.asarray(prep.arrays["q"], dtype=np.float64)
-    u = UNIT_ROUNDOFF[prep.dtype]
-    ratio = np.full(x.shape[:-2], np.inf)
-    for it in range(iterations + 1):
-        # the centroids the reference assigns against in iteration ``it`` (attn_ref's own
-        # k-means stopped there: its trajectory, not a replay of it; the diagnosis of a
-        # failure only, so its iterations^2 / 2 steps on the host do not matter)
-        cent = np.swapaxes(kmeans(x, c, iterations=it, seed=seed, xp=np)[0], -1, -2)
-        sq = np.sum(cent * cent, axis=-2)[..., None, :]
-        d = sq - 2 * (x @ cent)
-        e = u * (2 * (np.abs(x) @ np.abs(cent)) + 2 * sq + np.abs(d))
+    ratio = np.full(np.shape(prep.arrays["q"])[:-2], np.inf)
+    for d, e in _kmeans_steps(prep, UNIT_ROUNDOFF[prep.dtype]):
         order = np.argsort(d, axis=-1, kind="stable")[..., :2]
         (da, db), (ea, eb) = (np.moveaxis(np.take_along_axis(y, order, -1), -1, 0) for y in (d, e))
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -403,7 +490,7 @@ def moved(alt, golden, queries=True, size=None) -> np.ndarray:
     return np.broadcast_to(rows, golden.shape)
 
 
-def nearest(got, golden, deltas, keep=None, rerun=None):
+def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
     """The golden of the admissible choice nearest to ``got``: ``golden`` plus, at each
     tie, the one of its ``deltas`` (each the difference an other choice makes, or
     nothing) that leaves the least squared error on the compared values, the ties
@@ -413,7 +500,9 @@ def nearest(got, golden, deltas, keep=None, rerun=None):
     members' output rows (clustered_topk; the gradients as sums over centroids). Where
     they need not (routing: a query swapped into a cluster whose keys are swapped too
     reads the other keys), ``rerun(picks)`` gives the golden of the choices taken at
-    once, ``picks`` ``[(tie, option)]``: the differences only choose them.
+    once, ``picks`` ``[(tie, option)]``: the differences only choose them. A tie
+    taken excludes its ``conflicts`` (:attr:`Ties.conflicts`: a k-means tie's option
+    is a whole other clustering of its head).
     """
     if not deltas:
         return golden
@@ -431,6 +520,8 @@ def nearest(got, golden, deltas, keep=None, rerun=None):
     picks, now = [], err(cur)
     while True:
         taken = {t for t, _ in picks}
+        if conflicts is not None:
+            taken = taken.union(*(conflicts[t] for t, _ in picks))
         best, best_err = None, now
         for t, options in enumerate(deltas):
             if t in taken:

@@ -247,11 +247,15 @@ def naive_nystrom(qh, kh, vh, m, iterations, pinv_init="matrix"):
     return w @ vh, w
 
 
-def naive_kmeans(x, c, iterations, seed):
-    """One 2-D ``x (N, d)``: Lloyd's algorithm with explicit distances and loops."""
+def naive_kmeans(x, c, iterations, seed, forced=None):
+    """One 2-D ``x (N, d)``: Lloyd's algorithm with explicit distances and loops.
+    ``forced (iterations + 1, N)``: at step ``t``, row ``i`` goes to ``forced[t, i]``
+    where that is not -1."""
     cent = x[permutation(x.shape[0], seed=seed)[:c]].copy()
     for _ in range(iterations + 1):
         assign = np.argmin(((x[:, None, :] - cent[None]) ** 2).sum(-1), axis=-1)
+        if forced is not None:
+            assign = np.where(forced[_] != -1, forced[_], assign)
         if _ == iterations:
             break
         for j in range(c):
@@ -260,14 +264,17 @@ def naive_kmeans(x, c, iterations, seed):
     return cent, assign
 
 
-def naive_clustered(qh, kh, vh, c, iterations, seed, topk, topk_keys=None):
+def naive_clustered(qh, kh, vh, c, iterations, seed, topk, topk_keys=None, assignments=None):
     """Clustered attention, and with ``topk`` the improved form; returns (out, weights).
-    ``topk_keys (..., c, topk)``: each centroid's selected keys instead of its top-k."""
+    ``topk_keys (..., c, topk)``: each centroid's selected keys instead of its top-k;
+    ``assignments (..., iterations + 1, Nq)``: forced k-means assignments (-1: nearest)."""
     out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
     weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
     for idx in np.ndindex(qh.shape[:-2]):
         q, k, v = qh[idx], kh[idx], vh[idx]
-        cent, assign = naive_kmeans(q, c, iterations, seed)
+        forced = None if assignments is None else \
+            np.broadcast_to(assignments, qh.shape[:-2] + (iterations + 1, qh.shape[-2]))[idx]
+        cent, assign = naive_kmeans(q, c, iterations, seed, forced)
         _, pc = naive_attention(cent, k, v)
         for i in range(q.shape[0]):
             row = pc[assign[i]].copy()

@@ -44,6 +44,11 @@ def test_alternatives_find_the_near_tie_and_only_there():
     ties = alternatives(prep)
     assert ties is not None and any(pos[:2] == (2, 0) for _, pos in (t for t, _ in ties.ties))  # head 10
     for (name, pos), options in ties.ties:
+        if name == "assignments":  # k-means: one query assigned otherwise, at one step
+            for ((at, row), *tops) in options:
+                assert at[0] == name and at[1][:2] == pos[:2] and np.sum(row >= 0) == 1
+                assert all(a[0] == "topk_keys" and a[1][:2] == pos[:2] for a, _ in tops)
+            continue
         assert name == "topk_keys"
         for ((at, row),) in options:  # one key swapped for another, the rest kept
             assert at == (name, pos) and len(set(row.tolist())) == len(row)
@@ -246,6 +251,54 @@ def test_queries_near_a_centroid_whose_keys_tie_widely_are_left_out():
 
     with pytest.raises(NotApplicable, match="every output row left judged is zero"):
         prepare(_routing_case("long:b1h1-q64k4096-d32-causal-br"), "routing", "bfloat16", 0)
+
+
+def test_a_kernel_that_clustered_otherwise_at_a_near_tie_passes_and_a_far_move_fails():
+    # attn_ref's clustered_topk under jax.jit failed this case's batch 0, head 0 at 18.7x in
+    # bfloat16 (seed 0) before k-means ties were enumerated: query 15 is about as near two
+    # centroids at the first assignment as bfloat16 resolves. A kernel that assigns it
+    # otherwise (float32 here, that one assignment forced) computes the function of that
+    # clustering, 18.7x the tolerance from the golden: it passes. One that moves a query
+    # far from any tie (the head's clearest final assignment) fails.
+    torch = pytest.importorskip("torch")
+    from attn_ref.reduced import kmeans
+
+    case = _case("range:b3h5-q37k37-d16")
+    prep = prepare(case, "clustered_topk", "bfloat16", 0)
+    ties = prep.tie_set
+    (t,) = [t for t, (at, _) in enumerate(ties.ties) if at == ("assignments", (0, 0, 10))]
+    near = ties.keywords([(t, 0)])["assignments"]
+    assert np.argwhere(near >= 0).tolist() == [[0, 0, 0, 15]]
+    err = np.max(np.abs(np.asarray(prep.reference("float64", options={"assignments": near}))
+                        - prep.golden))
+    assert err > 15 * prep.tol_max
+    # the far move: at the final assignment, the query of head (0, 0) whose nearest
+    # centroid is clearest, to its second nearest
+    o = {**prep.params, **prep.options}
+    x = np.asarray(prep.arrays["q"], dtype=np.float64)[0, 0]
+    cent = kmeans(x, o["num_clusters"], iterations=o.get("iterations", 10), seed=o.get("seed", 0),
+                  xp=np)[0]
+    d = np.sum((x[:, None, :] - cent[None]) ** 2, axis=-1)
+    two = np.sort(d, axis=-1)[:, :2]
+    i = int(np.argmax((two[:, 1] - two[:, 0]) / two[:, 0]))
+    far = np.full_like(near, -1)
+    far[0, 0, -1, i] = np.argsort(d[i])[1]
+    fn = get("clustered_topk").fn
+
+    def forcing(assignments):
+        def kernel(q, k, v, **kw):
+            f = [x.to(torch.float32) for x in (q, k, v)]
+            return fn(*f, **kw, assignments=torch.asarray(assignments)).to(q.dtype)
+
+        kernel.__signature__ = inspect.signature(fn)
+        return kernel
+
+    verdicts = []
+    for assignments in (near, far):
+        rep = verify(forcing(assignments), "clustered_topk", backend="torch", dtypes=("bfloat16",),
+                     seed=0, cases=[case], progress=False, time_limit=None)
+        verdicts.append(rep.results[0].verdict)
+    assert verdicts == ["pass", "fail"]
 
 
 def test_kmeans_margins_name_a_near_tie_in_a_failure_on_few_heads():

@@ -192,6 +192,25 @@ def test_clustered_topk_fixed_selection_matches_finite_differences(backend):
     assert_grads_close(got, _FD["clustered-fixed"], backend, rtol=1e-7, atol=1e-8)
 
 
+@pytest.mark.parametrize("topk", [None, 3])
+def test_clustered_fixed_assignments_match_finite_differences(backend, topk):
+    # assignments fixes k-means assignments as the forward's does: the VJP runs Lloyd's
+    # steps back through the moved clusters' means, another function than the natural one.
+    args, do, options = _topk_case("topk3")
+    options = {**options, "topk": topk}
+    moved = np.full((2, 5, 9), -1)
+    moved[0, 3, 4], moved[1, 4, 0] = 2, 0  # the last update step and the final assignment
+    options["assignments"] = moved
+    natural = R.clustered_attention(args["q"], args["k"], args["v"], **{**options, "assignments": None})
+    fixed = R.clustered_attention(args["q"], args["k"], args["v"], **options)
+    assert np.max(np.abs(fixed - natural)) > 1e-2
+    key = f"clustered-moved-{topk}"
+    if key not in _FD:
+        _FD[key] = numeric_vjp(R.clustered_attention, args, do, options)
+    got = run_vjp(backend, grad.clustered_attention, args, do, options)
+    assert_grads_close(got, _FD[key], backend, rtol=1e-7, atol=1e-8)
+
+
 def test_clustered_topk_matches_torch_autograd_and_jax_vjp_of_the_forward():
     args, do, options = _topk_case("topk3")
     for name, autodiff in (("torch", torch_vjp), ("jax", jax_vjp)):

@@ -332,6 +332,32 @@ def test_clustered_topk_keys_fix_the_selection(backend):
         clustered_attention(q, k, v, num_clusters=3, topk=4, topk_keys=from_numpy(keys * 1.0, backend))
 
 
+@pytest.mark.parametrize("topk", [None, 4])
+def test_clustered_assignments_fix_the_clustering(backend, topk):
+    # assignments overrides k-means assignments where >= 0 and lets Lloyd's iterations go
+    # on from there (conformance judges a near tie of an assignment with it): all -1 is
+    # the natural clustering, bit for bit; one query moved at step 1 and another at the
+    # final step is the plain form moved likewise, another function than the natural one.
+    (q, k, v), (qh, kh, vh) = _qkv(backend)
+    kw = {"num_clusters": 3, "iterations": 3, "topk": topk, "seed": 7}
+    free = np.full((2, 3, 4, N), -1)
+    got = call(backend, clustered_attention, q, k, v, **kw, assignments=from_numpy(free, backend))
+    assert np.array_equal(host(got), host(call(backend, clustered_attention, q, k, v, **kw)))
+    moved = free.copy()
+    moved[:, :, 1, 2] = 0
+    moved[1, 2, 3, 5] = 2
+    out = call(backend, clustered_attention, q, k, v, **kw, assignments=from_numpy(moved, backend))
+    want, _ = naive_clustered(qh, kh, vh, 3, 3, 7, topk, assignments=moved)
+    assert_close(out, want, backend, rtol=1e-12, atol=1e-12)
+    natural, _ = naive_clustered(qh, kh, vh, 3, 3, 7, topk)
+    assert np.max(np.abs(want - natural)) > 1e-2
+    with pytest.raises(ValueError, match=r"assignments must be an integer array of shape "
+                       r"\(\.\.\., iterations \+ 1, N\) = \(\.\.\., 4, 10\).*got shape \(2, 3, 3, 10\)"):
+        clustered_attention(q, k, v, **kw, assignments=from_numpy(moved[:, :, :3], backend))
+    with pytest.raises(ValueError, match=r"got shape \(2, 3, 4, 10\) and dtype .*float64"):
+        clustered_attention(q, k, v, **kw, assignments=from_numpy(moved * 1.0, backend))
+
+
 def test_kmeans_lloyd_never_increases_inertia():
     import array_api_compat.numpy as xp
 

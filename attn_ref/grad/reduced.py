@@ -29,6 +29,7 @@ from .._checks import check_qkv
 from ..random import permutation
 from ..reduced import (
     assign_clusters,
+    check_assignments,
     check_pinv_init,
     check_topk_keys,
     front_padded_sizes,
@@ -241,25 +242,30 @@ def nystrom_attention(q, k, v, do, /, *, num_landmarks, pinv_iterations=6, pinv_
             "v": unbroadcast(xp, dv, v.shape)}
 
 
-def _lloyd(xp, q, num_clusters, iterations, seed):
+def _lloyd(xp, q, num_clusters, iterations, seed, assignments=None):
     """:func:`attn_ref.reduced.kmeans` on ``q``, keeping each step's one-hot assignment.
 
     Returns ``(centroids, idx, onehot, steps, first)``: the final centroids, assignment
     indices and one-hot assignment, one ``(onehot, has_members, safe_counts)`` per
-    Lloyd step, and the seeded initial rows.
+    Lloyd step, and the seeded initial rows. ``assignments`` overrides assignments as
+    :func:`attn_ref.reduced.kmeans`'s does.
     """
     n = q.shape[-2]
     first = xp.asarray(permutation(n, seed=seed)[:num_clusters], device=array_api_compat.device(q))
     centroids = xp.take(q, first, axis=q.ndim - 2)
     steps = []
-    for _ in range(iterations):
-        _, onehot = assign_clusters(xp, q, centroids)
+
+    def forced(t):
+        return None if assignments is None else assignments[..., t, :]
+
+    for t in range(iterations):
+        _, onehot = assign_clusters(xp, q, centroids, forced(t))
         counts = xp.sum(onehot, axis=-2)[..., None]
         has = counts > 0
         safe = xp.where(has, counts, xp.ones_like(counts))
         steps.append((onehot, has, safe))
         centroids = xp.where(has, (transpose(xp, onehot) @ q) / safe, centroids)
-    idx, onehot = assign_clusters(xp, q, centroids)
+    idx, onehot = assign_clusters(xp, q, centroids, forced(iterations))
     return centroids, idx, onehot, steps, first
 
 
@@ -336,7 +342,7 @@ def _topk_vjp(xp, q, k, v, do, centroids, idx, onehot, topk, scale, batch, topk_
 
 
 def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=None, seed=0, causal=False,
-                        scale=None, topk_keys=None, xp=None):
+                        scale=None, topk_keys=None, assignments=None, xp=None):
     """VJP of :func:`attn_ref.reduced.clustered_attention`: ``{"q", "k", "v"}``.
 
     The k-means assignments are piecewise constant in ``q`` and held constant (the
@@ -351,7 +357,7 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
     keys and values), through the centroid's probability mass on them, which scales the
     members' outputs, and through the centroid's weights on the other keys (to the
     centroid, hence ``q``, and to ``k`` and ``v``); ``topk_keys`` fixes that selection
-    as the forward's does. Sending the members' key and value
+    as the forward's does, and ``assignments`` the k-means assignments. Sending the members' key and value
     gradients back to the selected keys takes an ``(..., C, topk, Nk)`` one-hot: cost
     ``O(Nq topk (d + dv) + C topk Nk (d + dv))`` on top of the forward's. Range: with
     ``topk``, the gradient is finite while ``|scale| max|q| max|k| d`` is below the
@@ -375,7 +381,9 @@ def clustered_attention(q, k, v, do, /, *, num_clusters, iterations=10, topk=Non
                                          "clustered_attention")
     check_topk_keys(topk_keys, topk, num_clusters, k.shape[-2], "clustered_attention")
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
-    centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed)
+    check_assignments(assignments, iterations, q.shape[-2], "clustered_attention")
+    centroids, idx, onehot, steps, first = _lloyd(xp, q, num_clusters, iterations, seed,
+                                                  assignments)
     if topk is None:
         g = softmax_attention(centroids, k, v, transpose(xp, onehot) @ do, scale=scale, xp=xp)
         return {"q": unbroadcast(xp, _lloyd_vjp(xp, g["q"], steps, first, q), q.shape),

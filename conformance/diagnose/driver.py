@@ -278,7 +278,7 @@ def _kmeans_tie(prep, bad_heads):
     """A clause for failures on some heads of a clustered variant whose every failing
     head has a k-means assignment within the dtype's rounding
     (:func:`conformance.ties.kmeans_margins`): there a correct kernel may cluster
-    otherwise, which the oracle does not enumerate; else ``""``."""
+    otherwise, and the oracle judges one flip per clustering, not two; else ``""``."""
     ratio = kmeans_margins(prep)
     if ratio is None:
         return ""
@@ -288,7 +288,8 @@ def _kmeans_tie(prep, bad_heads):
     return (f"; each of these has a k-means assignment within {prep.dtype}'s rounding of "
             f"its distances (the closest at {float(np.min(ratio)):.2g} of the bound): a kernel "
             f"that rounds one the other way clusters otherwise and computes another "
-            f"function, a choice the oracle does not enumerate (docs/conformance.md, Near ties)")
+            f"function; the oracle judges each such assignment made the other way alone, "
+            f"not two of them in one clustering (docs/conformance.md, Near ties)")
 
 
 def _lp_accumulator(block):
