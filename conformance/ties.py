@@ -61,9 +61,16 @@ UNIT_ROUNDOFF = {dt: 2.0 ** -(bits + 1) for dt, bits in MANTISSA_BITS.items()}
 #: selections), 89% with these, 91% with 16 and 512 at 1.4 times the time
 PER_CENTROID = 8
 PER_CASE = 256
+#: exported vectors compare the values no admissible choice moves by more than this share
+#: of the smaller of the value bounds (``tol_max``, ``tol_rms``): a kernel that chose
+#: otherwise is that much nearer its bound there. With it, of the bfloat16 standard suite
+#: of ``clustered`` (seed 0) 43 % of the output values are compared, 14 % with none
+#: (clustered_topk 34 % and 9 %; float16 53 % and 52 %, 49 % and 48 %): a k-means flip
+#: moves later centroids, many of its head's values a little
+SETTLED_SHARE = 0.01
 
-__all__ = ["UNIT_ROUNDOFF", "KMEANS_VARIANTS", "Ties", "alternatives", "kmeans_margins", "moved",
-           "nearest", "settled"]
+__all__ = ["UNIT_ROUNDOFF", "KMEANS_VARIANTS", "SETTLED_SHARE", "Ties", "alternatives",
+           "kmeans_margins", "moved", "nearest", "settled"]
 
 
 def _settings(prep):
@@ -540,13 +547,16 @@ def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
     return cur
 
 
-def settled(shape, deltas) -> np.ndarray:
-    """Booleans of ``shape``: the values no admissible choice at a near tie changes.
+def settled(shape, deltas, below=0.0) -> np.ndarray:
+    """Booleans of ``shape``: the values no admissible choice at a near tie changes by
+    more than ``below``.
 
     Exported vectors (:mod:`conformance.vectors`) hold one golden and compare the rest
-    only: a consumer cannot choose the admissible function nearest to its kernel."""
+    only: a consumer cannot choose the admissible function nearest to its kernel. They
+    pass ``below`` = :data:`SETTLED_SHARE` of the smaller bound: a k-means flip moves
+    every centroid after it, most values of its head by much less than the bound."""
     out = np.ones(shape, bool)
     for options in deltas:
         for d in options:
-            out &= np.broadcast_to(d, shape) == 0
+            out &= np.abs(np.broadcast_to(d, shape)) <= below
     return out

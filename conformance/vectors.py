@@ -160,7 +160,7 @@ from .features import NotApplicable
 from .judging import parse_semantics, prepare, verdict_of, with_options
 from .layouts import from_layout, to_layout
 from .report import jsonable
-from .ties import settled
+from .ties import SETTLED_SHARE, settled
 from .tolerance import DEFAULTS, MANTISSA_BITS, bf16_round, measure, param_dtype, round_to
 
 __all__ = ["export_vectors", "load_vectors", "check_final_state", "check_results", "read_result",
@@ -221,9 +221,11 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                     arrays[n] = _store(a, param_dtype(n, dt))
             arrays.update(seeded_structures(prep))
             keep = np.ones(prep.golden.shape, bool) if prep.keep is None else np.array(prep.keep)
-            # values a near tie's other admissible choice changes are not compared: a
-            # consumer of one golden cannot judge them (conformance.ties)
-            keep = keep & settled(prep.golden.shape, prep.ties)
+            # values a near tie's other admissible choice changes (by more than a
+            # hundredth of the bound) are not compared: a consumer of one golden cannot
+            # judge them (conformance.ties)
+            keep = keep & settled(prep.golden.shape, prep.ties,
+                                  SETTLED_SHARE * min(prep.tol_max, prep.tol_rms))
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
             arrays["compare"] = np.ascontiguousarray(to_layout(keep, layout))
@@ -372,7 +374,7 @@ def _add_grads(prep, arrays, layout, dtype):
             continue
         gold, keep, tmax, trms, bm = g[n]
         name = "golden_" + grad_output(n)
-        fixed = settled(gold.shape, g["ties"].get(n, []))
+        fixed = settled(gold.shape, g["ties"].get(n, []), SETTLED_SHARE * min(tmax, trms))
         keep = fixed if keep is None else keep & fixed
         gold = np.where(keep, gold, np.nan)
         head_major = n in prep.arrays and n not in ("q", "k", "v")
