@@ -54,6 +54,7 @@ __all__ = [
     "check_routes",
     "fixed_routes",
     "refuse_routes",
+    "check_clusters",
     "route_tokens",
     "combine_clusters",
     "cluster_causal_mask",
@@ -182,6 +183,25 @@ def refuse_routes(query_routes, key_routes, fn):
             raise ValueError(f"{fn}: {name} fixes the balanced routing, but balanced is False")
 
 
+def check_clusters(query_clusters, key_clusters, balanced, nq, nk, fn):
+    """Refuse a ``query_clusters`` / ``key_clusters`` of :func:`routing_attention` given
+    with balanced routing (it fixes plain routing's nearest centroids), or not ``(..., N)``
+    integers. Their values (``-1`` or a centroid in ``[0, C)``) are the caller's to keep:
+    checking them would read the array on the host."""
+    for name, given, n in (("query_clusters", query_clusters, nq), ("key_clusters", key_clusters, nk)):
+        if given is None:
+            continue
+        if balanced:
+            raise ValueError(f"{fn}: {name} fixes plain routing's nearest centroids, but balanced "
+                             f"is True")
+        shape = tuple(getattr(given, "shape", ()))
+        xp = array_api_compat.array_namespace(given) if hasattr(given, "shape") else None
+        if len(shape) < 1 or shape[-1] != n or xp is None or not xp.isdtype(given.dtype, "integral"):
+            raise ValueError(f"{fn}: {name} must be an integer array of shape (..., N) = (..., {n}), "
+                             f"one centroid (or -1) per token; got shape {shape} and dtype "
+                             f"{getattr(given, 'dtype', type(given).__name__)}")
+
+
 def route_tokens(xp, x, centroids, w, batch, given, name, fn):
     """Each centroid's ``w`` tokens of ``x`` and their ranks (:func:`balanced_routes`), or
     those of the selection ``given`` (:func:`fixed_routes`), checked as ``name``."""
@@ -224,15 +244,17 @@ def combine_clusters(xp, y, rank, w, *, average):
     return total / xp.where(count > 0, count, xp.ones_like(count))
 
 
-def plain_routing_mask(xp, q, k, centroids):
-    """``(..., Nq, Nk)``: query ``i`` and key ``j`` share their nearest centroid."""
-    cq, _ = assign_clusters(xp, unit_rows(xp, q), centroids)
-    ck, _ = assign_clusters(xp, unit_rows(xp, k), centroids)
+def plain_routing_mask(xp, q, k, centroids, query_clusters=None, key_clusters=None):
+    """``(..., Nq, Nk)``: query ``i`` and key ``j`` share their nearest centroid (or the
+    centroid ``query_clusters`` / ``key_clusters`` gives a token, where ``>= 0``)."""
+    cq, _ = assign_clusters(xp, unit_rows(xp, q), centroids, query_clusters)
+    ck, _ = assign_clusters(xp, unit_rows(xp, k), centroids, key_clusters)
     return cq[..., :, None] == ck[..., None, :]
 
 
 def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True, causal=False,
-                      scale=None, query_routes=None, key_routes=None, xp=None):
+                      scale=None, query_routes=None, key_routes=None, query_clusters=None,
+                      key_clusters=None, xp=None):
     """Routing Transformer attention: each query attends to the keys of its clusters.
 
     Parameters
@@ -261,6 +283,10 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
         kernel may take either token, and ``conformance`` judges it against the
         function of each admissible routing (:mod:`conformance.ties`). None (default)
         routes by the scores. ``O(C (w + N) log(w + N))`` more to place them.
+    query_clusters, key_clusters : int array, shape (..., Nq) and (..., Nk), optional
+        Plain routing: each token's centroid where it is ``>= 0``, instead of its
+        nearest (``-1``: the nearest). A token about as near two centroids as a dtype
+        resolves is a discrete choice too, judged the same way.
 
     Returns
     -------
@@ -295,9 +321,10 @@ def routing_attention(q, k, v, /, *, centroids, cluster_size=None, balanced=True
     xp, batch, alignment, scale, wq, wk = prepare_routing(q, k, v, centroids, cluster_size, balanced,
                                                           causal, scale, xp)
     nq, nk = q.shape[-2], k.shape[-2]
+    check_clusters(query_clusters, key_clusters, balanced, nq, nk, "routing_attention")
     if not balanced:
         refuse_routes(query_routes, key_routes, "routing_attention")
-        mask = plain_routing_mask(xp, q, k, centroids)
+        mask = plain_routing_mask(xp, q, k, centroids, query_clusters, key_clusters)
         return softmax_attention(q, k, v, mask=mask, causal=alignment or False, scale=scale, xp=xp)
     qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
                                "routing_attention")

@@ -37,7 +37,7 @@ goes on from there. Each such assignment is a tie whose options are the clusteri
 that one query assigned otherwise (:func:`_kmeans_ties`, the reference keyword
 ``assignments``); two flips in one clustering are not enumerated, and a failure that
 they may explain says so in its diagnosis (:func:`kmeans_margins`). Plain routing's
-nearest centroids are not enumerated.
+nearest centroids are enumerated likewise, a token at a time (:func:`_plain_routing_ties`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,9 @@ class Ties:
         """
         rounds = []
         for name, sel in self.chosen.items():
-            batch = tuple(sel.shape[:-2])
+            # a row per centroid (..., C, w), per Lloyd step (..., T, N); plain routing's
+            # keywords a value per token (..., N)
+            batch = tuple(sel.shape[:-1] if name in TOKEN_KEYWORDS else sel.shape[:-2])
             picks = [(t, o, pos[:-1]) for t, ((kw, pos), rows) in enumerate(self.ties)
                      if kw == name for o in range(len(rows))]
             if all(tuple(np.shape(g)[:-2]) == batch for g in golden.values()):
@@ -249,6 +251,8 @@ def alternatives(prep) -> Ties | None:
         loose = _loose_queries(chosen, near, far, prep.arrays["q"].shape[-2])
     if prep.variant.name in KMEANS_VARIANTS:
         _kmeans_ties(prep, u, chosen, ties)
+    if prep.variant.name == "routing":
+        _plain_routing_ties(prep, u, chosen, ties)
     return Ties(chosen, list(ties.items()), far, loose) if ties else None
 
 
@@ -326,6 +330,62 @@ def _topk_rows(prep, u) -> dict:
     logits = prep.scale * (centroids @ kt)
     err = u * (abs(prep.scale) * (np.abs(centroids) @ np.abs(kt)) + np.abs(logits) + 1.0)
     return {"topk_keys": (logits, err, topk)}
+
+
+#: the reference keywords of plain routing that fix one token's centroid each, ``(..., N)``
+TOKEN_KEYWORDS = ("query_clusters", "key_clusters")
+#: plain routing's options per case: each takes a run of the reference (and of its VJP)
+#: over the whole case. attn_ref's reference on torch, bfloat16 standard suite, seeds
+#: 0-1: 27 and 32 cases ill-conditioned with none enumerated (2.7 and 0.9 s), 4-5 with
+#: 16 options (3.0-4.6 s), 1-2 with 64 (8.9-10.8 s) and with 256 (37.5 s)
+TOKEN_PER_CASE = 64
+
+
+def _plain_routing_ties(prep, u, chosen, ties):
+    """Add to ``ties`` (``{at: [option]}``, :func:`alternatives`) plain routing's near
+    ties: a token ``x`` whose nearest centroid ``a`` and another ``b`` are about as near
+    as the dtype resolves, by the distance the reference compares, ``d_j = |mu_j|^2 - 2 s_j``
+    with ``s_j = mu_j . x / |x|``: ``d_b - d_a <= e_a + e_b``, ``e_j = u (8 |mu_j| .
+    |x / |x|| + 4 |s_j| + 2 |mu_j|^2 + |d_j|)``: ``x / |x|`` within about ``3 u`` a
+    coordinate (square, sum, root, quotient) and the dot product's sum ``u |mu_j| . |x / |x||``
+    more, ``s_j`` and ``|mu_j|^2`` stored in the dtype, each doubled in ``d_j``, and
+    ``d_j`` stored. attn_ref's reference on torch and under ``jax.jit`` erred at most
+    0.79 of ``e_j`` in bfloat16 and 0.45 in float16 (standard suite, seed 0; at most 1.15
+    of a first margin with ``4 |mu_j| . |x / |x||`` and ``|mu_j|^2``). A tie per token,
+    an option per such ``b``: ``chosen["query_clusters"]`` (``key_clusters``) ``(..., N)``,
+    all ``-1`` (the nearest, :func:`attn_ref.routing.routing_attention`), with that token
+    set to ``b``. Up to :data:`TOKEN_PER_CASE` options, nearest first. Choices at different
+    tokens need not add (a key moved into the cluster of a moved query): :func:`nearest`
+    recomputes the golden of those taken together."""
+    o = {**prep.params, **prep.options}
+    if o.get("balanced", True):
+        return
+    mu = np.asarray(prep.params["centroids"], dtype=np.float64)
+    mut = np.swapaxes(mu, -1, -2)
+    sq = np.sum(mu * mu, axis=-1)[..., None, :]
+    c = mu.shape[-2]
+    found, shapes = [], {}
+    for name, x in (("query_clusters", prep.arrays["q"]), ("key_clusters", prep.arrays["k"])):
+        x = np.asarray(x, dtype=np.float64)
+        norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+        xh = x / np.where(norm > 0, norm, 1.0)
+        s = xh @ mut
+        d = sq - 2 * s
+        e = u * (8 * (np.abs(xh) @ np.abs(mut)) + 4 * np.abs(s) + 2 * sq + np.abs(d))
+        a = np.argmin(d, axis=-1)[..., None]
+        gap = d - np.take_along_axis(d, a, -1)
+        margin = e + np.take_along_axis(e, a, -1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            close = np.where(margin > 0, gap / margin, 0.0)
+        shapes[name] = d.shape[:-1]
+        for *head, i, b in np.argwhere((gap <= margin) & (np.arange(c) != a)):
+            found.append((float(close[(*head, i, b)]), name, tuple(map(int, head)) + (int(i),),
+                          int(b)))
+    found.sort(key=lambda f: f[0])
+    for _, name, pos, b in found[:TOKEN_PER_CASE]:
+        if name not in chosen:
+            chosen[name] = np.full(shapes[name], -1, dtype=np.int64)
+        ties.setdefault((name, pos), []).append((((name, pos), np.int64(b)),))
 
 
 #: variants whose queries are clustered by :func:`attn_ref.reduced.kmeans`
@@ -437,8 +497,8 @@ def kmeans_margins(prep) -> np.ndarray | None:
 
 def _routing_rows(prep, u) -> dict:
     """routing's ``{"query_routes" | "key_routes": (scores, their margins, w)}`` (balanced
-    routing; ``{}`` for plain routing, whose nearest-centroid assignments are left as
-    they are, as clustered's k-means assignments are).
+    routing; ``{}`` for plain routing, whose nearest centroids are
+    :func:`_plain_routing_ties`').
 
     The score of token ``x`` for centroid ``mu`` is ``s = mu . x / |x|``. A kernel of unit
     roundoff ``u`` rounds ``x / |x|`` by about ``u`` per coordinate and the stored score by

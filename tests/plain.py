@@ -292,13 +292,14 @@ def naive_clustered(qh, kh, vh, c, iterations, seed, topk, topk_keys=None, assig
 
 
 def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balanced=True,
-                  query_routes=None, key_routes=None):
+                  query_routes=None, key_routes=None, query_clusters=None, key_clusters=None):
     """Routing Transformer attention with loops: per batch entry, per cluster, per query.
 
     Balanced: centroid c takes the w tokens of largest mu_c . x / |x| (ties: lower
     index), or the tokens ``query_routes[..., c, :]`` (``key_routes``) when given; each
     query averages its clusters' softmax outputs. Plain: each token to the centroid
-    nearest (Euclidean) to x / |x|. Returns (out, weights).
+    nearest (Euclidean) to x / |x|, or ``query_clusters[..., i]`` (``key_clusters``)
+    where that is not -1. Returns (out, weights).
     """
     out = np.zeros(qh.shape[:-1] + (vh.shape[-1],))
     weights = np.zeros(qh.shape[:-1] + (kh.shape[-2],))
@@ -318,6 +319,10 @@ def naive_routing(qh, kh, vh, centroids, causal=None, cluster_size=None, balance
 
         if not balanced:
             near = [np.argmin(((unit(x)[:, None, :] - mu[None]) ** 2).sum(-1), axis=-1) for x in (q, k)]
+            for t, (given, x) in enumerate(((query_clusters, qh), (key_clusters, kh))):
+                if given is not None:
+                    given = np.broadcast_to(given, x.shape[:-1])[idx]
+                    near[t] = np.where(given != -1, given, near[t])
             for i in range(nq):
                 keys = [j for j in range(nk) if near[1][j] == near[0][i] and allowed(i, j)]
                 if keys:

@@ -304,6 +304,48 @@ def test_a_kernel_that_clustered_otherwise_at_a_near_tie_passes_and_a_far_move_f
     assert verdicts == ["pass", "fail"]
 
 
+def test_plain_routing_judges_a_key_routed_otherwise_at_a_near_tie_and_fails_a_far_one():
+    # attn_ref's plain routing (balanced=False) under jax.jit failed this case at 169x in
+    # float16 (seed 1) before its nearest centroids were enumerated: key 5 of head (0, 0)
+    # is about as near centroids 0 and its nearest as float16 resolves. A kernel that
+    # routes it to 0 (float32 here, that key forced) passes; one that moves the key
+    # clearest of any tie to its second nearest centroid fails.
+    torch = pytest.importorskip("torch")
+    case = next(c for c in cases("routing", "standard") if c.id == "length:b1h2-q63k63-d32")
+    opts = {"balanced": False}
+    prep = prepare(case, "routing", "float16", 1, options=opts)
+    ties = prep.tie_set
+    (t,) = [t for t, (at, _) in enumerate(ties.ties) if at == ("key_clusters", (0, 0, 5))]
+    near = ties.keywords([(t, 0)])
+    assert near["key_clusters"][0, 0, 5] == 0 and sum(np.sum(a >= 0) for a in near.values()) == 1
+    moved = np.asarray(prep.reference("float64", options={**prep.options, **near}))
+    assert np.max(np.abs(moved - prep.golden)) > 100 * prep.tol_max
+    # the far move: the key of head (0, 0) whose nearest centroid is clearest, to its second
+    mu = np.asarray(prep.params["centroids"], dtype=np.float64)
+    k = np.asarray(prep.arrays["k"], dtype=np.float64)[0, 0]
+    d = np.sum((k[:, None, :] / np.linalg.norm(k, axis=-1)[:, None, None] - mu[None]) ** 2, axis=-1)
+    two = np.sort(d, axis=-1)
+    j = int(np.argmax(two[:, 1] - two[:, 0]))
+    far = {n: np.full_like(a, -1) for n, a in near.items()}
+    far["key_clusters"][0, 0, j] = np.argsort(d[j])[1]
+    fn = get("routing").fn
+
+    def forcing(given):
+        def kernel(q, k, v, **kw):
+            f = [x.to(torch.float32) for x in (q, k, v)]
+            kw = {**kw, "centroids": kw["centroids"].to(torch.float32)}
+            out = fn(*f, **kw, **{n: torch.asarray(a) for n, a in given.items()})
+            return out.to(q.dtype)
+
+        kernel.__signature__ = inspect.signature(fn)
+        return kernel
+
+    verdicts = [verify(forcing(given), "routing", backend="torch", dtypes=("float16",), seed=1,
+                       cases=[case], progress=False, time_limit=None, options=opts).results[0].verdict
+                for given in (near, far)]
+    assert verdicts == ["pass", "fail"]
+
+
 def test_kmeans_margins_name_a_near_tie_in_a_failure_on_few_heads():
     # attn_ref's clustered_topk under jax.jit failed this case's batch 0, head 0 at 18.7x
     # in bfloat16 (seed 0): a k-means assignment at 0.09 of its rounding bound went the

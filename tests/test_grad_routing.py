@@ -64,6 +64,22 @@ def test_given_routes_are_held_and_differentiated(backend):
     assert_grads_close(got, want, backend, rtol=1e-6, atol=1e-8)
 
 
+def test_given_plain_clusters_are_held_and_differentiated(backend):
+    # conformance.ties' handle on plain routing: tokens' centroids given (two queries and a
+    # key moved off their nearest) are the routing the VJP holds constant
+    args, do, mu = _case(3)
+    qc, kc = np.full((2, 7), -1), np.full((8,), -1)
+    qc[0, 1], qc[1, 5], kc[3] = 2, 0, 1
+    options = {"centroids": mu, "balanced": False, "causal": True, "query_clusters": qc,
+               "key_clusters": kc}
+    want = numeric_vjp(R.routing_attention, args, do, options)
+    default = grad.routing_attention(args["q"], args["k"], args["v"], do, centroids=mu,
+                                     balanced=False, causal=True)
+    assert not np.allclose(default["k"], want["k"])
+    got = run_vjp(backend, grad.routing_attention, args, do, options)
+    assert_grads_close(got, want, backend, rtol=1e-6, atol=1e-8)
+
+
 def test_the_average_over_clusters_is_differentiated():
     # w = 4 of N = 6 per centroid, 3 centroids: 12 places for 6 queries, so some sit in two;
     # dropping the 1/n of the average would double the gradients.

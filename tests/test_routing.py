@@ -97,6 +97,34 @@ def test_given_routes_are_the_function_of_that_routing(backend, causal):
                  backend, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("causal", [False, "bottom-right"])
+def test_given_clusters_are_the_function_of_that_plain_routing(backend, causal):
+    # conformance.ties' handle on plain routing: a token's centroid given where >= 0; all
+    # -1 is the nearest, bit for bit; two queries and a key moved is the plain loop with
+    # them moved, another function
+    (q, k, v), (qh, kh, vh) = _qkv(backend, nq=7)
+    mu, muh = _centroids(backend, 3)
+    kw = {"centroids": mu, "causal": causal, "balanced": False}
+    free_q, free_k = np.full((2, 3, 7), -1), np.full((3, N), -1)  # keys: per head
+    got = call(backend, routing_attention, q, k, v, **kw, query_clusters=from_numpy(free_q, backend),
+               key_clusters=from_numpy(free_k, backend))
+    assert np.array_equal(host(got), host(call(backend, routing_attention, q, k, v, **kw)))
+    qc, kc = free_q.copy(), free_k.copy()
+    qc[0, 1, 2], qc[1, 2, 6], kc[1, 4] = 2, 0, 1
+    out = call(backend, routing_attention, q, k, v, **kw, query_clusters=from_numpy(qc, backend),
+               key_clusters=from_numpy(kc, backend))
+    want, _ = naive_routing(qh, kh, vh, muh, causal or None, None, False, query_clusters=qc,
+                            key_clusters=kc)
+    assert not np.allclose(want, naive_routing(qh, kh, vh, muh, causal or None, None, False)[0])
+    assert_close(out, want, backend, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="query_clusters fixes plain routing's nearest centroids, "
+                                         "but balanced is True"):
+        routing_attention(q, k, v, centroids=mu, query_clusters=from_numpy(qc, backend))
+    with pytest.raises(ValueError, match=r"key_clusters must be an integer array of shape "
+                                         r"\(\.\.\., N\) = \(\.\.\., 10\).*got shape \(3, 7\)"):
+        routing_attention(q, k, v, **kw, key_clusters=from_numpy(kc[:, :7], backend))
+
+
 def test_balanced_average_zeros_and_overlaps():
     # The rules the docs state, on one case with each: a query in two clusters gets the
     # mean of two softmax outputs, one in none gets zeros.

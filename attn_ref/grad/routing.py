@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ..reduced import gather_rows
 from ..routing import (
+    check_clusters,
     cluster_causal_mask,
     combine_clusters,
     plain_routing_mask,
@@ -34,11 +35,13 @@ __all__ = ["routing_attention"]
 
 
 def routing_attention(q, k, v, do, /, *, centroids, cluster_size=None, balanced=True, causal=False,
-                      scale=None, query_routes=None, key_routes=None, xp=None):
+                      scale=None, query_routes=None, key_routes=None, query_clusters=None,
+                      key_clusters=None, xp=None):
     """VJP of :func:`attn_ref.routing.routing_attention`: ``{"q", "k", "v"}``.
 
-    ``query_routes`` and ``key_routes`` fix the balanced routing as in the forward (the
-    routing is held constant either way).
+    ``query_routes`` and ``key_routes`` fix the balanced routing as in the forward, and
+    ``query_clusters`` and ``key_clusters`` the plain routing (the routing is held
+    constant either way).
 
     Same cost as the forward: ``O(N C d + C w^2 (d + dv))`` balanced.
 
@@ -58,9 +61,10 @@ def routing_attention(q, k, v, do, /, *, centroids, cluster_size=None, balanced=
                                                           causal, scale, xp)
     nq, nk = q.shape[-2], k.shape[-2]
     do = check_cotangent(xp, do, batch + (nq, v.shape[-1]), q)
+    check_clusters(query_clusters, key_clusters, balanced, nq, nk, "routing_attention")
     if not balanced:
         refuse_routes(query_routes, key_routes, "routing_attention")
-        mask = plain_routing_mask(xp, q, k, centroids)
+        mask = plain_routing_mask(xp, q, k, centroids, query_clusters, key_clusters)
         g = softmax_attention(q, k, v, do, mask=mask, causal=alignment or False, scale=scale, xp=xp)
         return {n: g[n] for n in "qkv"}
     qidx, qrank = route_tokens(xp, q, centroids, wq, batch, query_routes, "query_routes",
