@@ -90,10 +90,14 @@ class Ties:
         logits, ties to the lower key index, :func:`attn_ref.reduced.topk_parts`), or
         ``query_routes (..., C, wq)`` and ``key_routes (..., C, wk)`` (routing: each
         centroid's nearest tokens, ties to the lower index,
-        :func:`attn_ref.routing.balanced_routes`).
+        :func:`attn_ref.routing.balanced_routes`); ``assignments (..., iterations + 1,
+        Nq)`` (k-means, :func:`_kmeans_ties`) or ``query_clusters (..., Nq)`` and
+        ``key_clusters (..., Nk)`` (plain routing, :func:`_plain_routing_ties`), all
+        ``-1``: every choice the nearest, an option overriding some.
     ties : list of (tuple, list of tuple)
         Per near tie, nearest first: ``(keyword, index of the centroid's row in
-        chosen[keyword])`` and its options, each the rows an other admissible choice
+        chosen[keyword])`` (k-means: the head's index and the last step; plain
+        routing: the token's index) and its options, each the rows an other admissible choice
         replaces, ``((keyword, index), row)`` pairs: that row with one swap, or with
         routing also the row of a tie that shares its query (a joint option: a query's
         output averages its clusters, so two ties moving one query do not add).
