@@ -291,7 +291,8 @@ def _factored_chunks(xp, q, k, b, span):
     # the per-chunk factors, before b is overwritten: exp(r), exp(B - r), exp(B)
     e_r, e_last, decay = xp.exp(r), xp.exp(last - r), xp.exp(last[..., 0, :])[..., :, None]
     dn = add_into(b, -r)  # b - r, in b's place where it may be: b is ours
-    if float(xp.max(dn)) > span or float(xp.min(dn)) < -span:
+    # compared as arrays: float() of a tensor that records gradients warns in torch
+    if bool(xp.max(dn) > span) or bool(xp.min(dn) < -span):
         return None
     e = xp.exp(dn)
     # (k exp(r - b))^T: K^T copied row-major (row_major_transpose), divided in place
