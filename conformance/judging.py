@@ -606,7 +606,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                 return {"out": prep.apply_semantics(np.asarray(
                     prep.reference(gdt, options={**prep.options, **o}), dtype=np.float64))}
 
-            deltas = prep.tie_set.deltas(run, {"out": prep.golden})
+            deltas = prep.tie_set.deltas(run, {"out": prep.golden}, rows=True)
             prep.ties = [[d["out"] for d in opts] for opts in deltas]
             prep.tie_golden = prep.tie_set.combined(run)
             if prep.tie_set.far:

@@ -173,7 +173,7 @@ class Ties:
             return cache[picks]
         return together
 
-    def deltas(self, run, golden: dict) -> list:
+    def deltas(self, run, golden: dict, rows: bool = False) -> list:
         """``[[{name: delta} per option] per tie]``: what each other admissible choice
         changes in the results ``golden`` (``{name: array}``), ``run(keywords)`` giving
         the results of a selection.
@@ -181,33 +181,36 @@ class Ties:
         The choices of different heads are made in one run where every result keeps
         the heads apart (its batch shape is the selection's; a gradient of an input
         broadcast over heads sums them): at most as many runs per keyword as one head
-        has options.
+        has options. With ``rows`` (every result an output, ``(..., Nq, e)``), plain
+        routing's choices of different queries are made in one run too: a query's
+        centroid enters its own output row only.
         """
         rounds = []
         for name, sel in self.chosen.items():
             # a row per centroid (..., C, w), per Lloyd step (..., T, N); plain routing's
             # keywords a value per token (..., N)
             batch = tuple(sel.shape[:-1] if name in TOKEN_KEYWORDS else sel.shape[:-2])
-            picks = [(t, o, pos[:-1]) for t, ((kw, pos), rows) in enumerate(self.ties)
-                     if kw == name for o in range(len(rows))]
+            own_row = rows and name == "query_clusters"
+            picks = [(t, o, pos if own_row else pos[:-1]) for t, ((kw, pos), opts)
+                     in enumerate(self.ties) if kw == name for o in range(len(opts))]
             if all(tuple(np.shape(g)[:-2]) == batch for g in golden.values()):
-                by_head = {}
-                for t, o, head in picks:
-                    by_head.setdefault(head, []).append((t, o, head))
-                for r in range(max(map(len, by_head.values()), default=0)):
-                    rounds.append([q[r] for q in by_head.values() if r < len(q)])
+                by_region = {}
+                for t, o, region in picks:
+                    by_region.setdefault(region, []).append((t, o, region))
+                for r in range(max(map(len, by_region.values()), default=0)):
+                    rounds.append([q[r] for q in by_region.values() if r < len(q)])
             else:
                 rounds += [[p] for p in picks]
-        out = [[None] * len(rows) for _, rows in self.ties]
+        out = [[None] * len(opts) for _, opts in self.ties]
         for group in rounds:
             res = run(self.keywords([(t, o) for t, o, _ in group]))
-            for t, o, head in group:
+            for t, o, region in group:
                 d = {}
                 for n, g in golden.items():
                     diff = np.asarray(res[n], dtype=np.float64) - g
                     if len(group) > 1:
                         only = np.zeros_like(diff)
-                        only[head] = diff[head]
+                        only[region] = diff[region]
                         diff = only
                     d[n] = diff
                 out[t][o] = d

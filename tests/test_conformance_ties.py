@@ -106,6 +106,28 @@ def test_vectors_leave_out_the_values_a_near_tie_changes(tmp_path):
         assert np.isnan(z["golden_dk"][2, 0]).all() and not np.isnan(z["golden_dk"][0, 1]).any()
 
 
+def test_plain_routings_query_choices_share_a_forward_run_and_give_the_same_deltas():
+    # deltas(rows=True): a query's centroid enters its own output row only, so the
+    # choices at different queries are made in one run; each option's difference is
+    # exactly the one a run of its own gives (this case: 5 query ties in head (1, 0))
+    case = next(c for c in cases("routing", "standard") if c.id == "basic:b2h3-q17k17-d16")
+    prep = prepare(case, "routing", "bfloat16", 0, options={"balanced": False})
+    calls = []
+
+    def run(o):
+        calls.append(1)
+        out = prep.reference(prep.golden_dtype, options={**prep.options, **o})
+        return {"out": prep.apply_semantics(np.asarray(out, dtype=np.float64))}
+
+    alone = prep.tie_set.deltas(run, {"out": prep.golden})
+    n_alone = len(calls)
+    together = prep.tie_set.deltas(run, {"out": prep.golden}, rows=True)
+    assert len(calls) - n_alone < n_alone  # 7 runs against 11
+    assert all(np.array_equal(a["out"], b["out"]) for x, y in zip(alone, together)
+               for a, b in zip(x, y))
+    assert any(np.any(a["out"]) for x in alone for a in x)
+
+
 def test_vectors_skip_a_case_whose_every_value_a_near_tie_moves(tmp_path):
     # plain routing in bfloat16: every output value of this case moves under some token's
     # admissible routing, so its file would compare nothing and pass any kernel
