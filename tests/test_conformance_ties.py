@@ -385,6 +385,24 @@ def test_plain_routing_judges_a_key_routed_otherwise_at_a_near_tie_and_fails_a_f
     assert verdicts == ["pass", "fail"]
 
 
+def test_a_failure_on_every_head_names_their_kmeans_near_ties():
+    # one head (b1h1): no "wrong only on" clause to carry it. attn_ref's reference under
+    # jax.jit failed long:b1h1-q1000k1300-d16 in float16 at 275x (seed 2), read as
+    # "grows with N faster than a plain implementation's" alone. Here a mistake on row 3:
+    # in bfloat16 the case's head has a near tie (0.21 of the bound), in float16 none (1.2)
+    from conformance.diagnose import diagnose
+
+    case = _case("scale:b1h1-q16k16-d8-scale0.3")
+    for dtype, named in (("bfloat16", True), ("float16", False)):
+        prep = prepare(case, "clustered_topk", dtype, 0)
+        got = prep.golden.copy()
+        got[0, 0, 3] += 0.3
+        res = prep.check(got)
+        assert res.verdict == "fail"
+        words = diagnose(prep, got, res)
+        assert ("every failing head has a k-means assignment within" in words) == named, words
+
+
 def test_kmeans_margins_name_a_near_tie_in_a_failure_on_few_heads():
     # attn_ref's clustered_topk under jax.jit failed this case's batch 0, head 0 at 18.7x
     # in bfloat16 (seed 0): a k-means assignment at 0.09 of its rounding bound went the
