@@ -42,6 +42,7 @@ nearest centroids are enumerated likewise, a token at a time (:func:`_plain_rout
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,7 @@ class Ties:
     #: (:meth:`loose_rows`)
     loose: Any = None
 
-    @property
+    @functools.cached_property
     def conflicts(self) -> list:
         """Per tie, the ties whose options cannot be taken with its own (:func:`nearest`):
         a k-means tie's option is a whole other clustering of its head, which sets that
@@ -370,7 +371,6 @@ def _plain_routing_ties(prep, u, chosen, ties):
     mu = np.asarray(prep.params["centroids"], dtype=np.float64)
     mut = np.swapaxes(mu, -1, -2)
     sq = np.sum(mu * mu, axis=-1)[..., None, :]
-    c = mu.shape[-2]
     found, shapes = [], {}
     for name, x in (("query_clusters", prep.arrays["q"]), ("key_clusters", prep.arrays["k"])):
         x = np.asarray(x, dtype=np.float64)
@@ -379,20 +379,27 @@ def _plain_routing_ties(prep, u, chosen, ties):
         s = xh @ mut
         d = sq - 2 * s
         e = u * (8 * (np.abs(xh) @ np.abs(mut)) + 4 * np.abs(s) + 2 * sq + np.abs(d))
-        a = np.argmin(d, axis=-1)[..., None]
-        gap = d - np.take_along_axis(d, a, -1)
-        margin = e + np.take_along_axis(e, a, -1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            close = np.where(margin > 0, gap / margin, 0.0)
         shapes[name] = d.shape[:-1]
-        for *head, i, b in np.argwhere((gap <= margin) & (np.arange(c) != a)):
-            found.append((float(close[(*head, i, b)]), name, tuple(map(int, head)) + (int(i),),
-                          int(b)))
+        found += [(close, name, head + (i,), b) for close, head, i, b in _near_assignments(d, e)]
     found.sort(key=lambda f: f[0])
     for _, name, pos, b in found[:TOKEN_PER_CASE]:
         if name not in chosen:
             chosen[name] = np.full(shapes[name], -1, dtype=np.int64)
         ties.setdefault((name, pos), []).append((((name, pos), np.int64(b)),))
+
+
+def _near_assignments(d, e):
+    """``[(closeness, batch index, token, centroid b)]`` of distances ``d (..., N, C)``
+    with roundings ``e``: the tokens whose nearest centroid ``a`` and another ``b`` have
+    ``d_b - d_a <= e_a + e_b`` (closeness: that gap over the margin; k-means'
+    assignments and plain routing's nearest centroids)."""
+    a = np.argmin(d, axis=-1)[..., None]
+    gap = d - np.take_along_axis(d, a, -1)
+    margin = e + np.take_along_axis(e, a, -1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        close = np.where(margin > 0, gap / margin, 0.0)
+    return [(float(close[(*h, i, b)]), tuple(map(int, h)), int(i), int(b))
+            for *h, i, b in np.argwhere((gap <= margin) & (np.arange(d.shape[-1]) != a))]
 
 
 #: variants whose queries are clustered by :func:`attn_ref.reduced.kmeans`
@@ -433,16 +440,8 @@ def _kmeans_ties(prep, u, chosen, ties):
     c, iterations, topk, seed = _settings(prep)
     if c is None or c < 2:
         return
-    found = []
-    for t, (d, e) in enumerate(_kmeans_steps(prep, u)):
-        a = np.argmin(d, axis=-1)[..., None]
-        gap = d - np.take_along_axis(d, a, -1)
-        margin = e + np.take_along_axis(e, a, -1)
-        near = (gap <= margin) & (np.arange(c) != a)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            close = np.where(margin > 0, gap / margin, 0.0)
-        for *head, i, b in np.argwhere(near):
-            found.append((float(close[(*head, i, b)]), tuple(map(int, head)), t, int(i), int(b)))
+    found = [(close, head, t, i, b) for t, (d, e) in enumerate(_kmeans_steps(prep, u))
+             for close, head, i, b in _near_assignments(d, e)]
     found.sort(key=lambda f: f[0])
     per_head = {}
     for f in found:

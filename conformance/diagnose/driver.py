@@ -232,13 +232,18 @@ def _span(idx) -> str:
     return ", ".join(out)
 
 
-def _where(prep, got, tol):
-    """Where the error lives, when that is a fact worth stating (measured, not guessed)."""
+def _row_errors(prep, got):
+    """Each output row's largest error over the compared values, ``(B, H, Nq)``; a row
+    with a NaN or infinity is infinite."""
     err = np.abs(got - prep.golden)
     if prep.keep is not None:
         err = np.where(prep.keep, err, 0.0)
-    err = np.where(np.isfinite(err), err, np.inf)
-    row = err.max(-1)  # (B, H, Nq)
+    return np.where(np.isfinite(err), err, np.inf).max(-1)
+
+
+def _where(prep, got, tol):
+    """Where the error lives, when that is a fact worth stating (measured, not guessed)."""
+    row = _row_errors(prep, got)  # (B, H, Nq)
     bad = row > tol
     if not bad.any():
         return None
@@ -282,10 +287,7 @@ def _kmeans_heads(prep, got, tol, words):
     implementation's", which sends a kernel author after an accumulator alone."""
     if "k-means" in words:
         return ""
-    err = np.abs(got - prep.golden)
-    if prep.keep is not None:
-        err = np.where(prep.keep, err, 0.0)
-    bad = np.where(np.isfinite(err), err, np.inf).max(-1) > tol  # (B, H, Nq)
+    bad = _row_errors(prep, got) > tol  # (B, H, Nq)
     if not bad.any():
         return ""
     clause = _kmeans_tie(prep, bad.any(2))
