@@ -41,6 +41,7 @@ __all__ = [
     "pool_helps",
     "owned_writeable",
     "records_graph",
+    "keep_freed_memory",
     "add_into",
     "mul_into",
 ]
@@ -355,6 +356,41 @@ def owned_writeable(x):
     if not array_api_compat.is_writeable_array(x) or is_lazy(x):
         return False
     return not records_graph(x)
+
+
+#: Bytes of the block :func:`keep_freed_memory` makes and drops: glibc's ``free`` raises
+#: its mmap threshold to the size of a freed mapped block below its
+#: ``DEFAULT_MMAP_THRESHOLD_MAX`` (32 MiB on 64-bit systems), and its trim threshold to
+#: twice that.
+KEEP_FREED_BYTES = 16 << 20
+_freed_memory_kept = False
+
+
+def keep_freed_memory(x):
+    """Once per process, on the CPU: make and drop one untouched array of
+    :data:`KEEP_FREED_BYTES`, so that glibc's allocator keeps the memory of the block
+    loops' freed temporaries for the next block instead of returning it to the system.
+
+    glibc serves requests from its mmap threshold up (128 KiB at start) with fresh
+    mappings and gives the heap's free top back once it exceeds the trim threshold
+    (256 KiB at start); both rise only when a mapped block is freed, to its size (and
+    twice that). A loop whose block makes several arrays of about 1 MiB frees them
+    together, at the top of the heap, more than twice the largest: they are trimmed,
+    and the next block's arrays fault their pages in again, a page at a time (causal
+    linear attention at N = 65536, 8 heads, d = 64: 48-69K page faults a call, a
+    quarter of its time; see :doc:`/comparison`). After one freed 16 MiB block, blocks
+    up to 16 MiB come from the heap, and the heap keeps up to 32 MiB of free memory:
+    the same state that any NumPy program reaches once it frees an array of that size.
+    The array is never written, so no page of it is touched. Nothing happens for other
+    devices or lazy arrays, nor with an allocator that is not glibc's (the array is
+    then simply made and dropped).
+    """
+    global _freed_memory_kept
+    if _freed_memory_kept or is_lazy(x) or not (numpy_backed(x) or torch_cpu(x)):
+        return
+    xp = array_api_compat.array_namespace(x)
+    xp.empty((KEEP_FREED_BYTES,), dtype=xp.uint8, device=array_api_compat.device(x))
+    _freed_memory_kept = True
 
 
 def _keeps_shape(x, y):
