@@ -25,7 +25,6 @@ import os
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from conformance import cases, verify
 
@@ -138,6 +137,10 @@ def flex(q, k, v, *, mask=None, bias=None, causal=False, scale=None, enable_gqa=
             else:
                 score = score - alibi_slopes[h] * (i + off[s] - j).abs()
         return score
+
+    # imported here: FlexAttention's module loads torch's compiler stack (about a second),
+    # which only the worker running these tests needs
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     block_mask = create_block_mask(mask_mod, 1 if packed else b_, h_, q.shape[-2], k.shape[-2],
                                    device=dev)

@@ -32,7 +32,15 @@ import pytest
 
 from conformance import cases, verify
 
-from .thirdparty_hf import PLANTS, declared, hf_kernel
+
+def _hf():
+    """tests/thirdparty_hf.py, imported by the tests that run it: transformers' import
+    (about 4 s) is then paid by the one worker that runs them, not by every worker's
+    collection."""
+    from . import thirdparty_hf
+
+    return thirdparty_hf
+
 
 FULL = os.environ.get("ATTN_REF_HF_FULL", "") == "1"
 
@@ -88,9 +96,9 @@ def _cases(ids):
 
 def _run(model, implementation, dtype, ids=None, plant=None, grads=False, supports=None):
     """The rows that ran (not n/a) of ``model``'s attention on ``ids`` (None: OPTIONS)."""
-    rep = verify(hf_kernel(model, implementation, plant), "softmax", backend="torch",
+    rep = verify(_hf().hf_kernel(model, implementation, plant), "softmax", backend="torch",
                  dtypes=(dtype,), cases=_cases(ids), causal="bottom-right", grads=grads,
-                 supports={**declared(model, implementation), **(supports or {})},
+                 supports={**_hf().declared(model, implementation), **(supports or {})},
                  fully_masked="mean" if implementation == "eager" else "zeros",
                  progress=False, time_limit=None)
     return [r for r in rep.results if r.verdict != "n/a"]
@@ -228,13 +236,13 @@ def test_hf_sliding_window_is_w_keys():
     from .thirdparty_hf import hf_window
 
     assert hf_window((16, 0)) == 17
-    kernel = hf_kernel("mistral")
+    kernel = _hf().hf_kernel("mistral")
 
     def porter(q, k, v, *, window=None, causal=False, enable_gqa=False):
         return kernel(q, k, v, window=(window[0] - 1, window[1]), causal=causal)
 
     rep = verify(porter, "softmax", backend="torch", cases=_cases(("window:b1h2-q129k129-d32-window16x0",)),
-                 causal="bottom-right", supports=declared("mistral"), fully_masked="mean",
+                 causal="bottom-right", supports=_hf().declared("mistral"), fully_masked="mean",
                  progress=False, time_limit=None)
     (row,) = rep.failures
     assert "the sliding window's left extent is off by one (window (15, 0)" in row.diagnosis, row.diagnosis
@@ -253,7 +261,7 @@ def test_llama4_eager_passes_in_its_dtype(dtype):
 
 
 def test_every_plant_is_shown():
-    assert set(SHOWN) == set(PLANTS)
+    assert set(SHOWN) == set(_hf().PLANTS)
 
 
 def test_the_models_share_two_eager_functions():
