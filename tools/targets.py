@@ -18,10 +18,12 @@ script answers "does this commit meet the target here, now".
 
 ``linear``: non-causal time against the floor ``4 N H d^2 / matmul rate`` and against
 its roofline (``asv_benches/costs.py`` ``WORK["linear"]`` at the NumPy rates of
-``rates``, measured in the same run), causal (chunked) against non-causal, the fitted
-exponent of time in ``N``, peak extra memory of causal at the largest N (tracemalloc;
-NumPy reports its buffers to it) against the ``N H d dv`` floats of a naive prefix sum,
-and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
+``rates``, measured in the same run), causal (chunked) against non-causal (the two
+interleaved after one untimed call each, with the system CPU time of each call: the
+kernel's work for the process, such as clearing and compacting the huge pages of a
+fresh output), the fitted exponent of time in ``N``, peak extra memory of causal at
+the largest N (tracemalloc; NumPy reports its buffers to it) against the ``N H d dv``
+floats of a naive prefix sum, and with ``--fla naive.py`` (the file ``fla/ops/linear_attn/naive.py`` of
 flash-linear-attention) its ``naive_chunk_linear_attn`` on PyTorch CPU at N = 16384, interleaved with ours.
 
 ``--pool`` times the largest N with and without the heads split among the CPUs, each
@@ -169,8 +171,13 @@ def linear(args):
     for n in ns:
         q, k, v = _inputs(n)
         floor = 4 * n * H * D * D / rate
-        t_non = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v), args.reps, clock)
-        t_cau = _median_time(lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True), args.reps, clock)
+        # Interleaved after one untimed call each: the first call of a process faults in
+        # memory the later ones reuse, and the kernel's stalls (below) hit both alike.
+        system = {}
+        med = _interleaved({"non": lambda q=q, k=k, v=v: linear_attention(q, k, v),
+                            "cau": lambda q=q, k=k, v=v: linear_attention(q, k, v, causal=True)},
+                           args.reps, clock, kernel=system)
+        t_non, t_cau = med["non"], med["cau"]
         non.append(t_non)
         cau.append(t_cau)
         work = variant_work("linear", n, {}, d=D, heads=H)
@@ -178,7 +185,8 @@ def linear(args):
         line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms (at one caller's "
                 f"rates {work.seconds(old) * 1e3:7.1f}) | non-causal "
                 f"{t_non * 1e3:8.1f} ms ({t_non / floor:5.2f}x floor, {t_non / roof:5.2f}x roofline) | "
-                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal)")
+                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal) | system CPU "
+                f"{system['non'] * 1e3:.0f} / {system['cau'] * 1e3:.0f} ms")
         if fla is not None and n == 16384:
             # fla's layout is (batch, time, heads, d)
             bthd = [torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))[None]) for x in (q, k, v)]
@@ -863,17 +871,25 @@ def _loadavg():
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _interleaved(calls, reps):
+def _interleaved(calls, reps, clock=time.perf_counter, kernel=None):
     """``{name: median seconds}`` of ``calls`` (``{name: f}``), one call of each per
-    repetition, so that a change of load hits every row alike; one untimed warm-up each."""
+    repetition, so that a change of load hits every row alike; one untimed warm-up each.
+    ``kernel``: a dict that receives ``{name: median seconds of system CPU time}``."""
+    import resource
+
     for f in calls.values():
         f()
     times = {name: [] for name in calls}
+    system = {name: [] for name in calls}
     for _ in range(reps):
         for name, f in calls.items():
-            t = time.perf_counter()
+            s = resource.getrusage(resource.RUSAGE_SELF).ru_stime
+            t = clock()
             f()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(clock() - t)
+            system[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - s)
+    if kernel is not None:
+        kernel.update({name: float(np.median(t)) for name, t in system.items()})
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
