@@ -372,9 +372,9 @@ def keep_freed_memory(x):
     loops' freed temporaries for the next block instead of returning it to the system.
 
     glibc serves requests from its mmap threshold up (128 KiB at start) with fresh
-    mappings and gives the heap's free top back once it exceeds the trim threshold
-    (256 KiB at start); both rise only when a mapped block is freed, to its size (and
-    twice that). A loop whose block makes several arrays of about 1 MiB frees them
+    mappings and gives the heap's free top back once it exceeds its trim threshold
+    (128 KiB at start); both rise only when a mapped block is freed, to its size and
+    twice that. A loop whose block makes several arrays of about 1 MiB frees them
     together, at the top of the heap, more than twice the largest: they are trimmed,
     and the next block's arrays fault their pages in again, a page at a time (causal
     linear attention at N = 65536, 8 heads, d = 64: 48-69K page faults a call, a
