@@ -165,7 +165,7 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
 
     Per chunk ``c``: ``phi(Q_c) S_{c-1} + (phi(Q_c) phi(K_c)^T * M) V_c`` with the
     lower-triangular mask ``M`` and the exclusive prefix sum ``S_{c-1}`` of the chunk
-    states ``phi(K_c)^T V_c``, taken over all chunks at once (:func:`_entering_states`)
+    states ``phi(K_c)^T V_c``, taken over all chunks at once (:func:`_exclusive_prefix`)
     starting from ``state`` (the summary ``(..., d', dv)`` of earlier keys; zero if
     None). A ragged tail is padded with zero features. Returns the output
     ``(..., N, dv)`` and the summary of ``state`` and all these keys. Extra memory
@@ -183,40 +183,10 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     # the copy).
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
-    entering, final = _entering_states(xp, s, state)
-    out = add_into(qc @ entering, _hide_in_chunks(xp, qc @ kt) @ vc)
+    prefix = _exclusive_prefix(xp, s, state)
+    out = add_into(qc @ prefix[..., :-1, :, :], _hide_in_chunks(xp, qc @ kt) @ vc)
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
-    return out[..., :n, :], final
-
-
-def _entering_states(xp, s, state):
-    """The summary entering each chunk, ``(..., n, d', dv)``, and the one leaving the last,
-    ``(..., d', dv)``: ``state`` (zero if None) plus the chunk states ``s`` before it.
-
-    Where ``s`` is this code's own array (:func:`~attn_ref._common.owned_writeable`) the
-    running sums are taken in its place, chunk after chunk (``n - 1`` additions of one
-    ``d' x dv`` summary per head, ``state`` first), and the entering summaries are
-    ``state`` followed by all but the last of them: one concatenation. Elsewhere (JAX,
-    lazy arrays) :func:`_exclusive_prefix`. At 8 heads, 512-row blocks of chunks of 64:
-    ``_exclusive_prefix``'s product with the 9 x 8 triangle of ones (a GEMM whose inner
-    dimension is 8) and its addition of ``state`` took 29 ms of a 466 ms call (one
-    thread, N = 65536).
-    """
-    if not owned_writeable(s):
-        prefix = _exclusive_prefix(xp, s, state)
-        return prefix[..., :-1, :, :], prefix[..., -1, :, :]
-    n = s.shape[-3]
-    if state is not None:
-        first = s[..., 0, :, :]
-        first += state
-    for i in range(1, n):
-        row = s[..., i, :, :]
-        row += s[..., i - 1, :, :]
-    if state is None:
-        state = xp.zeros(tuple(s.shape[:-3]) + tuple(s.shape[-2:]), dtype=s.dtype,
-                         device=array_api_compat.device(s))
-    entering = xp.concat([state[..., None, :, :], s[..., :n - 1, :, :]], axis=-3)
-    return entering, s[..., n - 1, :, :]
+    return out[..., :n, :], prefix[..., -1, :, :]
 
 
 def _exclusive_prefix(xp, s, state):
