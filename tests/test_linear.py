@@ -635,3 +635,22 @@ def test_row_maps_holding_whole_batch_arrays_are_not_pooled(monkeypatch):
     got = (linear_from_row_maps(q, k, v, phi, phi, block_size=8),
            performer_attention(q, k, v, projection=w))
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_blocks_written_into_one_output_keep_a_rounding_array_type(causal, dtype):
+    # The oracle's half-precision baselines run the reference on NumPy subclasses whose
+    # every operation rounds its result (conformance.tolerance.LowPrecisionArray). With
+    # several row blocks, the block loop wrote into one output made by the namespace (the
+    # base ndarray) and divided it in place: the output came back a plain ndarray whose
+    # values had not been rounded. Now it is of the inputs' type, each value in the dtype.
+    from conformance.tolerance import LOW_PRECISION, lp_array
+
+    rng = np.random.default_rng(0)
+    q, k, v = (lp_array(rng.standard_normal((2, 300, 16)), dtype) for _ in range(3))
+    cls = LOW_PRECISION[dtype]
+    out = linear_attention(q, k, v, causal=causal, block_size=64)
+    assert type(out) is cls
+    plain = np.asarray(out).view(np.ndarray).astype(np.float32)
+    np.testing.assert_array_equal(cls.round(plain), plain)

@@ -328,7 +328,12 @@ class _Rows:
         if (self.out is None and not self.parts and block.shape[-2] < self.n
                 and array_api_compat.is_writeable_array(block) and not is_lazy(block)):
             shape = tuple(block.shape[:-2]) + (self.n, block.shape[-1])
-            self.out = self.xp.empty(shape, dtype=block.dtype, device=array_api_compat.device(block))
+            out = self.xp.empty(shape, dtype=block.dtype, device=array_api_compat.device(block))
+            # Only into an array of the blocks' own type: the namespace makes its base
+            # type, and a subclass whose operators round every result (the oracle's
+            # float16 and bfloat16 baselines) would lose the rounding of the division
+            # written in place below, and its type for what the caller does next.
+            self.out = out if type(out) is type(block) else None
         if self.out is None:
             self.parts.append(block if den is None else block / den)
             return
@@ -438,7 +443,8 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     out = None
     if not (array_api_compat.is_torch_array(v) and v.requires_grad):
         out = xp.empty((rows, nq, dv), dtype=v.dtype, device=array_api_compat.device(v))
-        out = out if owned_writeable(out) else None
+        # of v's own type only (see _Rows.put)
+        out = out if owned_writeable(out) and type(out) is type(v) else None
 
     def run(group):
         a, b = group
