@@ -24,6 +24,7 @@ __all__ = [
     "check_real",
     "check_positive_int",
     "check_nonnegative_int",
+    "check_index_array",
     "is_integer",
     "default_scale",
     "broadcast_batch",
@@ -268,6 +269,22 @@ def check_nonnegative_int(name, value):
     if value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return value
+
+
+def check_index_array(fn, name, given, tail, tail_names, meaning):
+    """Refuse ``given`` (an argument ``name`` of ``fn`` fixing a discrete choice: routes,
+    top-k keys, cluster assignments) unless it is an integer array whose trailing shape is
+    ``tail``, spelt ``tail_names`` (e.g. ``"C, w"``) in the message, with ``meaning``
+    after the shape. Its values are the caller's to keep: checking them would read the
+    array on the host."""
+    shape = tuple(getattr(given, "shape", ()))
+    xp = array_api_compat.array_namespace(given) if hasattr(given, "shape") else None
+    tail = tuple(tail)
+    if len(shape) < len(tail) or shape[len(shape) - len(tail):] != tail or xp is None or \
+            not xp.isdtype(given.dtype, "integral"):
+        raise ValueError(f"{fn}: {name} must be an integer array of shape (..., {tail_names}) = "
+                         f"(..., {', '.join(str(n) for n in tail)}){meaning}; got shape {shape} "
+                         f"and dtype {getattr(given, 'dtype', type(given).__name__)}")
 
 
 def default_scale(d, scale):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import array_api_compat
 
 from ._checks import (
+    check_index_array,
     check_nonnegative_int,
     check_positive_int,
     check_qkv,
@@ -605,16 +606,9 @@ def check_assignments(assignments, iterations, n, fn):
     """Refuse an ``assignments`` of :func:`kmeans` that is not ``(..., iterations + 1, N)``
     integers. Its values (``-1`` or a cluster in ``[0, C)``) are the caller's to keep:
     checking them would read the array on the host."""
-    if assignments is None:
-        return
-    shape = tuple(getattr(assignments, "shape", ()))
-    xp = array_api_compat.array_namespace(assignments) if hasattr(assignments, "shape") else None
-    if len(shape) < 2 or shape[-2:] != (iterations + 1, n) or xp is None or \
-            not xp.isdtype(assignments.dtype, "integral"):
-        raise ValueError(f"{fn}: assignments must be an integer array of shape "
-                         f"(..., iterations + 1, N) = (..., {iterations + 1}, {n}), one row per "
-                         f"Lloyd assignment of the N={n} rows; got shape {shape} and dtype "
-                         f"{getattr(assignments, 'dtype', type(assignments).__name__)}")
+    if assignments is not None:
+        check_index_array(fn, "assignments", assignments, (iterations + 1, n),
+                          "iterations + 1, N", f", one row per Lloyd assignment of the N={n} rows")
 
 
 def kmeans(x, num_clusters, /, *, iterations=10, seed=0, assignments=None, xp=None):
@@ -681,14 +675,8 @@ def check_topk_keys(topk_keys, topk, num_clusters, nk, fn):
         return
     if topk is None:
         raise ValueError(f"{fn}: topk_keys fixes the top-k selection, but topk is None")
-    shape = tuple(getattr(topk_keys, "shape", ()))
-    dtype = getattr(topk_keys, "dtype", None)
-    xp = array_api_compat.array_namespace(topk_keys) if hasattr(topk_keys, "shape") else None
-    if len(shape) < 2 or shape[-2:] != (num_clusters, topk) or xp is None or \
-            not xp.isdtype(dtype, "integral"):
-        raise ValueError(f"{fn}: topk_keys must be an integer array of shape (..., C, topk) = "
-                         f"(..., {num_clusters}, {topk}) indexing the Nk={nk} keys; got shape "
-                         f"{shape} and dtype {dtype}")
+    check_index_array(fn, "topk_keys", topk_keys, (num_clusters, topk), "C, topk",
+                      f" indexing the Nk={nk} keys")
 
 
 def gather_rows(xp, x, idx, batch):

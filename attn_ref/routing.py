@@ -33,6 +33,7 @@ from ._checks import (
     broadcast_batch,
     check_array,
     check_flag,
+    check_index_array,
     check_positive_int,
     check_qkv,
     default_scale,
@@ -165,15 +166,8 @@ def check_routes(name, routes, c, w, n, fn):
     """Refuse a ``query_routes`` / ``key_routes`` (``name``) of :func:`routing_attention`
     that is not ``(..., C, w)`` integers. Its values (distinct tokens in ``[0, n)``) are
     the caller's to keep: checking them would read the array on the host."""
-    if routes is None:
-        return
-    shape = tuple(getattr(routes, "shape", ()))
-    dtype = getattr(routes, "dtype", None)
-    xp = array_api_compat.array_namespace(routes) if hasattr(routes, "shape") else None
-    if len(shape) < 2 or shape[-2:] != (c, w) or xp is None or not xp.isdtype(dtype, "integral"):
-        raise ValueError(f"{fn}: {name} must be an integer array of shape (..., C, w) = "
-                         f"(..., {c}, {w}) indexing the {n} tokens; got shape {shape} and dtype "
-                         f"{dtype}")
+    if routes is not None:
+        check_index_array(fn, name, routes, (c, w), "C, w", f" indexing the {n} tokens")
 
 
 def refuse_routes(query_routes, key_routes, fn):
@@ -194,12 +188,7 @@ def check_clusters(query_clusters, key_clusters, balanced, nq, nk, fn):
         if balanced:
             raise ValueError(f"{fn}: {name} fixes plain routing's nearest centroids, but balanced "
                              f"is True")
-        shape = tuple(getattr(given, "shape", ()))
-        xp = array_api_compat.array_namespace(given) if hasattr(given, "shape") else None
-        if len(shape) < 1 or shape[-1] != n or xp is None or not xp.isdtype(given.dtype, "integral"):
-            raise ValueError(f"{fn}: {name} must be an integer array of shape (..., N) = (..., {n}), "
-                             f"one centroid (or -1) per token; got shape {shape} and dtype "
-                             f"{getattr(given, 'dtype', type(given).__name__)}")
+        check_index_array(fn, name, given, (n,), "N", ", one centroid (or -1) per token")
 
 
 def route_tokens(xp, x, centroids, w, batch, given, name, fn):
