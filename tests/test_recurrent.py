@@ -140,9 +140,10 @@ def test_qk_l2norm_is_normalising_first(backend, name, monkeypatch):
     q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
     steps = _to(backend, steps_h)
     per_chunk = math.prod(BATCH) * 4 * max(4, DK + DV)
-    for chunks in (1, 1000):
-        monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
-        for form in _forms(backend, 21):
+    for form in _forms(backend, 21):
+        # the groups matter to the chunk form only
+        for chunks in ((1, 1000) if form == "chunk" else (1000,)):
+            monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
             o, s = FNS[name](q, k, v, initial_state=s0, output_final_state=True, chunk_size=4,
                              qk_l2norm=True, form=form, **steps)
             for got, want in ((o, want_o), (s, want_s)):
@@ -161,7 +162,9 @@ def test_groups_of_chunks_are_the_whole_batch(backend, name, monkeypatch):
     q, k, v, s0 = (from_numpy(a, backend) for a in (qh, kh, vh, s0h))
     steps = _to(backend, steps_h)
     per_chunk = math.prod(BATCH) * 8 * max(8, DK + DV)
-    for chunks in (1, 3, 1000):
+    # On JAX (eager: every operation compiled at each new shape, one chunk a group the
+    # most shapes) three a group still joins several groups' outputs without writes.
+    for chunks in ((3, 1000) if backend.name == "jax" else (1, 3, 1000)):
         monkeypatch.setattr(decay, "GROUP_ELEMENTS", chunks * per_chunk)
         monkeypatch.setattr(delta, "GROUP_ELEMENTS", chunks * per_chunk)
         o, s = FNS[name](q, k, v, initial_state=s0, output_final_state=True, chunk_size=8, **steps)
