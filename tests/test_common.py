@@ -298,34 +298,45 @@ import resource, sys
 import numpy as np
 import attn_ref._common as common
 from attn_ref import linear_attention
+from attn_ref.recurrent import gated_linear_attention
 if sys.argv[1] == "off":
     common._freed_memory_kept = True  # as if done already: nothing is made and dropped
 rng = np.random.default_rng(0)
-q, k, v = (rng.standard_normal((8, 16384, 64), dtype=np.float32) for _ in range(3))
-linear_attention(q, k, v, causal=True)
+T = int(sys.argv[3])
+q, k, v = (rng.standard_normal((8, T, 64), dtype=np.float32) for _ in range(3))
+if sys.argv[2] == "linear":
+    def call():
+        linear_attention(q, k, v, causal=True)
+else:
+    g = np.log(1 / (1 + np.exp(-rng.standard_normal((8, T, 64))))).astype(np.float32)
+    def call():
+        gated_linear_attention(q, k, v, g=g)
+call()
 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-linear_attention(q, k, v, causal=True)
+call()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 """
 
 
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's allocator")
-def test_keep_freed_memory_spares_the_causal_block_loop_its_page_faults():
-    # A fresh process each (the allocator's thresholds only rise): causal linear
-    # attention's block loop, 8 heads, N = 16384, its second call. Without the dropped
-    # block its 1 MiB temporaries were trimmed from the heap's top and faulted in again
-    # (15K faults of 4 KiB, measured); with it, its memory is reused (about 540).
+@pytest.mark.parametrize("caller, T, least", [("linear", 16384, 8000), ("gla", 8192, 1500)])
+def test_keep_freed_memory_spares_the_block_loops_their_page_faults(caller, T, least):
+    # A fresh process each (the allocator's thresholds only rise), 8 heads, the second
+    # call: causal linear attention's block loop (N = 16384) and GLA's groups of chunks (T
+    # = 8192). Without the dropped block their temporaries of about 1 MiB were trimmed
+    # from the heap's top and faulted in again (15K and 2.2K faults of 4 KiB, measured);
+    # with it, their memory is reused (about 540 and under 10).
     import subprocess
     import sys
 
     def faults(mode):
-        res = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run([sys.executable, "-c", _FAULTS, mode, caller, str(T)], capture_output=True,
+                             text=True, timeout=120)
         assert res.returncode == 0, res.stderr[-2000:]
         return int(res.stdout.split()[-1])
 
     off = faults("off")
-    if off < 8000:
+    if off < least:
         pytest.skip(f"this allocator gives nothing back here ({off} page faults without the block)")
     on = faults("on")
     assert on < off / 4, (on, off)
