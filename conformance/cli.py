@@ -83,6 +83,12 @@ def reference_kernel(variant, backend):
 
     def kernel(q, k, v, **kw):
         arrays = {n: x for n, x in kw.items() if hasattr(x, "shape")}
+        if any(isinstance(x, jax.core.Tracer) for x in (q, k, v, *arrays.values())):
+            # Inside a caller's trace (the oracle's jax.vjp for --grads, a user's jit):
+            # XLA takes compiler options only at the top level ("compiler_options can
+            # only be passed to top-level jax.jit" failed every gradient case), and the
+            # caller's compilation covers this call.
+            return fn(q, k, v, **kw)
         static = tuple(sorted((n, x) for n, x in kw.items() if n not in arrays))
         if static not in cache:
             cache[static] = jax.jit(lambda q, k, v, arrays: fn(q, k, v, **arrays, **dict(static)),
@@ -91,6 +97,8 @@ def reference_kernel(variant, backend):
 
     kernel.__signature__ = inspect.signature(fn)
     kernel.__name__ = getattr(fn, "__name__", "kernel")
+    # reports name a kernel by its qualified name: the reference's, not this wrapper's
+    kernel.__qualname__ = getattr(fn, "__qualname__", kernel.__name__)
     kernel.__module__ = getattr(fn, "__module__", None)
     return kernel
 

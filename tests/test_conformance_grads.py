@@ -831,6 +831,38 @@ def test_jax_autodiff_passes_the_fused_bounds():
     assert len(rows) >= 15 and rep.passed, rep.table()
 
 
+def test_jax_reference_kernel_is_differentiated_by_the_oracle():
+    """conformance.cli.reference_kernel compiles each shape with XLA options, which JAX
+    takes only at the top level: under the oracle's jax.vjp every gradient case was an
+    error ("compiler_options can only be passed to top-level jax.jit"). Traced, it is
+    the plain function; its gradients pass, and with dq 3 % off they do not."""
+    jax = pytest.importorskip("jax")
+    import functools
+
+    from attn_ref.registry import get
+    from conformance import backends
+    from conformance.cli import reference_kernel
+
+    ref = reference_kernel(get("softmax"), backends.load("jax"))
+
+    @jax.custom_vjp
+    def dq_off(x):
+        return x
+
+    dq_off.defvjp(lambda x: (x, None), lambda _, g: (g * 1.03,))
+
+    @functools.wraps(ref)
+    def wrong(q, k, v, **kw):
+        return ref(dq_off(q), k, v, **kw)
+
+    todo = QUICK[:2]
+    for kernel, verdict in ((ref, "pass"), (wrong, "fail")):
+        rep = verify(kernel, "softmax", backend="jax", dtypes=("float32",), cases=todo, grads=True,
+                     diagnose=False, progress=False)
+        rows = {r.output: r.verdict for r in rep.results if r.case == todo[0].id}
+        assert rows.get("dq") == verdict and rows.get("dk") == "pass", rep.table()
+
+
 def test_backward_declaration_takes_one_value():
     from conformance.calling import KernelSpec, parse_supports
 
