@@ -474,9 +474,10 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     order, chunk_size
         As in :func:`attn_ref.linear_attention`.
     eps : float, optional
-        Denominator floor (see :mod:`attn_ref.linear`), default :func:`default_eps`
-        (float16's smallest subnormal, float32's and bfloat16's smallest normal, float64's
-        for float64 and wider dtypes such as ``np.longdouble``): positive features give
+        Denominator floor (see :mod:`attn_ref.linear`), default :func:`default_eps` of
+        the dtype the denominators are computed in: float32's smallest normal for
+        float16, bfloat16 and float32 inputs (the narrower ones are computed in float32),
+        float64's for float64 and wider dtypes such as ``np.longdouble``: positive features give
         ``den >= 0`` and ``|num| <= den max|v|``, so only an exactly-zero or underflowed
         denominator is floored. Trigonometric denominators can be near zero or negative; outputs
         there are large (the instability positive features were introduced to fix).
@@ -510,16 +511,21 @@ def performer_attention(q, k, v, /, *, projection, kernel="positive", causal=Fal
     >>> bool(err < 0.05)  # the error falls like 1/sqrt(m)
     True
     """
+    given_eps = eps
     xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp,
                                                   feature_eps, stabilize)
     check_order(order)
     check_positive_int("chunk_size", chunk_size)
     work = logit_dtype(xp, q.dtype)
     if work != q.dtype:
+        # The default floor is the computing dtype's (given_eps None): float16's 2^-24
+        # floors only a zero float16 denominator, but these are float32, and on large
+        # logits real ones lie far below it (the oracle's large-logits d = 8 case: output
+        # off by 2.67 on outputs of 2.7 with it, 1.2e-6 without).
         out = performer_attention(*(xp.astype(x, work) for x in (q, k, v)),
                                   projection=xp.astype(projection, work), kernel=kernel, causal=causal,
                                   stabilize=stabilize, scale=scale, order=order, chunk_size=chunk_size,
-                                  eps=eps, feature_eps=feature_eps, xp=xp)
+                                  eps=given_eps, feature_eps=feature_eps, xp=xp)
         return xp.astype(out, q.dtype)
     if alignment is None and order == "linear" and not feature_eps:
         return _blocked(xp, q, k, v, projection, kernel, stabilize, scale, eps)
