@@ -33,6 +33,9 @@ Conventions
   ``scale`` to the products ``q . k``, never to ``q``, and clamp a logit past the
   dtype's range to ``+-finfo.max`` (:func:`attn_ref._common.scaled_logits`): finite input
   gives finite output for every finite ``scale`` (``scale=1e308`` gives the rows' hardmax).
+* float16 and bfloat16 inputs are computed in float32 and the output is rounded once to
+  their dtype (as the defining form's logits and statistics are); the VJPs
+  (:mod:`attn_ref.grad`) compute in the input's dtype.
 * A block layout, like ``cu_seqlens``, is read on the host: it may come from any
   library (or be nested sequences), unlike the array arguments, which must share
   ``q``'s library.
