@@ -179,12 +179,6 @@ DECLARATIONS["lse_grad"] = Declaration(
     "and reports the lse's gradient as not judged)")
 
 
-def _np():
-    # array_api_compat.numpy with its clip of the emulated half-precision arrays fixed
-    # (conformance.tolerance.LOGITS_IN_FLOAT32)
-    return LOGITS_IN_FLOAT32
-
-
 def _vjp(prep):
     from attn_ref.grad import VJPS
 
@@ -291,7 +285,7 @@ def _reference_grads(prep, do, dtype, vjp=None, dfinal_state=None, xp=None, dlse
         extra["dlse"] = as_dtype(dlse, dtype)
     g = (vjp or _vjp(prep))(a["q"], a["k"], a["v"], as_dtype(do, dtype),
                             **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                            **prep.kwargs, **p, **prep.options, **extra, xp=xp or _np())
+                            **prep.kwargs, **p, **prep.options, **extra, xp=xp or LOGITS_IN_FLOAT32)
     return {n: np.asarray(x, dtype=np.float64) if dtype != "longdouble" else np.asarray(x)
             for n, x in g.items()}
 
@@ -475,7 +469,7 @@ def _sparse_pattern(prep) -> np.ndarray:
             from attn_ref.registry import get
 
             pat = get(prep.variant.name).weights(q, k, **prep.kwargs, **prep.params, **prep.options,
-                                                 xp=_np()) > 0
+                                                 xp=LOGITS_IN_FLOAT32) > 0
         pat = prep.__dict__["_pattern"] = np.asarray(pat)
     return pat
 
@@ -626,7 +620,7 @@ def _sinkhorn_partial_softmax_autograd(prep, do, dtype, dlse=None):
         raise NotApplicable(f"the Sinkhorn partial softmax form takes no {sorted(set(a) - set(BASE_KEYS))}")
     opts = {**prep.kwargs, **prep.params, **prep.options}
     b, causal = int(opts["block_size"]), bool(opts.get("causal"))
-    xp = balancing = _np()
+    xp = balancing = LOGITS_IN_FLOAT32
     logits = np.asarray(opts["sort_logits"], dtype=np.float64)
     if dtype in LOW_PRECISION:
         # the balancing iterations in the dtype too, as a half-precision kernel runs them
@@ -667,7 +661,7 @@ def _saved_forward(prep, dtype, logits_fp32=False):
     a = _inputs_in(prep, dtype, logits_fp32)
     out, lse = grad.online_softmax_forward(a["q"], a["k"], a["v"],
                                            **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                                           **prep.kwargs, **prep.options, xp=_np())
+                                           **prep.kwargs, **prep.options, xp=LOGITS_IN_FLOAT32)
     return np.asarray(out, dtype=np.float64), np.asarray(lse, dtype=np.float64)
 
 
@@ -719,14 +713,14 @@ def _fused_softmax_forms():
             out, lse = grad.online_softmax_forward(
                 *(np.asarray(prep.arrays[n], dtype=np.float64) for n in ("q", "k", "v")),
                 **{n: x for n, x in prep.arrays.items() if n not in BASE_KEYS},
-                **prep.kwargs, **prep.options, xp=_np())
+                **prep.kwargs, **prep.options, xp=LOGITS_IN_FLOAT32)
             cls = type(a["q"])
             extra.update(out=host(round_to(np.asarray(out), dtype)),
                          lse=np.asarray(lse, dtype=np.float32).view(cls))
         options = prep.options if stored else _one_shot_options(prep)
         g = fn(a["q"], a["k"], a["v"], host(np.asarray(do)),
                **{n: x for n, x in a.items() if n not in BASE_KEYS},
-               **prep.kwargs, **options, **extra, xp=_np())
+               **prep.kwargs, **options, **extra, xp=LOGITS_IN_FLOAT32)
         return {n: round_to(np.asarray(x, dtype=np.float32), param_dtype(n, dtype))
                 for n, x in g.items() if n in GRAD_OUTPUTS}
 

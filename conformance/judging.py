@@ -105,12 +105,6 @@ _CACHE_SIZE = 256
 
 
 
-def _np_compat():
-    # array_api_compat.numpy with its clip of the emulated half-precision arrays fixed
-    # (conformance.tolerance.LOGITS_IN_FLOAT32)
-    return LOGITS_IN_FLOAT32
-
-
 @dataclass
 class Prepared:
     """One case, one dtype: rounded inputs, golden output and tolerance bounds.
@@ -196,7 +190,7 @@ class Prepared:
         a = {n: as_dtype(x, dtype) for n, x in arrays.items()}
         p = {n: as_dtype(x, param_dtype(n, dtype)) for n, x in self.params.items()}
         out = fn(a["q"], a["k"], a["v"], **{n: x for n, x in a.items() if n not in BASE_KEYS},
-                 **kwargs, **p, **options, xp=_np_compat() if xp is None else xp)
+                 **kwargs, **p, **options, xp=LOGITS_IN_FLOAT32 if xp is None else xp)
         return np.asarray(out, dtype=np.float64) if dtype != "longdouble" else np.asarray(out)
 
     @property
@@ -310,7 +304,7 @@ def _trial_params(v) -> dict:
     if v.params is None:
         return {}
     return v.params(0, _TRIAL_N, _TRIAL_N, _TRIAL_D, _TRIAL_D, dtype=np.float64, device="cpu",
-                    xp=_np_compat())
+                    xp=LOGITS_IN_FLOAT32)
 
 
 def _distinct_value_taps(raw, seed):
@@ -433,7 +427,7 @@ def with_options(variant, options=None):
     q, k, val = (rng.standard_normal((1, 1, n, _TRIAL_D)) for n in (nq, nk, nk))
     try:
         with np.errstate(all="ignore"):
-            v.fn(q, k, val, **params, **opts, xp=_np_compat())
+            v.fn(q, k, val, **params, **opts, xp=LOGITS_IN_FLOAT32)
     except Exception as exc:
         shown = ", ".join(f"{n}={x!r}" for n, x in options.items())
         raise ValueError(f"variant {v.name!r} ({fn_name}) refuses options {shown}: "
@@ -550,7 +544,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     params = {}
     if v.params is not None:
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
-                       device="cpu", xp=_np_compat(), **v.batch_keyword(case.batch))
+                       device="cpu", xp=LOGITS_IN_FLOAT32, **v.batch_keyword(case.batch))
         raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
         if case.param("gate_normalizer") is not None and "g" in raw:
             # the slow-decay cases: long memory (conformance.catalogue, GATE_NORMALIZER)
@@ -971,7 +965,7 @@ def _nystrom_fused_kernels(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv
         return lp_array(x, dtype) if dtype else x
 
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    npx = _np_compat()
+    npx = LOGITS_IN_FLOAT32
     ql = landmark_means(q, num_landmarks, segments, xp=xp)
     kl = landmark_means(k, num_landmarks, segments, xp=xp)
     k1, k2, k3 = (rounded(attention_weights(exact(a), exact(b), scale=scale, xp=npx))

@@ -347,52 +347,24 @@ def plain_array(x):
     return _plain(x)
 
 
-class _LogitsInDtype:
-    """``array_api_compat.numpy`` whose ``clip`` keeps a :class:`LowPrecisionArray`
-    (array_api_compat builds a plain ndarray): attn_ref's softmax logits, which it clips
-    to the dtype's range, then stay in the dtype, every step rounded, and so do the
-    weights. On the plain namespace the logits of a ``LowPrecisionArray`` fall out to
-    float32 and the weights are never rounded to the dtype (their cast back to ``q``'s
-    dtype is a no-op on float32 storage), which a real half-precision kernel does."""
+class _EmulatedClip:
+    """``array_api_compat.numpy`` whose ``clip`` of a :class:`LowPrecisionArray` is
+    defined by the oracle, not by array_api_compat: rounded and of its type (``keep``
+    True, :data:`LOGITS_IN_DTYPE`) or a plain float32 ndarray (``keep`` False,
+    :data:`LOGITS_IN_FLOAT32`).
 
-    def __getattr__(self, name):
-        import array_api_compat.numpy as npx
-
-        return getattr(npx, name)
-
-    def clip(self, x, /, *args, **kwargs):
-        import array_api_compat.numpy as npx
-
-        out = npx.clip(x, *args, **kwargs)
-        return _lp_wrap(type(x), out) if isinstance(x, LowPrecisionArray) else out
-
-
-#: the NumPy namespace of :class:`_LogitsInDtype`: a reference run on ``LowPrecisionArray``
-#: inputs through it computes its softmax logits and weights in the dtype
-LOGITS_IN_DTYPE = _LogitsInDtype()
-
-
-class _LogitsInFloat32:
-    """``array_api_compat.numpy`` whose ``clip`` of a :class:`LowPrecisionArray` is a plain
-    float32 ndarray, by definition rather than by array_api_compat's implementation.
-
-    attn_ref clips its logits (and Performer its feature exponents) to the dtype's range,
-    and array_api_compat (1.16) builds that clip's result with ``np.empty``: the
-    emulation's rounding stops there, and a reference run on the emulated arrays computes
-    the softmax weights (FAVOR+'s features) from the rounded logits in float32. The
-    "as registered" half-precision baselines are that computation; the oracle's
-    calibration (SDPA, FlexAttention, JAX and the Hugging Face models in float16 and
-    bfloat16), its mutants' catch rates and the form with every step in the dtype
-    (:data:`LOGITS_IN_DTYPE`, for the variants that need it) were measured on it. A
-    release of array_api_compat whose ``clip`` kept the subclass would otherwise change
-    every such baseline unannounced: with one, softmax's float16 tolerances grew by a
-    median 3 % (up to 5.3x on a soft-capped case), bfloat16's by 6 %; Gemma's eager
-    soft-cap-5 rounding passed, a 3 % wrong Sinkhorn ``dk`` in bfloat16 failed 4 of 8
-    cases instead of 5, and Performer's float16 baseline overflowed on 8 standard cases
-    (measured 4 December 2026). :data:`LOGITS_IN_FLOAT32` is the default namespace of
-    every reference the oracle runs (:meth:`conformance.judging.Prepared.reference`, the
-    reference VJPs of :mod:`conformance.grads`).
+    attn_ref clips its softmax logits (and Performer its feature exponents) to the
+    dtype's range. Kept in the emulated type, the logits stay in the dtype, every step
+    rounded, and so do the weights, which a real half-precision kernel does. As a plain
+    array, the emulation's rounding stops there: the softmax weights (FAVOR+'s features)
+    come from the rounded logits in float32, and their cast back to ``q``'s dtype is a
+    no-op on float32 storage. array_api_compat (1.16) builds ``clip``'s result with
+    ``np.empty``, the plain case; a release whose ``clip`` kept the subclass would
+    otherwise have changed every baseline that relies on it.
     """
+
+    def __init__(self, keep):
+        self.keep = keep
 
     def __getattr__(self, name):
         import array_api_compat.numpy as npx
@@ -406,11 +378,28 @@ class _LogitsInFloat32:
         import array_api_compat.numpy as npx
 
         out = npx.clip(x, *args, **kwargs)
-        return _plain(out) if isinstance(x, LowPrecisionArray) else out
+        if not isinstance(x, LowPrecisionArray):
+            return out
+        return _lp_wrap(type(x), out) if self.keep else _plain(out)
 
 
-#: The NumPy namespace the oracle runs references through (:class:`_LogitsInFloat32`).
-LOGITS_IN_FLOAT32 = _LogitsInFloat32()
+#: the NumPy namespace of :class:`_EmulatedClip` that keeps the emulated type: a
+#: reference run on ``LowPrecisionArray`` inputs through it computes its softmax logits
+#: and weights in the dtype
+LOGITS_IN_DTYPE = _EmulatedClip(keep=True)
+
+#: The NumPy namespace the oracle runs references through by default
+#: (:meth:`conformance.judging.Prepared.reference`, the reference VJPs of
+#: :mod:`conformance.grads`): :class:`_EmulatedClip` with a plain float32 ``clip``. The
+#: "as registered" half-precision baselines are that computation; the oracle's
+#: calibration (SDPA, FlexAttention, JAX and the Hugging Face models in float16 and
+#: bfloat16), its mutants' catch rates and the form with every step in the dtype
+#: (:data:`LOGITS_IN_DTYPE`) were measured on it. With a ``clip`` that kept the subclass,
+#: softmax's float16 tolerances grew by a median 3 % (up to 5.3x on a soft-capped case),
+#: bfloat16's by 6 %; Gemma's eager soft-cap-5 rounding passed, a 3 % wrong Sinkhorn
+#: ``dk`` in bfloat16 failed 4 of 8 cases instead of 5, and Performer's float16 baseline
+#: overflowed on 8 standard cases (measured 4 December 2026).
+LOGITS_IN_FLOAT32 = _EmulatedClip(keep=False)
 
 
 class GemmInDtypeArray(np.ndarray):
