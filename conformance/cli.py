@@ -27,6 +27,7 @@ report).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import os
@@ -67,15 +68,15 @@ def reference_kernel(variant, backend):
     """``variant.fn`` as a kernel on ``backend`` (jit-compiled on JAX), same signature.
 
     On JAX each distinct shape, dtype and static option is one XLA compilation; they
-    are compiled without LLVM's expensive passes (:data:`JAX_COMPILER_OPTIONS`)
-    and kept in the persistent cache of :func:`jax_cache_dir`.
+    are compiled without LLVM's expensive passes (:data:`JAX_COMPILER_OPTIONS`).
+    Nothing else of the process changes: the built-in job keeps its compilations in
+    the persistent cache of :func:`jax_cache_dir` while it runs them
+    (:func:`jax_compilation_cache`).
     """
     fn = variant.fn
     if backend.name != "jax":
         return fn
     import jax
-
-    _jax_compilation_cache(jax)
 
     cache = {}
     options = {**JAX_COMPILER_OPTIONS, **(JAX_RECURRENT_OPTIONS if variant.family == "recurrent"
@@ -91,8 +92,12 @@ def reference_kernel(variant, backend):
             return fn(q, k, v, **kw)
         static = tuple(sorted((n, x) for n, x in kw.items() if n not in arrays))
         if static not in cache:
-            cache[static] = jax.jit(lambda q, k, v, arrays: fn(q, k, v, **arrays, **dict(static)),
-                                    compiler_options=options)
+            def call(q, k, v, arrays, static=static):
+                return fn(q, k, v, **arrays, **dict(static))
+
+            # XLA's module (and the cache entry) named after the reference, not "lambda"
+            call.__name__ = call.__qualname__ = getattr(fn, "__name__", "kernel")
+            cache[static] = jax.jit(call, compiler_options=options)
         return cache[static](q, k, v, arrays)
 
     kernel.__signature__ = inspect.signature(fn)
@@ -144,16 +149,50 @@ def jax_cache_dir() -> str:
     return os.path.join(base, "attn-ref", "jax")
 
 
-def _jax_compilation_cache(jax):
-    """Keep compiled references between runs (the built-in job compiles ~250 shapes)."""
+@contextlib.contextmanager
+def jax_compilation_cache():
+    """JAX's persistent compilation cache at :func:`jax_cache_dir`, every compilation
+    kept, for the duration; JAX's settings as they were afterwards.
+
+    The built-in job compiles ~50 references' shapes; kept between runs they cost a
+    second run only their tracing and lowering. The cache is JAX's process-wide
+    setting, so it is turned on only around the job's own compilations: a caller of
+    :func:`reference_kernel` (the test suite, a user's process) keeps its own setting.
+    Turned on for a whole process, with the threshold at 0 s, it had also written every
+    eager operation's compilation there (the test suite: 2,125 files, 22 MB, in the
+    user's home). An empty ``ATTN_REF_JAX_CACHE`` turns it off.
+    """
     path = jax_cache_dir()
     if not path:
+        yield
         return
+    import jax
+
     try:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    except Exception:  # an older jax without these options simply compiles again
+        from jax.experimental.compilation_cache import compilation_cache
+        saved = {name: getattr(jax.config, name) for name in _JAX_CACHE_SETTINGS}
+    except (ImportError, AttributeError):  # a jax without them simply compiles again
+        yield
         return
+    # JAX opens the cache's folder once, at the first compilation that finds one set, and
+    # keeps it: reset_cache() on the way in and out, so that the folder is this job's.
+    _set_jax_cache(jax, compilation_cache, {_JAX_CACHE_SETTINGS[0]: path,
+                                            _JAX_CACHE_SETTINGS[1]: 0.0})
+    try:
+        yield
+    finally:
+        _set_jax_cache(jax, compilation_cache, saved)
+
+
+#: JAX's settings of the persistent cache that :func:`jax_compilation_cache` sets:
+#: its folder and the least compile time of an entry kept.
+_JAX_CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+
+
+def _set_jax_cache(jax, compilation_cache, values):
+    for name, value in values.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
 
 
 def _causal_convention(fn) -> str:
@@ -568,11 +607,12 @@ def _verify_task(name, backend_name, dtypes, settings) -> list:
     todo = settings["cases"]
     if todo is None and backend_name == "jax" and settings.get("jit_subset") and dtypes:
         todo = jit_cases(name, dtypes[0])
-    return [verify(kernel, name, backend=backend_name, dtypes=(dt,), suite=settings["suite"],
-                   seed=settings["seed"], supports={"broadcast": True}, progress=False,
-                   time_limit=settings["time_limit"], options=settings["options"],
-                   cases=todo, **sem)
-            for dt in dtypes]
+    with jax_compilation_cache() if backend_name == "jax" else contextlib.nullcontext():
+        return [verify(kernel, name, backend=backend_name, dtypes=(dt,), suite=settings["suite"],
+                       seed=settings["seed"], supports={"broadcast": True}, progress=False,
+                       time_limit=settings["time_limit"], options=settings["options"],
+                       cases=todo, **sem)
+                for dt in dtypes]
 
 
 #: The quick-suite cases the built-in job runs on JAX, by tag, in order of preference.

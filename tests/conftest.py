@@ -39,6 +39,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
+# The built-in job's persistent JAX cache (conformance.cli.jax_compilation_cache) stays
+# off in a test run unless the user points it somewhere: the tests that run the job write
+# nothing to the home directory, and a first run (CI's) would only pay for the writes.
+os.environ.setdefault("ATTN_REF_JAX_CACHE", "")
+
 import pytest  # noqa: E402
 
 from conformance import backends as B

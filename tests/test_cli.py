@@ -187,3 +187,25 @@ def test_units_run_in_workers_give_the_reports_of_one_process():
         here = cli._verify_tasks(unit, settings)
         assert verdicts(got[tuple(unit)]) == verdicts(here)
         assert all(len(reps) == 1 and reps[0].passed for reps in here.values())
+
+
+def test_the_jobs_jax_compilations_are_cached_only_while_it_runs(tmp_path, monkeypatch):
+    # The built-in job keeps its references' compilations in ATTN_REF_JAX_CACHE; JAX's
+    # cache is a setting of the whole process, so it is on only around the job's JAX
+    # tasks: a compilation after them (this test worker's, a user's) is not written there.
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    jax.jit(lambda x: x - 1.0)(jnp.ones(5))  # JAX has compiled in this process already
+    monkeypatch.setenv("ATTN_REF_JAX_CACHE", str(tmp_path))
+    before = {name: getattr(jax.config, name) for name in cli._JAX_CACHE_SETTINGS}
+    settings = dict(suite="quick", seed=0, time_limit=60.0, options={}, semantics={},
+                    cases=cli.jit_cases("softmax")[:1], jit_subset=False,
+                    dtypes={"jax": ["float32"]})
+    (report,), = cli._verify_tasks([("softmax", "jax")], settings).values()
+    assert report.passed and len(report.results) == 1
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert any("softmax" in name for name in kept), kept
+    assert {name: getattr(jax.config, name) for name in cli._JAX_CACHE_SETTINGS} == before
+    jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7))
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
