@@ -330,6 +330,22 @@ def _distinct_value_taps(raw, seed):
 PARAM_CHANGES = {"compressed": _distinct_value_taps}
 
 
+def unit_rows(x):
+    """``x`` with each row scaled to unit l2 norm (zero rows stay zero), float64: the
+    ``q`` and ``k`` of the delta rule's cases under ``qk_l2norm=False``.
+
+    The option says the kernel takes ``q`` and ``k`` normalised already (a model calls
+    fla's ``l2norm`` before the kernel; fla's tests pass ``F.normalize(x, dim=-1)``).
+    The cases' N(0, 1) rows have norm about ``sqrt(d)``: ``I - beta k^T k`` then
+    expands, and the state grows geometrically (an independent audit's correct kernels,
+    and the reference's own token loop, overflowed float32 on the long and slow-decay
+    cases: the golden had 18,928 non-finite values).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
+    return x / np.maximum(norm, np.finfo(np.float64).tiny)
+
+
 def causal_by_default(v) -> bool:
     """Whether ``v``'s reference is causal when no ``causal=`` is given (``strided``,
     ``fixed``): then a case that is not causal passes ``causal=False`` to the reference
@@ -557,6 +573,8 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
     params, options = _split_params(params, v.options)
+    if options.get("qk_l2norm") is False:
+        arrays = {**arrays, **{n: round_to(unit_rows(arrays[n]), dtype) for n in ("q", "k")}}
     allowed = allowed_matrix(case, arrays, kwargs)
     dead = None
     if allowed is not None:

@@ -70,6 +70,58 @@ def test_a_correct_fla_style_kernel_passes_both_rows(name):
     assert outs and outs == states, rep.table()
 
 
+@pytest.mark.parametrize("name", ["gla", "gated_deltanet"])
+def test_the_output_without_the_final_state_is_checked_too(name):
+    """Every passing case runs again with ``output_final_state=False``: an output wrong
+    (x 1.01) or a raise only on that path fails every case, named so (both passed every
+    row when the oracle asked for the state alone); the same output both ways passes."""
+    ref = variant_kernel(name)
+
+    def off_by(factor, raises=False):
+        def kernel(q, k, v, **kw):
+            if raises and not kw.get("output_final_state"):
+                raise RuntimeError("no kernel for this path")
+            ret = ref(q, k, v, **kw)
+            return ret if kw.get("output_final_state") else ret * factor
+
+        kernel.__signature__ = inspect.signature(ref)
+        return kernel
+
+    few = [c for c in RECURRENT if c.nq == 33 or c.param("cu_seqlens") == (0, 15, 16, 81, 100)]
+    for kernel, verdict, words in ((off_by(1.01), "fail", "1 % too large"),
+                                   (off_by(1.0, raises=True), "error", "no kernel for this path")):
+        rep = _run(kernel, name, ("float32",), few)
+        rows = [r for r in rep.results if r.verdict != "n/a"]
+        outs = [r for r in rows if r.output == "out"]
+        assert outs and all(r.verdict == verdict for r in outs), rep.table()
+        assert all(r.diagnosis.startswith("called with output_final_state=False") and words in
+                   r.diagnosis for r in outs), [r.diagnosis for r in outs]
+        assert all(r.verdict == "pass" for r in rows if r.output == "final_state"), rep.table()
+    assert _run(off_by(1.0), name, ("float32",), few).passed
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_without_qk_l2norm_the_kernel_gets_unit_q_and_k(name):
+    """Under ``qk_l2norm=False`` a kernel takes ``q`` and ``k`` normalised (fla's tests
+    pass ``F.normalize(x)``): the cases' rows are unit, and the reference's own token loop
+    in float32 passes every case (on the N(0, 1) rows of norm ~sqrt(d) the state grew
+    geometrically: the loop overflowed and the golden itself was not finite)."""
+    seen = []
+
+    def kernel(q, k, v, **kw):
+        seen.append(np.linalg.norm(np.concatenate([q.reshape(-1, q.shape[-1]),
+                                                   k.reshape(-1, k.shape[-1])]), axis=-1))
+        return get(name).fn(q, k, v, **{**kw, "form": "recurrent"})
+
+    kernel.__signature__ = inspect.signature(get(name).fn)
+    rep = _run(kernel, name, ("float32",), [c for c in RECURRENT if c.nq >= 100],
+               options={"qk_l2norm": False})
+    judged = [r for r in rep.results if r.verdict != "n/a"]
+    assert judged and rep.passed, rep.table()
+    norms = np.concatenate(seen)
+    assert np.all((np.abs(norms - 1) < 1e-6) | (norms == 0)), norms
+
+
 def test_final_state_shape_follows_batch_or_packed_sequences():
     ex = EXTRAS["final_state"]
     by_tag = {c.tag + str(c.param("cu_seqlens")): c for c in RECURRENT}
@@ -151,8 +203,9 @@ def test_extra_inputs_reach_the_kernel_by_name():
     packed = [c for c in RECURRENT if c.param("cu_seqlens") == (0, 15, 16, 81, 100)]
     rep = _run(kernel, "gated_deltanet", ("float32",), packed)
     assert rep.passed, rep.table()
+    # and once more without the final state (its output judged too)
     assert seen == [dict(g=(1, 2, 100), beta=(1, 2, 100), cu=(0, 15, 16, 81, 100), qk=True,
-                         s0=(4, 2, 32, 32), final=True)]
+                         s0=(4, 2, 32, 32), final=final) for final in (True, False)]
 
 
 def test_a_kernel_without_the_extra_inputs_gets_those_cases_as_not_applicable():
