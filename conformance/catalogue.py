@@ -80,8 +80,11 @@ ERASING_GATES = (-12.0, -7.0)
 #: chunk of 64 sums to about -1e3, past ``ln`` of float64's smallest number (-744), so a
 #: decay formed as ``exp(G_i) / exp(G_j)`` from running sums is ``0 / 0`` there
 LONG_CHUNK_GATES = (-20.0, -11.0)
+#: rising: the per-key rise of the logits, spread geometrically over the query rows from
+#: the first to the second (logit units per key)
+_RISING_RATES = (1e-9, 1e-4)
 DISTRIBUTIONS = ("normal", "large_logits", "near_ties", "one_hot", "constant_keys", "offset_values",
-                 "small_qk")
+                 "small_qk", "rising")
 MASKS = (None, "padding", "random", "fully_masked_rows")
 ALIGNMENTS = (None, "top-left", "bottom-right")
 
@@ -103,7 +106,10 @@ class Case:
         ``"offset_values"`` (near-uniform rows over values with a common offset: where a
         low-precision accumulator of ``P V`` or of the row sum shows), ``"small_qk"``
         (``q`` and ``k`` of norm ~1e-3 sqrt(d), one key and one query exactly zero: where
-        the eps of an l2 normalisation shows, and ``x / |x|`` without one is NaN).
+        the eps of an l2 normalisation shows, and ``x / |x|`` without one is NaN),
+        ``"rising"`` (each row's logits rise along the keys by a fixed step, from
+        ``1e-9`` to ``1e-4`` per key over the rows, and the values by a ramp: where a
+        tiled kernel's running maximum creeps up block after block).
     mask : None, "padding", "random" or "fully_masked_rows"
     causal : None, "top-left" or "bottom-right"
     bias : bool
@@ -259,6 +265,22 @@ class Case:
             q, k = q * _SMALL_QK, k * _SMALL_QK
             k[..., 0, :] = 0.0
             q[..., min(1, self.nq - 1), :] = 0.0
+        elif self.dist == "rising":
+            # Logits scale (q_i . base) + rate_i j: every row's maximum rises a little at
+            # each key block, by less than any threshold on some rows (the rates spread
+            # geometrically over the rows). An online softmax that skips the rescale of
+            # its running sums when the maximum moved by less than a threshold (a "fast
+            # path", still taking the new maximum) then weighs the early blocks wrongly,
+            # which the values' ramp along the keys turns into an error of the output;
+            # on random logits the maximum settles within a few blocks and such a kernel
+            # passed every case. Key dimension 0 carries the position.
+            base = rng.standard_normal((kb, kh, 1, d))
+            k = np.repeat(base, self.nk, axis=-2)
+            k[..., 0] += np.arange(self.nk) / self.nk
+            lo, hi = _RISING_RATES
+            rates = np.geomspace(lo, hi, self.nq) if self.nq > 1 else np.array([hi])
+            q[..., 0] = rates * self.nk * math.sqrt(d)  # the default scale 1/sqrt(d)
+            v = v + np.linspace(-1.0, 1.0, self.nk)[:, None]
         arrays = {"q": q, "k": k, "v": v}
         kwargs: dict[str, Any] = {}
         if self.mask is not None:
@@ -529,6 +551,17 @@ def _modern_standard():
         C("combo", (2, 4), 65, 65, 64, 64, causal="bottom-right",
           params=(("kv_heads", 2), ("softcap", 30.0), ("window", (16, -1))),
           features=("gqa", "softcap", "window")),
+        # GQA with what belongs to the query head: the bias, ALiBi's slope and the dropout
+        # keep-mask are per query head. With no case combining them, kernels reading each
+        # at the KV head's index passed every case (an independent audit: 0 of 716 rows
+        # failed in float32, float16 and bfloat16)
+        C("gqa-bias", (2, 8), 33, 33, 32, 32, bias=True, params=(("kv_heads", 2),), features=gqa),
+        C("gqa-alibi", (2, 8), 33, 33, 32, 32, params=(("kv_heads", 2),), features=("gqa", "alibi")),
+        C("gqa-dropout", (2, 8), 33, 33, 32, 32, params=(("kv_heads", 2), ("dropout_p", 0.2)),
+          features=("gqa", "dropout_mask", "dropout_p")),
+        # a running maximum that creeps up over 16 to 256 key blocks (dist "rising"): the
+        # online softmax's rescale must not be skipped for small moves
+        C("rising", (1, 2), 64, 4096, 32, 32, dist="rising", family="softmax"),
     ]
     # batch 3 x 5 heads for each of these features alone, as _ranges gives the others:
     # without them ALiBi had at most 4 heads and batch 2, and a kernel reading the slope
@@ -791,7 +824,7 @@ def takes_gates(variant) -> bool:
 
 # the search draws the distributions every variant's cases use (small_qk is the recurrent
 # family's; leaving it out also keeps the search's draws what they were)
-_SEARCHED = tuple(d for d in DISTRIBUTIONS if d != "small_qk")
+_SEARCHED = tuple(d for d in DISTRIBUTIONS if d not in ("small_qk", "rising"))
 
 
 def case_strategy(max_n: int = 300, head_dims=(1, 2, 3, 8, 16, 64, 80, 96, 128)):

@@ -321,3 +321,82 @@ def test_favor_features_without_the_stabiliser_are_named():
         (row,) = rep.results
         assert row.verdict == "fail", rep.table()
         assert row.diagnosis.startswith("FAVOR+ features without the stabiliser"), row.diagnosis
+
+
+# ------------------------------------------- grouped-query heads with per-head inputs
+
+
+@pytest.mark.parametrize("name", ["bias", "alibi_slopes", "dropout_mask"])
+def test_per_query_head_inputs_read_at_the_kv_head_fail_under_gqa(name):
+    """The bias, ALiBi's slope and the dropout keep-mask belong to the query head; a kernel
+    reading them at its kv head's index (``h // group``) passed every case before the
+    cases combined them with GQA. The reference itself passes the same cases."""
+
+    def kernel(q, k, v, *, gqa=False, bias=None, alibi_slopes=None, dropout_mask=None,
+               dropout_p=0.0, mistake=True):
+        given = {"bias": bias, "alibi_slopes": alibi_slopes, "dropout_mask": dropout_mask}
+        x = given[name]
+        if mistake and x is not None and gqa:
+            heads = q.shape[1]
+            at_kv = np.arange(heads) // (heads // k.shape[1])
+            given[name] = x[at_kv] if name == "alibi_slopes" else x[:, at_kv]
+        return softmax_attention(q, k, v, gqa=gqa, dropout_p=dropout_p,
+                                 **{n: x for n, x in given.items() if x is not None})
+
+    def right(q, k, v, *, gqa=False, bias=None, alibi_slopes=None, dropout_mask=None,
+              dropout_p=0.0):
+        return kernel(q, k, v, gqa=gqa, bias=bias, alibi_slopes=alibi_slopes,
+                      dropout_mask=dropout_mask, dropout_p=dropout_p, mistake=False)
+
+    few = _case("softmax", lambda c: c.tag.startswith("gqa-"))
+    bad = verify(kernel, "softmax", backend="numpy", dtypes=("float32",), cases=few,
+                 progress=False)
+    failed = [r.case.split(":")[0] for r in bad.results if r.verdict == "fail"]
+    assert failed == [{"bias": "gqa-bias", "alibi_slopes": "gqa-alibi",
+                       "dropout_mask": "gqa-dropout"}[name]], bad.table()
+    assert verify(right, "softmax", backend="numpy", dtypes=("float32",), cases=few,
+                  progress=False).passed
+
+
+def _tiled_softmax(skip_below, block):
+    """A FlashAttention-style loop over key blocks of ``block``, float32, that skips the
+    rescale of its running sums when the running maximum rose by less than
+    ``skip_below`` (and still takes the new maximum): a "fast path"."""
+
+    def kernel(q, k, v, *, scale=None):
+        scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+        q, k, v = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
+        m = np.full(q.shape[:-1] + (1,), -np.inf, dtype=np.float32)
+        row_sum = np.zeros_like(m)
+        acc = np.zeros(q.shape[:-1] + (v.shape[-1],), dtype=np.float32)
+        for j0 in range(0, k.shape[-2], block):
+            s = np.float32(scale) * (q @ np.swapaxes(k[..., j0:j0 + block, :], -1, -2))
+            new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            alpha = np.where(new - m < skip_below, np.float32(1), np.exp(m - new))
+            p = np.exp(s - new)
+            acc = acc * alpha + p @ v[..., j0:j0 + block, :]
+            row_sum = row_sum * alpha + p.sum(axis=-1, keepdims=True)
+            m = new
+        return acc / row_sum
+
+    return kernel
+
+
+@pytest.mark.parametrize("block", [16, 64, 256])
+def test_a_skipped_rescale_for_small_moves_of_the_maximum_fails_the_rising_case(block):
+    """An online softmax that skips the rescale when its running maximum moved by less
+    than 1e-5 passed every case (random logits settle their maximum within a few blocks);
+    the rising case (each row's logits creep up along 4096 keys) fails it at key blocks
+    of 16 to 256. Without the fast path the same loop passes."""
+    rising = _case("softmax", lambda c: c.dist == "rising")
+    bad = verify(_tiled_softmax(1e-5, block), "softmax", backend="numpy", dtypes=("float32",),
+                 cases=rising, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"], bad.table()
+    good = verify(_tiled_softmax(0.0, block), "softmax", backend="numpy", dtypes=("float32",),
+                  cases=rising, progress=False)
+    assert good.passed, good.table()
+    # without the rising case, the fast path passed the whole standard suite's exact cases
+    others = _case("softmax", lambda c: c.dist != "rising" and c.needs <= {"scale"}
+                   and c.nq * c.nk <= 1 << 20)
+    assert verify(_tiled_softmax(1e-5, block), "softmax", backend="numpy", dtypes=("float32",),
+                  cases=others, progress=False).passed
