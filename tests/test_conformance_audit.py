@@ -400,3 +400,49 @@ def test_a_skipped_rescale_for_small_moves_of_the_maximum_fails_the_rising_case(
                    and c.nq * c.nk <= 1 << 20)
     assert verify(_tiled_softmax(1e-5, block), "softmax", backend="numpy", dtypes=("float32",),
                   cases=others, progress=False).passed
+
+
+# ------------------------------------------- causal FAVOR+ stabilised with future keys
+
+
+def _causal_favor(global_key_max):
+    """Causal FAVOR+ in float32 (positive features of the projection the oracle passes,
+    quadratic form): each key's features stabilised by its own largest exponent and
+    re-weighted by ``exp(c_j - max_{j' <= i} c_j')`` per query (exact), or by one maximum
+    over every key, the future's included (performer-pytorch's causal path): the same in
+    exact arithmetic, unless the earlier keys' features underflow."""
+
+    def kernel(q, k, v, *, projection, causal=False, scale=None):
+        q, k, v, w = (np.asarray(x, dtype=np.float32) for x in (q, k, v, projection))
+        d, m = q.shape[-1], w.shape[0]
+        r = np.float32(np.sqrt(1.0 / np.sqrt(d) if scale is None else scale))
+        eq, ek = ((x * r) @ w.T - np.sum((x * r) ** 2, axis=-1, keepdims=True) / 2
+                  for x in (q, k))
+        fq = np.exp(eq - eq.max(axis=-1, keepdims=True)) / float(np.sqrt(m))
+        c = ek.max(axis=(-1, -2) if global_key_max else -1, keepdims=True)
+        fk = np.exp(ek - c) / float(np.sqrt(m))
+        c = np.broadcast_to(c, ek.shape[:-1] + (1,))[..., 0]  # (B, H, Nk)
+        seen = np.tril(np.ones((q.shape[-2], k.shape[-2]), dtype=bool))
+        cm = np.where(seen, c[..., None, :], -np.inf)
+        a = (fq @ np.swapaxes(fk, -1, -2)) * np.where(seen, np.exp(cm - cm.max(-1, keepdims=True)), 0)
+        return (a @ v) / a.sum(axis=-1, keepdims=True)
+
+    return kernel
+
+
+def test_causal_favor_stabilised_by_a_maximum_over_future_keys_fails():
+    """Stabilising every key by the largest exponent of all keys cancels in exact
+    arithmetic, but where the later keys' exponents are ~100 above the earlier ones'
+    (the fading-keys case) the features each earlier query sees underflow in float32.
+    Such a kernel passed every case before that case; the per-key form passes it."""
+    fading = _case("performer", lambda c: c.dist == "fading_keys")
+    bad = verify(_causal_favor(True), "performer", backend="numpy", dtypes=("float32",),
+                 cases=fading, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"], bad.table()
+    good = verify(_causal_favor(False), "performer", backend="numpy", dtypes=("float32",),
+                  cases=fading, progress=False)
+    assert good.passed, good.table()
+    causal = _case("performer", lambda c: c.dist != "fading_keys" and c.causal == "top-left"
+                   and c.needs <= {"causal"})
+    assert verify(_causal_favor(True), "performer", backend="numpy", dtypes=("float32",),
+                  cases=causal, progress=False).passed
