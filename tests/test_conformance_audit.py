@@ -446,3 +446,21 @@ def test_causal_favor_stabilised_by_a_maximum_over_future_keys_fails():
                    and c.needs <= {"causal"})
     assert verify(_causal_favor(True), "performer", backend="numpy", dtypes=("float32",),
                   cases=causal, progress=False).passed
+
+
+def test_the_rising_case_is_judged_for_the_forward_only():
+    """Its gradient rows are n/a, saying why (the fused bounds' saved output), and the
+    forward row is judged."""
+    torch = pytest.importorskip("torch")
+    from conformance.grads import FORWARD_ONLY
+
+    rising = _case("softmax", lambda c: c.dist == "rising")
+
+    def kernel(q, k, v, *, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    rep = verify(kernel, "softmax", backend="torch", dtypes=("float32",), cases=rising,
+                 grads=True, progress=False)
+    rows = {r.output: r for r in rep.results}
+    assert rows["out"].verdict == "pass" and set(rows) == {"out", "grads"}, rep.table()
+    assert rows["grads"].verdict == "n/a" and rows["grads"].diagnosis == FORWARD_ONLY
