@@ -40,8 +40,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(_var, "1")
 
 # The built-in job's persistent JAX cache (conformance.cli.jax_compilation_cache) stays
-# off in a test run unless the user points it somewhere: the tests that run the job write
-# nothing to the home directory, and a first run (CI's) would only pay for the writes.
+# off in a test run unless the user points it somewhere: the tests that run the job add
+# nothing to the user's cache, and a first run (CI's) would only pay for the writes.
 os.environ.setdefault("ATTN_REF_JAX_CACHE", "")
 
 import pytest  # noqa: E402
