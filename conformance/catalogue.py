@@ -575,6 +575,12 @@ def _modern_standard():
         # a running maximum that creeps up over 16 to 256 key blocks (dist "rising"): the
         # online softmax's rescale must not be skipped for small moves
         C("rising", (1, 2), 64, 4096, 32, 32, dist="rising", family="softmax", forward_only=True),
+        # gradients only: 16384 queries on 64 keys, so that dK and dV sum over 64 to 256
+        # query blocks; a backward declared fp32-accumulating that accumulates them in the
+        # dtype across the blocks passed every case (its error grows with the blocks: 0.9
+        # of the fused bound at the suite's 1000 queries), and fails this one (2.6 with
+        # blocks of 64, 1.9 with 128; a correct FA-2-style backward 0.33)
+        C("long-queries", (1, 2), 16384, 64, 32, 32, family="softmax", grads_only=True),
         # causal FAVOR+ whose later keys' feature exponents are ~100 above the earlier
         # ones' (dist "fading_keys"): a key stabiliser taken over every key, the future's
         # included (performer-pytorch's, exact in exact arithmetic), underflows the

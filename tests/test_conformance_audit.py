@@ -464,3 +464,68 @@ def test_the_rising_case_is_judged_for_the_forward_only():
     rows = {r.output: r for r in rep.results}
     assert rows["out"].verdict == "pass" and set(rows) == {"out", "grads"}, rep.table()
     assert rows["grads"].verdict == "n/a" and rows["grads"].diagnosis == FORWARD_ONLY
+
+
+# ------------------------------------------- dK, dV accumulated in the dtype across query blocks
+
+
+def _blockwise_backward_function(accumulate_in_dtype, block=64):
+    """Softmax attention as a torch Function whose backward goes over query blocks of
+    ``block`` rows, each block's ``P``, ``dP``, ``D`` and ``dS`` in float32, adding its
+    part of ``dK`` and ``dV`` to running sums kept in float32 (as FlashAttention's
+    backward keeps them) or, with ``accumulate_in_dtype``, stored in the input dtype after
+    every block."""
+    import torch
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            s = (q.float() @ k.float().transpose(-1, -2)) * scale
+            p = torch.softmax(s, dim=-1)
+            out = (p @ v.float()).to(q.dtype)
+            ctx.save_for_backward(q, k, v, out)
+            ctx.scale = scale
+            return out
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, out = ctx.saved_tensors
+            scale, acc = ctx.scale, torch.float32
+            dq = torch.empty_like(q, dtype=acc)
+            dk = torch.zeros_like(k, dtype=q.dtype if accumulate_in_dtype else acc)
+            dv = torch.zeros_like(dk)
+            kf, vf = k.float(), v.float()
+            for i0 in range(0, q.shape[-2], block):
+                qi, doi = q[..., i0:i0 + block, :].float(), do[..., i0:i0 + block, :].float()
+                p = torch.softmax((qi @ kf.transpose(-1, -2)) * scale, dim=-1)
+                dp = doi @ vf.transpose(-1, -2)
+                d = (doi * out[..., i0:i0 + block, :].float()).sum(-1, keepdim=True)
+                ds = p * (dp - d)
+                dq[..., i0:i0 + block, :] = (ds @ kf) * scale
+                dk = (dk.float() + (ds.transpose(-1, -2) @ qi) * scale).to(dk.dtype)
+                dv = (dv.float() + p.transpose(-1, -2) @ doi).to(dv.dtype)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+    def kernel(q, k, v, *, scale=None):
+        return Attention.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+
+    return kernel
+
+
+def test_dk_dv_summed_in_the_dtype_over_query_blocks_fail_the_fused_bounds():
+    """Declared fp32-accumulating, a backward that stores its running dK and dV in
+    bfloat16 after each block of 64 queries fails the long-queries case (16384 queries:
+    256 blocks); with float32 running sums the same loop passes it."""
+    pytest.importorskip("torch")
+    long_queries = [c for c in cases("softmax", "standard", grads=True) if c.tag == "long-queries"]
+    assert long_queries
+    sup = {"backward": "fp32-accumulate"}
+
+    def rows(accumulate_in_dtype):
+        rep = verify(_blockwise_backward_function(accumulate_in_dtype), "softmax",
+                     backend="torch", dtypes=("bfloat16",), cases=long_queries, grads=True,
+                     supports=sup, progress=False)
+        return {r.output: r.verdict for r in rep.results}
+
+    assert rows(False) == {"out": "pass", "dq": "pass", "dk": "pass", "dv": "pass"}
+    assert rows(True) == {"out": "pass", "dq": "pass", "dk": "fail", "dv": "fail"}
