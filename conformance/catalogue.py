@@ -848,8 +848,10 @@ def takes_gates(variant) -> bool:
     return "g" in inspect.signature(variant.fn).parameters
 
 
-# the search draws the distributions every variant's cases use (small_qk is the recurrent
-# family's; leaving it out also keeps the search's draws what they were)
+# the search draws the distributions every variant's cases use; those of one family's
+# cases are left out (small_qk: the recurrent family's; rising: the softmax family's,
+# 4096 keys to creep over; fading_keys: causal Performer's), which also keeps the search's
+# draws what they were
 _SEARCHED = tuple(d for d in DISTRIBUTIONS if d not in ("small_qk", "rising", "fading_keys"))
 
 

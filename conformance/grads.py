@@ -1335,7 +1335,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
     ``returned``: the extra outputs the kernel's forward returned (``"lse"``...).
     """
     base = {"case": prep.case.id, "dtype": dtype}
-    if getattr(prep.case, "forward_only", False):
+    if prep.case.forward_only:
         return [CaseResult.na(reason=FORWARD_ONLY, output="grads", **base)]
     state = expected_outputs(ctx).get("final_state") if prep.variant.name in RECURRENT else None
     state = state if isinstance(state, str) else bool(state)

@@ -332,13 +332,13 @@ def attend_plan(plan, q, k, v):
     """
     if plan.nq == 0 or plan.nk == 0:
         return _empty(plan.xp, q, v, plan.batch)
-    xp = plan.xp
-    work = logit_dtype(xp, q.dtype)
-    if work != q.dtype:
-        _, l, acc = plan_partial(plan, *(xp.astype(x, work) for x in (q, k, v)))
-        return xp.astype(finish_partial(xp, l, acc), q.dtype)
+    xp, dtype = plan.xp, q.dtype
+    work = logit_dtype(xp, dtype)
+    if work != dtype:
+        q, k, v = (xp.astype(x, work) for x in (q, k, v))
     _, l, acc = plan_partial(plan, q, k, v)
-    return finish_partial(xp, l, acc)
+    out = finish_partial(xp, l, acc)
+    return out if work == dtype else xp.astype(out, dtype)
 
 
 def block_sparse_plan(q, k, v, *, layout, block_size, causal=False, scale=None, xp=None):
