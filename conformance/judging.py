@@ -782,6 +782,44 @@ def _online(q, k, v, /, **kw):
     return online_softmax_attention(q, k, v, block_q=64, block_k=32, **kw)
 
 
+def _sequential_softmax(q, k, v, /, *, gqa=False, xp=None, **kw):
+    """Softmax attention with ``P V`` summed key by key: the weights ``P`` as the
+    reference makes them (``attention_weights``, every option), then ``o += P[:, j] v_j``
+    for ``j = 0, 1, ...`` in the array dtype.
+
+    The same function. A plain kernel that gives each query row one thread sums its
+    keys in sequence, whose rounding grows like ``sqrt(Nk)`` ulps of the terms, where a
+    BLAS product and the online form's blocks sum pairwise or in short runs: an
+    independent audit's C kernel in float32 (running sums of ``p_j`` and ``p_j v_j``
+    key by key, normalised per weight or once at the end) read 0.96-1.12 on the RMS
+    bound of ``long:b1h1-q64k4096-d32`` and its causal twin (9 of 12 runs failed,
+    seeds 0-2) while the same kernel in blocks of 64 keys passed at about 0.23; with
+    this form, 0.40-0.43.
+    """
+    from attn_ref import attention_weights
+
+    p = attention_weights(q, k, gqa=gqa, xp=xp, **{n: x for n, x in kw.items() if n not in BLOCK_SIZES})
+    if gqa and v.shape[-3] != p.shape[-3]:
+        # query head h reads key/value head h // (Hq / Hkv), as the reference maps them
+        v = xp.repeat(v, p.shape[-3] // v.shape[-3], axis=-3)
+    o = xp.zeros(tuple(p.shape[:-1]) + (v.shape[-1],), dtype=p.dtype)
+    for j in range(p.shape[-1]):
+        o = o + p[..., j:j + 1] * v[..., j:j + 1, :]
+    return o
+
+
+#: the largest ``Nq Nk dv`` the key-by-key softmax form runs on (``Nk`` array operations
+#: over ``Nq dv`` elements each; 64 M multiply-adds take about 0.2 s on NumPy)
+SEQUENTIAL_MAX_WORK = 1 << 26
+
+
+def _sequential_applies(prep):
+    """float32/float64 cases small enough for :func:`_sequential_softmax`'s loop."""
+    c = prep.case
+    return (prep.dtype in ("float32", "float64")
+            and c.nq * c.nk * c.dv * math.prod(c.batch) <= SEQUENTIAL_MAX_WORK)
+
+
 def _recurrent_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=None,
                       normalize=True, eps=None, xp=None, **_orders):
     """Causal linear attention token by token from the empty state (``S += phi(k) v^T``):
@@ -1129,10 +1167,13 @@ def register_forms(variant: str, *forms: Form) -> None:
     FORMS[variant] = tuple(forms)
 
 
-register_forms("softmax", AS_REGISTERED, FOLD, ONLINE)
+# a plain kernel may sum its keys one by one (one thread per query row)
+KEY_BY_KEY = Form("P V summed key by key", fn=_sequential_softmax, blockwise=True,
+                  applies=_sequential_applies)
+register_forms("softmax", AS_REGISTERED, FOLD, ONLINE, KEY_BY_KEY)
 register_forms("online_softmax", Form("one block", (("block_q", _ONE), ("block_k", _ONE))),
                Form("as registered", blockwise=True),
-               FOLD, ONLINE)
+               FOLD, ONLINE, KEY_BY_KEY)
 # linear attention: the feature map comes before the scale, so no fold; the two
 # summation orders (Katharopoulos et al.) and other chunkings are the same function
 register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
