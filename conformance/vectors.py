@@ -173,7 +173,9 @@ def _store(x: np.ndarray, dtype: str) -> np.ndarray:
     if x.dtype == np.bool_:
         return np.ascontiguousarray(x)
     if dtype == "bfloat16":
-        return (bf16_round(x).view(np.uint32) >> 16).astype(np.uint16)
+        # astype keeps the memory order of a swapped-axes view: with d = 1 under bnhd
+        # that is Fortran order, which a C reader ignoring fortran_order reads permuted
+        return np.ascontiguousarray((bf16_round(x).view(np.uint32) >> 16).astype(np.uint16))
     return np.ascontiguousarray(x, dtype=np.dtype(dtype))
 
 

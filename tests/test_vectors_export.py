@@ -1,0 +1,51 @@
+"""What :func:`conformance.vectors.export_vectors` writes, read as a C reader reads it.
+
+A reader in C or C++ (cnpy, a hand-written one) takes each ``.npy`` header's shape and
+assumes C order: every stored array must be C-contiguous (``fortran_order`` False), or
+it silently reads permuted inputs. And nothing is left out silently: a case the export
+does not write is listed in the manifest's ``skipped`` with its reason.
+"""
+
+import zipfile
+
+import pytest
+from numpy.lib import format as npy_format
+
+from conformance.catalogue import cases
+from conformance.vectors import export_vectors
+
+D1 = "headdim:b1h2-q33k33-d1"
+# a head dim of 1 (the case whose bfloat16 q, k, v were stored in Fortran order under
+# bnhd), a padding mask, grouped-query heads with a random mask, and one batch entry of
+# one head (the only kind layout nd exports)
+FEW_IDS = (D1, "mask:b2h2-q12k19-d8-mask-padding", "gqa:b2h6-q63k63-d32-mask-random-kv_heads3",
+           "scale:b1h1-q16k16-d8-scale0.3")
+FEW = [c for c in cases("softmax", "standard") if c.id in FEW_IDS]
+
+
+def _headers(npz):
+    """``{member: (shape, fortran_order, dtype)}`` of the ``.npy`` files in an ``.npz``."""
+    out = {}
+    with zipfile.ZipFile(npz) as z:
+        for name in z.namelist():
+            with z.open(name) as fh:
+                version = npy_format.read_magic(fh)
+                read = (npy_format.read_array_header_1_0 if version == (1, 0)
+                        else npy_format.read_array_header_2_0)
+                out[name] = read(fh)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "nd"])
+def test_every_exported_array_is_in_c_order(tmp_path, layout):
+    assert sorted(c.id for c in FEW) == sorted(FEW_IDS)
+    manifest = export_vectors(tmp_path, "softmax", dtypes=("bfloat16", "float16", "float32"),
+                              layout=layout, cases=FEW)
+    assert manifest["cases"]
+    for entry in manifest["cases"]:
+        headers = _headers(tmp_path / entry["file"])
+        assert sorted(headers) == sorted(n + ".npy" for n in entry["arrays"])
+        fortran = [n for n, (_, f, _) in headers.items() if f]
+        assert not fortran, (entry["id"], entry["dtype"], layout, fortran)
+        for name, (shape, _, _) in headers.items():
+            assert list(shape) == entry["shapes"][name[:-4]]
