@@ -51,7 +51,9 @@ they do not know). Top level:
 ``cases`` (list)
     One entry per exported case and dtype (below).
 ``skipped`` (list)
-    ``{"id", "dtype", "reason"}`` of cases the reference cannot take.
+    ``{"id", "dtype", "reason"}`` of every case of the suite not exported: the
+    reference cannot take it, its inputs are strided, layout ``nd`` cannot hold it
+    (batch or heads above 1), or no value of its output can be judged by one golden.
 
 Each entry of ``cases``:
 
@@ -202,6 +204,10 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
     for dt in dtypes:
         for i, case in enumerate(todo):
             if layout == "nd" and (case.batch != (1, 1) or case.kv_batch is not None):
+                kv = f", k/v {case.kv_batch[0]}x{case.kv_batch[1]}" if case.kv_batch else ""
+                skipped.append({"id": case.id, "dtype": dt, "reason": (
+                    f"layout nd holds one batch entry of one head; the case has "
+                    f"B={case.batch[0]}, H={case.batch[1]}{kv} (export it as bhnd or bnhd)")})
                 continue
             if "noncontiguous" in case.needs:
                 # a file holds contiguous arrays: this case would be its plain twin

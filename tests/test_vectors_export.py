@@ -49,3 +49,17 @@ def test_every_exported_array_is_in_c_order(tmp_path, layout):
         assert not fortran, (entry["id"], entry["dtype"], layout, fortran)
         for name, (shape, _, _) in headers.items():
             assert list(shape) == entry["shapes"][name[:-4]]
+
+
+def test_layout_nd_lists_each_case_it_cannot_hold_in_skipped(tmp_path):
+    """Layout nd holds one batch entry of one head: every other case is in ``skipped``,
+    once per dtype, with the reason, and the written and skipped cases add up."""
+    manifest = export_vectors(tmp_path, "softmax", dtypes=("float32", "float16"), layout="nd",
+                              cases=FEW)
+    written = {(e["id"], e["dtype"]) for e in manifest["cases"]}
+    skipped = {(s["id"], s["dtype"]): s["reason"] for s in manifest["skipped"]}
+    assert written == {("scale:b1h1-q16k16-d8-scale0.3", dt) for dt in ("float32", "float16")}
+    assert sorted(written | set(skipped)) == sorted((c.id, dt) for c in FEW
+                                                   for dt in ("float32", "float16"))
+    reason = skipped[("mask:b2h2-q12k19-d8-mask-padding", "float32")]
+    assert "layout nd" in reason and "B=2, H=2" in reason, reason
