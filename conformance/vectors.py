@@ -136,8 +136,11 @@ vectors file, holding
   float16/bfloat16); added with this section, optional: a file without it (how a
   result widened to float32 or float64 was written before) is read as its array's
   dtype, and a uint16 array without it is refused (float16 or bfloat16 bits?);
-* ``final_state`` (recurrent variants, optional) - the kernel's final state, float32 or
-  float64, judged by :func:`check_final_state`.
+* ``final_state`` (recurrent variants) - the kernel's final state, float32 or float64,
+  ``(N, H, d_k, d_v)`` (``(d_k, d_v)`` for ``nd``). A file without it fails the case's
+  ``final_state`` row, as :func:`conformance.verify` fails a kernel asked for its state
+  that returns none; ``check_results(..., final_state=False)`` (CLI
+  ``--no-final-state``) says the kernel returns no state, and the rows are ``n/a``.
 
 An output in another dtype than the case's fails, "out dtype float32, expected float16
 (the inputs' dtype)", as the oracle fails a kernel it calls; so does an untagged wider
@@ -146,18 +149,27 @@ output widened is exact). The values are judged by the case's own golden and bou
 and a failing output is diagnosed as :func:`conformance.verify` diagnoses it (a
 truncating half-precision store: "the output is rounded toward zero (truncated)"),
 where the case can be prepared again (its id in the catalogue, the variant's options
-plain values); otherwise by the file's golden and bounds, undiagnosed.
+plain values); otherwise by the file's golden and bounds, undiagnosed. The final state
+likewise: judged and diagnosed as verify judges it ("the state before the last token's
+update", "the state transposed"), or by :func:`check_final_state` alone.
+
+A results file that cannot be read (not a zip, truncated, a bare ``.npy``, no ``out``,
+a tag that is not a dtype) is an ``error`` row of its case naming the file, and an
+output or final state of the wrong shape a ``fail`` row naming both shapes: the other
+cases are judged all the same.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zipfile
+import zlib
 
 import numpy as np
 
 from .catalogue import cases as _cases
-from .extras import RECURRENT, final_state_golden, final_state_tolerance
+from .extras import EXTRAS, RECURRENT, final_state_golden, final_state_tolerance
 from .features import NotApplicable
 from .judging import parse_semantics, prepare, verdict_of, with_options
 from .layouts import from_layout, to_layout
@@ -525,20 +537,52 @@ def read_result(file):
     widened to float64 as stored, ``out_dtype`` the dtype the kernel produced it in (the
     tag, or for an untagged file the array's dtype), ``final_state`` or None.
 
-    Raises ``ValueError`` naming the file for a tag that is not a dtype, a stored array
-    the tag does not allow, or an untagged uint16 array.
+    Raises ``ValueError`` naming the file for a file that cannot be read as an ``.npz``
+    archive (not a zip, truncated, a bare ``.npy``), one without ``out``, a tag that is
+    not a dtype, a stored array the tag does not allow, or an untagged uint16 array.
     """
-    with np.load(file, allow_pickle=False) as z:
-        if "out" not in z.files:
-            raise ValueError(f"{file}: no array 'out' (holds {sorted(z.files)})")
-        out = z["out"]
-        tag = str(z["out_dtype"]) if "out_dtype" in z.files else None
-        state = z["final_state"] if "final_state" in z.files else None
+    out, tag, _, state = _read_result(file)
+    return out, tag, state
+
+
+# what reading a damaged file raises: not a zip, truncated, a bad CRC or header, a
+# pickled array (NumPy's messages do not name the file)
+_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error)
+
+
+def _unreadable(file, exc):
+    return ValueError(f"{file}: cannot be read as an .npz archive of .npy arrays "
+                      f"({type(exc).__name__}: {exc})")
+
+
+def _read_result(file):
+    """:func:`read_result`'s ``(out, out_dtype, tagged, final_state)``, ``tagged`` whether
+    the file holds ``out_dtype``."""
+    try:
+        z = np.load(file, allow_pickle=False)
+    except _UNREADABLE as exc:
+        raise _unreadable(file, exc) from None
+    if not hasattr(z, "files"):  # a bare .npy loads as the array itself
+        raise ValueError(f"{file}: not an .npz archive but a single .npy array (saved under the "
+                         ".npz name?); write a zip of .npy files, as numpy.savez does")
+    try:
+        with z:
+            names = sorted(z.files)
+            out = z["out"] if "out" in names else None
+            raw = z["out_dtype"] if "out_dtype" in names else None
+            state = z["final_state"] if "final_state" in names else None
+    except _UNREADABLE as exc:
+        raise _unreadable(file, exc) from None
+    if out is None:
+        raise ValueError(f"{file}: no array 'out' (holds {names})")
+    tag = None if raw is None else str(raw)
     stored = str(out.dtype)
     if tag is None:
         if stored not in ("float16", "float32", "float64"):
-            raise ValueError(f"{file}: 'out' is stored as {stored} without an 'out_dtype' tag "
-                             "(float16 or bfloat16 bits? add out_dtype)")
+            raise ValueError(f"{file}: 'out' is stored as {stored} without an 'out_dtype' tag"
+                             + (" (float16 or bfloat16 bits? add out_dtype)" if stored == "uint16"
+                                else "; expected float16, float32 or float64 (or uint16 bits "
+                                     "tagged float16 or bfloat16)"))
         tag = stored
     elif tag not in _RESULT_STORAGE:
         raise ValueError(f"{file}: out_dtype {tag!r}, expected one of {sorted(_RESULT_STORAGE)}")
@@ -548,7 +592,7 @@ def read_result(file):
     if stored == "uint16":
         out = (out.astype(np.uint32) << 16).view(np.float32) if tag == "bfloat16" else \
             out.view(np.float16)
-    return np.asarray(out, dtype=np.float64), tag, state
+    return np.asarray(out, dtype=np.float64), tag, raw is not None, state
 
 
 def _stored_dtype_problem(entry, out, tag, tagged):
@@ -582,17 +626,27 @@ def _prepared(manifest, entry, by_id):
     return prep
 
 
-def check_results(vectors, results):
+def check_results(vectors, results, *, final_state=True):
     """Judge the outputs a kernel wrote back (``results``, module docstring) against the
     exported ``vectors``: a :class:`conformance.report.Report`, one ``out`` row per case
-    (and ``final_state`` for the recurrent variants when written), with the verdicts and
-    diagnoses :func:`conformance.verify` gives a kernel it calls.
+    (and ``final_state`` for the recurrent variants), with the verdicts and diagnoses
+    :func:`conformance.verify` gives a kernel it calls.
 
-    A case without a results file is an ``error`` row naming the file it looked for.
+    Every problem of one results file is a row of its case, naming the file, and the
+    other cases are judged all the same: a case without a results file, or with one that
+    cannot be read (:func:`read_result`), is an ``error`` row; an output or final state
+    of the wrong shape a ``fail`` row naming both shapes.
+
+    Where the vectors hold ``golden_final_state``, the kernel must write ``final_state``,
+    as :func:`conformance.verify` asks a kernel for its state: a file without it fails
+    that case's ``final_state`` row. ``final_state=False`` says the kernel returns no
+    state (verify's ``supports={"final_state": False}``; CLI ``--no-final-state``): the
+    rows are then ``n/a``, counted by reason under the table. A final state is judged as
+    verify judges it, diagnosed where the case can be prepared again (as for ``out``),
+    else by the file's golden and per-element bound (:func:`check_final_state`).
     """
     from .catalogue import CATALOGUE
-    from .diagnose import diagnose
-    from .report import CaseResult, Report
+    from .report import Report
 
     with open(os.path.join(os.fspath(vectors), "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
@@ -600,50 +654,113 @@ def check_results(vectors, results):
     layout = manifest["layout"]
     rows = []
     for entry, arrays in load_vectors(vectors):
-        base = {"case": entry["id"], "dtype": entry["dtype"]}
         file = os.path.join(os.fspath(results), entry["file"])
-        if not os.path.isfile(file):
-            rows.append(CaseResult.error(f"no results file {file}", **base))
-            continue
-        out, tag, state = read_result(file)
-        with np.load(file, allow_pickle=False) as z:
-            tagged = "out_dtype" in z.files
-        if out.shape != arrays["golden"].shape:
-            rows.append(CaseResult.error(f"out has shape {out.shape}, expected "
-                                         f"{arrays['golden'].shape} (layout {layout})",
-                                         verdict="fail", **base))
-            continue
-        got = from_layout(out, layout)
-        prep = _prepared(manifest, entry, by_id)
-        if prep is not None and np.array_equal(prep.golden[prep.keep if prep.keep is not None else ...],
-                                               from_layout(arrays["golden"], layout)[
-                                                   prep.keep if prep.keep is not None else ...]):
-            res = prep.check(got)
-        else:
-            prep = None
-            golden = from_layout(arrays["golden"], layout)
-            keep = from_layout(arrays["compare"], layout)
-            m = measure(got, np.where(keep, golden, 0.0), keep)
-            verdict, why, ratio = verdict_of(m, entry["tol_max_abs"], entry["tol_rms"])
-            res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=entry["tol_max_abs"],
-                             tol_rms=entry["tol_rms"], ratio=ratio, worst=m.worst[:3],
-                             verdict=verdict, diagnosis=why, **base)
-        problem = _stored_dtype_problem(entry, out, tag, tagged)
-        if problem:
-            res.verdict = "fail"
-            res.diagnosis = "; ".join(w for w in (problem, res.diagnosis) if w)
-        elif res.verdict == "fail" and prep is not None:
-            with np.errstate(all="ignore"):
-                words = diagnose(prep, got, res)
-            if words:
-                res.diagnosis = "; ".join(w for w in (res.diagnosis, words) if w)
-        rows.append(res)
-        if state is not None and "golden_final_state" in arrays:
-            ok, err, ratio = check_final_state(entry, arrays, state)
-            rows.append(CaseResult(output="final_state", verdict="pass" if ok else "fail",
-                                   max_err=err, ratio=ratio, **base))
+        rows += _judge_file(manifest, entry, arrays, file, by_id, final_state)
     return Report(kernel=f"results in {os.fspath(results)}", variant=manifest["variant"],
                   backend="vectors", layout=layout,
                   dtypes=tuple(dict.fromkeys(e["dtype"] for e in manifest["cases"])),
                   suite=manifest.get("suite", ""), seed=manifest.get("seed", 0),
                   semantics=manifest.get("semantics", {}), results=rows)
+
+
+def _judge_file(manifest, entry, arrays, file, by_id, final_state):
+    """The rows of one case's results ``file``: ``out``, and ``final_state`` where the
+    vectors hold its golden."""
+    from .diagnose import diagnose
+    from .report import CaseResult
+
+    base = {"case": entry["id"], "dtype": entry["dtype"]}
+    layout = manifest["layout"]
+    if not os.path.isfile(file):
+        return [CaseResult.error(f"no results file {file}", **base)]
+    try:
+        out, tag, tagged, state = _read_result(file)
+    except ValueError as exc:
+        return [CaseResult.error(str(exc), **base)]
+    prep = _prepared(manifest, entry, by_id)
+    keep = ... if prep is None or prep.keep is None else prep.keep
+    if prep is not None and not np.array_equal(
+            prep.golden[keep], from_layout(arrays["golden"], layout)[keep]):
+        prep = None  # another golden than the file's: judged by the file alone
+    if out.shape != arrays["golden"].shape:
+        rows = [CaseResult.error(f"out has shape {out.shape}, expected "
+                                 f"{arrays['golden'].shape} (layout {layout})",
+                                 verdict="fail", **base)]
+    else:
+        rows = [_judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose)]
+    if "golden_final_state" in arrays:
+        rows.append(_judge_state(entry, arrays, state, prep, layout, file, base, final_state))
+    return rows
+
+
+def _judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose):
+    from .report import CaseResult
+
+    got = from_layout(out, layout)
+    if prep is not None:
+        res = prep.check(got)
+    else:
+        golden = from_layout(arrays["golden"], layout)
+        keep = from_layout(arrays["compare"], layout)
+        m = measure(got, np.where(keep, golden, 0.0), keep)
+        verdict, why, ratio = verdict_of(m, entry["tol_max_abs"], entry["tol_rms"])
+        res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=entry["tol_max_abs"],
+                         tol_rms=entry["tol_rms"], ratio=ratio, worst=m.worst[:3],
+                         verdict=verdict, diagnosis=why, **base)
+    problem = _stored_dtype_problem(entry, out, tag, tagged)
+    if problem:
+        res.verdict = "fail"
+        res.diagnosis = "; ".join(w for w in (problem, res.diagnosis) if w)
+    elif res.verdict == "fail" and prep is not None:
+        with np.errstate(all="ignore"):
+            words = diagnose(prep, got, res)
+        if words:
+            res.diagnosis = "; ".join(w for w in (res.diagnosis, words) if w)
+    return res
+
+
+def _judge_state(entry, arrays, state, prep, layout, file, base, wanted):
+    """The ``final_state`` row of one case: n/a when the kernel returns no state, a fail
+    when it should and the file has none, else judged as verify judges it."""
+    from .report import CaseResult
+
+    row = {**base, "output": "final_state"}
+    if not wanted:
+        return CaseResult.na(reason="the kernel returns no final state (final_state=False, "
+                                    "--no-final-state)", **row)
+    if state is None:
+        return CaseResult.error(
+            f"{file} holds no final_state, while the vectors hold golden_final_state: write the "
+            "kernel's final state as 'final_state' (N, H, d_k, d_v), float32 (or float64 for "
+            "float64 cases), or, if the kernel returns no state, opt out with "
+            "check_results(..., final_state=False) / --no-final-state", verdict="fail", **row)
+    golden, e = arrays["golden_final_state"], EXTRAS["final_state"]
+    try:
+        got = np.asarray(state, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        return CaseResult.error(f"{file}: final_state stored as {state.dtype} is not numeric "
+                                f"({exc})", verdict="fail", **row)
+    if got.shape != golden.shape:
+        words = e.explain_shape(prep, layout, got.shape) if prep is not None else ""
+        return CaseResult.error(
+            f"{file}: final_state has shape {got.shape}, expected {golden.shape} "
+            f"({e.doc})" + (f": {words}" if words else ""), verdict="fail", **row)
+    stored = str(state.dtype)
+    if prep is not None and np.array_equal(final_state_golden(prep), e.canonical(golden, layout)):
+        with np.errstate(all="ignore"):
+            # the stored dtype goes to the judge, which names a state kept in float16
+            # where rounding the golden to it reproduces the kernel's state
+            res = e.judge(prep, e.canonical(got, layout), dtype=stored)
+    else:
+        ok, err, ratio = check_final_state(entry, arrays, got)
+        res = CaseResult(verdict="pass" if ok else "fail", max_err=err, ratio=ratio, **row)
+    acc = "float64" if entry["dtype"] == "float64" else "float32"
+    if res.verdict == "fail" and MANTISSA_BITS.get(stored, 99) < MANTISSA_BITS[acc] \
+            and f"returned in {stored}" not in res.diagnosis:
+        # a state rounded by the kernel's own float32 computation before the store lands
+        # off the golden's rounding by an ulp here and there: the judge then names no
+        # cause, but the storage alone is one (as "out dtype ..." is for the output)
+        res.diagnosis = "; ".join(w for w in (
+            f"final_state stored as {stored}, below the {acc} the state accumulates in (fla "
+            f"returns float32 states, float64 for float64 inputs)", res.diagnosis) if w)
+    return res

@@ -9,6 +9,7 @@ readable.
 """
 
 import os
+import re
 
 import array_api_compat.numpy as npx
 import numpy as np
@@ -160,3 +161,40 @@ def test_a_recurrent_kernels_final_state_is_its_own_row(tmp_path):
         rep = write(tmp_path / str(factor), factor)
         assert [(r.output, r.verdict) for r in rep.results] == list(
             zip(["out", "final_state"], verdicts)), rep.table()
+
+
+def test_a_results_file_that_cannot_be_read_is_its_cases_row(vectors, tmp_path):
+    """Truncated, a bare .npy under the .npz name, not a zip, no 'out', a tag that is no
+    dtype: each is an error row of its own case naming the file and the problem, and
+    every other case is judged (one such file used to lose the whole report, and
+    BadZipFile or TypeError did not name the file)."""
+    results = _write(vectors, tmp_path / "r", _tagged)
+    files = sorted(os.listdir(results))
+    faults = {
+        "truncated": lambda p: p.write_bytes(p.read_bytes()[:100]),
+        "a bare .npy": lambda p: np.save(open(p, "wb"), np.zeros(3, np.float32)),
+        "not a zip": lambda p: p.write_text("out = 1.0\n"),
+        "no 'out'": lambda p: np.savez(p, output=np.zeros(3, np.float32)),
+        "tag not a dtype": lambda p: np.savez(p, out=np.zeros(3, np.float32),
+                                              out_dtype=np.array("bf16")),
+    }
+    words = {"truncated": "cannot be read as an .npz archive",
+             "a bare .npy": "not an .npz archive but a single .npy array",
+             "not a zip": "cannot be read as an .npz archive",
+             "no 'out'": "no array 'out'", "tag not a dtype": "out_dtype 'bf16'"}
+    broken = dict(zip(files, faults))
+    for file, fault in broken.items():
+        path = results / file
+        faults[fault](path)
+        with pytest.raises(ValueError, match=re.escape(str(path))):
+            read_result(path)
+    rep = check_results(vectors, results)
+    assert len(rep.results) == len(files), rep.table()
+    by_file = dict(zip((e["file"] for e, _ in load_vectors(vectors)), rep.results))
+    for file, r in by_file.items():
+        if file in broken:
+            assert r.verdict == "error" and str(results / file) in r.diagnosis, rep.table()
+            assert words[broken[file]] in r.diagnosis, (broken[file], r.diagnosis)
+        else:
+            assert r.verdict == "pass", rep.table()
+    assert not rep.passed
