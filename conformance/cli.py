@@ -13,15 +13,23 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
     kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
+``attn-ref check-results VECTORS RESULTS [--no-final-state] [--json PATH]``
+    The outputs such a kernel wrote back, judged and diagnosed as ``verify`` judges a
+    kernel it calls (:func:`conformance.vectors.check_results`): the report's table,
+    one row per case and output. A results file that is missing or cannot be read is
+    a row of its case; ``--no-final-state`` says the kernel returns no final state (the
+    recurrent variants' ``final_state`` rows are then n/a, where a file without one
+    fails otherwise).
 ``attn-ref scaling``
     Exponents of time and memory in ``N`` from asv results (:mod:`asv_benches.scaling`).
 
 Exit status: 0 when everything checked passed; 1 when a kernel failed, errored, or
-passed no case; 2 for a usage error - a kernel or backward that cannot be found or
-imported, an unknown variant, option, feature declaration, case id or backend, an
-option value the variant refuses - reported on one line (``--traceback`` adds the
-traceback); 130 when Ctrl-C stopped ``verify`` (after printing the partial
-report).
+passed no case (``export-vectors``: wrote none); 2 for a usage error - a kernel or
+backward that cannot be found or imported, an unknown variant, option, feature
+declaration, case id or backend, an option value the variant refuses, a ``VECTORS``
+directory that is missing or holds no valid attn-ref vectors - reported on one line
+(``--traceback`` adds the traceback); 130 when Ctrl-C stopped ``verify`` (after
+printing the partial report).
 """
 
 from __future__ import annotations
@@ -831,6 +839,36 @@ def export_vectors_command(args) -> int:
     return 0 if n else 1
 
 
+# ---------------------------------------------------------------------- check-results
+
+
+def check_results_arguments(p):
+    p.add_argument("vectors", help="directory written by export-vectors (manifest.json and the "
+                                   ".npz files)")
+    p.add_argument("results", help="directory of the kernel's results: RESULTS/<file> per case, "
+                                   "an .npz with out, out_dtype and, for the recurrent variants, "
+                                   "final_state (see conformance.vectors)")
+    p.add_argument("--no-final-state", action="store_true",
+                   help="the kernel returns no final state: the recurrent variants' final_state "
+                        "rows are n/a instead of failing where a results file has none")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    p.add_argument("--show-na", action="store_true", help="list not-applicable rows too")
+
+
+def check_results_command(args) -> int:
+    from .vectors import check_results
+
+    try:
+        report = check_results(args.vectors, args.results,
+                               final_state=not args.no_final_state)
+    except (TypeError, ValueError) as exc:
+        # a results file's problems are rows of the report: what raises is the vectors
+        return _usage(exc)
+    print(report.table(show_na=args.show_na))
+    _write_json(args.json, [report])
+    return EXIT_PASS if report.passed else EXIT_FAIL
+
+
 # ---------------------------------------------------------------------------- scaling
 
 
@@ -889,6 +927,8 @@ COMMANDS = {
                "check a kernel (or every built-in reference) against the golden"),
     "export-vectors": (export_vectors_arguments, export_vectors_command,
                        "write test vectors (.npz + manifest.json) for other languages"),
+    "check-results": (check_results_arguments, check_results_command,
+                      "judge the outputs a kernel wrote back for exported vectors"),
     "scaling": (scaling_arguments, scaling_command,
                 "fitted growth of time and memory in N from asv results, with a log-log plot"),
     "study": (study_arguments, study_command,

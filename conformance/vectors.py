@@ -648,12 +648,13 @@ def check_results(vectors, results, *, final_state=True):
     from .catalogue import CATALOGUE
     from .report import Report
 
+    loaded = load_vectors(vectors)  # checks the manifest before any results file is read
     with open(os.path.join(os.fspath(vectors), "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
     by_id = {c.id: c for suite in CATALOGUE.values() for c in suite}
     layout = manifest["layout"]
     rows = []
-    for entry, arrays in load_vectors(vectors):
+    for entry, arrays in loaded:
         file = os.path.join(os.fspath(results), entry["file"])
         rows += _judge_file(manifest, entry, arrays, file, by_id, final_state)
     return Report(kernel=f"results in {os.fspath(results)}", variant=manifest["variant"],
