@@ -73,8 +73,10 @@ Each entry of ``cases``:
 ``causal``
     ``null``, ``"top-left"`` or ``"bottom-right"``.
 ``scale`` (float), ``default_scale`` (bool)
-    The logit scale to use (always given); whether it is the variant's default
-    (a kernel that takes no scale argument should then be called without one).
+    The scale the golden was computed with (always given): the case's own, else the
+    variant's default - ``1/sqrt(d)`` for the logits ``q . k``, but 1 for ``linear``,
+    which multiplies its query features phi(q) by it; whether it is the variant's
+    default (a kernel that takes no scale argument should then be called without one).
 ``params`` (object)
     The variant's plain parameters and options (arrays are in ``file`` under their
     own names). Where a parameter is a ``seed`` that NumPy's generator turns into a
@@ -276,7 +278,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 # None for a case that is not causal, also where the reference is told
                 # causal=False explicitly (strided, fixed: causal by default)
                 "causal": prep.kwargs.get("causal") or None,
-                "scale": prep.scale,
+                "scale": _reference_scale(prep),
                 "default_scale": prep.kwargs.get("scale") is None,
                 "params": {n: p for n, p in prep.params.items() if not isinstance(p, np.ndarray)}
                 | {n: p for n, p in prep.options.items()},
@@ -310,6 +312,18 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
         json.dump(manifest, f, indent=1)
         f.write("\n")
     return manifest
+
+
+def _reference_scale(prep) -> float:
+    """The scale the reference computed the golden with: the case's own, else the
+    variant's default. ``prep.scale`` is softmax's ``1/sqrt(d)`` for every variant, but
+    linear attention multiplies phi(q) by a scale of 1 by default (the normalised output
+    does not depend on it; ``normalize=False``'s does)."""
+    if prep.kwargs.get("scale") is None and prep.variant.family == "linear":
+        from attn_ref.linear.options import check_scale
+
+        return check_scale(None)
+    return prep.scale
 
 
 def seeded_structures(prep) -> dict:

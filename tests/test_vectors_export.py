@@ -8,11 +8,12 @@ does not write is listed in the manifest's ``skipped`` with its reason.
 
 import zipfile
 
+import numpy as np
 import pytest
 from numpy.lib import format as npy_format
 
 from conformance.catalogue import cases
-from conformance.vectors import export_vectors
+from conformance.vectors import export_vectors, load_vectors
 
 D1 = "headdim:b1h2-q33k33-d1"
 # a head dim of 1 (the case whose bfloat16 q, k, v were stored in Fortran order under
@@ -63,3 +64,22 @@ def test_layout_nd_lists_each_case_it_cannot_hold_in_skipped(tmp_path):
                                                    for dt in ("float32", "float16"))
     reason = skipped[("mask:b2h2-q12k19-d8-mask-padding", "float32")]
     assert "layout nd" in reason and "B=2, H=2" in reason, reason
+
+
+def test_the_manifest_scale_is_the_one_the_golden_was_computed_with(tmp_path):
+    """Linear attention multiplies phi(q) by its scale, 1 by default (not 1/sqrt(d)):
+    unnormalised, the output depends on it, and a kernel called with the manifest's
+    ``scale`` reproduces the golden; softmax's default and an explicit scale stay."""
+    from attn_ref.registry import get
+
+    ids = ("causal:b1h2-q13k21-d8-causal-br", "scale:b1h1-q16k16-d8-scale0.3")
+    manifest = export_vectors(tmp_path, "linear", dtypes=("float64",), options={
+        "normalize": False}, cases=[c for c in cases("linear", "standard") if c.id in ids])
+    scales = {e["id"]: (e["scale"], e["default_scale"]) for e in manifest["cases"]}
+    assert scales == {ids[0]: (1.0, True), ids[1]: (0.3, False)}
+    for entry, a in load_vectors(tmp_path):
+        out = get("linear").fn(a["q"], a["k"], a["v"], scale=entry["scale"],
+                               causal=entry["causal"] or False, **manifest["variant_options"])
+        np.testing.assert_allclose(out, a["golden"], rtol=1e-12, atol=1e-12, err_msg=entry["id"])
+    soft = export_vectors(tmp_path / "s", "softmax", cases=[c for c in FEW if c.id == FEW_IDS[1]])
+    assert [(e["scale"], e["default_scale"]) for e in soft["cases"]] == [(1 / np.sqrt(8), True)]
