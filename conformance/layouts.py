@@ -1,7 +1,8 @@
 """Array layouts: the canonical ``(B, H, N, d)`` and the layouts kernels take.
 
 ``bhnd`` is PyTorch SDPA's, ``bnhd`` FlashAttention's and JAX's, ``nd`` one head. Masks
-and biases are always head-major ``(B|1, H|1, Nq, Nk)`` (``(Nq, Nk)`` for ``nd``).
+and biases are always head-major ``(B|1, H|1, Nq|1, Nk)``, each dim of size 1
+broadcast (a padding mask is ``(B, 1, 1, Nk)``; ``(Nq|1, Nk)`` for ``nd``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,6 @@ def from_layout(x: np.ndarray, layout: str) -> np.ndarray:
 
 
 def pair_layout(x: np.ndarray, layout: str) -> np.ndarray:
-    """A ``(B|1, H|1, Nq, Nk)`` mask or bias as the kernel takes it (head-major always)."""
+    """A ``(B|1, H|1, Nq|1, Nk)`` mask or bias as the kernel takes it (head-major always)."""
     return x[0, 0] if layout == "nd" else x
 

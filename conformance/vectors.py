@@ -6,10 +6,15 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
 
 * ``q``, ``k``, ``v`` - inputs in the kernel dtype and the manifest's layout
   (float16/float32/float64 natively; **bfloat16 as uint16 bit patterns**, the upper
-  half of the float32 bits);
-* ``mask`` (bool, ``(B|1, H|1, Nq, Nk)``, True = may attend) and ``bias`` (kernel
-  dtype, same shape) when the case has them; the variant's extra parameters under
-  their own names;
+  half of the float32 bits), C-contiguous as every stored array (no ``.npy`` header says
+  ``fortran_order``). ``k`` and ``v`` may have batch 1 or one head where ``q`` has
+  more, broadcast to ``q``'s (the ``broadcast:*`` cases, without ``options.gqa``), or
+  with ``options.gqa`` fewer heads, each shared by ``H / H_kv`` query heads;
+* ``mask`` (bool, True = may attend) and ``bias`` (kernel dtype) when the case has them,
+  head-major ``(B|1, H|1, Nq|1, Nk)``: each leading dim and ``Nq`` may be 1 and
+  broadcast to ``(B, H, Nq, Nk)`` (a padding mask is ``(B, 1, 1, Nk)``; ``(Nq|1, Nk)``
+  for layout ``nd``); the entry's ``shapes`` gives each file's exact shape. The
+  variant's extra parameters are under their own names;
 * ``golden`` - float64, the expected output in the same layout (rows excluded by
   ``fully_masked="excluded"`` are NaN);
 * ``compare`` - bool, which golden elements are compared;
