@@ -57,7 +57,9 @@ class Variant:
         params function that also takes a keyword ``batch`` receives the leading
         ``(batch, heads)`` shape of ``q`` there (``()`` when the caller does not say), for
         inputs drawn per head and step (the gates of :mod:`attn_ref.recurrent`); they
-        must broadcast against ``q`` when ``batch`` is ``()``.
+        must broadcast against ``q`` when ``batch`` is ``()``. Another keyword it takes
+        (``block_sparse``'s ``block_size``) is a value the parameters are drawn from: a
+        conformance case that sets that option passes it there.
     weights : callable, optional
         ``weights(q, k, **params, **options) -> (..., Nq, Nk)``: the attention matrix
         the variant implies.

@@ -294,6 +294,11 @@ def kernel_kwargs(ctx, prep, convert):
         kw[ctx.kernel.names["causal"]] = False
     for name, val in prep.params.items():
         kw[name] = convert(val, param_dtype(name, prep.dtype)) if isinstance(val, np.ndarray) else val
+    for name, val in case.options:
+        if name in prep.options and name not in ctx.kernel.accepts:
+            # it computes the function of the one value it has: judged on the others' cases
+            raise NotApplicable(f"the case sets option {name}={val!r}; the kernel takes no "
+                                f"parameter {name!r}")
     for name, val in prep.options.items():
         if name in ctx.kernel.accepts:
             kw[name] = val

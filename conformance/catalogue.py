@@ -26,7 +26,9 @@ Extension points
   cases that use it.
 * **Cases**: append :class:`Case` objects to :data:`CATALOGUE` under a suite name;
   feature-specific settings go in ``Case.params`` (a tuple of ``(key, value)`` pairs,
-  read with :meth:`Case.param`), e.g. ``(("kv_heads", 2), ("window", (16, 0)))``.
+  read with :meth:`Case.param`), e.g. ``(("kv_heads", 2), ("window", (16, 0)))``;
+  variant options a case sets go in ``Case.options``, with ``Case.variant`` naming
+  the variant they are for.
 * **Outputs**: a case yields one or more named outputs (``"out"``; the gradient
   checks add ``"dq"``, ``"dk"``, ``"dv"``); each gets its own tolerance and report row.
 """
@@ -135,6 +137,15 @@ class Case:
         boundaries, packed sequences, initial states); None: every variant. Not part of
         the id: a case of a family is run only for that family's variants, so other
         variants' suites (and their cost) are unchanged.
+    variant : str or None
+        The registered variant the case is for; None: every variant (of ``family``).
+        Like ``family``, not part of the id.
+    options : tuple of (key, value)
+        Variant options the case sets (a sparse pattern's window, block size, global
+        tokens...), over the registered ones and those of ``options=``: a kernel that
+        hard-codes the registered values computes the same function on every other case.
+        Passed to the kernel as every option is, by name; a kernel whose signature lacks
+        one is ``n/a`` on the case (it computes the function of its one value).
     grads_only : bool
         A case for the gradient rows: in a suite only when gradients are judged
         (``cases(..., grads=True)``, ``verify(grads=True)``), where its forward rows are
@@ -160,6 +171,8 @@ class Case:
     params: tuple = ()
     features: tuple = ()
     family: str | None = None
+    variant: str | None = None
+    options: tuple = ()
     grads_only: bool = False
     forward_only: bool = False
 
@@ -188,7 +201,7 @@ class Case:
             parts.append("bias")
         if self.scale is not None:
             parts.append(f"scale{self.scale:g}")
-        parts += [f"{k}{_fmt(v)}" for k, v in self.params]
+        parts += [f"{k}{_fmt(v)}" for k, v in self.params + self.options]
         return "/".join(parts[:1]) + ":" + "-".join(parts[1:])
 
     def param(self, key, default=None):
@@ -694,6 +707,45 @@ CATALOGUE["standard"] += _noncontiguous()
 CATALOGUE["exhaustive"] += _noncontiguous()
 
 
+def _sparse_options():
+    """The sparse patterns at option values other than their registered ones.
+
+    Every other case runs a sparse variant at its registered options (local's window 3,
+    BigBird's blocks of 4, ...), so a kernel that hard-codes those, or ignores the option
+    it is passed, computes the same function there: an independent audit's `fixed` kernel
+    ignoring ``summary`` passed every case at the registered ``summary=1`` and fails 38 at 2.
+    One case without causal and one with for each variant, the options passed by name
+    (:attr:`Case.options`); Longformer's second global token sits mid-sequence, in every
+    earlier query's future. And two long ones on ``offset_values`` inputs, with hundreds
+    of keys a row (at most 7 to 24 at the registered options): where P V and the row sum
+    kept in float16 show, as on the softmax family's long case.
+    """
+    C = Case
+    per_variant = (
+        ("local", 65, 65, (("window", 5),)),
+        ("longformer", 65, 65, (("window", 5), ("global_tokens", (0, 32)))),
+        ("bigbird", 129, 129, (("block_size", 8), ("window", 2), ("global_blocks", 2),
+                               ("random_blocks", 2))),
+        ("strided", 65, 65, (("stride", 6),)),
+        ("fixed", 65, 65, (("stride", 8), ("summary", 2))),
+        ("block_sparse", 65, 129, (("block_size", 16),)),
+    )
+    out = []
+    for variant, nq, nk, opts in per_variant:
+        out += [C("options", (1, 2), nq, nk, 32, 32, variant=variant, options=opts),
+                C("options", (1, 2), nk, nk, 32, 32, causal="top-left", variant=variant,
+                  options=opts)]
+    out += [C("options", (1, 1), 1000, 1000, 64, 64, dist="offset_values", variant="local",
+              options=(("window", 300),)),
+            C("options", (1, 1), 1000, 1000, 64, 64, dist="offset_values", variant="bigbird",
+              options=(("block_size", 48),))]
+    return out
+
+
+CATALOGUE["standard"] += _sparse_options()
+CATALOGUE["exhaustive"] += _sparse_options()
+
+
 def _recurrent():
     """Cases of the recurrent family (issue 18): where chunked kernels go wrong.
 
@@ -813,7 +865,7 @@ def cases(variant: str | None = None, suite: str = "standard", *, grads: bool = 
     ``variant`` (a registered name) drops cases the reference of that variant cannot
     take because its signature lacks the feature or it is self-attention only, the
     non-causal cases of a variant that is causal by construction, and the cases of
-    another family (:attr:`Case.family`); cases
+    another family (:attr:`Case.family`) or variant (:attr:`Case.variant`); cases
     the kernel cannot take are decided later, in :func:`conformance.verify`. The cases
     for the gradient rows (:attr:`Case.grads_only`) only with ``grads=True``.
 
@@ -835,7 +887,7 @@ def cases(variant: str | None = None, suite: str = "standard", *, grads: bool = 
         feats = reference_features(v)
         out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)
                and not (v.causal_only and c.causal is None)
-               and c.family in (None, v.family)
+               and c.family in (None, v.family) and c.variant in (None, v.name)
                and (c.param("gates") is None or takes_gates(v))]
     return out
 

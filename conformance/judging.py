@@ -543,6 +543,8 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if family is not None and family != v.family:
         raise NotApplicable(f"a case of the {family} family; variant {v.name} is of the "
                             f"{v.family} family")
+    if case.variant is not None and case.variant != v.name:
+        raise NotApplicable(f"a case of variant {case.variant}, not {v.name}")
     if v.self_attention and case.nq != case.nk:
         raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
     if v.causal_only and case.causal is None:
@@ -557,10 +559,14 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # computing the non-causal pattern, as told, failed every such case)
         kwargs = {**kwargs, "causal": False}
     arrays = {n: round_to(a, dtype) for n, a in arrays.items()}
-    params = {}
+    params, case_options = {}, dict(case.options)
     if v.params is not None:
+        # a case's option that the parameters are drawn from (block_sparse's block_size:
+        # its layout has one entry per block) goes to the params function
+        derived = {n: case_options.pop(n) for n in list(case_options)
+                   if n in inspect.signature(v.params).parameters}
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
-                       device="cpu", xp=LOGITS_IN_FLOAT32, **v.batch_keyword(case.batch))
+                       device="cpu", xp=LOGITS_IN_FLOAT32, **v.batch_keyword(case.batch), **derived)
         raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
         if case.param("gate_normalizer") is not None and "g" in raw:
             # the slow-decay cases: long memory (conformance.catalogue, GATE_NORMALIZER)
@@ -572,7 +578,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
             raw = {**raw, "g": case_gates(case, raw["g"], seed)}
         params = {n: round_to(np.asarray(x), param_dtype(n, dtype)) if hasattr(x, "shape") else x
                   for n, x in raw.items()}
-    params, options = _split_params(params, v.options)
+    params, options = _split_params(params, {**v.options, **case_options})
     if options.get("qk_l2norm") is False:
         arrays = {**arrays, **{n: round_to(unit_rows(arrays[n]), dtype) for n in ("q", "k")}}
     allowed = allowed_matrix(case, arrays, kwargs)

@@ -529,3 +529,126 @@ def test_dk_dv_summed_in_the_dtype_over_query_blocks_fail_the_fused_bounds():
 
     assert rows(False) == {"out": "pass", "dq": "pass", "dk": "pass", "dv": "pass"}
     assert rows(True) == {"out": "pass", "dq": "pass", "dk": "fail", "dv": "fail"}
+
+
+# ------------------------------------------------ values the cases never varied (sparse audit)
+
+
+SPARSE_PATTERNS = ("local", "longformer", "bigbird", "strided", "fixed", "block_sparse")
+
+
+def _option_cases(variant, long=False):
+    return [c for c in cases(variant, "standard") if c.tag == "options" and (c.nq >= 1000) == long]
+
+
+@pytest.mark.parametrize("variant", SPARSE_PATTERNS)
+def test_a_sparse_kernel_hard_coding_its_registered_options_fails(variant):
+    """Every sparse case ran at the registered options, so a kernel that takes its options
+    and ignores them (the audit's ``fixed`` with summary only the block's last position:
+    the registered ``summary=1``) passed them all. Each variant's option cases set other
+    values; the reference passes them, the kernel keeping the registered ones fails."""
+    import inspect
+
+    from attn_ref.registry import get
+
+    v = get(variant)
+    registered = dict(v.options) or {"block_size": 4}
+
+    def hard_coded(q, k, v_, **kw):
+        return v.fn(q, k, v_, **{**kw, **registered})
+
+    hard_coded.__signature__ = inspect.signature(v.fn)
+    few = _option_cases(variant)
+    assert len(few) == 2
+    bad = verify(hard_coded, variant, backend="numpy", dtypes=("float32",), cases=few, progress=False)
+    assert all(r.verdict in ("fail", "error") for r in bad.results), bad.table()
+    good = verify(v.fn, variant, backend="numpy", dtypes=("float32",), cases=few, progress=False)
+    assert [r.verdict for r in good.results] == ["pass", "pass"], good.table()
+
+
+def test_an_option_the_kernel_does_not_take_makes_its_cases_not_applicable():
+    """A kernel without a ``summary`` parameter computes the function of its one value:
+    the cases that set another are n/a for it, saying which option, not failed."""
+    from attn_ref.sparse import fixed_attention
+
+    def kernel(q, k, v, *, stride, causal=True, scale=None):
+        return fixed_attention(q, k, v, stride=stride, causal=causal, scale=scale)
+
+    rep = verify(kernel, "fixed", backend="numpy", dtypes=("float32",), cases=_option_cases("fixed"),
+                 progress=False)
+    assert [r.verdict for r in rep.results] == ["n/a", "n/a"]
+    assert all("option summary=2" in r.diagnosis for r in rep.results), rep.table()
+
+
+def test_causal_longformer_with_global_columns_in_the_future_fails():
+    """The only registered global token is position 0, which no query has in its future:
+    a causal kernel that lets every query see every global key passed. The option cases
+    put a global token mid-sequence."""
+    from attn_ref.sparse import longformer_weights
+
+    def kernel(q, k, v, *, window, global_tokens, causal=False, scale=None, mistake=True):
+        q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+        allowed = np.asarray(longformer_weights(q, k, window=window, global_tokens=global_tokens,
+                                                causal=causal, scale=scale)) > 0
+        if mistake:
+            allowed = allowed | np.isin(np.arange(k.shape[-2]), global_tokens)
+        scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+        s = np.where(allowed, scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return ((p / p.sum(-1, keepdims=True)) @ v).astype(np.float32)
+
+    def right(q, k, v, *, window, global_tokens, causal=False, scale=None):
+        return kernel(q, k, v, window=window, global_tokens=global_tokens, causal=causal,
+                      scale=scale, mistake=False)
+
+    few = _option_cases("longformer")
+    bad = verify(kernel, "longformer", backend="numpy", dtypes=("float32",), cases=few, progress=False)
+    assert {r.case: r.verdict for r in bad.results} == {
+        c.id: "fail" if c.causal else "pass" for c in few}, bad.table()
+    assert verify(right, "longformer", backend="numpy", dtypes=("float32",), cases=few,
+                  progress=False).passed
+
+
+def _float16_sums(variant, in_float16):
+    """A sparse kernel whose ``P V`` and row sum run over blocks of 16 keys, the running
+    sums kept in float16 (``in_float16``) or float32; the logits and exponentials in
+    float32 (the weights from the pattern's ``weights``, unnormalised by their row
+    maximum)."""
+    import inspect
+
+    from attn_ref.registry import get
+
+    ref = get(variant)
+
+    def kernel(q, k, v, **kw):
+        p = np.asarray(ref.weights(q.astype(np.float32), k.astype(np.float32), **kw), np.float32)
+        p = p / p.max(-1, keepdims=True)
+        acc = np.float16 if in_float16 else np.float32
+        o = np.zeros(p.shape[:-1] + (v.shape[-1],), acc)
+        row = np.zeros(p.shape[:-1] + (1,), acc)
+        vf = v.astype(np.float32)
+        for j0 in range(0, p.shape[-1], 16):
+            pb = p[..., j0:j0 + 16]
+            o = (o.astype(np.float32) + pb @ vf[..., j0:j0 + 16, :]).astype(acc)
+            row = (row.astype(np.float32) + pb.sum(-1, keepdims=True)).astype(acc)
+        return (o.astype(np.float32) / row.astype(np.float32)).astype(q.dtype)
+
+    kernel.__signature__ = inspect.signature(ref.fn)
+    return kernel
+
+
+@pytest.mark.parametrize("variant", ["local", "bigbird"])
+def test_sparse_sums_kept_in_float16_fail_the_wide_option_case(variant):
+    """At the registered options a row has 7 (local) to about 24 (BigBird) keys, one or
+    two roundings of a float16 accumulator: such a kernel passed every float16 case. The
+    long option case (window 300; blocks of 48) gives rows hundreds of keys on
+    offset values; the same loop with float32 sums passes."""
+    (wide,) = _option_cases(variant, long=True)
+
+    def verdict(in_float16):
+        rep = verify(_float16_sums(variant, in_float16), variant, backend="numpy",
+                     dtypes=("float16",), cases=[wide], progress=False)
+        return rep.results[0].verdict
+
+    assert verdict(True) == "fail"
+    assert verdict(False) == "pass"

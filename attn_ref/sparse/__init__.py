@@ -75,8 +75,8 @@ from .masks import random_block_layout
 __all__ = [*masks.__all__, *attention.__all__]
 
 
-def _block_sparse_params(seed, nq, nk, d, dv, *, dtype, device, xp):
-    B = 4
+def _block_sparse_params(seed, nq, nk, d, dv, *, dtype, device, xp, block_size=4):
+    B = block_size
     return {"block_size": B, "layout": random_block_layout(ceil_div(nq, B), ceil_div(nk, B), seed=seed)}
 
 
