@@ -540,6 +540,11 @@ def _modern_standard():
         C("window", (1, 2), 129, 65, 32, 32, params=(("window", (32, -1)),), features=win),
         C("window", (1, 2), 127, 127, 32, 32, causal="bottom-right", params=(("window", (31, -1)),),
           features=win),
+        # the left side unbounded (-1): FlashAttention's causal sliding window is (-1, 0);
+        # with every left side >= 0, a kernel reading -1 as the bound j >= i + 1 passed
+        # every case (an independent audit's)
+        C("window", (1, 2), 129, 129, 32, 32, params=(("window", (-1, 0)),), features=win),
+        C("window", (1, 2), 65, 129, 32, 32, params=(("window", (-1, 8)),), features=win),
         # soft-capping (Gemma 2 uses 50 for attention logits)
         C("softcap", (1, 2), 65, 65, 64, 64, params=(("softcap", 5.0),), features=("softcap",)),
         C("softcap", (1, 2), 64, 64, 64, 64, dist="large_logits", params=(("softcap", 50.0),),

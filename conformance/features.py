@@ -196,9 +196,18 @@ def _softcap_build(case, rng, arrays, kwargs):
 
 
 def _alibi_build(case, rng, arrays, kwargs):
-    # The ALiBi paper's geometric slopes 2^(-8 h / H), h = 1..H.
+    # Slopes 2^-e with e drawn from the seed in 1..8 (the paper's range), in no order over
+    # the heads: with the paper's 2^(-8 h / H) in every case, a kernel that ignores
+    # alibi_slopes and computes those itself passed them all (an independent audit's).
+    # Powers of two, as the paper's are for H a power of two: every dtype holds them and
+    # their products with distances up to 256 exactly (a FlexAttention score_mod forms
+    # slope * distance in the slopes' dtype), so only where they come from changes.
     h = case.batch[1]
-    arrays["alibi_slopes"] = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
+    e = rng.integers(1, 9, h)
+    paper = 8.0 * np.arange(1, h + 1) / h
+    if np.array_equal(e, paper):
+        e = e % 8 + 1  # (H = 8 only, one draw in 8^8) still not the paper's
+    arrays["alibi_slopes"] = 2.0 ** -e.astype(np.float64)
 
 
 def _dropout_build(case, rng, arrays, kwargs):

@@ -534,6 +534,55 @@ def test_dk_dv_summed_in_the_dtype_over_query_blocks_fail_the_fused_bounds():
 # ------------------------------------------------ values the cases never varied (sparse audit)
 
 
+def test_a_kernel_ignoring_the_alibi_slopes_it_is_given_fails():
+    """Every ALiBi case passed exactly the paper's slopes 2^(-8h/H), so a kernel computing
+    those itself and ignoring ``alibi_slopes`` passed them all; the cases' slopes are now
+    drawn from the seed. It fails every ALiBi case, named; the definition passes."""
+
+    def paper(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None):
+        h = q.shape[1]
+        own = 2.0 ** (-8.0 * np.arange(1, h + 1) / h)
+        return _softmax(q, k, v, bias=bias, causal=causal, scale=scale, softcap=softcap,
+                        alibi_slopes=own.astype(q.dtype))
+
+    alibi = _case("softmax", lambda c: "alibi" in c.needs and "gqa" not in c.needs
+                  and "seqlens_k" not in c.needs)
+    bad = verify(paper, "softmax", backend="numpy", dtypes=("float32",), cases=alibi, progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"] * len(alibi), bad.table()
+    assert all(r.diagnosis.startswith("the alibi_slopes argument ignored") for r in bad.results)
+    assert verify(_cap_kernel(False), "softmax", backend="numpy", dtypes=("float32",), cases=alibi,
+                  progress=False).passed
+
+
+def test_a_window_left_side_of_minus_1_read_as_a_bound_fails():
+    """FlashAttention's causal sliding window is (-1, 0); with no case's left side -1, a
+    kernel reading it as the bound j >= i + Lk - Lq + 1 passed every case. It fails both
+    such cases now, named."""
+
+    def kernel(q, k, v, *, window=None, literal=True):
+        left, right = window
+        if not literal or left >= 0:
+            return softmax_attention(q, k, v, window=window)
+        nq, nk = q.shape[-2], k.shape[-2]
+        i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+        pos = i + nk - nq
+        allowed = (j >= pos + 1) & ((j <= pos + right) if right >= 0 else True)
+        return softmax_attention(q, k, v, mask=np.broadcast_to(allowed, (nq, nk)))
+
+    def right(q, k, v, *, window=None):
+        return kernel(q, k, v, window=window, literal=False)
+
+    unbounded = _case("softmax", lambda c: "window" in c.needs and c.param("window")[0] == -1)
+    assert {c.nq == c.nk for c in unbounded} == {True, False}
+    bad = verify(kernel, "softmax", backend="numpy", dtypes=("float32",), cases=unbounded,
+                 progress=False)
+    assert [r.verdict for r in bad.results] == ["fail"] * len(unbounded), bad.table()
+    assert all(r.diagnosis.startswith("the window's left side -1 (unbounded) is read as")
+               for r in bad.results), bad.table()
+    assert verify(right, "softmax", backend="numpy", dtypes=("float32",), cases=unbounded,
+                  progress=False).passed
+
+
 SPARSE_PATTERNS = ("local", "longformer", "bigbird", "strided", "fixed", "block_sparse")
 
 

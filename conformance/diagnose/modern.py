@@ -44,6 +44,15 @@ def _window_sigs(prep):
         if "mask" in prep.arrays:
             al = np.logical_and(al, prep.arrays["mask"])
         yield words, ref_with(prep, mask=al)
+    if left == -1:
+        # -1 read as a number: the left bound j >= i + Lk - Lq + 1 (past the query itself)
+        lq, lk = sequence_lengths(prep.case, prep.kwargs)
+        i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
+        al = j >= i + lk - lq + 1
+        if "mask" in prep.arrays:
+            al = np.logical_and(al, prep.arrays["mask"])
+        yield ("the window's left side -1 (unbounded) is read as the bound j >= i + Lk - Lq + 1",
+               ref_with(prep, mask=al))
 
 
 def _chunk_sigs(prep):
@@ -159,6 +168,14 @@ def _logits_in_dtype_sigs(prep):
                f"(HuggingFace's eager attention on {prep.dtype} tensors)", out)
 
 
+def _alibi_paper_slopes(h):
+    """The ALiBi paper's slopes for ``h`` heads: those of the power of two ``c`` below it,
+    then every other slope of ``2 c`` heads (Press et al.'s code, BLOOM's)."""
+    c = 2 ** int(np.floor(np.log2(h)))
+    geo = [2.0 ** (-8.0 * np.arange(1, n + 1) / n) for n in (c, 2 * c)]
+    return np.concatenate([geo[0], geo[1][0::2][: h - c]])
+
+
 def _alibi_sigs(prep):
     """ALiBi's other forms: attention-gym's signed distance (FlexAttention's usual
     ``score_mod``), the sign flipped, distances from the top-left corner."""
@@ -182,6 +199,17 @@ def _alibi_sigs(prep):
            "non-causal attention use -slope * abs(q_idx + Lk - Lq - kv_idx)", as_bias(m * (j - i)))
     yield ("ALiBi with the opposite sign (+slope |i + Lk - Lq - j|: distant keys favoured)",
            as_bias(m * np.abs(i + lk - lq - j)))
+    h = m.shape[1]
+    own = [("the paper's 2^(-8 h / H)", 2.0 ** (-8.0 * np.arange(1, h + 1) / h))]
+    if h & (h - 1):
+        own.append(("the paper's rule for H not a power of two (BLOOM's build_alibi_tensor)",
+                    _alibi_paper_slopes(h)))
+    for name, table in own:
+        if not np.allclose(table, slopes, rtol=1e-3, atol=0.0):
+            a = {**prep.arrays, "alibi_slopes": table}
+            yield (f"the alibi_slopes argument ignored: the kernel computes {name} itself "
+                   f"instead of the slopes it is given",
+                   prep.reference("float64", arrays=a, kwargs=dict(prep.kwargs)))
     if prep.case.nq != prep.case.nk or "seqlens_k" in prep.kwargs or "seqlens_q" in prep.kwargs:
         yield ("ALiBi distances from the top-left corner (-slope |i - j|), not from query i's key "
                "position i + Lk - Lq of its sequence", as_bias(-m * np.abs(i - j)))
