@@ -22,9 +22,10 @@ def _case(variant, pred):
 
 
 def _softmax(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None,
-             cap_after_bias=False):
+             cap_after_bias=False, cap_factor=True):
     """Softmax attention from its definition (FlashAttention's order: scale, cap, then bias
-    and ALiBi); ``cap_after_bias`` caps the biased logits instead."""
+    and ALiBi); ``cap_after_bias`` caps the biased logits instead, ``cap_factor=False``
+    caps as ``tanh(s / c)``."""
     nq, nk = q.shape[-2], k.shape[-2]
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else float(scale)
     s = scale * (q @ np.swapaxes(k, -1, -2))
@@ -35,7 +36,7 @@ def _softmax(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alib
     if alibi_slopes is not None:
         add = add - alibi_slopes.reshape(1, -1, 1, 1) * np.abs(i + nk - nq - j).astype(q.dtype)
     if softcap is not None and not cap_after_bias:
-        s = softcap * np.tanh(s / softcap)
+        s = (softcap if cap_factor else 1.0) * np.tanh(s / softcap)
     s = s + add
     if softcap is not None and cap_after_bias:
         s = softcap * np.tanh(s / softcap)
@@ -68,6 +69,21 @@ def test_softcap_after_the_bias_or_alibi_fails_where_it_passed_before():
         rows = [r for r in bad.results if r.output == "out"]
         assert [r.verdict for r in rows] == ["fail", "fail"], bad.table()
         assert all("soft-cap is applied after the bias/ALiBi" in r.diagnosis for r in rows)
+
+
+def test_a_soft_cap_without_its_factor_c_is_named():
+    """``tanh(s / c)`` instead of ``c tanh(s / c)`` was named "scaled by 1/d" on the biased
+    case (the bias dominates both outputs there) and "no known mistake" elsewhere."""
+
+    def kernel(q, k, v, *, bias=None, causal=False, scale=None, softcap=None, alibi_slopes=None):
+        return _softmax(q, k, v, bias=bias, causal=causal, scale=scale, softcap=softcap,
+                        alibi_slopes=alibi_slopes, cap_factor=False)
+
+    capped = _case("softmax", lambda c: c.tag == "softcap")
+    rep = verify(kernel, "softmax", backend="numpy", dtypes=("float32",), cases=capped, progress=False)
+    assert [r.verdict for r in rep.results] == ["fail"] * len(capped), rep.table()
+    assert all(r.diagnosis.startswith("the soft-cap's factor c is dropped") for r in rep.results), \
+        rep.table()
 
 
 def test_a_kernel_reading_batch_0s_bias_for_every_entry_fails():

@@ -110,6 +110,8 @@ def _softcap_sigs(prep):
     if "bias" in prep.arrays or "alibi_slopes" in prep.arrays:
         yield ("the soft-cap is applied after the bias/ALiBi (it caps the biased logits)",
                _capped_after_bias(prep, c, s))
+    yield ("the soft-cap's factor c is dropped: tanh(s q.k / c) instead of c tanh(s q.k / c)",
+           _capped_without_factor(prep, c, s))
 
 
 def eager_softmax(prep, dtype):
@@ -248,6 +250,19 @@ def _capped_after_bias(prep, c, s):
         i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
         add = add - np.asarray(slopes, dtype=np.float64).reshape(1, -1, 1, 1) * np.abs(i + lk - lq - j)
     a["bias"] = c * np.tanh((z + add) / c) - z
+    kwargs = {n: x for n, x in prep.kwargs.items() if n != "softcap"}
+    return prep.reference("float64", arrays=a, kwargs=kwargs)
+
+
+def _capped_without_factor(prep, c, s):
+    """The output of ``tanh(s q.k / c)`` (+ bias, ALiBi): the reference fed, with no cap,
+    the bias that turns its ``s q.k`` into those logits."""
+    a = dict(prep.arrays)
+    q, k = a["q"], a["k"]
+    if prep.kwargs.get("gqa"):
+        k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    z = s * (q @ np.swapaxes(k, -1, -2))
+    a["bias"] = a.get("bias", 0.0) + np.tanh(z / c) - z
     kwargs = {n: x for n, x in prep.kwargs.items() if n != "softcap"}
     return prep.reference("float64", arrays=a, kwargs=kwargs)
 
