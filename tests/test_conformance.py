@@ -235,9 +235,11 @@ def test_case_inputs_have_the_advertised_properties():
 def test_cases_filtered_by_reference_capabilities():
     # every softmax case is computable by the softmax reference
     # (cases of a family, Case.family, are that family's only: the recurrent one's, and
-    # exact softmax's large logits over 1000 keys)
+    # exact softmax's large logits over 1000 keys; those of a variant, Case.variant, that
+    # variant's: the sparse patterns' option cases)
     assert len(cases("softmax", "standard")) == len(
-        [c for c in cases(None, "standard") if c.family in (None, "softmax")])
+        [c for c in cases(None, "standard") if c.family in (None, "softmax")
+         and c.variant in (None, "softmax")])
 
 
 # --------------------------------------------------------------------- verify
