@@ -250,6 +250,12 @@ def reference_features(variant) -> frozenset:
     """Features the reference function of ``variant`` can compute."""
     spec = KernelSpec.of(variant.fn)
     feats = set(spec.features)
+    # A parameter named after a feature that is one of the variant's own registered
+    # options is that option: local's, Longformer's and BigBird's ``window`` is a
+    # half-width in tokens or blocks, not the softmax feature's ``(left, right)``, and the
+    # window cases only made their references raise (n/a rows, "multiple values for
+    # keyword argument 'window'").
+    feats -= {f for f in feats if spec.names.get(f) in variant.options}
     if not variant.causal:
         feats.discard("causal")
     feats.add("broadcast")  # every attn_ref function broadcasts leading dims
