@@ -137,9 +137,9 @@ class Case:
         boundaries, packed sequences, initial states); None: every variant. Not part of
         the id: a case of a family is run only for that family's variants, so other
         variants' suites (and their cost) are unchanged.
-    variant : str or None
-        The registered variant the case is for; None: every variant (of ``family``).
-        Like ``family``, not part of the id.
+    variant : str, tuple of str, or None
+        The registered variant (or variants) the case is for; None: every variant (of
+        ``family``). Like ``family``, not part of the id.
     options : tuple of (key, value)
         Variant options the case sets (a sparse pattern's window, block size, global
         tokens...), over the registered ones and those of ``options=``: a kernel that
@@ -203,6 +203,13 @@ class Case:
             parts.append(f"scale{self.scale:g}")
         parts += [f"{k}{_fmt(v)}" for k, v in self.params + self.options]
         return "/".join(parts[:1]) + ":" + "-".join(parts[1:])
+
+    def belongs_to(self, variant) -> bool:
+        """Whether the case is one of ``variant``'s: its family's (:attr:`family`) and
+        its own (:attr:`variant`), or every variant's. ``variant`` a registered
+        :class:`attn_ref.registry.Variant`."""
+        mine = (self.variant,) if isinstance(self.variant, str) else self.variant
+        return self.family in (None, variant.family) and (mine is None or variant.name in mine)
 
     def param(self, key, default=None):
         return dict(self.params).get(key, default)
@@ -307,6 +314,9 @@ class Case:
             v = v + np.linspace(-1.0, 1.0, self.nk)[:, None]
         elif self.dist == "fading_keys":
             k = k * np.linspace(_FADING_KEYS, 0.0, self.nk)[:, None]
+        for dst, src in self.param("copy_rows", ()):
+            # repeated tokens (padding, a repeated prompt): query row dst is row src exactly
+            q[..., dst, :] = q[..., src, :]
         arrays = {"q": q, "k": k, "v": v}
         kwargs: dict[str, Any] = {}
         if self.mask is not None:
@@ -750,6 +760,41 @@ def _sparse_options():
 CATALOGUE["standard"] += _sparse_options()
 CATALOGUE["exhaustive"] += _sparse_options()
 
+#: the k-means cases' clusters and seed (:func:`_kmeans_cases`)
+_KMEANS_CLUSTERS, _KMEANS_SEED = 4, 0
+
+
+def _kmeans_cases():
+    """``clustered`` and ``clustered_topk`` where their k-means' details show.
+
+    * An empty cluster: two of the initial centroid rows (``kmeans_initial_rows`` at the
+      case's fixed ``num_clusters`` and ``seed``) are the same query repeated, as padding
+      or repeated tokens make them; the first Lloyd step gives every member to the lower
+      index, and the other centroid must keep its position (:func:`attn_ref.reduced.kmeans`)
+      to take the repeated rows back at the next step. On random queries no cluster ever
+      empties (an independent audit counted 0 in 180 calls), so kernels dividing 0 / 0
+      (NaN) or resetting an empty centroid to the origin passed every case.
+    * One and two Lloyd iterations (``iterations``): at the registered ten, k-means has
+      converged on most cases, so a kernel running one step more or fewer, or skipping
+      the final assignment, changed the output on 5 or 6 standard cases only and passed
+      the quick suite.
+    """
+    from attn_ref.reduced import kmeans_initial_rows
+
+    n = 16
+    first, second = kmeans_initial_rows(n, _KMEANS_CLUSTERS, _KMEANS_SEED)[:2]
+    fixed = (("num_clusters", _KMEANS_CLUSTERS), ("seed", _KMEANS_SEED))
+    both = ("clustered", "clustered_topk")
+    return [Case("empty-cluster", (1, 2), n, n, 16, 16, variant=both, options=fixed,
+                 params=(("copy_rows", ((second, first),)),))] + [
+        Case("iterations", (1, 2), 33, 33, 16, 16, variant=both, options=(("iterations", it),))
+        for it in (1, 2)]
+
+
+CATALOGUE["quick"] += _kmeans_cases()
+CATALOGUE["standard"] += _kmeans_cases()
+CATALOGUE["exhaustive"] += _kmeans_cases()
+
 
 def _recurrent():
     """Cases of the recurrent family (issue 18): where chunked kernels go wrong.
@@ -892,7 +937,7 @@ def cases(variant: str | None = None, suite: str = "standard", *, grads: bool = 
         feats = reference_features(v)
         out = [c for c in out if c.needs <= feats and not (v.self_attention and c.nq != c.nk)
                and not (v.causal_only and c.causal is None)
-               and c.family in (None, v.family) and c.variant in (None, v.name)
+               and c.belongs_to(v)
                and (c.param("gates") is None or takes_gates(v))]
     return out
 

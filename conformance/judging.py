@@ -543,7 +543,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if family is not None and family != v.family:
         raise NotApplicable(f"a case of the {family} family; variant {v.name} is of the "
                             f"{v.family} family")
-    if case.variant is not None and case.variant != v.name:
+    if not case.belongs_to(v):
         raise NotApplicable(f"a case of variant {case.variant}, not {v.name}")
     if v.self_attention and case.nq != case.nk:
         raise NotApplicable(f"variant {v.name} is self-attention only (Nq == Nk)")
@@ -563,8 +563,11 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     if v.params is not None:
         # a case's option that the parameters are drawn from (block_sparse's block_size:
         # its layout has one entry per block) goes to the params function
-        derived = {n: case_options.pop(n) for n in list(case_options)
-                   if n in inspect.signature(v.params).parameters}
+        # (keyword-only: the positional seed and sizes are the oracle's; a case's seed
+        # option replaces the drawn parameter below, as any option naming one does)
+        keyword = {n for n, p in inspect.signature(v.params).parameters.items()
+                   if p.kind is p.KEYWORD_ONLY}
+        derived = {n: case_options.pop(n) for n in list(case_options) if n in keyword}
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=LOGITS_IN_FLOAT32, **v.batch_keyword(case.batch), **derived)
         raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)

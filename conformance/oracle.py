@@ -425,7 +425,7 @@ def verify(kernel, variant="softmax", /, *, backend, device=None, dtypes=("float
     v, spec, sem, bname = ctx.variant, ctx.kernel, ctx.semantics, ctx.backend_name
     todo = list(cases) if cases is not None else [
         c for c in _cases(None, suite, grads=bool(grads) or backward is not None)
-        if c.family is None or c.family == v.family]
+        if c.belongs_to(v)]
     report = Report(kernel=ctx.name, variant=v.name, backend=bname, layout=layout,
                     dtypes=tuple(dtypes), suite=suite, seed=seed, semantics=sem,
                     features=sorted(spec.features), signature_known=spec.signature_known,

@@ -138,9 +138,9 @@ def pytest_generate_tests(metafunc):
     from .catalogue import cases
 
     sess = _session(config)
-    # a family's cases (Case.family) only for that family's variants
-    todo = [c for c in cases(None, config.getoption("attn_suite"))
-            if c.family in (None, sess.variant.family)]
+    # a family's cases (Case.family) only for that family's variants, a variant's
+    # (Case.variant) for that variant
+    todo = [c for c in cases(None, config.getoption("attn_suite")) if c.belongs_to(sess.variant)]
     params, ids = [], []
     for dt in _dtypes(config):
         for c in todo:

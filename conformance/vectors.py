@@ -218,7 +218,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
     variant = with_options(variant, options)
     os.makedirs(directory, exist_ok=True)
     todo = list(cases) if cases is not None else [
-        c for c in _cases(None, suite) if c.family in (None, variant.family)]
+        c for c in _cases(None, suite) if c.belongs_to(variant)]
     entries, skipped = [], []
     for dt in dtypes:
         for i, case in enumerate(todo):

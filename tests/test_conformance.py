@@ -415,7 +415,7 @@ def test_progress_only_on_terminals():
 def test_export_vectors_round_trip(tmp_path):
     from conformance.vectors import export_vectors, load_vectors
 
-    quick = cases(None, "quick")
+    quick = cases("softmax", "quick")
     man = export_vectors(tmp_path, "softmax", dtypes=("float16", "bfloat16"), cases=quick,
                          layout="bnhd")
     raw = json.loads((tmp_path / "manifest.json").read_text())
@@ -499,7 +499,7 @@ def test_plugin_runs_one_item_per_case(tmp_path, monkeypatch):
     # per case the kernel's declared semantics exclude (the bottom-right causal case).
     rep = verify(correct_kernel, "softmax", backend="numpy", suite="quick", causal="top-left")
     verdicts = [r.verdict for r in rep.results if r.output == "out"]
-    assert len(verdicts) == len(cases(None, "quick")) and "n/a" in verdicts
+    assert len(verdicts) == len(cases("softmax", "quick")) and "n/a" in verdicts
     passed, skipped = verdicts.count("pass"), verdicts.count("n/a")
     assert passed + skipped == len(verdicts)
     assert seen.outcomes() == (passed, 0, skipped), (seen.outcomes(), passed, skipped)

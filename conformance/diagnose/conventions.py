@@ -318,6 +318,21 @@ def _reformer_weights_sigs(prep):
            prep.reference("float64", fn=unnormalised))
 
 
+def _kmeans_iteration_sigs(prep):
+    """k-means (``clustered``, ``clustered_topk``) run one Lloyd iteration more or fewer
+    than ``iterations`` (the cases at 1 and 2 iterations, where one step always shows)."""
+    if prep.variant.name not in ("clustered", "clustered_topk"):
+        return
+    import inspect
+
+    default = inspect.signature(prep.variant.fn).parameters["iterations"].default
+    it = prep.options.get("iterations", default)
+    for other, words in ((it + 1, "one Lloyd iteration more"), (it - 1, "one Lloyd iteration fewer")):
+        if other >= 0:
+            yield (f"k-means runs {words} than iterations={it} ({other})",
+                   prep.reference("float64", options={**prep.options, "iterations": other}))
+
+
 #: this module's signatures, in the order they are tried (registered by the package)
 CONVENTIONS = (
     Signature("performer eps", _performer_eps_sigs),
@@ -330,4 +345,5 @@ CONVENTIONS = (
     Signature("bigbird window width", _bigbird_window_sigs),
     Signature("reformer round weights", _reformer_weights_sigs),
     Signature("reformer look-back and duplicates", _reformer_sigs),
+    Signature("k-means iterations", _kmeans_iteration_sigs),
 )
