@@ -54,7 +54,15 @@ import math
 
 import array_api_compat
 
-from ._checks import check_array, check_positive_int, check_qkv, check_real, default_scale, namespace
+from ._checks import (
+    check_array,
+    check_index_array,
+    check_positive_int,
+    check_qkv,
+    check_real,
+    default_scale,
+    namespace,
+)
 from ._common import causal_alignment, ceil_div, finite_max, scaled_logits
 from .random import standard_normal
 
@@ -153,6 +161,15 @@ def lsh_buckets(x, rotations, /, *, xp=None):
     return xp.matrix_transpose(xp.argmax(xp.concat([u, -u], axis=-1), axis=-1))
 
 
+def _given_buckets(k, rotations, buckets, xp):
+    """:func:`lsh_buckets` of ``k``, with the buckets ``buckets (..., n_hashes, N)`` gives
+    where they are ``>= 0`` (None: every bucket hashed)."""
+    hashed = lsh_buckets(k, rotations, xp=xp)
+    if buckets is None:
+        return hashed
+    return xp.where(buckets >= 0, xp.astype(buckets, hashed.dtype), hashed)
+
+
 def lsh_chunks(buckets, chunk_size, /, *, xp=None):
     """Sort each round by ``(bucket, position)`` and cut it into chunks of ``chunk_size``.
 
@@ -239,11 +256,14 @@ def _union_mask(xp, count, causal):
 
 
 def prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit, scale, xp, look_back="round",
-                     dedup=True):
+                     dedup=True, buckets=None):
     """Check the inputs of :func:`reformer_attention`: ``(xp, batch, alignment, scale)``."""
     xp, batch = check_qkv(q, k, v, xp=xp, same_length=True)
     xp = namespace(("q", q), ("rotations", rotations), xp=xp)
     _check_rotations(rotations, k.shape[-1], k)
+    if buckets is not None:
+        check_index_array("reformer_attention", "buckets", buckets, (rotations.shape[1], k.shape[-2]),
+                          "n_hashes, N", ", one bucket (or -1) per round and token")
     check_positive_int("chunk_size", chunk_size)
     _check_look_back(look_back)
     if not isinstance(dedup, bool):
@@ -280,13 +300,13 @@ def _look_back(xp, x, axis, look_back="round"):
 
 
 def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                    scale=None, look_back="round", dedup=True, xp=None):
+                    scale=None, look_back="round", dedup=True, buckets=None, xp=None):
     """Each round's output and log-sum-exp, before the rounds are combined.
 
     Sort, chunk, attend to the chunk and the one before, unsort: the efficient form of
     one round, with each pair's logit lowered by ``log`` of the number of times the
     pair is found over all rounds (the duplicate correction; none with ``dedup=False``).
-    ``look_back`` as in :func:`reformer_attention`.
+    ``look_back`` and ``buckets`` as in :func:`reformer_attention`.
 
     Returns
     -------
@@ -301,13 +321,13 @@ def reformer_rounds(q, k, v, /, *, rotations, chunk_size, causal=False, self_log
     the duplicate count), ``O(H N c)`` extra memory.
     """
     xp, batch, alignment, scale = prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit,
-                                                   scale, xp, look_back, dedup)
+                                                   scale, xp, look_back, dedup, buckets)
     n, dv = q.shape[-2], v.shape[-1]
     q, k, v = (xp.broadcast_to(x, batch + tuple(x.shape[-2:])) for x in (q, k, v))
     c = chunk_size
     n_chunks = ceil_div(n, c)
     pad = n_chunks * c - n
-    order, chunk = lsh_chunks(lsh_buckets(k, rotations, xp=xp), c, xp=xp)
+    order, chunk = lsh_chunks(_given_buckets(k, rotations, buckets, xp), c, xp=xp)
     dev = array_api_compat.device(q)
     if pad:
         # padded places hold position 0 and are masked as keys; their query rows are dropped
@@ -379,7 +399,7 @@ def combine_rounds(out, lse, /, *, xp=None):
 
 
 def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                       scale=None, look_back="round", dedup=True, xp=None):
+                       scale=None, look_back="round", dedup=True, buckets=None, xp=None):
     """Reformer LSH attention: hash, sort, attend in chunks with one chunk of look-back.
 
     Parameters
@@ -410,6 +430,12 @@ def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_
         Count a pair found several times once (default), or as often as it is found
         (``False``: HuggingFace's ``LSHSelfAttention``, reformer-pytorch's
         ``allow_duplicate_attention=True``).
+    buckets : int array, shape (..., n_hashes, N), optional
+        Fixes the bucket of token ``j`` in round ``r`` where ``buckets[..., r, j] >= 0``;
+        ``-1`` hashes it (:func:`lsh_buckets`). A bucket is a discrete choice: where two
+        hash logits are within a dtype's rounding, a kernel may hash a token either way,
+        and ``conformance`` judges it against each such function
+        (``docs/conformance.md``, "Reformer's near ties").
 
     Returns
     -------
@@ -434,12 +460,13 @@ def reformer_attention(q, k, v, /, *, rotations, chunk_size, causal=False, self_
     """
     xp = namespace(("q", q), ("k", k), ("v", v), xp=xp)
     out, lse = reformer_rounds(q, k, v, rotations=rotations, chunk_size=chunk_size, causal=causal,
-                               self_logit=self_logit, scale=scale, look_back=look_back, dedup=dedup, xp=xp)
+                               self_logit=self_logit, scale=scale, look_back=look_back, dedup=dedup,
+                               buckets=buckets, xp=xp)
     return combine_rounds(out, lse, xp=xp)
 
 
 def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                     scale=None, look_back="round", dedup=True, xp=None):
+                     scale=None, look_back="round", dedup=True, buckets=None, xp=None):
     """The defining form: the ``(..., N, N)`` masked softmax the buckets imply.
 
     ``softmax`` of ``scale q_i . k_j`` (``self_logit`` on the diagonal) over the union
@@ -458,8 +485,8 @@ def reformer_weights(q, k, /, *, rotations, chunk_size, causal=False, self_logit
     True
     """
     xp, batch, alignment, scale = prepare_reformer(q, k, k, rotations, chunk_size, causal, self_logit,
-                                                   scale, xp, look_back, dedup)
-    _, chunk = lsh_chunks(lsh_buckets(k, rotations, xp=xp), chunk_size, xp=xp)
+                                                   scale, xp, look_back, dedup, buckets)
+    _, chunk = lsh_chunks(_given_buckets(k, rotations, buckets, xp), chunk_size, xp=xp)
     count = lsh_pair_counts(chunk, chunk_size, look_back=look_back, xp=xp)
     allowed = _union_mask(xp, count, alignment or False)
     s = scaled_logits(xp, q @ xp.matrix_transpose(k), scale)

@@ -366,11 +366,11 @@ def _case_keywords(v) -> set:
 #: keywords that fix a discrete choice of the reference (clustered_topk's
 #: ``topk_keys``, routing's ``query_routes`` and ``key_routes`` or, plain,
 #: ``query_clusters`` and ``key_clusters``, the k-means ``assignments`` of clustered and
-#: clustered_topk): the oracle's handle
+#: clustered_topk, reformer's hash ``buckets``): the oracle's handle
 #: on a near tie's other admissible choice (:mod:`conformance.ties`), per case and head,
 #: never an option of what a kernel computes
 TIE_KEYWORDS = frozenset({"topk_keys", "query_routes", "key_routes", "assignments",
-                          "query_clusters", "key_clusters"})
+                          "query_clusters", "key_clusters", "buckets"})
 
 
 def option_names(variant) -> tuple:

@@ -230,3 +230,25 @@ def test_calibration_rounds_differ_only_on_first_chunks(monkeypatch, n_hashes):
     first = np.any(chunk == 0, axis=-2)
     np.testing.assert_allclose(theirs[~first], ours[~first], rtol=0, atol=1e-8)
     assert np.abs(theirs[first] - ours[first]).max() > 1e-2  # a real convention difference
+
+
+def test_given_buckets_fix_the_hash_where_set():
+    import array_api_strict as xp
+
+    x = xp.reshape(xp.sin(xp.arange(96.0)), (2, 12, 4))
+    r = lsh_rotations(4, 2, 4, seed=0, xp=xp)
+    hashed = lsh_buckets(x, r)
+    kw = dict(rotations=r, chunk_size=3)
+    none = xp.full(tuple(hashed.shape), -1, dtype=xp.int64)
+    np.testing.assert_array_equal(np.asarray(reformer_attention(x, x, x, buckets=none, **kw)),
+                                  np.asarray(reformer_attention(x, x, x, **kw)))
+    moved = np.asarray(hashed).copy()
+    moved[0, 1, 5] = (moved[0, 1, 5] + 1) % 4  # one token of one round in another bucket
+    given = xp.asarray(moved)
+    out = reformer_attention(x, x, x, buckets=given, **kw)
+    assert not np.allclose(np.asarray(out), np.asarray(reformer_attention(x, x, x, **kw)))
+    # the efficient form and the defining one agree on the given buckets
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reformer_weights(x, x, buckets=given, **kw) @ x),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"buckets must be an integer array of shape \(\.\.\., n_hashes"):
+        reformer_attention(x, x, x, buckets=given[..., :5], **kw)

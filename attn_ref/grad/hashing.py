@@ -22,12 +22,12 @@ __all__ = ["reformer_attention"]
 
 
 def reformer_attention(q, k, v, do, /, *, rotations, chunk_size, causal=False, self_logit=DEFAULT_SELF_LOGIT,
-                       scale=None, look_back="round", dedup=True, xp=None):
+                       scale=None, look_back="round", dedup=True, buckets=None, xp=None):
     """VJP of :func:`attn_ref.hashing.reformer_attention`: ``{"q", "k", "v"}``.
 
     Parameters
     ----------
-    q, k, v, rotations, chunk_size, causal, self_logit, scale, look_back, dedup, xp
+    q, k, v, rotations, chunk_size, causal, self_logit, scale, look_back, dedup, buckets, xp
         As in :func:`attn_ref.hashing.reformer_attention`; with ``dedup=False`` the
         ``log c_ij`` added to each logit is a constant like the buckets.
     do : array, shape (..., N, dv)
@@ -59,10 +59,11 @@ def reformer_attention(q, k, v, do, /, *, rotations, chunk_size, causal=False, s
     (['k', 'q', 'v'], (6, 4))
     """
     xp, batch, alignment, scale = prepare_reformer(q, k, v, rotations, chunk_size, causal, self_logit,
-                                                   scale, xp, look_back, dedup)
+                                                   scale, xp, look_back, dedup, buckets)
     do = check_cotangent(xp, do, batch + (q.shape[-2], v.shape[-1]), q)
     p = reformer_weights(q, k, rotations=rotations, chunk_size=chunk_size, causal=causal,
-                         self_logit=self_logit, scale=scale, look_back=look_back, dedup=dedup, xp=xp)
+                         self_logit=self_logit, scale=scale, look_back=look_back, dedup=dedup,
+                         buckets=buckets, xp=xp)
     ds = softmax_vjp(xp, p, do @ transpose(xp, v))
     if self_logit is not None:
         # the replaced diagonal logit is a constant
