@@ -1072,8 +1072,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
                                             f"the others left out for a tie of more tokens than "
                                             f"{prep.dtype} resolves")
         again = None if rerun is None else functools.partial(_gradient_of, rerun, n)
-        ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts),
-                      keep)
+        ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts,
+                                    prep.tie_exact), keep)
               for b in bases if n in b]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
@@ -1445,8 +1445,8 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
         hosts[n] = h
         # against the gradient of the admissible choice nearest to it at a near tie
         again = None if g.get("rerun") is None else functools.partial(_gradient_of, g["rerun"], n)
-        m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep, again, prep.tie_conflicts),
-                    keep)
+        m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep, again, prep.tie_conflicts,
+                               prep.tie_exact), keep)
         res = _judge(prep, m, out_name, tmax, trms, bm)
         res.time_s, res.shapes = elapsed, shapes
         rows.append(res)

@@ -139,7 +139,7 @@ class Prepared:
     tie_set : conformance.ties.Ties or None
         The near ties of a discrete choice the dtype cannot resolve (clustered_topk's
         top-k selections, routing's, the k-means assignments of clustered and
-        clustered_topk) and every other admissible choice at each.
+        clustered_topk, reformer's hash buckets) and every other admissible choice at each.
     ties : list
         Per near tie, what each other admissible choice changes in the golden: the
         kernel's output is judged against the nearest admissible golden
@@ -181,6 +181,12 @@ class Prepared:
         """Per near tie, the ties it excludes (:attr:`conformance.ties.Ties.conflicts`)."""
         return None if self.tie_set is None else self.tie_set.conflicts
 
+    @property
+    def tie_exact(self) -> int:
+        """How many choices :func:`conformance.ties.nearest` recomputes a step
+        (:attr:`conformance.ties.Ties.exact`; 0: the differences add)."""
+        return 0 if self.tie_set is None else self.tie_set.exact
+
     # -- the reference in any NumPy dtype, used for golden, baseline and diagnosis
     def reference(self, dtype="float64", *, arrays=None, kwargs=None, fn=None, options=None, xp=None):
         arrays = self.arrays if arrays is None else arrays
@@ -217,7 +223,8 @@ class Prepared:
         """The golden of the admissible choice nearest to ``out_host`` at each near tie
         (:func:`conformance.ties.nearest`); the golden itself where there is none."""
         together = None if self.tie_golden is None else (lambda p: self.tie_golden(p)["out"])
-        return nearest(out_host, self.golden, self.ties, self.keep, together, self.tie_conflicts)
+        return nearest(out_host, self.golden, self.ties, self.keep, together, self.tie_conflicts,
+                       self.tie_exact)
 
     def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
         """Judge a kernel output (host, canonical layout) against the golden (of the

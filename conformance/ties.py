@@ -116,6 +116,9 @@ class Ties:
     #: selection, which moves the cluster's members only, does not show it
     #: (:meth:`loose_rows`)
     loose: Any = None
+    #: choices :func:`nearest` recomputes a step where they need not add at all
+    #: (reformer's buckets, :data:`HASH_EXACT`); 0: the differences choose
+    exact: int = 0
 
     @functools.cached_property
     def conflicts(self) -> list:
@@ -188,11 +191,11 @@ class Ties:
         """
         rounds = []
         for name, sel in self.chosen.items():
-            # a row per centroid (..., C, w), per Lloyd step (..., T, N); plain routing's
-            # keywords a value per token (..., N)
+            # a row per centroid (..., C, w), per Lloyd step (..., T, N) or per hashing
+            # round (..., R, N); plain routing's keywords a value per token (..., N)
             batch = tuple(sel.shape[:-1] if name in TOKEN_KEYWORDS else sel.shape[:-2])
             own_row = rows and name == "query_clusters"
-            picks = [(t, o, pos if own_row else pos[:-1]) for t, ((kw, pos), opts)
+            picks = [(t, o, pos if own_row else pos[:len(batch)]) for t, ((kw, pos), opts)
                      in enumerate(self.ties) if kw == name for o in range(len(opts))]
             if all(tuple(np.shape(g)[:-2]) == batch for g in golden.values()):
                 by_region = {}
@@ -231,6 +234,8 @@ def alternatives(prep) -> Ties | None:
         rows = _topk_rows(prep, u)
     elif prep.variant.name == "routing":
         rows = _routing_rows(prep, u)
+    elif prep.variant.name == "reformer":
+        rows = {}
     else:
         return None
     chosen, found, far, near = {}, [], {}, {}
@@ -261,7 +266,10 @@ def alternatives(prep) -> Ties | None:
         _kmeans_ties(prep, u, chosen, ties)
     if prep.variant.name == "routing":
         _plain_routing_ties(prep, u, chosen, ties)
-    return Ties(chosen, list(ties.items()), far, loose) if ties else None
+    if prep.variant.name == "reformer":
+        _hash_ties(prep, u, chosen, ties)
+    exact = HASH_EXACT if prep.variant.name == "reformer" else 0
+    return Ties(chosen, list(ties.items()), far, loose, exact) if ties else None
 
 
 def _loose_queries(chosen, near, far, nq):
@@ -400,6 +408,67 @@ def _near_assignments(d, e):
         close = np.where(margin > 0, gap / margin, 0.0)
     return [(float(close[(*h, i, b)]), tuple(map(int, h)), int(i), int(b))
             for *h, i, b in np.argwhere((gap <= margin) & (np.arange(d.shape[-1]) != a))]
+
+
+#: reformer's hashed tokens with another admissible bucket tried per head (nearest first,
+#: up to :data:`PER_CASE` in all): each takes a run of the reference per head. Of the
+#: bfloat16 standard suite (seed 0) a head has up to 277 tokens within the margin
+#: (1000 tokens, 2 rounds); a kernel's flips are at the nearest of them (MEASURED)
+HASH_PER_HEAD = 32
+#: reformer's choices recomputed per step of :func:`nearest` (MEASURED)
+HASH_EXACT = 64
+
+
+def _hash_ties(prep, u, chosen, ties):
+    """Add to ``ties`` (``{at: [option]}``, :func:`alternatives`) reformer's near ties:
+    a key whose two largest hash logits ``[x R, -x R]`` are about as near as the dtype
+    resolves, so that a kernel may hash it into either bucket
+    (:func:`attn_ref.hashing.lsh_buckets`).
+
+    The hash is scale-invariant, so a kernel may hash ``k`` or ``k / |k|``; in units of
+    the unit key ``x = k / |k|`` the logit ``l_b = x . r_b`` of rotation column ``r_b``
+    rounds by about ``u`` per coordinate of ``x`` and ``u |l_b|`` stored: the margin is
+    routing's (:func:`_routing_rows`), ``e_b = 2 u (|x| . |r_b| + |l_b|)``, and buckets
+    ``a`` (the largest) and ``b`` are a near tie when ``l_a - l_b <= e_a + e_b``. A
+    zero key (every logit exactly 0) hashes to bucket 0 in any dtype: no tie.
+
+    A tie per (head, round, token), an option per such ``b``: ``chosen["buckets"]``
+    ``(..., R, N)``, all ``-1`` (hashed, :func:`attn_ref.hashing.reformer_attention`),
+    with that token set to ``b``, and with it every token of its head whose key is the
+    same (identical keys round alike: ``constant-keys``). Up to :data:`HASH_PER_HEAD`
+    per head, nearest first, and :data:`PER_CASE` in all. A bucket moves a token in its
+    round's sort, so choices at different tokens need not add: :func:`nearest`
+    recomputes the golden of those taken together.
+    """
+    k = np.asarray(prep.arrays["k"], dtype=np.float64)
+    rot = np.asarray(prep.params["rotations"], dtype=np.float64)
+    norm = np.sqrt(np.sum(k * k, axis=-1, keepdims=True))
+    x = k / np.where(norm > 0, norm, 1.0)
+    half = np.einsum("...nd,dhb->...hnb", x, rot)
+    size = np.einsum("...nd,dhb->...hnb", np.abs(x), np.abs(rot))
+    logits = np.concatenate([half, -half], axis=-1)  # (..., R, N, 2B)
+    err = 2.0 * u * (np.concatenate([size, size], axis=-1) + np.abs(logits))
+    zero = norm[..., 0] == 0  # (..., N)
+    found = [f for f in _near_assignments(-logits, err) if not zero[f[1][:-1] + (f[2],)]]
+    found.sort(key=lambda f: f[0])
+    per_head, picks = {}, []
+    for _, at, i, b in found:
+        head = at[:-1]
+        if per_head.get(head, 0) < HASH_PER_HEAD and len(picks) < PER_CASE:
+            per_head[head] = per_head.get(head, 0) + 1
+            picks.append((at, i, b))
+    if not picks:
+        return
+    chosen["buckets"] = np.full(logits.shape[:-1], -1, dtype=np.int64)
+    done = set()
+    for at, i, b in picks:
+        head, r = at[:-1], at[-1]
+        same = np.flatnonzero(np.all(k[head] == k[head + (i,)], axis=-1))
+        if (head, r, int(same[0]), b) in done:
+            continue
+        done.add((head, r, int(same[0]), b))
+        option = tuple((("buckets", head + (r, int(j))), np.int64(b)) for j in same)
+        ties.setdefault(("buckets", head + (r, int(same[0]))), []).append(option)
 
 
 #: variants whose queries are clustered by :func:`attn_ref.reduced.kmeans`
@@ -563,7 +632,7 @@ def moved(alt, golden, queries=True, size=None) -> np.ndarray:
     return np.broadcast_to(rows, golden.shape)
 
 
-def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
+def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None, exact=0):
     """The golden of the admissible choice nearest to ``got``: ``golden`` plus, at each
     tie, the one of its ``deltas`` (each the difference an other choice makes, or
     nothing) that leaves the least squared error on the compared values, the ties
@@ -576,6 +645,12 @@ def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
     once, ``picks`` ``[(tie, option)]``: the differences only choose them. A tie
     taken excludes its ``conflicts`` (:attr:`Ties.conflicts`: a k-means tie's option
     is a whole other clustering of its head).
+
+    With ``exact`` (and ``rerun``) the choices need not add at all (reformer's buckets:
+    a token moved to another bucket shifts the chunks of every token sorted between, and
+    two such moves over the same tokens shift them by two, not by the sum of two shifts):
+    the ``exact`` best changes by their differences are recomputed with the choices
+    taken, and the best of them taken while it lowers the error (:func:`_nearest_exact`).
     """
     if not deltas:
         return golden
@@ -591,6 +666,8 @@ def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
     # none does (tie by tie in order, a joint option that matched half of a kernel's
     # choice was taken before the tie of its other half: routing, cross:b2h1-q129k63-d32)
     picks, now = [], err(cur)
+    if exact and rerun is not None:
+        return _nearest_exact(err, cur, now, deltas, rerun, exact)
     while True:
         taken = {t for t, _ in picks}
         if conflicts is not None:
@@ -611,6 +688,33 @@ def nearest(got, golden, deltas, keep=None, rerun=None, conflicts=None):
     if rerun is not None and len(picks) > 1:
         return np.asarray(rerun(tuple(picks)), dtype=np.float64)
     return cur
+
+
+def _nearest_exact(err, cur, now, deltas, rerun, exact):
+    """:func:`nearest` for choices that need not add: the differences rank every change
+    of one tie's choice (an option taken, another option at a tie taken: a token about
+    as near three buckets, whose wrong option alone lowered the error more); the
+    ``exact`` best are recomputed with the choices taken (``rerun``), and the one that
+    lowers the error most is taken, until none does."""
+    picks = {}
+    while True:
+        ranked = []
+        for t, options in enumerate(deltas):
+            old = picks.get(t)
+            for o, d in enumerate(options):
+                if o != old:
+                    ranked.append((err(cur + d - (0 if old is None else options[old])), t, o))
+        ranked.sort(key=lambda r: r[0])
+        best, best_err, best_cur = None, now, None
+        for _, t, o in ranked[:exact]:
+            alt = np.asarray(rerun(tuple(sorted({**picks, t: o}.items()))), dtype=np.float64)
+            e = err(alt)
+            if e < best_err:
+                best, best_err, best_cur = (t, o), e, alt
+        if best is None:
+            return cur
+        picks[best[0]] = best[1]
+        cur, now = best_cur, best_err
 
 
 def settled(shape, deltas, below=0.0) -> np.ndarray:

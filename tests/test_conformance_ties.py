@@ -436,3 +436,46 @@ def test_kmeans_margins_name_a_near_tie_in_a_failure_on_few_heads():
 
     assert "k-means assignment within bfloat16's rounding" in off_on(0, 0)
     assert "k-means" not in off_on(1, 4)
+
+
+#: (dtype, case) where a correct kernel hashing the unit keys ``k / |k|`` in the dtype
+#: flipped one bucket at a near tie (an independent audit: ratios 194, 216 and 21.7)
+HASHED = (("float16", "long:b1h1-q1000k1000-d64"), ("float16", "range:b3h5-q37k37-d16-causal-tl"),
+          ("bfloat16", "causal:b2h1-q65k65-d32-causal-br"))
+
+
+def _unit_key_reformer(torch, half_only=False):
+    """Reformer hashing ``k / |k|`` in the input dtype, the rest in float32; with
+    ``half_only`` the planted bug ``argmax(x R)`` (half the buckets)."""
+    def kernel(q, k, v, *, rotations, chunk_size, causal=False, scale=None):
+        kn = k / k.float().norm(dim=-1, keepdim=True).clamp_min(1e-30).to(k.dtype)
+        d, h, b = rotations.shape
+        u = (kn @ rotations.reshape(d, h * b)).reshape(k.shape[:-1] + (h, b)).movedim(-2, -3)
+        bucket = torch.argmax(u if half_only else torch.cat([u, -u], -1), -1)
+        n = q.shape[-2]
+        pos = torch.arange(n)
+        chunk = torch.argsort(torch.argsort(bucket * n + pos, -1), -1) // chunk_size
+        ci, cj = chunk[..., :, None], chunk[..., None, :]
+        union = ((cj == ci) | (cj == (ci - 1) % max(-(-n // chunk_size), 1))).any(-3)
+        s = (q.float() @ k.float().transpose(-1, -2)) * ((1.0 / d ** 0.5) if scale is None else scale)
+        s = torch.where(torch.eye(n, dtype=torch.bool), torch.tensor(-5e4), s)
+        if causal:
+            union = union & (pos[None, :] <= pos[:, None])
+        return (torch.softmax(s.masked_fill(~union, float("-inf")), -1) @ v.float()).to(q.dtype)
+    return kernel
+
+
+@pytest.mark.parametrize("dtype,case_id", HASHED)
+def test_a_reformer_kernel_that_hashed_otherwise_at_a_near_tie_passes_and_a_bucket_bug_fails(dtype, case_id):
+    torch = pytest.importorskip("torch")
+    case = {c.id: c for c in cases("reformer", "standard")}[case_id]
+    prep = prepare(case, "reformer", dtype, causal="both")
+    assert "buckets" in prep.tie_set.chosen
+
+    def run(kernel):
+        rep = verify(kernel, "reformer", backend="torch", dtypes=(dtype,), cases=[case], causal="both",
+                     diagnose=False, progress=False, time_limit=None)
+        return [r.verdict for r in rep.results]
+
+    assert run(_unit_key_reformer(torch)) == ["pass"]  # failed at 194, 216, 21.7 without the ties
+    assert run(_unit_key_reformer(torch, half_only=True)) == ["fail"]
