@@ -314,7 +314,7 @@ def _trial_params(v) -> dict:
                     xp=LOGITS_IN_FLOAT32)
 
 
-def _distinct_value_taps(raw, seed):
+def _distinct_value_taps(raw, seed, options):
     """Memory-compressed attention's value kernel with a different scalar per tap.
 
     The registered parameters compress the values with the averaging kernel
@@ -332,9 +332,28 @@ def _distinct_value_taps(raw, seed):
     return {**raw, "v_weight": taps[:, None, None] * np.eye(dv)}
 
 
+def _unequal_centroids(raw, seed, options):
+    """Plain routing's centroids scaled to lengths ``2^u``, ``u`` uniform in ``[-1, 1]``
+    from the seed, one per centroid.
+
+    Plain routing (``balanced=False``) sends a token ``x`` to the centroid nearest
+    ``x / |x|``, ``argmin_c |mu_c|^2 - 2 mu_c . x / |x|``. On the registered unit
+    centroids that is also the largest ``mu_c . x`` and the centroid nearest ``x``
+    itself, so kernels assigning by either passed every case. Balanced routing ranks
+    each centroid's tokens by ``mu_c . x / |x|``, which no length changes: its
+    centroids stay as registered.
+    """
+    mu = raw.get("centroids")
+    if options.get("balanced", True) or mu is None:
+        return raw
+    lengths = 2.0 ** np.random.default_rng(seed).uniform(-1.0, 1.0, mu.shape[-2])
+    return {**raw, "centroids": np.asarray(mu) * lengths[:, None]}
+
+
 #: Changes the oracle makes to a variant's registered parameters, so that its cases can
-#: tell apart the mistakes a kernel makes: ``{variant: fn(params, seed) -> params}``.
-PARAM_CHANGES = {"compressed": _distinct_value_taps}
+#: tell apart the mistakes a kernel makes: ``{variant: fn(params, seed, options) ->
+#: params}``, ``options`` the variant's with the case's.
+PARAM_CHANGES = {"compressed": _distinct_value_taps, "routing": _unequal_centroids}
 
 
 def unit_rows(x):
@@ -577,7 +596,8 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         derived = {n: case_options.pop(n) for n in list(case_options) if n in keyword}
         raw = v.params(seed, case.nq, case.nk, case.d, case.dv, dtype=np.float64,
                        device="cpu", xp=LOGITS_IN_FLOAT32, **v.batch_keyword(case.batch), **derived)
-        raw = PARAM_CHANGES.get(v.name, lambda raw, seed: raw)(raw, seed)
+        raw = PARAM_CHANGES.get(v.name, lambda raw, seed, options: raw)(
+            raw, seed, {**v.options, **dict(case.options)})
         if case.param("gate_normalizer") is not None and "g" in raw:
             # the slow-decay cases: long memory (conformance.catalogue, GATE_NORMALIZER)
             raw = {**raw, "g": np.asarray(raw["g"]) / case.param("gate_normalizer")}

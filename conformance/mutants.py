@@ -920,10 +920,13 @@ def routing_kernel(mistake=None):
                                   batch + (centroids.shape[-2], x.shape[-2])) for x in (q, k))
         causal = align or False
         if not balanced:
-            # nearest = largest mu . x_hat for the unit centroids of the registry
+            # nearest: the least |mu|^2 - 2 mu . x_hat (the oracle draws centroids of
+            # unequal lengths here, on which the largest mu . x_hat is another centroid)
+            sq2 = np.sum(centroids * centroids, axis=-1)[..., :, None]
+            dq, dk = sq2 - 2 * sq, sq2 - 2 * sk
             place = 1 if mistake == "second nearest" and sq.shape[-2] > 1 else 0
-            cq = np.argsort(-sq, axis=-2, kind="stable")[..., place, :]
-            ck = np.argmax(sk, axis=-2)
+            cq = np.argsort(dq, axis=-2, kind="stable")[..., place, :]
+            ck = np.argmin(dk, axis=-2)
             mask = cq[..., :, None] == ck[..., None, :]
             return np.asarray(attention_weights(q, k, mask=mask, causal=causal, scale=scale,
                                                 xp=xp) @ v, dtype=q.dtype)

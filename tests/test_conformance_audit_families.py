@@ -257,3 +257,43 @@ def test_compressed_convolution_summed_tap_by_tap_passes_and_1e_4_off_fails():
                      dtypes=("float32",), cases=chosen, seed=seed, progress=False,
                      diagnose=False)
         assert [r.verdict for r in bad.results] == ["fail"], bad.table()
+
+
+def _plain_routing_kernel(rule="distance"):
+    """Plain routing (Roy et al. 2021, ``balanced=False``): each query and key to its
+    nearest centroid, softmax over the keys that share the query's. ``rule``: nearest by
+    ``|x / |x| - mu|`` (the documented one), by the largest ``mu . x`` (``"dot"``) or by
+    ``|x - mu|`` (``"unnormalised"``)."""
+    def nearest(x, mu):
+        if rule == "dot":
+            return np.argmax(x @ mu.T, axis=-1)
+        if rule == "distance":
+            x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-300)
+        return np.argmin(np.sum((x[..., :, None, :] - mu) ** 2, axis=-1), axis=-1)
+
+    def kernel(q, k, v, *, centroids, balanced=True, causal=False, scale=None):
+        assert not balanced
+        allowed = nearest(q, centroids)[..., :, None] == nearest(k, centroids)[..., None, :]
+        if causal:
+            nq, nk = q.shape[-2], k.shape[-2]
+            off = nk - nq if causal == "bottom-right" else 0
+            allowed = allowed & (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + off)
+        return _masked_softmax(q, k, v, allowed, scale)
+    return kernel
+
+
+def test_plain_routing_by_dot_product_or_unnormalised_tokens_fail():
+    # Before: the oracle drew unit centroids only, on which the nearest centroid to
+    # x / |x|, the largest mu . x and the nearest to x itself are one centroid: both wrong
+    # kernels passed all 130 standard rows (float64 and float32, seed 0). Plain routing's
+    # centroids now have lengths 2^u, u in [-1, 1]; they fail 114 and 118 of 130.
+    chosen = [c for c in cases("routing", "standard")
+              if c.id.startswith(("basic:", "cross:")) and c.causal is None and c.nq > 1]
+    opts = {"balanced": False}
+    good = verify(_plain_routing_kernel(), "routing", backend="numpy", dtypes=("float64",),
+                  cases=chosen, options=opts, progress=False, diagnose=False)
+    assert good.passed and all(r.verdict == "pass" for r in good.results), good.table()
+    for rule in ("dot", "unnormalised"):
+        bad = verify(_plain_routing_kernel(rule), "routing", backend="numpy", dtypes=("float64",),
+                     cases=chosen, options=opts, progress=False, diagnose=False)
+        assert all(r.verdict == "fail" for r in bad.results), bad.table()
