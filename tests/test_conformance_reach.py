@@ -131,9 +131,11 @@ FAVOR_CASES = [Case("favor", (2, 3), 17, 17, 16, 16), Case("favor", (1, 2), 9, 2
                Case("favor", (1, 2), 16, 16, 8, 8, dist="large_logits"),
                Case("favor", (1, 2), 33, 33, 1, 1), Case("favor", (1, 2), 33, 33, 2, 2),
                Case("favor", (1, 2), 65, 65, 32, 32, dist="constant_keys")]
+# the quick suite of exact softmax, the variant these tests verify (the k-means cases are
+# clustered's and clustered_topk's only: Case.variant)
+QUICK = cases("softmax", "quick")
 # cases of the catalogue for the command line (its ids are what --case and -k take):
 # the first plain one, and the first causal one with Nq == Nk and nothing else
-QUICK = cases(None, "quick")
 PLAIN = next(c for c in QUICK if not c.needs - {"value_dim"})
 CAUSAL = next(c for c in QUICK if c.needs - {"value_dim"} == {"causal"} and c.nq == c.nk)
 FAVOR_OPTIONS = {"kernel": "positive", "stabilize": True}
