@@ -183,3 +183,32 @@ def test_gla_last_partial_chunk_dropped_is_named_and_at_t_1_with_its_twin():
         (row,) = [r for r in _failures(kernel, name, "float32", [by_id[cid]]) if r.output == "out"]
         assert row.diagnosis.startswith("the last partial chunk of each sequence is dropped"), row.diagnosis
         assert f"tokens {tokens} are zero" in row.diagnosis and "causal" not in row.diagnosis, row.diagnosis
+
+
+@pytest.mark.parametrize("name", ["k", "v"])
+@pytest.mark.parametrize("read", ["bnhd", "bhnd", "column-major"])
+def test_an_input_read_through_the_wrong_index_arithmetic_is_named(name, read):
+    # A C/CUDA kernel reading one raw buffer as another layout (heads and sequence swapped
+    # by a stride) or a head's matrix column-major: an independent audit's such kernels
+    # failed as "no known mistake"; every failing case now names the input and the read.
+    import array_api_compat.numpy as npx
+    import numpy as np
+
+    from attn_ref import softmax_attention
+
+    def kernel(q, k, v, *, causal=False, scale=None):
+        arrays = {"q": np.asarray(q), "k": np.asarray(k), "v": np.asarray(v)}
+        x = arrays[name]
+        b, h, n, d = x.shape
+        arrays[name] = np.ascontiguousarray(
+            np.reshape(np.swapaxes(x, 1, 2), (b, h, n, d)) if read == "bnhd" else
+            np.swapaxes(np.reshape(x, (b, n, h, d)), 1, 2) if read == "bhnd" else
+            np.swapaxes(np.reshape(x, (b, h, d, n)), -1, -2))
+        return softmax_attention(arrays["q"], arrays["k"], arrays["v"], causal=causal, scale=scale,
+                                 xp=npx)
+
+    rep = verify(kernel, "softmax", backend="numpy", dtypes=("float32",), suite="quick",
+                 causal="both", progress=False)
+    words = f"{name} is read column-major" if read == "column-major" else \
+        f"{name} is read with its heads and sequence axes swapped"
+    assert rep.failures and all(words in r.diagnosis for r in rep.failures), rep.table()

@@ -115,6 +115,29 @@ def _layout_sigs(prep):
            "or the reverse", np.swapaxes(np.asarray(out, dtype=np.float64), 1, 2))
 
 
+def _misread_sigs(prep):
+    """One input read through the wrong index arithmetic, as a C/CUDA kernel reading a raw
+    buffer does: ``(B, N, H, d)`` memory indexed as ``(B, H, N, d)`` or the reverse (the
+    heads and sequence axes swapped by a stride), or a head's ``(N, d)`` matrix indexed
+    column-major, ``x[c N + n]`` for ``x[n d + c]``. Each is a permutation of the input's
+    elements, a function of the buffer, not of the values: an independent audit's C
+    kernels with such reads failed as "no known mistake"."""
+    for name in ("q", "k", "v"):
+        x = prep.arrays[name]
+        b, h, n, d = x.shape
+        if h > 1 and n > 1:
+            bnhd = np.reshape(np.swapaxes(x, 1, 2), (b, h, n, d))
+            bhnd = np.swapaxes(np.reshape(x, (b, n, h, d)), 1, 2)
+            yield (f"{name} is read with its heads and sequence axes swapped: (B, N, H, d) memory "
+                   "indexed as (B, H, N, d)", ref_with(prep, **{name: bnhd}))
+            yield (f"{name} is read with its heads and sequence axes swapped: (B, H, N, d) memory "
+                   "indexed as (B, N, H, d)", ref_with(prep, **{name: bhnd}))
+        if n > 1 and d > 1:
+            yield (f"{name} is read column-major: each head's (N, d) matrix indexed as x[c N + n] "
+                   "for x[n d + c]", ref_with(prep, **{name: np.swapaxes(
+                       np.reshape(x, (b, h, d, n)), -1, -2)}))
+
+
 def _strided_sigs(prep):
     # the kernel's layout is not known here: a view read as contiguous in the other
     # layout gives other arrays, so only the layout the kernel was run in can reproduce
@@ -331,6 +354,7 @@ CLASSIC = (
     Signature("bias", _bias_sigs),
     Signature("swap", _swap_sigs),
     Signature("layout", _layout_sigs),
+    Signature("misread input", _misread_sigs),
     Signature("noncontiguous", _strided_sigs),
     Signature("dropped keys", _dropped_keys_sigs, needs_output=True),
     Signature("axis", _axis_sigs, exact_only=True),
