@@ -852,8 +852,7 @@ SEQUENTIAL_MAX_WORK = 1 << 26
 def _sequential_applies(prep):
     """float32/float64 cases small enough for :func:`_sequential_softmax`'s loop."""
     c = prep.case
-    return (prep.dtype in ("float32", "float64")
-            and c.nq * c.nk * c.dv * math.prod(c.batch) <= SEQUENTIAL_MAX_WORK)
+    return _FULL(prep) and c.nq * c.nk * c.dv * math.prod(c.batch) <= SEQUENTIAL_MAX_WORK
 
 
 def _recurrent_linear(q, k, v, /, *, causal=False, feature_map="elu+1", scale=None,

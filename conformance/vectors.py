@@ -453,6 +453,13 @@ def load_vectors(directory):
     arrays against the entry's ``arrays``, ``storage`` and ``shapes``). Raises
     ``ValueError`` naming the file and what was expected.
     """
+    manifest, files = _read_manifest(directory)
+    return _arrays(manifest["cases"], files)
+
+
+def _read_manifest(directory):
+    """``(manifest, files)``: the checked manifest of ``directory`` and the real path of
+    each case's file (:func:`load_vectors`'s checks, raising as it does)."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path, got {type(directory).__name__}")
     directory = os.fspath(directory)
@@ -467,7 +474,7 @@ def load_vectors(directory):
     _check_manifest(manifest, path)
     root = os.path.realpath(directory)
     files = [_inside(root, entry["file"], path, i) for i, entry in enumerate(manifest["cases"])]
-    return _arrays(manifest["cases"], files)
+    return manifest, files
 
 
 def _arrays(entries, files):
@@ -667,13 +674,11 @@ def check_results(vectors, results, *, final_state=True):
     from .catalogue import CATALOGUE
     from .report import Report
 
-    loaded = load_vectors(vectors)  # checks the manifest before any results file is read
-    with open(os.path.join(os.fspath(vectors), "manifest.json"), encoding="utf-8") as f:
-        manifest = json.load(f)
+    manifest, files = _read_manifest(vectors)  # checked before any results file is read
     by_id = {c.id: c for suite in CATALOGUE.values() for c in suite}
     layout = manifest["layout"]
     rows = []
-    for entry, arrays in loaded:
+    for entry, arrays in _arrays(manifest["cases"], files):
         file = os.path.join(os.fspath(results), entry["file"])
         rows += _judge_file(manifest, entry, arrays, file, by_id, final_state)
     return Report(kernel=f"results in {os.fspath(results)}", variant=manifest["variant"],

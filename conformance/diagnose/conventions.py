@@ -7,6 +7,7 @@ for a rounding bug (tests/test_conformance_thirdparty.py)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -323,8 +324,6 @@ def _kmeans_iteration_sigs(prep):
     than ``iterations`` (the cases at 1 and 2 iterations, where one step always shows)."""
     if prep.variant.name not in ("clustered", "clustered_topk"):
         return
-    import inspect
-
     default = inspect.signature(prep.variant.fn).parameters["iterations"].default
     it = prep.options.get("iterations", default)
     for other, words in ((it + 1, "one Lloyd iteration more"), (it - 1, "one Lloyd iteration fewer")):
