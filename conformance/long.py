@@ -17,8 +17,9 @@ the sequence chunked into :data:`CHUNK` rows, one task per visible (query chunk,
 chunk) pair, the key chunks merged by a tree. The golden is float64 (not
 ``np.longdouble``: extended precision has no BLAS, and the tree's ``O(log c)`` merges
 keep float64 a few ulps from exact); the baseline is the same algorithm in the
-kernel's dtype. The golden's row log-sum-exp comes with it, for kernels that return
-one (:mod:`conformance.extras`).
+kernel's dtype (bfloat16: on float32 tiles whose every result is rounded to bfloat16,
+:class:`~conformance.tolerance.BF16Array`). The golden's row log-sum-exp comes with it,
+for kernels that return one (:mod:`conformance.extras`).
 
 The scheduler is Dask's threaded one unless :func:`dask_settings` names a
 ``distributed.Client`` (the CLI's ``--dask-scheduler ADDRESS``); ``progress`` shows
@@ -34,6 +35,7 @@ import sys
 import numpy as np
 
 from .features import NotApplicable
+from .tolerance import lp_array
 
 __all__ = ["LONG_THRESHOLD", "CHUNK", "is_long", "long_reference", "dask_settings"]
 
@@ -85,17 +87,19 @@ def long_reference(prep, dtype="float64", *, reorder=False):
     if extra or prep.params:
         raise NotApplicable(f"long cases: the Dask golden takes causal, scale and chunk only, "
                             f"not {extra}")
-    if "bfloat16" in (dtype, prep.dtype):
-        # no plain bfloat16 implementation to derive the tolerance from
-        raise NotApplicable("long cases: no bfloat16 plain implementation on the Dask path")
-    host = np.float16 if dtype == "float16" else np.dtype(dtype)
-    q, k, v = (np.asarray(prep.arrays[n], dtype=host) for n in ("q", "k", "v"))
+    if dtype == "bfloat16":
+        # NumPy has no bfloat16: float32 storage with every result rounded to bfloat16
+        # (tolerance.BF16Array), the fp32-accumulating plain form the standard suite's
+        # bfloat16 baselines are; Dask hands the tiles over as they are (asarray=False)
+        q, k, v = (lp_array(prep.arrays[n], dtype) for n in ("q", "k", "v"))
+    else:
+        host = np.float16 if dtype == "float16" else np.dtype(dtype)
+        q, k, v = (np.asarray(prep.arrays[n], dtype=host) for n in ("q", "k", "v"))
     b, h = q.shape[:2]
     k, v = np.broadcast_to(k, (b, h) + k.shape[2:]), np.broadcast_to(v, (b, h) + v.shape[2:])
     chunk = max(1, CHUNK // 2) if reorder else CHUNK
-    qd = da.from_array(q, chunks=(1, 1, chunk, q.shape[-1]))
-    kd = da.from_array(k, chunks=(1, 1, chunk, k.shape[-1]))
-    vd = da.from_array(v, chunks=(1, 1, chunk, v.shape[-1]))
+    qd, kd, vd = (da.from_array(x, chunks=(1, 1, chunk, x.shape[-1]), asarray=False)
+                  for x in (q, k, v))
     out, lse = dask_softmax_attention(qd, kd, vd, causal=prep.kwargs.get("causal") or False,
                                       scale=prep.kwargs.get("scale"), chunk=prep.kwargs.get("chunk"))
     progress = _SETTINGS["progress"]

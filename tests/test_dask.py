@@ -174,8 +174,33 @@ def test_long_cases_outside_the_dask_path_are_not_applicable(small_threshold):
         prepare(Case("long", (1, 1), 100, 100, 8, 8, mask="random"), "softmax")
     with pytest.raises(NotApplicable, match="covers exact softmax"):
         prepare(Case("long", (1, 1), 100, 100, 8, 8), "linear")
-    with pytest.raises(NotApplicable, match="no bfloat16"):
-        prepare(Case("long", (1, 1), 100, 100, 8, 8), "softmax", "bfloat16")
+
+
+def test_bfloat16_long_cases_are_judged_against_a_bfloat16_plain_form(small_threshold):
+    # The baseline in bfloat16 is the Dask split-KV form on float32 tiles whose every
+    # result is rounded to bfloat16 (conformance.tolerance.BF16Array), as the standard
+    # suite's: SDPA passes, the same output 2 % off fails (before, every bfloat16 long
+    # case was n/a, so a bfloat16 kernel was never judged past one tile)
+    torch = pytest.importorskip("torch")
+    from conformance import Case, verify
+
+    todo = [Case("long", (1, 2), 200, 200, 16, 16),
+            Case("long", (1, 1), 150, 230, 16, 16, causal="top-left")]
+
+    def sdpa(q, k, v, *, is_causal=False, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal,
+                                                                scale=scale)
+
+    def off(q, k, v, *, is_causal=False, scale=None):
+        return sdpa(q, k, v, is_causal=is_causal, scale=scale) * 1.02
+
+    kw = dict(backend="torch", dtypes=("bfloat16",), cases=todo, causal="top-left", progress=False)
+    good = verify(sdpa, **kw)
+    assert good.passed and good.counts["pass"] == 2, good.table()
+    # the baseline ran on the long path, in bfloat16, for both cases
+    assert sorted(c for c, d in small_threshold if d == "bfloat16") == sorted(c.id for c in todo)
+    bad = verify(off, **kw)
+    assert bad.counts["fail"] == 2, bad.table()
 
 
 def test_exported_long_vectors_carry_the_golden_lse(small_threshold, tmp_path):
