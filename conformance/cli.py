@@ -13,13 +13,14 @@ subcommand is: write the two functions, add one line to ``COMMANDS``.
     kernel (see :func:`conformance.verify`).
 ``attn-ref export-vectors DIR``
     Test vectors for kernels in other languages (:mod:`conformance.vectors`).
-``attn-ref check-results VECTORS RESULTS [--no-final-state] [--json PATH]``
+``attn-ref check-results VECTORS RESULTS [--no-final-state] [--no-grads] [--json PATH]``
     The outputs such a kernel wrote back, judged and diagnosed as ``verify`` judges a
     kernel it calls (:func:`conformance.vectors.check_results`): the report's table,
     one row per case and output. A results file that is missing or cannot be read is
     a row of its case; ``--no-final-state`` says the kernel returns no final state (the
     recurrent variants' ``final_state`` rows are then n/a, where a file without one
-    fails otherwise).
+    fails otherwise); ``--no-grads`` likewise for the gradient rows of vectors exported
+    with ``--grads``.
 ``attn-ref scaling``
     Exponents of time and memory in ``N`` from asv results (:mod:`asv_benches.scaling`).
 
@@ -851,6 +852,9 @@ def check_results_arguments(p):
     p.add_argument("--no-final-state", action="store_true",
                    help="the kernel returns no final state: the recurrent variants' final_state "
                         "rows are n/a instead of failing where a results file has none")
+    p.add_argument("--no-grads", action="store_true",
+                   help="the kernel computes no gradients: the gradient rows of vectors exported "
+                        "with --grads are n/a instead of failing where a results file has none")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--show-na", action="store_true", help="list not-applicable rows too")
 
@@ -860,7 +864,7 @@ def check_results_command(args) -> int:
 
     try:
         report = check_results(args.vectors, args.results,
-                               final_state=not args.no_final_state)
+                               final_state=not args.no_final_state, grads=not args.no_grads)
     except (TypeError, ValueError) as exc:
         # a results file's problems are rows of the report: what raises is the vectors
         return _usage(exc)

@@ -112,6 +112,10 @@ Each entry of ``cases``:
 ``output_tolerances`` (object)
     For each gradient output: its ``tol_max_abs``, ``tol_rms``,
     ``baseline_max_abs``, ``baseline_rms``.
+``grads_not_judged`` (object, with ``grads=True``)
+    Gradient row name (``"dq"``...; ``"grads"`` when the case has none) -> why its
+    golden is not exported (ill-conditioned in the dtype, every value moved by a near
+    tie): :func:`check_results` makes each an ``n/a`` row with that reason.
 ``golden_precision`` (str)
     ``"float64"``, or ``"longdouble"`` for float64 kernels.
 
@@ -147,7 +151,12 @@ vectors file, holding
   ``(N, H, d_k, d_v)`` (``(d_k, d_v)`` for ``nd``). A file without it fails the case's
   ``final_state`` row, as :func:`conformance.verify` fails a kernel asked for its state
   that returns none; ``check_results(..., final_state=False)`` (CLI
-  ``--no-final-state``) says the kernel returns no state, and the rows are ``n/a``.
+  ``--no-final-state``) says the kernel returns no state, and the rows are ``n/a``;
+* with vectors exported with ``grads=True``: each gradient the vectors hold a
+  ``golden_d<name>`` of, under that row name (``dq``, ``dk``, ``dv``, ``dbias``, ``dg``,
+  ``dbeta``, ``dinitial_state``), in its golden's layout and its input's dtype, stored
+  and optionally tagged (``dq_dtype``...) as ``out`` is. A file without one fails its
+  row; ``check_results(..., grads=False)`` (CLI ``--no-grads``) makes the rows ``n/a``.
 
 An output in another dtype than the case's fails, "out dtype float32, expected float16
 (the inputs' dtype)", as the oracle fails a kernel it calls; so does an untagged wider
@@ -263,9 +272,9 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
             arrays["compare"] = np.ascontiguousarray(to_layout(keep, layout))
-            outputs, grad_tols = ["golden"], {}
+            outputs, grad_tols, not_judged = ["golden"], {}, None
             if grads:
-                outputs, grad_tols = _add_grads(prep, arrays, layout, dt)
+                outputs, grad_tols, not_judged = _add_grads(prep, arrays, layout, dt)
             if variant.name in RECURRENT:
                 outputs = outputs + _add_final_state(prep, arrays, layout)
             if "lse" in prep.golden_extras:
@@ -294,6 +303,7 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
                 "arrays": sorted(arrays),
                 "outputs": outputs,
                 "output_tolerances": grad_tols,
+                **({} if not_judged is None else {"grads_not_judged": not_judged}),
                 "tol_max_abs": prep.tol_max,
                 "tol_rms": prep.tol_rms,
                 "baseline_max_abs": prep.baseline.max_err if prep.baseline else None,
@@ -403,26 +413,30 @@ def _add_grads(prep, arrays, layout, dtype):
         # the recurrent family returns its final state (golden_final_state): its cotangent
         # dfinal_state is part of the backward, as fla's kernels take dht
         g = prepare_grads(prep, final_state=prep.variant.name in RECURRENT)
-    except NotApplicable:
-        return ["golden"], {}
+    except NotApplicable as exc:
+        return ["golden"], {}, {"grads": str(exc)}
     arrays["do"] = _store(to_layout(g["do"], layout), dtype)
     if "dfinal_state" in g:
         ds = g["dfinal_state"]
         arrays["dfinal_state"] = np.asarray(ds[0, 0] if layout == "nd" else ds,
                                             dtype=np.float64 if dtype == "float64" else np.float32)
-    outputs, tols = ["golden"], {}
+    outputs, tols, not_judged = ["golden"], {}, {}
     # every gradient the reference returns: q, k, v, then the other inputs in the file
     # (bias, initial_state: head-major; the variant's parameters: as generated)
     for n in [n for n in ("q", "k", "v") if n in g] + sorted(
             n for n in g if n not in ("q", "k", "v", "do", "dfinal_state")
             and n in JUDGED and (n in prep.arrays or isinstance(prep.params.get(n), np.ndarray))):
-        if n in g.get("ill", {}):  # no bound derives from the plain implementation: not exported
+        if n in g.get("ill", {}):
+            # no bound derives from the plain implementation: not exported, and the
+            # manifest says why (check_results makes it an n/a row, as verify does)
+            not_judged[grad_output(n)] = g["ill"][n]
             continue
         gold, keep, tmax, trms, bm = g[n]
         name = "golden_" + grad_output(n)
         fixed = settled(gold.shape, g["ties"].get(n, []), SETTLED_SHARE * min(tmax, trms))
         keep = fixed if keep is None else keep & fixed
         if not keep.any():  # nothing a single golden can judge: not exported, as an ill one
+            not_judged[grad_output(n)] = _TIES_ONLY
             continue
         gold = np.where(keep, gold, np.nan)
         head_major = n in prep.arrays and n not in ("q", "k", "v")
@@ -433,7 +447,12 @@ def _add_grads(prep, arrays, layout, dtype):
         tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,
                       "baseline_max_abs": bm.max_err if bm else None,
                       "baseline_rms": bm.rms_err if bm else None}
-    return outputs, tols
+    return outputs, tols, not_judged
+
+
+_TIES_ONLY = ("every value is one that another admissible choice at a near tie moves "
+              "(conformance.ties): one golden cannot judge it; verify, which judges each "
+              "choice, can")
 
 
 # how each kernel dtype is stored (bfloat16 as its bit patterns; NumPy has no bfloat16)
@@ -584,6 +603,16 @@ def _unreadable(file, exc):
 def _read_result(file):
     """:func:`read_result`'s ``(out, out_dtype, tagged, final_state)``, ``tagged`` whether
     the file holds ``out_dtype``."""
+    held = _result_arrays(file)
+    if "out" not in held:
+        raise ValueError(f"{file}: no array 'out' (holds {sorted(held)})")
+    out, tag, tagged = _decode(file, "out", held)
+    return out, tag, tagged, held.get("final_state")
+
+
+def _result_arrays(file):
+    """Every array of one results file, by name; ``ValueError`` naming the file if it is
+    not an ``.npz`` archive of ``.npy`` arrays."""
     try:
         z = np.load(file, allow_pickle=False)
     except _UNREADABLE as exc:
@@ -593,47 +622,53 @@ def _read_result(file):
                          ".npz name?); write a zip of .npy files, as numpy.savez does")
     try:
         with z:
-            names = sorted(z.files)
-            out = z["out"] if "out" in names else None
-            raw = z["out_dtype"] if "out_dtype" in names else None
-            state = z["final_state"] if "final_state" in names else None
+            return {n: z[n] for n in z.files}
     except _UNREADABLE as exc:
         raise _unreadable(file, exc) from None
-    if out is None:
-        raise ValueError(f"{file}: no array 'out' (holds {names})")
+
+
+def _decode(file, name, held):
+    """``(values, dtype, tagged)`` of the result ``name`` (``out``, or a gradient ``dq``...)
+    of a results file's arrays ``held``: widened to float64 as stored, with the dtype the
+    kernel produced it in (its tag ``<name>_dtype``, else the stored dtype) and whether
+    it was tagged. ``ValueError`` naming the file for a tag that is not a dtype, a stored
+    array the tag does not allow, or an untagged uint16 array."""
+    arr = held[name]
+    raw = held.get(f"{name}_dtype")
     tag = None if raw is None else str(raw)
-    stored = str(out.dtype)
+    stored = str(arr.dtype)
     if tag is None:
         if stored not in ("float16", "float32", "float64"):
-            raise ValueError(f"{file}: 'out' is stored as {stored} without an 'out_dtype' tag"
-                             + (" (float16 or bfloat16 bits? add out_dtype)" if stored == "uint16"
+            raise ValueError(f"{file}: {name!r} is stored as {stored} without an '{name}_dtype' tag"
+                             + (f" (float16 or bfloat16 bits? add {name}_dtype)" if stored == "uint16"
                                 else "; expected float16, float32 or float64 (or uint16 bits "
                                      "tagged float16 or bfloat16)"))
         tag = stored
     elif tag not in _RESULT_STORAGE:
-        raise ValueError(f"{file}: out_dtype {tag!r}, expected one of {sorted(_RESULT_STORAGE)}")
+        raise ValueError(f"{file}: {name}_dtype {tag!r}, expected one of {sorted(_RESULT_STORAGE)}")
     elif stored not in _RESULT_STORAGE[tag]:
-        raise ValueError(f"{file}: 'out' is stored as {stored}, which cannot hold out_dtype "
+        raise ValueError(f"{file}: {name!r} is stored as {stored}, which cannot hold {name}_dtype "
                          f"{tag} (expected {' or '.join(_RESULT_STORAGE[tag])})")
     if stored == "uint16":
-        out = (out.astype(np.uint32) << 16).view(np.float32) if tag == "bfloat16" else \
-            out.view(np.float16)
-    return np.asarray(out, dtype=np.float64), tag, raw is not None, state
+        arr = (arr.astype(np.uint32) << 16).view(np.float32) if tag == "bfloat16" else \
+            arr.view(np.float16)
+    return np.asarray(arr, dtype=np.float64), tag, raw is not None
 
 
-def _stored_dtype_problem(entry, out, tag, tagged):
-    """Why the stored output is not in the case's dtype (the oracle's words), or ''."""
-    want = entry["dtype"]
+def _stored_dtype_problem(entry, out, tag, tagged, name="out", want=None):
+    """Why the stored result ``name`` is not in the dtype ``want`` (default the case's;
+    the oracle's words), or ''."""
+    want = want or entry["dtype"]
     if tag != want:
         if tagged or MANTISSA_BITS.get(tag, 99) < MANTISSA_BITS[want]:
-            return f"out dtype {tag}, expected {want} (the inputs' dtype)"
-        # an untagged wider array: a widened output of the case's dtype is exact
+            return f"{name} dtype {tag}, expected {want} (the inputs' dtype)"
+        # an untagged wider array: a widened result of the case's dtype is exact
         finite = out[np.isfinite(out)]
         off = int(np.count_nonzero(round_to(finite, want) != finite))
         if off:
-            return (f"out dtype {want} expected (the inputs' dtype): the untagged {tag} output "
-                    f"holds {off} values that are not {want} numbers, so the kernel did not "
-                    f"store it in {want}")
+            return (f"{name} dtype {want} expected (the inputs' dtype): the untagged {tag} "
+                    f"{name} holds {off} values that are not {want} numbers, so the kernel did "
+                    f"not store it in {want}")
     return ""
 
 
@@ -652,7 +687,7 @@ def _prepared(manifest, entry, by_id):
     return prep
 
 
-def check_results(vectors, results, *, final_state=True):
+def check_results(vectors, results, *, final_state=True, grads=True):
     """Judge the outputs a kernel wrote back (``results``, module docstring) against the
     exported ``vectors``: a :class:`conformance.report.Report`, one ``out`` row per case
     (and ``final_state`` for the recurrent variants), with the verdicts and diagnoses
@@ -670,6 +705,15 @@ def check_results(vectors, results, *, final_state=True):
     rows are then ``n/a``, counted by reason under the table. A final state is judged as
     verify judges it, diagnosed where the case can be prepared again (as for ``out``),
     else by the file's golden and per-element bound (:func:`check_final_state`).
+
+    Vectors exported with gradients (``grads=True``, ``--grads``) are judged likewise: one
+    row per ``golden_d*`` of the case, the results file's ``dq``, ``dk``... against it
+    within the entry's ``output_tolerances``, the elements the golden leaves NaN not
+    compared, each gradient in the dtype of its input (a ``<name>_dtype`` tag as for
+    ``out``); a missing gradient fails its row, a softmax gradient that fails is
+    diagnosed as verify diagnoses it, and the gradients the manifest lists under
+    ``grads_not_judged`` are n/a rows with its reason. ``grads=False`` (CLI
+    ``--no-grads``) says the kernel computes no gradients: those rows are n/a.
     """
     from .catalogue import CATALOGUE
     from .report import Report
@@ -680,7 +724,7 @@ def check_results(vectors, results, *, final_state=True):
     rows = []
     for entry, arrays in _arrays(manifest["cases"], files):
         file = os.path.join(os.fspath(results), entry["file"])
-        rows += _judge_file(manifest, entry, arrays, file, by_id, final_state)
+        rows += _judge_file(manifest, entry, arrays, file, by_id, final_state, grads)
     return Report(kernel=f"results in {os.fspath(results)}", variant=manifest["variant"],
                   backend="vectors", layout=layout,
                   dtypes=tuple(dict.fromkeys(e["dtype"] for e in manifest["cases"])),
@@ -688,9 +732,9 @@ def check_results(vectors, results, *, final_state=True):
                   semantics=manifest.get("semantics", {}), results=rows)
 
 
-def _judge_file(manifest, entry, arrays, file, by_id, final_state):
-    """The rows of one case's results ``file``: ``out``, and ``final_state`` where the
-    vectors hold its golden."""
+def _judge_file(manifest, entry, arrays, file, by_id, final_state, grads):
+    """The rows of one case's results ``file``: ``out``, ``final_state`` where the
+    vectors hold its golden, and a row per gradient of vectors exported with them."""
     from .diagnose import diagnose
     from .report import CaseResult
 
@@ -699,6 +743,7 @@ def _judge_file(manifest, entry, arrays, file, by_id, final_state):
     if not os.path.isfile(file):
         return [CaseResult.error(f"no results file {file}", **base)]
     try:
+        held = _result_arrays(file)
         out, tag, tagged, state = _read_result(file)
     except ValueError as exc:
         return [CaseResult.error(str(exc), **base)]
@@ -715,7 +760,7 @@ def _judge_file(manifest, entry, arrays, file, by_id, final_state):
         rows = [_judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose)]
     if "golden_final_state" in arrays:
         rows.append(_judge_state(entry, arrays, state, prep, layout, file, base, final_state))
-    return rows
+    return rows + _judge_grads(entry, arrays, held, prep, layout, file, base, grads)
 
 
 def _judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose):
@@ -742,6 +787,82 @@ def _judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose):
         if words:
             res.diagnosis = "; ".join(w for w in (res.diagnosis, words) if w)
     return res
+
+
+def _grad_dtype(entry, name):
+    """The dtype the gradient of input ``name`` must be in: its input's (stored as the
+    file stores it; bfloat16's bit patterns are the case's dtype)."""
+    stored = entry["storage"].get(name)
+    return entry["dtype"] if stored in (None, "uint16") else stored
+
+
+def _judge_grads(entry, arrays, held, prep, layout, file, base, wanted):
+    """The gradient rows of one case: one per ``golden_d*`` of its vectors (n/a when the
+    kernel computes none), and an n/a row per gradient the manifest does not judge."""
+    from .grads import diagnose_grads
+    from .report import CaseResult
+
+    names = [o[len("golden_"):] for o in entry.get("outputs", ()) if o.startswith("golden_d")]
+    skipped = entry.get("grads_not_judged") or {}
+    if not wanted:
+        return [CaseResult.na(reason="the kernel computes no gradients (grads=False, --no-grads)",
+                              output=n, **base) for n in names + list(skipped)]
+    rows = [CaseResult.na(reason=why, output=n, **base) for n, why in skipped.items()]
+    judged, hosts, gold = [], {}, {}
+    for n in names:
+        row = {**base, "output": n}
+        golden = arrays["golden_" + n]
+        if n not in held:
+            rows.append(CaseResult.error(
+                f"{file} holds no {n}, while the vectors hold golden_{n}: write the kernel's "
+                f"gradient as {n!r} (in the layout and dtype of its input), or, if the kernel "
+                f"computes no gradients, opt out with check_results(..., grads=False) / "
+                f"--no-grads", verdict="fail", **row))
+            continue
+        try:
+            got, tag, tagged = _decode(file, n, held)
+        except ValueError as exc:
+            rows.append(CaseResult.error(str(exc), verdict="fail", **row))
+            continue
+        if got.shape != golden.shape:
+            rows.append(CaseResult.error(f"{file}: {n} has shape {got.shape}, expected "
+                                         f"{golden.shape} (layout {layout})", verdict="fail", **row))
+            continue
+        tol = entry["output_tolerances"][f"golden_{n}"]
+        keep = np.isfinite(golden)  # NaN: excluded rows, values a near tie moves
+        m = measure(got, np.where(keep, golden, 0.0), keep)
+        verdict, why, ratio = verdict_of(m, tol["tol_max_abs"], tol["tol_rms"], n)
+        res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=tol["tol_max_abs"],
+                         tol_rms=tol["tol_rms"], ratio=ratio, worst=m.worst[:3], verdict=verdict,
+                         diagnosis=why, baseline_max=_nan_if_none(tol.get("baseline_max_abs")),
+                         baseline_rms=_nan_if_none(tol.get("baseline_rms")), **row)
+        problem = _stored_dtype_problem(entry, got, tag, tagged, n, _grad_dtype(entry, n[1:]))
+        if problem:
+            res.verdict = "fail"
+            res.diagnosis = "; ".join(w for w in (problem, res.diagnosis) if w)
+        rows.append(res)
+        if n[1:] in ("q", "k", "v", "bias"):  # what diagnose_grads knows
+            canon = (lambda x: from_layout(x, layout)) if n[1:] in ("q", "k", "v") else (
+                lambda x: x[None, None] if layout == "nd" else x)
+            hosts[n[1:]] = canon(got)
+            g = canon(golden)
+            gold[n[1:]] = (g, np.isfinite(g), tol["tol_max_abs"], tol["tol_rms"], None)
+            judged.append(res)
+    if prep is not None and "do" in arrays and any(
+            r.verdict == "fail" and not r.diagnosis for r in judged):
+        with np.errstate(all="ignore"):
+            do = np.asarray(from_layout(arrays["do"], layout), dtype=np.float64)
+            words = diagnose_grads(prep, do, hosts, gold)
+        for r in judged:
+            if r.verdict == "fail" and not r.diagnosis:
+                r.diagnosis = words.get(r.output[1:]) or (
+                    f"no known mistake explains it: error {r.ratio:.3g}x the tolerance, "
+                    f"worst at index {tuple(int(i) for i in r.worst)}")
+    return rows
+
+
+def _nan_if_none(x):
+    return float("nan") if x is None else float(x)
 
 
 def _judge_state(entry, arrays, state, prep, layout, file, base, wanted):

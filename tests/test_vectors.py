@@ -198,3 +198,126 @@ def test_a_results_file_that_cannot_be_read_is_its_cases_row(vectors, tmp_path):
         else:
             assert r.verdict == "pass", rep.table()
     assert not rep.passed
+
+
+# ------------------------------------------------------------------ gradients written back
+
+GRAD_CASES = [c for c in cases("softmax", "standard", grads=True)
+              if c.id in ("causal:b1h2-q13k21-d8-causal-br", "mask:b2h2-q12k19-d8-mask-padding",
+                          "bias:b1h2-q16k16-d8-bias")]
+
+
+@pytest.fixture(scope="module")
+def grad_vectors(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grad_vectors")
+    export_vectors(d, "softmax", dtypes=("float32", "bfloat16"), cases=GRAD_CASES, grads=True)
+    return d
+
+
+def _softmax_backward(entry, a, mistake=None):
+    """dq, dk, dv (dbias) of the case in float32 from the file's inputs and ``do``: a
+    correct kernel's backward, or with ``mistake`` "rowsum" its dS = P * dP (the rowsum(dO
+    * O) term dropped)."""
+    f32 = {n: np.asarray(a[n], dtype=np.float32) for n in ("q", "k", "v", "do")}
+    q, k, v, do = f32["q"], f32["k"], f32["v"], f32["do"]
+    s = np.float32(entry["scale"]) * (q @ np.swapaxes(k, -1, -2))
+    if "bias" in a:
+        s = s + np.asarray(a["bias"], dtype=np.float32)
+    allowed = np.ones(s.shape, bool) if a.get("mask") is None else np.broadcast_to(a["mask"], s.shape)
+    if entry["causal"]:
+        nq, nk = s.shape[-2:]
+        allowed = allowed & (np.arange(nk)[None, :] <= np.arange(nq)[:, None] + nk - nq)
+    s = np.where(allowed, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    o = p @ v
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * dp if mistake == "rowsum" else p * (dp - np.sum(do * o, axis=-1, keepdims=True))
+    out = {"dq": np.float32(entry["scale"]) * ds @ k,
+           "dk": np.float32(entry["scale"]) * np.swapaxes(ds, -1, -2) @ q,
+           "dv": np.swapaxes(p, -1, -2) @ do}
+    if "bias" in a:
+        out["dbias"] = ds.sum(axis=tuple(i for i, n in enumerate(a["bias"].shape) if n == 1),
+                              keepdims=True)
+    return out
+
+
+def _write_grads(vectors, results, mistake=None, drop=(), scale=None):
+    """Each case's results file: the output and its gradients, stored in the case's dtype."""
+    os.makedirs(results, exist_ok=True)
+    for entry, a in load_vectors(vectors):
+        arrays = _tagged(entry, _float32_out(entry, a))
+        for n, x in _softmax_backward(entry, a, mistake).items():
+            if n in drop:
+                continue
+            x = x * np.float32(scale.get(n, 1.0)) if scale else x
+            t = _tagged(entry, x.astype(np.float32))
+            arrays[n], arrays[n + "_dtype"] = t["out"], t["out_dtype"]
+        np.savez(os.path.join(results, entry["file"]), **arrays)
+    return results
+
+
+def test_gradients_written_back_are_judged(grad_vectors, tmp_path):
+    # Vectors exported with --grads hold golden_dq...: check_results judged only `out`
+    # before, so a results file with wrong gradients, or none, passed (an audit's C
+    # kernel: every planted backward bug passed, exit 0)
+    good = check_results(grad_vectors, _write_grads(grad_vectors, tmp_path / "good"))
+    names = {r.output for r in good.results}
+    assert {"out", "dq", "dk", "dv", "dbias"} <= names, good.table()
+    assert good.passed, good.table()
+    judged = [r for r in good.results if r.output.startswith("d") and r.verdict == "pass"]
+    assert len(judged) >= 12, good.table()
+
+    bad = check_results(grad_vectors, _write_grads(grad_vectors, tmp_path / "bad", mistake="rowsum"))
+    rows = [r for r in bad.results if r.output in ("dq", "dk") and r.verdict == "fail"]
+    assert rows and all("rowsum(dO * O) term is missing" in r.diagnosis for r in rows
+                        if r.dtype == "float32"), bad.table()
+
+    off = check_results(grad_vectors, _write_grads(grad_vectors, tmp_path / "off", scale={"dv": 1.03}))
+    failed = {(r.case, r.dtype) for r in off.results if r.output == "dv" and r.verdict == "fail"}
+    assert len(failed) == 2 * len(GRAD_CASES), off.table()
+    assert all(r.verdict == "pass" for r in off.results if r.output != "dv"), off.table()
+
+
+def test_a_missing_gradient_fails_and_no_grads_makes_the_rows_n_a(grad_vectors, tmp_path):
+    results = _write_grads(grad_vectors, tmp_path / "r", drop=("dk",))
+    rep = check_results(grad_vectors, results)
+    dk = [r for r in rep.results if r.output == "dk"]
+    assert dk and all(r.verdict == "fail" and "holds no dk" in r.diagnosis
+                      and "--no-grads" in r.diagnosis for r in dk), rep.table()
+    none = check_results(grad_vectors, results, grads=False)
+    grads = [r for r in none.results if r.output != "out"]
+    assert grads and all(r.verdict == "n/a" for r in grads), none.table()
+    assert none.passed
+
+
+def test_a_gradient_in_another_dtype_is_named(grad_vectors, tmp_path):
+    results = _write_grads(grad_vectors, tmp_path / "r")
+    for entry, _ in load_vectors(grad_vectors):
+        if entry["dtype"] == "bfloat16":
+            path = os.path.join(results, entry["file"])
+            with np.load(path) as z:
+                arrays = dict(z)
+            arrays["dq"] = (arrays["dq"].astype(np.uint32) << 16).view(np.float32)
+            arrays["dq_dtype"] = np.array("float32")
+            np.savez(path, **arrays)
+    rep = check_results(grad_vectors, results)
+    bad = [r for r in rep.results if r.output == "dq" and r.dtype == "bfloat16"]
+    assert bad and all(r.verdict == "fail" and "dq dtype float32, expected bfloat16" in r.diagnosis
+                       for r in bad), rep.table()
+
+
+def test_gradients_the_oracle_does_not_judge_are_listed_and_n_a(tmp_path):
+    # A gradient whose bound no plain implementation supports (ill-conditioned) is not
+    # exported; the manifest says why, and check_results gives it the n/a row verify does
+    case = [c for c in cases("softmax", "standard", grads=True)
+            if c.id == "large-logits:b1h2-q16k16-d8-large_logits"]
+    manifest = export_vectors(tmp_path / "v", "softmax", dtypes=("float16",), cases=case, grads=True)
+    (entry,) = manifest["cases"]
+    skipped = entry["grads_not_judged"]
+    assert skipped and all(f"golden_{n}" not in entry["outputs"] for n in skipped), entry
+    results = _write_grads(tmp_path / "v", tmp_path / "r")
+    rep = check_results(tmp_path / "v", results)
+    na = {r.output: r for r in rep.results if r.verdict == "n/a"}
+    assert set(na) == set(skipped) and all(na[n].diagnosis == skipped[n] for n in na), rep.table()
+    assert rep.passed, rep.table()
