@@ -155,7 +155,8 @@ vectors file, holding
 * with vectors exported with ``grads=True``: each gradient the vectors hold a
   ``golden_d<name>`` of, under that row name (``dq``, ``dk``, ``dv``, ``dbias``, ``dg``,
   ``dbeta``, ``dinitial_state``), in its golden's layout and its input's dtype, stored
-  and optionally tagged (``dq_dtype``...) as ``out`` is. A file without one fails its
+  and optionally tagged (``dq_dtype``...) as ``out`` is, an untagged ``uint16`` array
+  read as the bits of its input's dtype (bfloat16 for a bfloat16 case). A file without one fails its
   row; ``check_results(..., grads=False)`` (CLI ``--no-grads``) makes the rows ``n/a``.
 
 An output in another dtype than the case's fails, "out dtype float32, expected float16
@@ -627,16 +628,19 @@ def _result_arrays(file):
         raise _unreadable(file, exc) from None
 
 
-def _decode(file, name, held):
+def _decode(file, name, held, bits=None):
     """``(values, dtype, tagged)`` of the result ``name`` (``out``, or a gradient ``dq``...)
     of a results file's arrays ``held``: widened to float64 as stored, with the dtype the
     kernel produced it in (its tag ``<name>_dtype``, else the stored dtype) and whether
     it was tagged. ``ValueError`` naming the file for a tag that is not a dtype, a stored
-    array the tag does not allow, or an untagged uint16 array."""
+    array the tag does not allow, or an untagged uint16 array - unless ``bits`` says
+    whose bits an untagged uint16 array holds (a gradient: its input's, as stored)."""
     arr = held[name]
     raw = held.get(f"{name}_dtype")
     tag = None if raw is None else str(raw)
     stored = str(arr.dtype)
+    if tag is None and stored == "uint16" and bits in ("float16", "bfloat16"):
+        tag = bits
     if tag is None:
         if stored not in ("float16", "float32", "float64"):
             raise ValueError(f"{file}: {name!r} is stored as {stored} without an '{name}_dtype' tag"
@@ -820,7 +824,8 @@ def _judge_grads(entry, arrays, held, prep, layout, file, base, wanted):
                 f"--no-grads", verdict="fail", **row))
             continue
         try:
-            got, tag, tagged = _decode(file, n, held)
+            # untagged uint16: the bits of its input's dtype, as the file stores the input
+            got, tag, tagged = _decode(file, n, held, _grad_dtype(entry, n[1:]))
         except ValueError as exc:
             rows.append(CaseResult.error(str(exc), verdict="fail", **row))
             continue

@@ -321,3 +321,16 @@ def test_gradients_the_oracle_does_not_judge_are_listed_and_n_a(tmp_path):
     na = {r.output: r for r in rep.results if r.verdict == "n/a"}
     assert set(na) == set(skipped) and all(na[n].diagnosis == skipped[n] for n in na), rep.table()
     assert rep.passed, rep.table()
+
+
+def test_untagged_uint16_gradients_are_read_as_their_inputs_bits(grad_vectors, tmp_path):
+    # as the file stores a bfloat16 case's inputs: an audit's C kernel wrote its bfloat16
+    # gradients so, and every such row was refused as "float16 or bfloat16 bits?"
+    results = _write_grads(grad_vectors, tmp_path / "r")
+    for entry, _ in load_vectors(grad_vectors):
+        path = os.path.join(results, entry["file"])
+        with np.load(path) as z:
+            arrays = {n: a for n, a in z.items() if not (n.endswith("_dtype") and n != "out_dtype")}
+        np.savez(path, **arrays)
+    rep = check_results(grad_vectors, results)
+    assert rep.passed and {r.output for r in rep.results} >= {"dq", "dk", "dv"}, rep.table()
