@@ -1079,15 +1079,19 @@ def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=Non
     from attn_ref import softmax_attention
 
     f_proj = e_proj if f_proj is None else f_proj
+    return softmax_attention(q, keywise_projection(e_proj, k), keywise_projection(f_proj, v),
+                             scale=scale, xp=xp, **kw)
 
-    def project(p, x):
-        acc = np.zeros(np.broadcast_shapes(p.shape[:-2], x.shape[:-2]) + (p.shape[-2], x.shape[-1]),
-                       dtype=x.dtype)
-        for j in range(x.shape[-2]):
-            acc = acc + p[..., :, j:j + 1] * x[..., j:j + 1, :]
-        return acc
 
-    return softmax_attention(q, project(e_proj, k), project(f_proj, v), scale=scale, xp=xp, **kw)
+def keywise_projection(p, x):
+    """``p @ x`` for ``p (..., r, N)``, ``x (..., N, d)`` summed over the ``N`` keys one at
+    a time in the arrays' dtype (each partial sum rounded): Linformer's ``E K`` as a
+    sequential loop projects it (:func:`_linformer_key_by_key`)."""
+    acc = np.zeros(np.broadcast_shapes(p.shape[:-2], x.shape[:-2]) + (p.shape[-2], x.shape[-1]),
+                   dtype=x.dtype)
+    for j in range(x.shape[-2]):
+        acc = acc + p[..., :, j:j + 1] * x[..., j:j + 1, :]
+    return acc
 
 
 def _compressed_tap_by_tap(q, k, v, /, *, k_weight, v_weight=None, stride=3, causal=False,

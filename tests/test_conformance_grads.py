@@ -991,3 +991,55 @@ def test_bfloat16_softmax_gradients_two_percent_off_fail_by_default(name):
     failed = [r for r in rows if r.verdict == "fail"]
     assert len(rows) >= 10 and len(failed) >= len(rows) * 2 // 3, rep.table()
     assert not [r for r in rep.failures if r.output != name], rep.table()
+
+
+# ---------------------------------------------------------------- parameter gradients
+
+
+def _torch_linformer(mistake=None):
+    """Linformer in torch, ``E K`` and ``F V`` batched over the heads: its autograd, or
+    with ``mistake`` "swap" dE and dF exchanged, "one head" E's gradient taken from head
+    0 alone times the number of heads (a per-head gradient not summed)."""
+    torch = pytest.importorskip("torch")
+
+    class Swap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, e, f):
+            return e.view_as(e), f.view_as(f)
+
+        @staticmethod
+        def backward(ctx, de, df):
+            return df, de
+
+    def attend(q, k, v, e, f, scale):
+        s = (q @ (e @ k).transpose(-1, -2)) * scale
+        return torch.softmax(s, -1) @ (f @ v)
+
+    def kernel(q, k, v, *, e_proj, f_proj, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if mistake == "swap":
+            e_proj, f_proj = Swap.apply(e_proj, f_proj)
+        if mistake == "one head":
+            h = q.shape[1]
+            first = attend(q[:, :1], k[:, :1], v[:, :1], e_proj, f_proj, scale)
+            rest = attend(q[:, 1:], k[:, 1:], v[:, 1:], e_proj.detach(), f_proj, scale)
+            # head 0's path carries h times its own gradient to E (the value unchanged)
+            return torch.cat([first + (h - 1) * (first - first.detach()), rest], 1)
+        return attend(q, k, v, e_proj, f_proj, scale)
+
+    return kernel
+
+
+@pytest.mark.parametrize("mistake", [None, "swap", "one head"])
+def test_linformer_parameter_gradients_are_judged(mistake):
+    # de_proj and df_proj read "not judged" before, and a Linformer whose E gradient was
+    # not summed over the heads, or with dE and dF swapped, passed every row
+    todo = [c for c in cases("linformer", "standard", grads=True) if c.batch[1] > 1][:4]
+    rep = verify(_torch_linformer(mistake), "linformer", backend="torch", dtypes=("float32",),
+                 cases=todo, grads=True, diagnose=False)
+    rows = [r for r in rep.results if r.output in ("de_proj", "df_proj")]
+    assert len(rows) == 2 * len(todo), rep.table(show_na=True)
+    if mistake is None:
+        assert rep.passed, rep.table()
+    else:
+        assert all(r.verdict == "fail" for r in rows if r.output == "de_proj"), rep.table()
