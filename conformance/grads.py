@@ -358,6 +358,33 @@ def _linformer_key_by_key_vjp(q, k, v, do, /, *, e_proj, f_proj=None, scale=None
     return {n: _unbroadcast(x, shapes[n]) for n, x in out.items()}
 
 
+def _compressed_tap_by_tap_vjp(q, k, v, do, /, *, k_weight, v_weight=None, stride=3, causal=False,
+                               scale=None, xp=None, **kw):
+    """:func:`attn_ref.grad.compressed_attention` with the compressed keys and values
+    summed tap by tap in the arrays' dtype (:func:`conformance.judging.conv_tap_by_tap`):
+    the backward of the forward's form of that name. They enter ``dq = scale dS K_c``: an
+    independent torch kernel convolving tap by tap failed ``dq`` of
+    ``length1:b1h2-q1k7-d8`` (seed 1) and a large-logits case in float16 at 1.03-1.09
+    against the one-matmul order alone."""
+    from attn_ref import grad
+    from attn_ref.compressed import compressed_causal_mask, prepare_compressed
+    from attn_ref.grad.compressed import strided_conv_vjp
+
+    from .judging import conv_tap_by_tap
+
+    shared = v_weight is None
+    wv = k_weight if shared else v_weight
+    xp, _, alignment, scale = prepare_compressed(q, k, v, k_weight, wv, stride, causal, scale, xp)
+    mask = compressed_causal_mask(xp, alignment, q, k, k_weight, stride)
+    g = grad.softmax_attention(q, conv_tap_by_tap(k, k_weight, stride), conv_tap_by_tap(v, wv, stride),
+                               do, mask=mask, scale=scale, xp=xp)
+    dk, dwk = strided_conv_vjp(k, k_weight, g["k"], stride=stride, xp=xp)
+    dv, dwv = strided_conv_vjp(v, wv, g["v"], stride=stride, xp=xp)
+    out = {"q": g["q"], "k": dk, "v": dv}
+    out.update({"k_weight": dwk + dwv} if shared else {"k_weight": dwk, "v_weight": dwv})
+    return out
+
+
 def _plain_vjp(prep, do, dtype):
     """The reference VJP on ``prep``'s inputs in ``dtype``: the plain baseline form."""
     return _reference_grads(prep, do, dtype)
@@ -448,6 +475,10 @@ def _baselines(prep, backward=None):
         # where a half-precision kernel makes them and may choose otherwise than float32.
         return [_plain_vjp,
                 lambda prep, do, dtype: _reference_grads(prep, do, dtype, xp=LOGITS_IN_DTYPE)]
+    if prep.variant.name == "compressed":
+        # and the convolution summed tap by tap, as the forward's forms (every dtype)
+        return [_plain_vjp, lambda prep, do, dtype: _reference_grads(
+            prep, do, dtype, vjp=_compressed_tap_by_tap_vjp)]
     if prep.variant.name == "linformer" and prep.dtype in ("float32", "float64"):
         # and the projections summed key by key, as the forward's forms (conformance.judging)
         return [_plain_vjp, lambda prep, do, dtype: _reference_grads(

@@ -1108,27 +1108,33 @@ def _compressed_tap_by_tap(q, k, v, /, *, k_weight, v_weight=None, stride=3, cau
     against the reference's summation order alone. ``block_q`` is ignored (one block).
     """
     from attn_ref import softmax_attention
-    from attn_ref.compressed import compressed_causal_mask, num_blocks, prepare_compressed
+    from attn_ref.compressed import compressed_causal_mask, prepare_compressed
 
     v_weight = k_weight if v_weight is None else v_weight
     xp, _, alignment, scale = prepare_compressed(q, k, v, k_weight, v_weight, stride, causal,
                                                  scale, xp)
 
-    def conv(x, w):
-        c, n = w.shape[-3], x.shape[-2]
-        m = num_blocks(n, c, stride)
-        # zero rows past the end, as the reference pads its last window
-        x = np.concatenate([x, np.zeros(x.shape[:-2] + (max((m - 1) * stride + c - n, 0),
-                                                        x.shape[-1]), dtype=x.dtype)], axis=-2)
-        acc = np.zeros(np.broadcast_shapes(x.shape[:-2], w.shape[:-3]) + (m, w.shape[-1]),
-                       dtype=x.dtype)
-        for t in range(c):
-            acc = acc + x[..., t::stride, :][..., :m, :] @ w[..., t, :, :]
-        return acc
-
     mask = compressed_causal_mask(xp, alignment, q, k, k_weight, stride)
-    return softmax_attention(q, conv(k, k_weight), conv(v, v_weight), mask=mask, scale=scale,
-                             xp=xp)
+    return softmax_attention(q, conv_tap_by_tap(k, k_weight, stride),
+                             conv_tap_by_tap(v, v_weight, stride), mask=mask, scale=scale, xp=xp)
+
+
+def conv_tap_by_tap(x, w, stride):
+    """The strided convolution of memory-compressed attention, ``x (..., N, d)`` by ``w
+    (..., c, d, d')``, as ``x[0::s] @ w[0] + x[1::s] @ w[1] + ...`` in the arrays' dtype
+    (each partial sum rounded; :func:`_compressed_tap_by_tap`), the rows past the end
+    zero as the reference pads its last window: ``(..., M, d')``."""
+    from attn_ref.compressed import num_blocks
+
+    c, n = w.shape[-3], x.shape[-2]
+    m = num_blocks(n, c, stride)
+    x = np.concatenate([x, np.zeros(x.shape[:-2] + (max((m - 1) * stride + c - n, 0),
+                                                    x.shape[-1]), dtype=x.dtype)], axis=-2)
+    acc = np.zeros(np.broadcast_shapes(x.shape[:-2], w.shape[:-3]) + (m, w.shape[-1]),
+                   dtype=x.dtype)
+    for t in range(c):
+        acc = acc + x[..., t::stride, :][..., :m, :] @ w[..., t, :, :]
+    return acc
 
 
 def lse_softmax_attention(q, k, v, /, *, xp=None, block_q=None, block_k=None, return_lse=False,
@@ -1303,9 +1309,11 @@ for _name in ("pooled", "query_reduced", "clustered"):
 register_forms("clustered_topk", AS_REGISTERED, FOLD,
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
 # memory-compressed attention: the convolution as the reference's one windows @ W matmul
-# or tap by tap (float32, float64; see _compressed_tap_by_tap)
+# or tap by tap (every dtype; see _compressed_tap_by_tap: in float16 an independent
+# torch kernel summing its taps so failed dq of two cases at 1.03-1.09 against the
+# one-matmul form alone)
 register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("block_q", 7),)),
-               Form("convolution summed tap by tap", fn=_compressed_tap_by_tap, applies=_FULL))
+               Form("convolution summed tap by tap", fn=_compressed_tap_by_tap))
 # Nystromformer: the paper and HuggingFace scale q and k by d**-0.25 each; both enter the
 # landmark means and the three logit matrices linearly, so that is the same function. On
 # large logits in float32 HuggingFace's kernel erred 2.4x the fold's tolerance without it
