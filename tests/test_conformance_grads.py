@@ -1075,3 +1075,4 @@ def test_compressed_convolved_tap_by_tap_passes_half_precision_gradients():
     assert rep.passed and any(r.output == "dq" for r in rep.results), rep.table()
     bad = verify(scaled_gradient(kernel, "q", 1.03), "compressed", **kw)
     assert [r.verdict for r in bad.results if r.output == "dq"] == ["fail"], bad.table()
+
