@@ -1076,3 +1076,27 @@ def test_compressed_convolved_tap_by_tap_passes_half_precision_gradients():
     bad = verify(scaled_gradient(kernel, "q", 1.03), "compressed", **kw)
     assert [r.verdict for r in bad.results if r.output == "dq"] == ["fail"], bad.table()
 
+
+
+def test_linear_attentions_large_logit_gradients_are_judged_at_their_terms_size():
+    # dq and dk of elu+1 linear attention on large logits peak at ~5e-3; the floor took
+    # their cancelling terms as |dP| |k| (|k| ~ 100 there), a bound of 3.1e-2 that a zero
+    # dq passed (an audit's exported vectors). With the terms at |dP| (positive features,
+    # phi'/phi <= 1) a zero dq fails every such case, and attn_ref's VJP still passes
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    torch = pytest.importorskip("torch")
+    kernel = reference_kernel(attn_ref.registry.get("linear"), B.load("torch"))
+    todo = [c for c in cases("linear", "standard", grads=True) if c.id.startswith("large-logits:")]
+
+    def zero_dq(q, k, v, do, **kw):
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        dq, dk, dv = torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do)
+        return torch.zeros_like(dq), dk, dv
+
+    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
+    assert verify(kernel, "linear", grads=True, **kw).passed
+    rep = verify(kernel, "linear", backward=zero_dq, **kw)
+    dq = [r for r in rep.results if r.output == "dq"]
+    assert len(dq) == len(todo) and all(r.verdict == "fail" for r in dq), rep.table(show_na=True)
