@@ -1100,3 +1100,111 @@ def test_linear_attentions_large_logit_gradients_are_judged_at_their_terms_size(
     rep = verify(kernel, "linear", backward=zero_dq, **kw)
     dq = [r for r in rep.results if r.output == "dq"]
     assert len(dq) == len(todo) and all(r.verdict == "fail" for r in dq), rep.table(show_na=True)
+
+
+def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
+    """Independent torch kernels of the Synthesizers and of Sparse Sinkhorn attention,
+    with ``mistake``: "scale" the parameter's gradient x 1.03 (``r``, ``w2``,
+    ``sort_logits``), "relu" the dense Synthesizer's relu backward without its mask
+    (``dw1``, ``db1`` wrong), "lse" Sinkhorn's normalisations detached (their terms of
+    ``dsort_logits`` dropped)."""
+    torch = pytest.importorskip("torch")
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return 1.03 * g
+
+    class ReluNoMask(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, z):
+            return torch.relu(z)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def attend(s, v, allowed):
+        s = s.float().masked_fill(~allowed, float("-inf")) if allowed is not None else s.float()
+        return torch.nan_to_num(torch.softmax(s, -1)).to(v.dtype) @ v
+
+    def top_left(q, k, causal):
+        i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        return (j <= i) if causal else None
+
+    def dense(q, k, v, *, w1, b1, w2, b2, alpha=1.0, causal=False, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        w2 = Scale.apply(w2) if mistake == "scale" else w2
+        relu = ReluNoMask.apply if mistake == "relu" else torch.relu
+        s = alpha * (relu(q @ w1 + b1) @ w2 + b2) + (1 - alpha) * scale * (q @ k.transpose(-1, -2))
+        return attend(s, v, top_left(q, k, causal))
+
+    def random(q, k, v, *, r, alpha=1.0, causal=False, scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        r = Scale.apply(r) if mistake == "scale" else r
+        s = alpha * r + (1 - alpha) * scale * (q @ k.transpose(-1, -2))
+        return attend(s, v, top_left(q, k, causal))
+
+    def lse(x, allowed, dim):  # over the allowed entries; 0 on a line with none
+        has = allowed.any(dim, keepdim=True)
+        x = torch.where(has, x, torch.zeros_like(x))
+        x = x.detach() if mistake == "lse" else x
+        return torch.where(has, torch.logsumexp(x, dim, keepdim=True), torch.zeros_like(x[..., :1, :1]))
+
+    def sinkhorn(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
+                 scale=None):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        r = Scale.apply(sort_logits) if mistake == "scale" else sort_logits
+        b, nb = block_size, r.shape[-1]
+        i = torch.arange(nb)
+        allowed = (i[None, :] < i[:, None]) if causal else torch.ones(nb, nb, dtype=torch.bool)
+        # -inf off the support from the start: a finite value there grows with the
+        # iterations, and exp of it overflowed float16 (its gradient NaN)
+        x = torch.where(allowed, r / temperature, torch.full_like(r, float("-inf")))
+        for _ in range(n_iters):
+            x = x - lse(x, allowed, -1)
+            x = x - lse(x, allowed, -2)
+        p = torch.exp(x)
+        blocks = lambda t: t.reshape(*t.shape[:-2], nb, b, t.shape[-1])  # noqa: E731
+        kb, vb = blocks(k), blocks(v)
+        kk = torch.cat([kb, torch.einsum("ij,...jtd->...itd", p, kb)], -2)
+        vv = torch.cat([vb, torch.einsum("ij,...jtd->...itd", p, vb)], -2)
+        t = torch.arange(b)
+        own = (t[None, :] <= t[:, None]) if causal else torch.ones(b, b, dtype=torch.bool)
+        srt = (i > 0)[:, None, None] if causal else torch.ones(nb, 1, 1, dtype=torch.bool)
+        mask = torch.cat([own.expand(nb, b, b), srt.expand(nb, b, b)], -1)
+        out = attend((blocks(q) @ kk.transpose(-1, -2)) * scale, vv, mask)
+        return out.reshape(*q.shape[:-1], v.shape[-1])
+
+    return {"synthesizer_dense": dense, "synthesizer_random": random,
+            "synthesizer_random_mix": random, "sinkhorn": sinkhorn}[variant]
+
+
+@pytest.mark.parametrize("variant, mistake, judged", [
+    ("synthesizer_random", None, ("dr",)),
+    ("synthesizer_random", "scale", ("dr",)),
+    ("synthesizer_random_mix", "scale", ("dr",)),
+    ("synthesizer_dense", None, ("dw1", "db1", "dw2", "db2")),
+    ("synthesizer_dense", "scale", ("dw2",)),
+    ("synthesizer_dense", "relu", ("dw1", "db1")),
+    ("sinkhorn", None, ("dsort_logits",)),
+    ("sinkhorn", "scale", ("dsort_logits",)),
+    ("sinkhorn", "lse", ("dsort_logits",)),
+])
+def test_synthesizer_and_sinkhorn_parameter_gradients_are_judged(variant, mistake, judged):
+    # dr, dw1... and dsort_logits read "not judged" before: a kernel with any of these
+    # mistakes passed every row
+    todo = [c for c in cases(variant, "standard", grads=True)
+            if c.id.startswith(("basic:", "causal:b2h1-q16k16", "range:b3h5-q37k37-d16"))][:4]
+    rep = verify(_torch_synthesizer_and_sinkhorn(variant, mistake), variant, backend="torch",
+                 dtypes=("float32",), cases=todo, grads=True, diagnose=False)
+    rows = [r for r in rep.results if r.output in judged]
+    assert len(todo) >= 3 and len(rows) == len(judged) * len(todo), rep.table(show_na=True)
+    if mistake is None:
+        assert rep.passed, rep.table()
+    else:
+        assert all(r.verdict == "fail" for r in rows), rep.table()
