@@ -1209,7 +1209,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
 #: every row while they read "not judged". Judged so, an independent torch kernel of each
 #: passes float32/float16/bfloat16 (seeds 0-2 for Linformer, after its key-by-key
 #: gradient form), performer-pytorch's ``dprojection`` passes, and a parameter gradient
-#: 3 % off fails 47 of 49 float32 rows. Since 6 December 2026 also Sinkhorn's
+#: 3 % off fails 47 of 49 float32 rows. The same day also Sinkhorn's
 #: ``sort_logits`` and the Synthesizers' ``w1, b1, w2, b2`` (dense) and ``r`` (random,
 #: random_mix): independent torch kernels pass every such row in float32, float16 and
 #: bfloat16, seeds 0-2 (worst 0.24/0.42/0.69 ``dsort_logits``, 0.49/0.78/0.59 dense,
