@@ -1689,10 +1689,70 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
 
 
 def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None) -> dict:
-    """``{name: words}`` for failing softmax gradients that a known mistake explains
-    (``dlse``: the lse's cotangent the kernel was handed, or None)."""
-    if prep.variant.name not in ("softmax", "online_softmax"):
-        return {}
+    """``{name: words}`` for failing gradients that a known mistake explains (``dlse``:
+    the lse's cotangent the kernel was handed, or None): softmax's backward mistakes
+    (:data:`MISTAKES`), then for every variant those that need no knowledge of its
+    function (:func:`_generic_grad_words`)."""
+    out = _softmax_grad_words(prep, do, got, gold, dlse) \
+        if prep.variant.name in ("softmax", "online_softmax") else {}
+    return {**_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold), **out}
+
+
+#: Constant factors a gradient is off by that a kernel's mistake explains, with their
+#: words: ``factor(prep) -> (c, words)``.
+_GRAD_FACTORS = (
+    (lambda p: -1.0, "has the wrong sign"),
+    (lambda p: p.scale, "is multiplied by the scale once more"),
+    (lambda p: 1 / p.scale if p.scale else math.inf, "lacks the scale"),
+    (lambda p: 2.0, "is doubled (a term counted twice)"),
+    (lambda p: 0.5, "is halved"),
+)
+
+
+def _generic_grad_words(prep, got: dict, gold: dict) -> dict:
+    """Mistakes any variant's backward can make, named without its function: two
+    gradients exchanged (``dk`` returned as ``dv``...), a gradient that is the golden
+    times a constant (zero, the wrong sign, the scale applied twice or not at all, a
+    term counted twice) - each within the gradient's bound - or, where no named factor
+    fits, off by one constant factor it gives (a gradient 3 % off: "the golden times
+    1.03"). ``{name: words}`` for the gradients of ``got`` it explains."""
+    out = {}
+    for n, h in got.items():
+        g, keep, tmax, trms, _ = gold[n]
+        if h.shape != g.shape:
+            continue
+        for m in gold:
+            if m != n and isinstance(gold[m], tuple) and gold[m][0].shape == h.shape:
+                mt = measure(h, gold[m][0], keep)
+                if not mt.nonfinite and mt.max_err <= gold[m][2] and mt.max_err < measure(h, g, keep).max_err:
+                    out[n] = (f"matches a known mistake: {grad_output(n)} holds {grad_output(m)} "
+                              f"(the two gradients exchanged)")
+                    break
+        if n in out:
+            continue
+        sel = np.isfinite(g) & np.isfinite(h) if keep is None else \
+            np.broadcast_to(keep, g.shape) & np.isfinite(g) & np.isfinite(h)
+        gg = float(np.sum(g[sel] * g[sel]))
+        if not sel.any() or gg == 0.0:
+            continue
+        if not np.any(h[sel]):
+            out[n] = f"{grad_output(n)} is zero: the kernel computes no gradient for {n}"
+            continue
+        c = float(np.sum(h[sel] * g[sel])) / gg
+        for factor, words in _GRAD_FACTORS:
+            f = factor(prep)
+            if math.isfinite(f) and measure(h, f * g, keep).max_err <= tmax:
+                out[n] = f"matches a known mistake: {grad_output(n)} {words}"
+                break
+        else:
+            if measure(h, c * g, keep).max_err <= tmax and abs(c - 1.0) > 1e-3:
+                out[n] = (f"{grad_output(n)} is the golden times {c:.4g}: off by one constant "
+                          f"factor (a scale, a normaliser or a step size applied wrongly)")
+    return out
+
+
+def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
+    """``{name: words}`` for failing softmax gradients that :data:`MISTAKES` explains."""
     a = prep.arrays
     scale = prep.scale
     allowed = allowed_matrix(prep.case, a, prep.kwargs)
