@@ -65,6 +65,8 @@ class _Item:
         self.sess, self.case, self.dtype = sess, case, dtype
 
     def run(self):
+        from .report import worst_axes
+
         res = self.sess.run(self.case, self.dtype)
         if res.verdict == "n/a":
             pytest.skip(f"not applicable: {res.diagnosis}")
@@ -72,7 +74,7 @@ class _Item:
             pytest.fail(
                 f"{res.verdict}: {self.case.id} [{self.dtype}] max err {res.max_err:.3g} "
                 f"(tol {res.tol_max:.3g}), rms err {res.rms_err:.3g} (tol {res.tol_rms:.3g}), "
-                f"worst at (batch, head, query) {tuple(res.worst)}\n  -> {res.diagnosis}",
+                f"worst at {worst_axes(res.output)} {tuple(res.worst)}\n  -> {res.diagnosis}",
                 pytrace=False,
             )
         if self.sess.extra.get("grads"):

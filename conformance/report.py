@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["CaseResult", "Report", "VERDICTS", "Progress", "na_reason", "jsonable"]
+__all__ = ["CaseResult", "Report", "VERDICTS", "Progress", "na_reason", "jsonable", "worst_axes"]
 
 VERDICTS = ("pass", "fail", "error", "n/a")
 
@@ -168,7 +168,7 @@ class Report:
             if r.diagnosis and r.verdict != "pass":
                 lines.append(f"    -> {r.diagnosis}")
                 if r.worst:
-                    lines.append(f"       worst at (batch, head, query) = {tuple(r.worst)}")
+                    lines.append(f"       worst at {worst_axes(r.output)} = {tuple(r.worst)}")
         lines.append(self.summary())
         reasons = self.na_reasons()
         if reasons:
@@ -203,6 +203,17 @@ class Report:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
         return text
+
+
+def worst_axes(output: str) -> str:
+    """What the leading indices of a row's ``worst`` count: ``(batch, head, query)`` for
+    the output, ``dq`` and the lse, ``(batch, head, key)`` for ``dk`` and ``dv``; the
+    other gradients and the final state are indexed as their input is."""
+    if output in ("dk", "dv"):
+        return "(batch, head, key)"
+    if output in ("out", "dq", "lse", "dlse", "dbias", ""):
+        return "(batch, head, query)"
+    return f"index of {output}"
 
 
 def na_reason(message: str) -> str:

@@ -504,3 +504,12 @@ def test_plugin_runs_one_item_per_case(tmp_path, monkeypatch):
     assert passed + skipped == len(verdicts)
     assert seen.outcomes() == (passed, 0, skipped), (seen.outcomes(), passed, skipped)
     assert any("bottom-right" in str(r.longrepr) for r in seen.reports if r.skipped)
+
+
+def test_a_gradient_rows_worst_index_is_labelled_by_its_axes():
+    # dk's and dv's worst index counts keys; every row said "(batch, head, query)"
+    from conformance.report import worst_axes
+
+    assert worst_axes("out") == worst_axes("dq") == "(batch, head, query)"
+    assert worst_axes("dk") == worst_axes("dv") == "(batch, head, key)"
+    assert worst_axes("de_proj") == "index of de_proj"
