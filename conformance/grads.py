@@ -1540,7 +1540,8 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
         rows.append(res)
     if ctx.diagnose and any(r.verdict == "fail" and not r.diagnosis for r in rows):
         with np.errstate(all="ignore"):
-            words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts}, dlse=dl)
+            words = diagnose_grads(prep, do, hosts, {n: g[n] for n in hosts}, dlse=dl,
+                                   dfinal_state=ds)
             if "noncontiguous" in prep.case.needs:
                 words = {**_noncontiguous_grads_words(prep, do, hosts, g, ctx.layout), **words}
         for r in rows:
@@ -1665,7 +1666,11 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
             a = {n: from_layout(reads[n], layout) for n in names}
             sub = replace(prep, arrays={**prep.arrays, **{n: a[n] for n in names if n != "do"}})
             try:
-                cand = _reference_grads(sub, a.get("do", do), "float64")
+                # with the final state's and the lse's cotangents, as the golden: without
+                # them a backward that ignores dfinal_state matched "reads k/v as if
+                # contiguous" (an audit's recurrent kernels, 54 rows)
+                cand = _reference_grads(sub, a.get("do", do), "float64",
+                                        dfinal_state=g.get("dfinal_state"), dlse=g.get("dlse"))
             except Exception:  # the reference cannot take these arrays: no candidate
                 continue
             what = ", ".join(names)
@@ -1688,13 +1693,26 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
     return out
 
 
-def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None) -> dict:
-    """``{name: words}`` for failing gradients that a known mistake explains (``dlse``:
-    the lse's cotangent the kernel was handed, or None): softmax's backward mistakes
-    (:data:`MISTAKES`), then for every variant those that need no knowledge of its
-    function (:func:`_generic_grad_words`)."""
+def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None) -> dict:
+    """``{name: words}`` for failing gradients that a known mistake explains (``dlse``,
+    ``dfinal_state``: the cotangents the kernel was handed, or None): softmax's backward
+    mistakes (:data:`MISTAKES`), the final state's cotangent ignored, then for every
+    variant those that need no knowledge of its function (:func:`_generic_grad_words`)."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") else {}
+    if dfinal_state is not None:
+        try:
+            cand = _reference_grads(prep, do, "float64", dlse=dlse)
+        except Exception:  # the reference cannot take the case without it: no candidate
+            cand = {}
+        for n, h in got.items():
+            if n in out or n not in cand or cand[n].shape != h.shape:
+                continue
+            g, keep, tmax, _, _ = gold[n]
+            mt, mg = measure(h, cand[n], keep), measure(h, g, keep)
+            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
+                out[n] = ("matches a known mistake: the backward ignores dfinal_state (the final "
+                          "state's cotangent, fla's dht)")
     return {**_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold), **out}
 
 
@@ -1739,13 +1757,22 @@ def _generic_grad_words(prep, got: dict, gold: dict) -> dict:
             out[n] = f"{grad_output(n)} is zero: the kernel computes no gradient for {n}"
             continue
         c = float(np.sum(h[sel] * g[sel])) / gg
+        def fits(f, h=h, g=g, keep=keep, tmax=tmax, trms=trms):
+            m = measure(h, f * g, keep)
+            return not m.nonfinite and m.max_err <= tmax and m.rms_err <= trms
+
         for factor, words in _GRAD_FACTORS:
             f = factor(prep)
-            if math.isfinite(f) and measure(h, f * g, keep).max_err <= tmax:
+            # a factor of 1 (the scale of a scale-1 case) is no mistake: it named rows
+            # that failed by 1 % on their RMS bound
+            if math.isfinite(f) and abs(f - 1.0) > 1e-3 and fits(f):
                 out[n] = f"matches a known mistake: {grad_output(n)} {words}"
                 break
         else:
-            if measure(h, c * g, keep).max_err <= tmax and abs(c - 1.0) > 1e-3:
+            if abs(c) < 1e-2 and fits(c):
+                out[n] = (f"{grad_output(n)} is nearly zero (the golden times {c:.2g}): the "
+                          f"kernel misses its dominant term")
+            elif abs(c - 1.0) > 1e-3 and fits(c):
                 out[n] = (f"{grad_output(n)} is the golden times {c:.4g}: off by one constant "
                           f"factor (a scale, a normaliser or a step size applied wrongly)")
     return out

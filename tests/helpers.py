@@ -290,8 +290,9 @@ def run_plugin(monkeypatch, where, *args):
 
 
 def scaled_gradient(kernel, name, factor):
-    """``kernel`` with the gradient of its input ``name`` scaled by ``factor`` under torch
-    autograd (the forward unchanged): a backward slightly wrong in one gradient."""
+    """``kernel`` with the gradient of its input ``name`` (``q``, ``k``, ``v`` or a keyword
+    input such as a parameter) scaled by ``factor`` under torch autograd (the forward
+    unchanged): a backward slightly wrong in one gradient."""
     torch = pytest.importorskip("torch")
 
     class Scale(torch.autograd.Function):
@@ -305,7 +306,7 @@ def scaled_gradient(kernel, name, factor):
 
     @functools.wraps(kernel)
     def run(q, k, v, **kw):
-        x = {"q": q, "k": k, "v": v}
+        x = {"q": q, "k": k, "v": v, **kw}  # name: q, k, v or a keyword input (a parameter)
         x[name] = Scale.apply(x[name])
-        return kernel(x["q"], x["k"], x["v"], **kw)
+        return kernel(x.pop("q"), x.pop("k"), x.pop("v"), **x)
     return run

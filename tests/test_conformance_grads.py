@@ -1112,15 +1112,6 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
     ``dsort_logits`` dropped)."""
     torch = pytest.importorskip("torch")
 
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return 1.03 * g
-
     class ReluNoMask(torch.autograd.Function):
         @staticmethod
         def forward(ctx, z):
@@ -1140,14 +1131,12 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
 
     def dense(q, k, v, *, w1, b1, w2, b2, alpha=1.0, causal=False, scale=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        w2 = Scale.apply(w2) if mistake == "scale" else w2
         relu = ReluNoMask.apply if mistake == "relu" else torch.relu
         s = alpha * (relu(q @ w1 + b1) @ w2 + b2) + (1 - alpha) * scale * (q @ k.transpose(-1, -2))
         return attend(s, v, top_left(q, k, causal))
 
     def random(q, k, v, *, r, alpha=1.0, causal=False, scale=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        r = Scale.apply(r) if mistake == "scale" else r
         s = alpha * r + (1 - alpha) * scale * (q @ k.transpose(-1, -2))
         return attend(s, v, top_left(q, k, causal))
 
@@ -1160,7 +1149,7 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
     def sinkhorn(q, k, v, *, sort_logits, block_size, n_iters=8, temperature=0.75, causal=False,
                  scale=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        r = Scale.apply(sort_logits) if mistake == "scale" else sort_logits
+        r = sort_logits
         b, nb = block_size, r.shape[-1]
         i = torch.arange(nb)
         allowed = (i[None, :] < i[:, None]) if causal else torch.ones(nb, nb, dtype=torch.bool)
@@ -1182,8 +1171,12 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
         out = attend((blocks(q) @ kk.transpose(-1, -2)) * scale, vv, mask)
         return out.reshape(*q.shape[:-1], v.shape[-1])
 
-    return {"synthesizer_dense": dense, "synthesizer_random": random,
-            "synthesizer_random_mix": random, "sinkhorn": sinkhorn}[variant]
+    kernel = {"synthesizer_dense": dense, "synthesizer_random": random,
+              "synthesizer_random_mix": random, "sinkhorn": sinkhorn}[variant]
+    if mistake == "scale":
+        param = {"synthesizer_dense": "w2", "sinkhorn": "sort_logits"}.get(variant, "r")
+        return scaled_gradient(kernel, param, 1.03)
+    return kernel
 
 
 @pytest.mark.parametrize("variant, mistake, judged", [

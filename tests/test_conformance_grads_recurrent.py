@@ -584,3 +584,19 @@ def test_strong_gates_in_the_gradient_rows(name):
     rep = _run_numpy(name, chunked(64, clip=-5.0), _strong(name), dtypes=("float32",))
     assert {"dk", "dv", "dg"} <= _failing(rep) and not {"out", "final_state"} & _failing(rep), \
         rep.table()
+
+
+def test_a_backward_that_ignores_the_final_states_cotangent_is_named():
+    # it read "the backward reads k/v as if contiguous" on the strided case (the stride
+    # candidates lacked dfinal_state) and "no known mistake" elsewhere (an audit's chunked
+    # torch kernels, every variant)
+    todo = _few("retention") + [c for c in cases("retention", "standard")
+                                if c.id == "noncontiguous:b2h3-q37k37-d16-causal-tl-views_headdim"]
+
+    def backward(q, k, v, do, *, dfinal_state=None, **kw):
+        return dict(VJPS["retention"](q, k, v, do, **kw))
+
+    rep = verify(variant_kernel("retention", lambda q, k, v, kw: (q, k, v, kw)), "retention",
+                 backend="numpy", dtypes=("float64",), cases=todo, backward=backward, progress=False)
+    failed = [r for r in rep.results if r.verdict == "fail" and r.output in ("dk", "dv")]
+    assert failed and all("ignores dfinal_state" in r.diagnosis for r in failed), rep.table()
