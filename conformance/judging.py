@@ -1277,6 +1277,53 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
 # hide): a baseline off by 8.2 where a float32-state kernel is off by 0.031 (8 retention
 # heads, T = 1000, float16), loose enough to pass a kernel whose state is bfloat16. There
 # the baseline is the two fp32-accumulating implementations real kernels are instead.
+def _fla_ssd_chunks(q, k, v, /, *, g, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, xp=None, **kw):
+    """SSD as fla's chunk kernels compute it, in the arrays' dtype: per chunk of
+    :data:`FLA_CHUNK` steps the running sums ``b`` of the log decays from the chunk's
+    start (``chunk_local_cumsum``, a parallel scan), the in-chunk decays
+    ``exp(b_i - b_j)`` from their differences, ``O = (Q K^T * D) V + (Q * exp(b)) S``
+    and ``S <- exp(B) S + (K * exp(B - b))^T V``. The same function as the reference,
+    which takes each exponent relative to a nearer reference point
+    (:func:`attn_ref.recurrent.common.scalar_decay_in_place`): with strong gates the
+    running sums reach some hundreds within a chunk and each difference loses
+    ``ulp(|b|)``, an error no other form makes. An audit's fla-style torch kernel failed
+    ``strong-gates:b1h3-q65k65-d16-causal-tl-gatesstrong`` in float32 at seed 1 (ratio
+    1.30) against the other forms alone. ``O(T C (dk + dv) + T dk dv)``.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = np.broadcast_to(g, q.shape[:-1])
+    if cu_seqlens is not None:
+        # packed sequences (batch 1): each its own chunks from its own start and state
+        cu = [int(x) for x in np.asarray(cu_seqlens)]
+        runs = [_fla_ssd_chunks(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], g=g[..., a:b],
+                                scale=scale, output_final_state=True,
+                                initial_state=None if initial_state is None else initial_state[i:i + 1])
+                for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
+        out = np.concatenate([o for o, _ in runs], axis=-2)
+        return (out, np.concatenate([st for _, st in runs], axis=0)) if output_final_state else out
+    mt = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    s = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]), dtype=q.dtype) \
+        if initial_state is None else initial_state
+    outs = []
+    for c0 in range(0, q.shape[-2], FLA_CHUNK):
+        qc, kc, vc = (x[..., c0:c0 + FLA_CHUNK, :] for x in (q, k, v))
+        # the running sums by a parallel (Hillis-Steele) scan, as Triton's tl.cumsum and
+        # torch's CPU cumsum associate them: a sequential sum's errors cancel between
+        # neighbours, a scan's do not, and with strong gates only neighbours matter
+        b, n, shift = g[..., c0:c0 + FLA_CHUNK], min(FLA_CHUNK, q.shape[-2] - c0), 1
+        while shift < n:
+            b = np.concatenate([b[..., :shift], b[..., shift:] + b[..., :-shift]], axis=-1)
+            shift *= 2
+        lower = np.arange(n)[:, None] >= np.arange(n)[None, :]
+        diff = np.where(lower, b[..., :, None] - b[..., None, :], -np.inf)
+        outs.append((qc @ mt(kc) * np.exp(diff)) @ vc * scale
+                    + (qc * np.exp(b)[..., None]) @ s * scale)
+        s = np.exp(b[..., -1:])[..., None] * s + mt(kc * np.exp(b[..., -1:] - b)[..., None]) @ vc
+    out = np.concatenate(outs, axis=-2) if outs else np.zeros_like(v)
+    return (out, s) if output_final_state else out
+
+
 _FULL = lambda prep: prep.dtype in ("float32", "float64")  # noqa: E731
 _HALF = lambda prep: prep.dtype in LOW_PRECISION  # noqa: E731
 for _name in RECURRENT:
@@ -1291,6 +1338,8 @@ for _name in RECURRENT:
                    Form("recurrent, token by token", (("form", "recurrent"),), applies=_FULL),
                    Form("parallel, masked T x T", (("form", "parallel"),), applies=_FULL),
                    Form("chunks of 64", (("chunk_size", 64),), applies=_FULL),
+                   *((Form("fla's chunks: decays from differences of chunk running sums",
+                           fn=_fla_ssd_chunks, applies=_FULL),) if _name == "ssd" else ()),
                    PERTURBED)
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),

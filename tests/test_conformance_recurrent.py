@@ -763,16 +763,25 @@ def test_the_chunk_forms_pass_the_strong_gate_cases(name):
 def test_gate_mistakes_fail_the_strong_gate_cases_named(words, change, names):
     """Each planted mistake in the gates computes the reference's function on fla's draws
     (it passes the other short recurrent cases) and fails every strong-gate case's output
-    in float32 and float64, named (:data:`conformance.mutants.MUTANT_CAUSES`)."""
+    in float32 and float64, named (:data:`conformance.mutants.MUTANT_CAUSES`) - but SSD's
+    float32 output on the case whose running sums pass -745 within a chunk: its bound
+    admits fla's in-chunk decays from scanned running sums (conformance.judging,
+    _fla_ssd_chunks: an fla-style kernel failed a strong-gate case without that form),
+    which err there by more than decays flushed below 1e-4 do. That case still fails
+    the mistake in its final state and in float64."""
     for name in names:
         kernel = variant_kernel(name, change)
         others = [c for c in RECURRENT if c.param("gates") is None and c.nq <= 65
                   and c.param("gate_normalizer") is None]
         assert _run(kernel, name, ("float32",), others).passed, (name, words)
         rep = _run(kernel, name, case_list=_strong(name))
-        outs = [r for r in rep.results if r.output == "out"]
-        assert len(outs) == 6 and all(r.verdict == "fail" for r in outs), rep.table()
+        outs = [r for r in rep.results if r.output == "out" and not (
+            name == "ssd" and "flushed" in words and r.dtype == "float32"
+            and "gateslong-chunk" in r.case)]
+        assert len(outs) >= 5 and all(r.verdict == "fail" for r in outs), rep.table()
         assert all(MUTANT_CAUSES[words] in r.diagnosis for r in outs), rep.table()
+        failed = {r.case for r in rep.results if r.verdict == "fail"}
+        assert failed == {r.case for r in rep.results}, rep.table()
 
 
 def test_a_clipped_gate_fails_in_bfloat16():
@@ -795,3 +804,48 @@ def test_a_clipped_gate_fails_in_bfloat16():
             outs = [r for r in rep.results if r.output == "out"]
             assert [r.verdict == "fail" for r in outs] == [fails] * 3, rep.table()
             assert not fails or all("clipped at -5" in r.diagnosis for r in outs), rep.table()
+
+
+def _torch_ssd_chunks(factor=1.0):
+    """SSD in chunks of 64 as fla's kernels compute it (torch, no attn_ref): the running
+    sums of the log decays by torch.cumsum (a parallel scan on CPU), the in-chunk decays
+    from their differences; ``factor`` multiplies the output."""
+    torch = pytest.importorskip("torch")
+
+    def kernel(q, k, v, *, g, scale=None, initial_state=None, output_final_state=False, causal=True):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        g = g.expand(q.shape[:-1])
+        s = q.new_zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1])) if initial_state is None \
+            else initial_state.to(q.dtype)
+        outs = []
+        for c0 in range(0, q.shape[-2], 64):
+            qc, kc, vc = (x[..., c0:c0 + 64, :] for x in (q, k, v))
+            b = torch.cumsum(g[..., c0:c0 + 64], -1)
+            n = b.shape[-1]
+            lower = torch.arange(n)[:, None] >= torch.arange(n)[None, :]
+            d = torch.exp(torch.where(lower, b[..., :, None] - b[..., None, :],
+                                      torch.full((), -torch.inf)))
+            outs.append(scale * ((qc @ kc.transpose(-1, -2) * d) @ vc
+                                 + (qc * torch.exp(b)[..., None]) @ s))
+            s = torch.exp(b[..., -1:])[..., None] * s \
+                + (kc * torch.exp(b[..., -1:] - b)[..., None]).transpose(-1, -2) @ vc
+        out = torch.cat(outs, -2) * factor
+        return (out, s) if output_final_state else out
+
+    return kernel
+
+
+def test_fla_style_ssd_differences_of_scanned_running_sums_pass_strong_gates():
+    # with strong gates a chunk's running sums reach some hundreds; a parallel scan's
+    # (torch.cumsum, Triton's tl.cumsum) rounding does not cancel between neighbours, so
+    # each in-chunk exponent loses ulp(|b|): an audit's such kernel failed this case at
+    # 1.30 (float32, seed 1) before the baseline had that form; 1 % off it still fails
+    todo = [c for c in cases("ssd", "standard") if c.id.startswith("strong-gates:b1h3-q65k65")]
+    assert todo
+    for seed in (0, 1, 2):
+        rep = verify(_torch_ssd_chunks(), "ssd", backend="torch", dtypes=("float32",),
+                     cases=todo, seed=seed, progress=False)
+        assert rep.passed, rep.table()
+    bad = verify(_torch_ssd_chunks(1.01), "ssd", backend="torch", dtypes=("float32",),
+                 cases=todo, seed=1, progress=False, supports={"final_state": False})
+    assert not bad.passed, bad.table()
