@@ -419,7 +419,15 @@ def check_container(ctx, out, like, want_shape, *, name="output"):
     if library_name(out) != library_name(like):
         return f"{name} is a {library_name(out)} array, expected {library_name(like)} like the inputs"
     if str(out.dtype) != str(like.dtype):
-        return f"{name} dtype {out.dtype}, expected {like.dtype} (the inputs' dtype)"
+        hint = ""
+        if str(out.dtype) == "float64" and getattr(ctx.backend, "name", "") == "jax":
+            # the oracle turned x64 on (its float64 cases need it): a default-dtype array
+            # the kernel makes (jnp.zeros(shape), a NumPy float64 scalar) is float64 then,
+            # where without x64 it would have been float32
+            hint = ("; the oracle runs JAX with jax_enable_x64 on (for its float64 cases), so "
+                    "an array the kernel makes without a dtype (jnp.zeros(shape), jnp.asarray of "
+                    "a NumPy float64) is float64 here: give it the inputs' dtype (q.dtype)")
+        return f"{name} dtype {out.dtype}, expected {like.dtype} (the inputs' dtype){hint}"
     dev_out, dev_in = str(array_api_compat.device(out)), str(array_api_compat.device(like))
     if dev_out != dev_in:
         return f"{name} on device {dev_out}, expected {dev_in} (the inputs' device)"

@@ -1301,18 +1301,24 @@ def _autodiff(ctx, prep, inputs, kw, names, do_k, ds_k, dl_k=None):
         def vjp(*args):
             outs, pull = jax.vjp(f, *args[:-2])
             do, extra = args[-2:]
-            return pull((do,) + tuple(extra[n].astype(x.dtype) for n, x in zip(got, outs[1:])))
+            return pull((do,) + tuple(extra[n].astype(x.dtype) for n, x in zip(got, outs[1:]))), outs[0]
 
         # One compilation of forward + backward instead of one per operation; a kernel
         # that cannot be traced runs eagerly.
         try:
-            grads = jax.jit(vjp)(*vals, do_k, side)
+            grads, primal = jax.jit(vjp)(*vals, do_k, side)
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
                 jax.errors.TracerIntegerConversionError):
-            grads = vjp(*vals, do_k, side)
-        return dict(zip(order, grads))
+            grads, primal = vjp(*vals, do_k, side)
+        # the output jax.vjp computed: a custom_vjp's forward rule is a second forward,
+        # which training (jax.grad, value_and_grad) uses and the forward rows never see
+        return {**dict(zip(order, grads)), PRIMAL: primal}
     raise NotApplicable(_NO_AUTODIFF.format(name=name))
 
+
+#: Key of :func:`_autodiff`'s result holding the output the differentiation computed
+#: (JAX: ``jax.vjp``'s primal output, a ``custom_vjp`` forward rule's).
+PRIMAL = "__primal_output__"
 
 _NO_AUTODIFF = ("backend {name!r} has no automatic differentiation: pass "
                 "verify(..., backward=fn) with fn(q, k, v, do, **kw) -> (dq, dk, dv) or a dict")
@@ -1497,7 +1503,10 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
         return rows + [CaseResult.error(f"the kernel backward modified its input {changed!r} in place",
                                         verdict="fail", output="grads", time_s=elapsed,
                                         shapes=shapes, **base)]
-    got = call.value
+    got = dict(call.value)
+    primal = got.pop(PRIMAL, None)
+    if primal is not None:
+        rows += _primal_row(ctx, prep, primal, row_base={"time_s": elapsed, "shapes": shapes, **base})
     hosts = {}
     for n in ("q", "k", "v", *handed):
         if (declared is not None and n not in declared) or n in ill:
@@ -1552,6 +1561,29 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
                     f"no known mistake explains it: error {r.ratio:.3g}x the tolerance, "
                     f"worst at index {tuple(int(i) for i in r.worst)}")
     return rows
+
+
+def _primal_row(ctx, prep, primal, row_base) -> list:
+    """A failing row when the output the differentiation computed (JAX: a ``custom_vjp``
+    forward rule's) fails the case where the kernel's forward call is what the ``out``
+    rows judged; nothing when it passes. An audit's flash kernel whose forward rule
+    returned its output 2 % off (a correct primal function and backward) passed every
+    row: ``jax.grad`` and ``value_and_grad`` train on that output."""
+    try:
+        h = from_layout(np.asarray(ctx.to_host(primal), dtype=np.float64), ctx.layout)
+    except Exception as exc:  # not an array of the output's layout: its own fault
+        return [CaseResult.error(f"the output jax.vjp computed is not the kernel's output array: "
+                                 f"{type(exc).__name__}: {exc}", verdict="fail",
+                                 output="out (vjp)", **row_base)]
+    res = prep.check(h) if h.shape == prep.golden.shape else None
+    if res is not None and res.verdict == "pass":
+        return []
+    why = (f"has shape {h.shape}, expected {prep.golden.shape}" if res is None else
+           f"fails the case ({res.diagnosis or f'{res.ratio:.3g}x the tolerance'})")
+    return [CaseResult.error(
+        f"the output jax.vjp computes (the custom_vjp forward rule's, which jax.grad trains on) "
+        f"{why}, while the kernel's own forward call passes or is judged in the out row",
+        verdict="fail", output="out (vjp)", **row_base)]
 
 
 def _judge(prep, m, output, tmax, trms, bm):

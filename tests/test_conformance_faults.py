@@ -479,3 +479,19 @@ def test_report_json_is_byte_identical_between_identical_runs(kernel):
     assert any(t["time_s"] > 0 for t in ta["results"])
     db.pop("timings")
     assert da == db
+
+
+def test_a_jax_kernels_default_float64_array_is_explained():
+    # the oracle turns x64 on; a kernel making jnp.zeros(shape) gets float64 and failed
+    # "output dtype float64, expected float32" without a word of why (an audit)
+    jax = pytest.importorskip("jax")
+
+    def kernel(q, k, v, *, scale=None):
+        acc = jax.numpy.zeros(q.shape[:-1] + (v.shape[-1],))
+        p = jax.nn.softmax(q @ k.swapaxes(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale))
+        return acc + p @ v
+
+    rep = verify(kernel, "softmax", backend="jax", dtypes=("float32",),
+                 cases=cases("softmax", "quick")[:1], progress=False)
+    (row,) = rep.results
+    assert row.verdict == "fail" and "jax_enable_x64" in row.diagnosis, rep.table()

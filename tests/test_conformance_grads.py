@@ -1,5 +1,6 @@
 """conformance.grads: verify(..., grads=True) - gradient rows, calibration, broken backwards."""
 
+import functools
 import inspect
 import json
 
@@ -1236,3 +1237,47 @@ def test_a_non_softmax_backward_mistake_is_named_without_the_variants_function(m
     name = words.split()[0]
     assert [r for r in failed if r.output == name], rep.table()
     assert all(words in r.diagnosis for r in failed if r.output == name), rep.table()
+
+
+@pytest.mark.parametrize("fwd_factor", [1.0, 1.02])
+def test_a_jax_custom_vjp_forward_rule_is_judged_too(fwd_factor):
+    # jax.vjp runs the custom_vjp forward rule, not the primal function: a rule returning
+    # its output 2 % off (what jax.grad trains on) passed every row, the primal function
+    # and the backward being right (an audit's flash kernel)
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def attend(q, k, v, scale):
+        p = jax.nn.softmax(jnp.einsum("...id,...jd->...ij", q, k) * scale, axis=-1)
+        return jnp.einsum("...ij,...jd->...id", p, v), p
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def kernel(q, k, v, scale):
+        return attend(q, k, v, scale)[0]
+
+    def fwd(q, k, v, scale):
+        o, p = attend(q, k, v, scale)
+        return o * fwd_factor, (q, k, v, o, p)
+
+    def bwd(scale, res, do):
+        q, k, v, o, p = res
+        dv = jnp.einsum("...ij,...id->...jd", p, do)
+        dp = jnp.einsum("...id,...jd->...ij", do, v)
+        ds = p * (dp - jnp.sum(do * o, -1, keepdims=True))
+        return (scale * jnp.einsum("...ij,...jd->...id", ds, k),
+                scale * jnp.einsum("...ij,...id->...jd", ds, q), dv)
+
+    kernel.defvjp(fwd, bwd)
+
+    def run(q, k, v, *, scale=None):
+        return kernel(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
+
+    todo = [c for c in QUICK if c.mask is None and not c.causal and not c.needs - {"scale"}][:2]
+    rep = verify(run, "softmax", backend="jax", dtypes=("float32",), cases=todo, grads=True,
+                 progress=False)
+    vjp_rows = [r for r in rep.results if r.output == "out (vjp)"]
+    if fwd_factor == 1.0:
+        assert rep.passed and not vjp_rows, rep.table()
+    else:
+        assert len(vjp_rows) == len(todo) and all(r.verdict == "fail" for r in vjp_rows), rep.table()
+        assert all(r.verdict == "pass" for r in rep.results if r.output == "out"), rep.table()
