@@ -176,18 +176,33 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
             side[name] = why or np.asarray(ctx.to_host(x))
         return "", np.asarray(ctx.to_host(out)), (extras, problems, side)
 
+    grads = bool(ctx.extra.get("grads"))
+
+    def unjudged(why):
+        # asked for gradients, none judged: a row that says so (never silently absent)
+        return [CaseResult.na(reason=f"gradients not judged: {why}", output="grads", **base)] \
+            if grads else []
+
     call = call_kernel(forward, time_limit=ctx.time_limit)
     if not call.ok:
         return [CaseResult.error(call.fault, verdict="fail" if call.timed_out else "error",
-                                 time_s=call.elapsed, shapes=shapes, **base)]
+                                 time_s=call.elapsed, shapes=shapes, **base)] + unjudged(
+            "the forward call did not return")
     problem, host, *more = call.value
     extras, problems, side = more[0] if more else ({}, {}, {})
+    changed = ""
     if not problem:
         name = changed_input(ctx, {**inputs, **kw, **buffers}, snaps)
-        problem = name and f"the kernel modified its input {name!r} in place"
-    if problem:
-        return [CaseResult.error(problem, verdict="fail", time_s=call.elapsed, shapes=shapes,
-                                 **base)]
+        changed = name and f"the kernel modified its input {name!r} in place"
+    if problem or changed:
+        rows = [CaseResult.error(problem or changed, verdict="fail", time_s=call.elapsed,
+                                 shapes=shapes, **base)]
+        if changed or not grads:
+            return rows + unjudged("the forward modified its inputs")
+        # an output of the wrong dtype, shape or library: its gradients are still the
+        # kernel's to judge (an audit's JAX kernel returning float32 for bfloat16 inputs
+        # lost every gradient row)
+        return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype)
     try:
         got = from_layout(np.asarray(host, dtype=np.float64), ctx.layout)
     except (TypeError, ValueError) as exc:  # the right dtype name, but not numbers
@@ -225,7 +240,7 @@ def run_case(ctx: Session, case: Case, dtype: str) -> list[CaseResult]:
     rows = [res] + extra_results(ctx, prep, extras, problems, side, {**base, "shapes": shapes})
     for r in rows[1:]:
         r.time_s = call.elapsed
-    if ctx.extra.get("grads"):
+    if grads:
         return rows + grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=tuple(extras))
     return rows
 

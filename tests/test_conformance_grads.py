@@ -1281,3 +1281,21 @@ def test_a_jax_custom_vjp_forward_rule_is_judged_too(fwd_factor):
     else:
         assert len(vjp_rows) == len(todo) and all(r.verdict == "fail" for r in vjp_rows), rep.table()
         assert all(r.verdict == "pass" for r in rep.results if r.output == "out"), rep.table()
+
+
+def test_gradients_are_judged_when_the_forward_returns_the_wrong_dtype():
+    # a kernel whose output came back in float32 for bfloat16 inputs failed its forward
+    # row and lost every gradient row (not even n/a: an audit's JAX kernel); its
+    # gradients are its own to judge
+    torch = pytest.importorskip("torch")
+
+    def kernel(q, k, v, *, scale=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).float()
+
+    todo = [c for c in QUICK if c.mask is None and not c.causal and not c.needs - {"scale"}][:2]
+    rep = verify(kernel, "softmax", backend="torch", dtypes=("bfloat16",), cases=todo,
+                 grads=True, progress=False)
+    outs = [r for r in rep.results if r.output == "out"]
+    assert outs and all(r.verdict == "fail" and "float32, expected" in r.diagnosis for r in outs)
+    grads = [r for r in rep.results if r.output in ("dq", "dk", "dv")]
+    assert len(grads) == 3 * len(todo) and all(r.verdict == "pass" for r in grads), rep.table()
