@@ -1608,6 +1608,8 @@ MISTAKES = {
                       "(unnormalised exp(S - max) in the backward)",
     "mask_leak": "gradients leak through the mask: the backward recomputes P without the "
                  "mask/causal restriction",
+    "mask_leak_lse": "gradients leak through the mask: the backward recomputes P = exp(S - "
+                     "lse) over every key, the forward's masked lse with the mask not applied",
     "dq_dk_swapped": "dq and dk are swapped",
     "lse_ignored": "the backward ignores the lse's cotangent (dS = P * (dP - D) without the "
                    "dlse_i P_ij term)",
@@ -1653,6 +1655,13 @@ def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None):
         mu = np.max(s_un, axis=-1, keepdims=True)
         eu = np.exp(s_un - mu)
         pb = eu / eu.sum(-1, keepdims=True)
+    elif mistake == "mask_leak_lse" and allowed is not None:
+        # FlashAttention's recomputation from the saved lse, the mask left out: masked
+        # keys get exp(s - lse), not renormalised (an audit's JAX custom_vjp kernel)
+        lse = m + np.log(np.where(den > 0, den, 1.0))
+        pb = np.where(den > 0, np.exp(np.minimum(s_un - lse, 700.0)), 0.0)
+    elif mistake == "mask_leak_lse":
+        raise ValueError("no mask: the same gradients")
     dv = np.swapaxes(pb, -1, -2) @ do
     dp = do @ np.swapaxes(v, -1, -2)
     dcoef = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)

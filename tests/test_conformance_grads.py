@@ -44,6 +44,11 @@ def make_backward(mistake=None):
             p = e
         elif mistake == "mask_leak":
             p = _softmax(raw)[0]
+        elif mistake == "mask_leak_lse":
+            # P = exp(S - lse) recomputed over every key from the forward's masked lse
+            m = np.max(s, -1, keepdims=True)
+            lse = m + np.log(np.sum(np.exp(s - m), -1, keepdims=True))
+            p = np.exp(raw - lse)
         dv = np.swapaxes(p, -1, -2) @ do
         dp = do @ np.swapaxes(v, -1, -2)
         d = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
@@ -110,6 +115,7 @@ def test_correct_explicit_backward_passes_with_a_row_per_gradient():
 # such as the mask leak on unmasked cases, still fails on the cases where it matters).
 MUTANTS = {
     "no_rowsum_term": "rowsum(dO * O) term is missing",
+    "mask_leak_lse": "over every key, the forward's masked lse",
     "ds_not_transposed": "applied untransposed",
     "dk_no_scale": "dK is missing the softmax scale",
     "dq_no_scale": "dQ is missing the softmax scale",
