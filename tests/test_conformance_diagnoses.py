@@ -17,6 +17,7 @@ and Performer (a feature map or a projection 1 % off: the same), softmax (the sc
 
 import io
 
+import numpy as np
 import pytest
 
 from conformance import verify
@@ -212,3 +213,31 @@ def test_an_input_read_through_the_wrong_index_arithmetic_is_named(name, read):
     words = f"{name} is read column-major" if read == "column-major" else \
         f"{name} is read with its heads and sequence axes swapped"
     assert rep.failures and all(words in r.diagnosis for r in rep.failures), rep.table()
+
+
+def test_a_state_that_reaches_one_chunk_back_is_named():
+    # the hand-over decay between chunks taken as 0: each chunk starts from the previous
+    # chunk's own contribution. An audit's JAX retention with that bug read "the error
+    # lives only in the last partial query block: rows 32..36 (block size 32)"
+    from conformance.mutants import variant_kernel
+
+    def one_back(q, k, v, kw):
+        def run(fn, q, k, v, kw):
+            rest = {n: x for n, x in kw.items() if n not in ("initial_state", "output_final_state")}
+            outs, prev = [], None
+            for c0 in range(0, q.shape[-2], 16):
+                sl = (..., slice(c0, c0 + 16), slice(None))
+                steps = {n: (x[..., c0:c0 + 16] if getattr(x, "ndim", 0) >= 3
+                             and x.shape[2] == q.shape[-2] else x) for n, x in rest.items()}
+                o, s = fn(q[sl], k[sl], v[sl], initial_state=prev, output_final_state=True, **steps)
+                _, prev = fn(q[sl], k[sl], v[sl], output_final_state=True, **steps)
+                outs.append(o)
+            return np.concatenate(outs, axis=-2)
+
+        return q, k, v, kw, run
+
+    todo = [c for c in cases("retention", "standard") if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
+    rep = verify(variant_kernel("retention", one_back), "retention", backend="numpy",
+                 dtypes=("float32",), cases=todo, supports={"final_state": False}, progress=False)
+    (row,) = [r for r in rep.results if r.output == "out"]
+    assert row.verdict == "fail" and "reaches one chunk of 16 back" in row.diagnosis, rep.table()

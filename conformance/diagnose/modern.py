@@ -336,6 +336,19 @@ def _recurrent_sigs(prep):
                               for (lo, hi), s in zip(segs, rows) for c0 in range(lo, hi, c)],
                              axis=-2)
         yield f"the state is not carried across chunks of {c} (reset to 0 at each chunk)", out
+        # the hand-over decay taken as 0: the state entering a chunk is the previous
+        # chunk's own contribution alone (an audit's JAX retention read "the error lives
+        # only in the last partial query block")
+        parts = []
+        for (lo, hi), s in zip(segs, rows):
+            for c0 in range(lo, hi, c):
+                entering = s if c0 == lo else reference_on(prep, "float64", max(lo, c0 - c), c0,
+                                                           None)
+                parts.append(reference_on(prep, "float64", c0, min(c0 + c, hi), entering,
+                                          output=True))
+        yield (f"the state reaches one chunk of {c} back (the decay handed from chunk to chunk "
+               f"taken as 0: each chunk starts from the previous chunk's own contribution)",
+               np.concatenate(parts, axis=-2))
     # a chunked kernel whose grid covers the full chunks only: each sequence's last partial
     # chunk is never computed and its outputs stay zero. Chunk sizes that cut at the same
     # tokens give one output, named once with every size.
