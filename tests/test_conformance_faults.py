@@ -495,3 +495,19 @@ def test_a_jax_kernels_default_float64_array_is_explained():
                  cases=cases("softmax", "quick")[:1], progress=False)
     (row,) = rep.results
     assert row.verdict == "fail" and "jax_enable_x64" in row.diagnosis, rep.table()
+
+
+def test_a_jax_kernel_that_donates_its_inputs_is_told_so():
+    # "Array has been deleted" named nothing; on other shapes XLA did not reuse the
+    # buffer and the same kernel passed (an audit)
+    jax = pytest.importorskip("jax")
+    from conformance.calling import call_kernel
+
+    x = jax.numpy.ones(4)
+
+    def donated():
+        x.delete()
+        return x + 1
+
+    call = call_kernel(donated, time_limit=30)
+    assert not call.ok and "donate_argnums" in call.fault, call.fault
