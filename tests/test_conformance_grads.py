@@ -1305,3 +1305,52 @@ def test_gradients_are_judged_when_the_forward_returns_the_wrong_dtype():
     assert outs and all(r.verdict == "fail" and "float32, expected" in r.diagnosis for r in outs)
     grads = [r for r in rep.results if r.output in ("dq", "dk", "dv")]
     assert len(grads) == 3 * len(todo) and all(r.verdict == "pass" for r in grads), rep.table()
+
+
+def _gathering_longformer(q, k, v, *, window, global_tokens, causal=False, scale=None):
+    """Longformer as a plain torch kernel gathers it (no attn_ref): each row's global keys
+    and window gathered in the dtype (autograd scatters their gradients back with
+    index_add, in the dtype), the logits and softmax in float32; the global rows a full
+    softmax."""
+    import torch
+
+    n, dt = q.shape[-2], q.dtype
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    gt = torch.tensor(sorted({int(t) for t in global_tokens}), dtype=torch.long)
+    isg = torch.zeros(n, dtype=torch.bool)
+    isg[gt] = True
+    pos = torch.arange(n)[:, None]
+    widx = pos + torch.arange(-window, window + 1)[None, :]
+    valid_w = (widx >= 0) & (widx < n)
+    widx = widx.clamp(0, max(n - 1, 0))
+    idx = torch.cat([gt[None, :].expand(n, len(gt)), widx], 1)
+    valid = torch.cat([torch.ones(n, len(gt), dtype=torch.bool), valid_w & ~isg[widx]], 1)
+    if causal:
+        valid &= idx <= pos
+    s = (q.float()[..., :, None, :] * k[..., idx, :].float()).sum(-1) * sc
+    p = torch.softmax(s.masked_fill(~valid, float("-inf")), -1).to(dt)
+    o = (p[..., None] * v[..., idx, :]).sum(-2)
+    sf = (q[..., gt, :] @ k.transpose(-1, -2)).float() * sc
+    if causal:
+        sf = sf.masked_fill(~(torch.arange(n)[None, :] <= gt[:, None]), float("-inf"))
+    o = o.clone()
+    o[..., gt, :] = torch.softmax(sf, -1).to(dt) @ v
+    return o
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_longformer_that_gathers_its_keys_passes_half_precision_gradients(dtype):
+    # autograd scatters a gathered global key's gradient back row by row in the dtype:
+    # 1000 rows' dv summed so failed at 1.01-2.02 (an audit, every seed) before the
+    # baseline took that form. dv 3 % off still fails these cases in float16; in
+    # bfloat16 such a sum errs by more than 3 % of the global key's dv (the standard
+    # suite's other cases fail it: 36 of 43 rows)
+    pytest.importorskip("torch")
+    todo = [c for c in cases("longformer", "standard", grads=True) if c.id.startswith("long:")]
+    kw = dict(backend="torch", dtypes=(dtype,), cases=todo, grads=True, diagnose=False,
+              causal="both", progress=False)
+    rep = verify(_gathering_longformer, "longformer", **kw)
+    assert rep.passed and any(r.output == "dv" for r in rep.results), rep.table()
+    if dtype == "float16":
+        bad = verify(scaled_gradient(_gathering_longformer, "v", 1.03), "longformer", **kw)
+        assert any(r.output == "dv" and r.verdict == "fail" for r in bad.results), bad.table()
