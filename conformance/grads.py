@@ -1761,14 +1761,21 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
                               "autograd's gradients follow it"))
     out = {}
     for cand, words in tried:
-        for n, h in got.items():
-            if n in out or n not in cand or cand[n].shape != h.shape:
-                continue
-            gold, keep, tmax, _, _ = g[n]
-            mt, mg = measure(h, cand[n], keep), measure(h, gold, keep)
-            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
-                out[n] = f"matches a known mistake: {words}"
+        _name_matches(got, cand, g, out, words)
     return out
+
+
+def _name_matches(got: dict, cand: dict, gold: dict, out: dict, words: str) -> None:
+    """Name ``words`` in ``out`` for each gradient of ``got`` not named yet that the
+    candidate ``cand`` (a mistake's gradients, float64) reproduces within its bound and
+    more closely than the golden does."""
+    for n, h in got.items():
+        if n in out or cand.get(n) is None or cand[n].shape != h.shape:
+            continue
+        g, keep, tmax, _, _ = gold[n]
+        mt, mg = measure(h, cand[n], keep), measure(h, g, keep)
+        if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
+            out[n] = f"matches a known mistake: {words}"
 
 
 def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None) -> dict:
@@ -1783,14 +1790,8 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
             cand = _reference_grads(prep, do, "float64", dlse=dlse)
         except Exception:  # the reference cannot take the case without it: no candidate
             cand = {}
-        for n, h in got.items():
-            if n in out or n not in cand or cand[n].shape != h.shape:
-                continue
-            g, keep, tmax, _, _ = gold[n]
-            mt, mg = measure(h, cand[n], keep), measure(h, g, keep)
-            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
-                out[n] = ("matches a known mistake: the backward ignores dfinal_state (the final "
-                          "state's cotangent, fla's dht)")
+        _name_matches(got, cand, gold, out, "the backward ignores dfinal_state (the final "
+                                            "state's cotangent, fla's dht)")
     return {**_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold), **out}
 
 

@@ -289,24 +289,32 @@ def run_plugin(monkeypatch, where, *args):
     return code, seen
 
 
+def autograd_function(forward, backward):
+    """A torch function of one tensor computing ``forward(x)`` whose backward is
+    ``backward(g)`` (a planted backward mistake)."""
+    torch = pytest.importorskip("torch")
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return forward(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward(g)
+
+    return Function.apply
+
+
 def scaled_gradient(kernel, name, factor):
     """``kernel`` with the gradient of its input ``name`` (``q``, ``k``, ``v`` or a keyword
     input such as a parameter) scaled by ``factor`` under torch autograd (the forward
     unchanged): a backward slightly wrong in one gradient."""
-    torch = pytest.importorskip("torch")
-
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.view_as(x)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g * factor
+    scale = autograd_function(lambda x: x.view_as(x), lambda g: g * factor)
 
     @functools.wraps(kernel)
     def run(q, k, v, **kw):
         x = {"q": q, "k": k, "v": v, **kw}  # name: q, k, v or a keyword input (a parameter)
-        x[name] = Scale.apply(x[name])
+        x[name] = scale(x[name])
         return kernel(x.pop("q"), x.pop("k"), x.pop("v"), **x)
     return run

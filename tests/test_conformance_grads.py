@@ -13,7 +13,7 @@ from conformance.catalogue import cases
 from conformance.grads import HALF_GRAD_VARIANTS, MISTAKES
 from conformance.judging import SPARSE_PATTERNS
 from conformance.vectors import export_vectors, load_vectors
-from tests.helpers import masked_logits, run_plugin, scaled_gradient
+from tests.helpers import autograd_function, masked_logits, run_plugin, scaled_gradient
 
 QUICK = cases(None, "quick")
 
@@ -1118,15 +1118,7 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
     (``dw1``, ``db1`` wrong), "lse" Sinkhorn's normalisations detached (their terms of
     ``dsort_logits`` dropped)."""
     torch = pytest.importorskip("torch")
-
-    class ReluNoMask(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, z):
-            return torch.relu(z)
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
+    relu_no_mask = autograd_function(torch.relu, lambda g: g)
 
     def attend(s, v, allowed):
         s = s.float().masked_fill(~allowed, float("-inf")) if allowed is not None else s.float()
@@ -1138,7 +1130,7 @@ def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
 
     def dense(q, k, v, *, w1, b1, w2, b2, alpha=1.0, causal=False, scale=None):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        relu = ReluNoMask.apply if mistake == "relu" else torch.relu
+        relu = relu_no_mask if mistake == "relu" else torch.relu
         s = alpha * (relu(q @ w1 + b1) @ w2 + b2) + (1 - alpha) * scale * (q @ k.transpose(-1, -2))
         return attend(s, v, top_left(q, k, causal))
 
