@@ -541,33 +541,49 @@ def _gathered_keys_in_dtype(prep, do, dtype):
     autograd scatter their gradients back: each row's contributions ``P_ij dO_i`` and
     ``scale dS_ij q_i`` rounded to the dtype and added to key ``j``'s ``dV``, ``dK`` in
     the dtype, row after row (torch's ``index_add``). A key every row attends (a global
-    token, a summary column) sums ``Nq`` terms so. ``P`` and ``dS`` as a float32
-    softmax backward makes them, stored in the dtype; ``dq`` is the plain VJP's (a row's
-    own sum). An audit's longformer kernel so written failed ``dv`` at 1.01-2.02 in
-    float16 and bfloat16 (every seed 0-3; worst at the global key 0) against the other
-    forms, and its twin summing in float32 passed; bigbird at 1.00-1.07 in float16.
-    ``O(Nq Nk (d + dv))`` in ``Nq`` steps."""
-    rnd = functools.partial(round_to, dtype=dtype)
+    token, a summary column) sums ``Nq`` terms so; the keys that more than
+    :data:`GATHERED_ROWS` rows attend are summed so here, the others (a window's, a few
+    terms) are the plain VJP's, as ``dq`` is (a row's own sum). ``P`` and ``dS`` as a
+    float32 softmax backward makes them, stored in the dtype. An audit's longformer so
+    written failed ``dv`` at 1.01-2.02 in float16 and bfloat16 (every seed 0-3; worst at
+    the global key 0) against the other forms, and its twin summing in float32 passed;
+    bigbird at 1.00-1.07 in float16. ``O(Nq Nk (d + dv))``, then ``Nq`` steps over the
+    heavy keys."""
+    rnd = LOW_PRECISION[dtype].round
     a = {n: np.asarray(prep.arrays[n], dtype=np.float64) for n in BASE_KEYS}
     q, k, v = a["q"], a["k"], a["v"]
     pat = _sparse_pattern(prep)
     s = np.where(pat, np.einsum("...id,...jd->...ij", q, k) * prep.scale, -np.inf)
+    count = np.sum(np.broadcast_to(pat, s.shape), axis=-2).reshape(-1, s.shape[-1])
+    cols = np.flatnonzero(np.any(count > GATHERED_ROWS, axis=0))
+    if not cols.size:
+        raise NotApplicable(f"no key is attended by more than {GATHERED_ROWS} rows")
     m = np.max(s, axis=-1, keepdims=True)
     e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     den = np.sum(e, axis=-1, keepdims=True)
     p32 = np.asarray(e / np.where(den > 0, den, 1.0), dtype=np.float32)
-    dp = np.asarray(do, np.float32) @ np.swapaxes(np.asarray(v, np.float32), -1, -2)
-    out = np.asarray(p32 @ np.asarray(v, np.float32), np.float32)
-    ds = p32 * (dp - np.sum(np.asarray(do, np.float32) * out, axis=-1, keepdims=True))
-    p_h, ds_h = rnd(p32), rnd(ds * np.float32(prep.scale))
+    do32, v32 = np.asarray(do, np.float32), np.asarray(v, np.float32)
+    ds = p32 * (do32 @ np.swapaxes(v32, -1, -2)
+                - np.sum(do32 * (p32 @ v32), axis=-1, keepdims=True))
+    p_h, ds_h = rnd(p32[..., cols]), rnd(ds[..., cols] * np.float32(prep.scale))
+    q32 = np.asarray(q, np.float32)
     shape = np.broadcast_shapes(p_h.shape[:-2], k.shape[:-2])
-    dk = np.zeros(shape + k.shape[-2:])
-    dv = np.zeros(shape + (v.shape[-2], do.shape[-1]))
+    dk = np.zeros(shape + (cols.size, k.shape[-1]), np.float32)
+    dv = np.zeros(shape + (cols.size, do.shape[-1]), np.float32)
     for i in range(q.shape[-2]):
-        dv = rnd(dv + rnd(p_h[..., i, :, None] * do[..., i, None, :]))
-        dk = rnd(dk + rnd(ds_h[..., i, :, None] * q[..., i, None, :]))
-    plain = _plain_vjp(prep, do, dtype)
-    return {**plain, "k": _unbroadcast(dk, k.shape), "v": _unbroadcast(dv, v.shape)}
+        dv = rnd(dv + rnd(p_h[..., i, :, None] * do32[..., i, None, :]))
+        dk = rnd(dk + rnd(ds_h[..., i, :, None] * q32[..., i, None, :]))
+    out = dict(_plain_vjp(prep, do, dtype))
+    for n, heavy, like in (("k", dk, k), ("v", dv, v)):
+        full = np.array(out[n], dtype=np.float64)
+        full[..., cols, :] = _unbroadcast(heavy.astype(np.float64), like.shape[:-2] + heavy.shape[-2:])
+        out[n] = full
+    return out
+
+
+#: Keys attended by more rows than this get the gathered form's row-by-row sum
+#: (:func:`_gathered_keys_in_dtype`): a window's keys take a few terms, a global key all.
+GATHERED_ROWS = 64
 
 
 def _softmax_view(prep):
