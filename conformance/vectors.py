@@ -601,10 +601,11 @@ def _unreadable(file, exc):
                       f"({type(exc).__name__}: {exc})")
 
 
-def _read_result(file):
+def _read_result(file, held=None):
     """:func:`read_result`'s ``(out, out_dtype, tagged, final_state)``, ``tagged`` whether
-    the file holds ``out_dtype``."""
-    held = _result_arrays(file)
+    the file holds ``out_dtype``; ``held``: the file's arrays if already read
+    (:func:`_result_arrays`)."""
+    held = _result_arrays(file) if held is None else held
     if "out" not in held:
         raise ValueError(f"{file}: no array 'out' (holds {sorted(held)})")
     out, tag, tagged = _decode(file, "out", held)
@@ -748,7 +749,7 @@ def _judge_file(manifest, entry, arrays, file, by_id, final_state, grads):
         return [CaseResult.error(f"no results file {file}", **base)]
     try:
         held = _result_arrays(file)
-        out, tag, tagged, state = _read_result(file)
+        out, tag, tagged, state = _read_result(file, held)
     except ValueError as exc:
         return [CaseResult.error(str(exc), **base)]
     prep = _prepared(manifest, entry, by_id)
