@@ -550,9 +550,7 @@ def _gathered_keys_in_dtype(prep, do, dtype):
     bigbird at 1.00-1.07 in float16. ``O(Nq Nk (d + dv))``, then ``Nq`` steps over the
     heavy keys."""
     rnd = LOW_PRECISION[dtype].round
-    a = {n: np.asarray(prep.arrays[n], dtype=np.float64) for n in BASE_KEYS}
-    q, k, v = a["q"], a["k"], a["v"]
-    pat = _sparse_pattern(prep)
+    q, k, v, pat, _ = _attended_keys(prep)  # the case's mask and causal restriction too
     s = np.where(pat, np.einsum("...id,...jd->...ij", q, k) * prep.scale, -np.inf)
     count = np.sum(np.broadcast_to(pat, s.shape), axis=-2).reshape(-1, s.shape[-1])
     cols = np.flatnonzero(np.any(count > GATHERED_ROWS, axis=0))
@@ -641,6 +639,19 @@ def _partial_softmax_autograd(prep, do, dtype, dlse=None):
     ill-conditioned in the dtype (:func:`prepare_grads`).
     """
     rnd = lambda x: round_to(x, dtype)  # noqa: E731
+    q, k, v, al, const = _attended_keys(prep)
+    g = _partial_softmax_steps(q, k, v, al, do, prep.scale, rnd, const, dlse)
+    return {n: x.reshape(prep.arrays[n].shape) if x.shape == prep.arrays[n].shape
+            else _unbroadcast(x, prep.arrays[n].shape) for n, x in g.items()}
+
+
+def _attended_keys(prep):
+    """``(q, k, v, allowed, const)`` of a sparse pattern's or reformer's case, float64:
+    ``allowed (.., Nq, Nk)`` the keys each query attends (the variant's pattern ANDed with
+    the case's mask and causal restriction), ``const = (where, c)`` reformer's constant
+    self logit or None. ``NotApplicable`` for a case with a bias, dropout, soft-cap, ALiBi
+    or GQA: the forms built on this (the partial softmax's autograd, the gathered keys)
+    would compute another function."""
     a = {n: np.asarray(x, dtype=np.float64) for n, x in prep.arrays.items()}
     q, k, v = a["q"], a["k"], a["v"]
     al = allowed_matrix(prep.case, a, prep.kwargs)
@@ -669,10 +680,8 @@ def _partial_softmax_autograd(prep, do, dtype, dlse=None):
         if {**prep.kwargs, **prep.options}.get(n) not in (None, False, 0, 0.0)}
     if other:
         # another function without them: no baseline here (the loop skips the form)
-        raise NotApplicable(f"the partial softmax form takes no {', '.join(sorted(other))}")
-    g = _partial_softmax_steps(q, k, v, al, do, prep.scale, rnd, const, dlse)
-    return {n: x.reshape(prep.arrays[n].shape) if x.shape == prep.arrays[n].shape
-            else _unbroadcast(x, prep.arrays[n].shape) for n, x in g.items()}
+        raise NotApplicable(f"the partial softmax and gathered-keys forms take no {', '.join(sorted(other))}")
+    return q, k, v, al, const
 
 
 def _partial_softmax_steps(q, k, v, al, do, scale, rnd, const=None, dlse=None):
