@@ -1218,10 +1218,11 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         # the fused baselines round each gradient once, as the output is: its RMS floor
         # is per element, as the output's (on long rows most of a gradient is far below
         # its maximum, whose ulp would hide an error of the whole gradient)
+        count = compared_count(g, keep)
         per_element = dict(ulp_rms=elementwise_ulp_rms(g, prep.dtype, keep),
-                           count=compared_count(g, keep)) if fused or half_bounds else {}
+                           count=count) if fused or half_bounds else {}
         tmax, trms = tol.bounds(b_max, b_rms, mag, prep.dtype, **per_element)
-        if compared_count(g, keep) == 1:
+        if count == 1:
             # one element: its RMS error is its error, and the baseline's is one draw of a
             # rounding whose spread one draw does not show; the RMS bound (0.6-1.2 ulp
             # per element, or 3 times that draw) is then no tighter than the maximum's. A
