@@ -563,8 +563,10 @@ def test_wide_features_take_smaller_gemm_chunks(backend):
 # ---------------------------------------------------------------- the heads pool, BLAS on one thread
 
 
+@pytest.mark.parametrize("gemm_rows", [None, 4])
 @pytest.mark.parametrize("causal", [False, True])
-def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend, monkeypatch, causal):
+def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend, monkeypatch, causal,
+                                                                        gemm_rows):
     # POOL_MIN_ROWS = 1: every call with several heads is "large". On NumPy (and
     # array-api-strict) the heads run in two groups on the pool and the result is the
     # unpooled call's bit for bit; BLAS keeps its threads there (its GEMMs are small,
@@ -581,16 +583,21 @@ def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend
     k, _ = randn(backend, (2, 3, 25, 4), seed=46)
     v, _ = randn(backend, (2, 3, 25, 5), seed=47)
     kw = dict(causal=causal, chunk_size=4, block_size=8)
+    if gemm_rows is not None:
+        # blocks of 8 rows read as GEMMs of 4-row chunks: a whole pass of two blocks is
+        # then read in one call, its chunks the blocks' own
+        monkeypatch.setattr(lin, "GEMM_ROWS", gemm_rows)
     serial = host(linear_attention(q, k, v, **kw))
     monkeypatch.setattr(lin, "POOL_MIN_ROWS", 1)
     monkeypatch.setattr(common, "cpu_count", lambda: 2)
-    seen = []
+    seen, passes = [], []
     real = lin._stream
 
-    def stream(*args):
+    def stream(*args, **kwargs):
         seen.append((threading.get_ident(),
                      [lib["num_threads"] for lib in common.blas_one_thread().controller().info()]))
-        return real(*args)
+        passes.append(kwargs.get("blocks_per_pass", 1))
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(lin, "_stream", stream)
     with threadpool_limits(2, "blas"):
@@ -599,6 +606,9 @@ def test_linear_heads_pool_gives_the_unpooled_bits_and_leaves_blas_alone(backend
     assert all(set(t) == {2} for _, t in seen)  # BLAS as it was
     if backend.name in ("numpy", "array_api_strict"):
         assert len(seen) == 2 and threading.get_ident() not in {i for i, _ in seen}
+        # each group of 3 of the 6 heads takes two blocks per pass non-causal (a pass of
+        # 16 rows and a ragged one of 5 and 9), the same bits as block by block
+        assert passes == [1 if causal else 2] * 2
     else:
         assert [i for i, _ in seen] == [threading.get_ident()]  # one call, this thread
     if backend.name == "jax":

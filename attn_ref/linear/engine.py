@@ -343,11 +343,15 @@ class _Rows:
             den = None
         self.out[..., lo:hi, :] = block
         if den is not None:
-            # Divided where it lies: on the output's contiguous rows the division is about
+            # Scaled where it lies: on the output's contiguous rows the division is about
             # a third faster than on the strided numerator columns of [num, den] (NumPy,
-            # (8, 512, 64) float32 blocks, the same quotients).
+            # (8, 512, 64) float32 blocks, the same quotients). By the reciprocal, one
+            # division per row: NumPy broadcasts a (B, 1) operand along rows of 64 at
+            # a product's rate, but divides at a third of it ((4, 512, 64) float32 in
+            # cache, one thread: 28.5 against 46.5 us). num * (1 / den) is num / den to
+            # within one unit in the last place (|den| >= eps keeps 1 / den finite).
             rows = self.out[..., lo:hi, :]
-            rows /= den
+            rows *= 1.0 / den
 
     def result(self):
         if self.out is not None:
@@ -356,7 +360,7 @@ class _Rows:
 
 
 def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size, normalize, eps,
-            out=None):
+            out=None, blocks_per_pass=1):
     """The linear order, ``block_size`` rows at a time: ``batch + (Nq, dv)``, written into
     ``out`` when given (an array of that shape the caller made; :class:`_Rows`).
 
@@ -368,24 +372,38 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
     one block at a time, so ``phi(Q)``, ``phi(K)`` and the chunk states never exist
     for the whole sequence: extra memory ``O(B (C + d') + (B / C) d' dv)`` besides
     the output.
+
+    ``blocks_per_pass`` (non-causal only): the feature maps, the ``[V, 1]`` copy, the
+    denominators and the output's writes take that many blocks at a time, while every
+    GEMM stays one block's: the same products, summed in the same order, so the same
+    bits as one block at a time. A pooled group of heads takes as many rows per pass as
+    the whole batch takes per block (:func:`_engine`), so its elementwise array calls
+    are as large as the unpooled call's and half as many.
     """
     nq, nk = q.shape[-2], k.shape[-2]
     outs = _Rows(xp, nq, out)
     if alignment is None:
+        step = block_size * blocks_per_pass
         state_t = None
-        ones = _OnesColumn(xp, v, min(block_size, nk))
-        for lo in range(0, nk, block_size):
-            hi = min(lo + block_size, nk)  # out-of-bounds slice stops are not in the standard
-            fk = phi_k(k[..., lo:hi, :])
-            state_t = _fold_transposed(xp, state_t, fk, ones.put(v[..., lo:hi, :]))
+        ones = _OnesColumn(xp, v, min(step, nk))
+        for lo in range(0, nk, step):
+            hi = min(lo + step, nk)  # out-of-bounds slice stops are not in the standard
+            fk, v1 = phi_k(k[..., lo:hi, :]), ones.put(v[..., lo:hi, :])
+            for a in range(0, hi - lo, block_size):
+                b = min(a + block_size, hi - lo)
+                state_t = _fold_transposed(xp, state_t, fk[..., a:b, :], v1[..., a:b, :])
         # [S, z] row-major again (d' (dv + 1) floats per head), the read's right operand.
         state = transposed_copy(xp, state_t)
-        for lo in range(0, nq, block_size):
-            hi = min(lo + block_size, nq)
+        for lo in range(0, nq, step):
+            hi = min(lo + step, nq)
             # Named, so that a block's arrays are freed only once the next block's exist.
             fq = phi_q(q[..., lo:hi, :])
-            out = _read_summary(xp, fq, state)
-            outs.put(lo, *_read(xp, out, normalize, eps))
+            # One read of the pass where its GEMM row chunks are its blocks' (whole blocks
+            # chunked alike, _gemm_rows); else block by block, for the same bits.
+            whole = hi - lo == step and _gemm_rows(block_size, fq.shape[-1], state.shape[-1]) is not None
+            for a in (0,) if whole or hi - lo <= block_size else range(0, hi - lo, block_size):
+                b = hi - lo if whole else min(a + block_size, hi - lo)
+                outs.put(lo + a, *_read(xp, _read_summary(xp, fq[..., a:b, :], state), normalize, eps))
         return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
     length = nq + p_q
@@ -449,8 +467,10 @@ def _engine(xp, q, k, v, phi_q, phi_k, *, causal, order, chunk_size, block_size,
     def run(group):
         a, b = group
         qi, ki, vi = (x[a:b, ...] for x in flat)
+        # non-causal, the group's passes as large as the whole batch's blocks (see _stream)
         return _stream(xp, qi, ki, vi, phi_q, phi_k, (b - a,), alignment, chunk_size, block_size,
-                       normalize, eps, None if out is None else out[a:b, ...])
+                       normalize, eps, None if out is None else out[a:b, ...],
+                       blocks_per_pass=max(1, rows // (b - a)) if alignment is None else 1)
 
     # BLAS keeps its threads: the block loop's GEMMs are all small-matrix ones (one
     # thread each, GEMM_ROWS), and holding OpenBLAS to one thread made the pooled call
