@@ -648,7 +648,7 @@ def test_targets_linear_phases_name_every_phase(capsys):
     targets.main(["linear", "--ns", "600", "--reps", "1", "--phases", "--block-size", "256", "--pool"])
     out = capsys.readouterr().out
     for phase in ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
-                  "phi(Q): + max", "read GEMM", "output write", "divide (in place)"):
+                  "phi(Q): + max", "read GEMM", "output write", "times 1 / den (in place)"):
         assert f"    {phase} " in out, phase
     assert "blocks of 256 rows" in out and "causal, heads on the pool" in out
 

@@ -406,14 +406,14 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
 
     h, n, d = q.shape
     names = ("phi(K): min, exp", "phi(K): + max", "[V | 1] copy", "fold GEMM", "phi(Q): min, exp",
-             "phi(Q): + max", "read GEMM", "output write", "divide (in place)")
+             "phi(Q): + max", "read GEMM", "output write", "times 1 / den (in place)")
     # As the library: GEMM_ROWS-row chunks of each block (at d = dv = 64 the rows are
     # GEMM_ROWS itself), the fold transposed ([V | 1]^T phi(K)) and summed over the chunks.
     crows = GEMM_ROWS if block > GEMM_ROWS and block % GEMM_ROWS == 0 else None
 
     def chunks(x):
         return x if crows is None else x.reshape(x.shape[:-2] + (x.shape[-2] // crows, crows, x.shape[-1]))
-    runs = []
+    runs, zeros = [], {}
     for _ in range(reps):
         spent, faults = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         last = [clock(), _minor_faults()]
@@ -427,7 +427,11 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
         def phi(x, lo, hi, first, tick=tick):
             """elu + 1 of rows lo:hi as the reference computes it, its two passes timed
             as names[first] and names[first + 1]."""
-            zero = np.zeros_like(x[:, lo:hi])  # full-size, as attn_ref.linear's on NumPy
+            # full-size and made once per shape, as attn_ref.linear's on NumPy
+            shape = x[:, lo:hi].shape
+            if shape not in zeros:
+                zeros[shape] = np.zeros(shape, dtype=x.dtype)
+            zero = zeros[shape]
             f = np.exp(np.minimum(x[:, lo:hi], zero))
             tick(names[first])
             f += np.maximum(x[:, lo:hi], zero)
@@ -465,7 +469,7 @@ def _linear_phases(q, k, v, block, reps, rates, clock):
             out[:, lo:hi] = o[..., :d]
             tick(names[7])
             rows = out[:, lo:hi]
-            rows /= safe_denominator(xp, o[..., d:], DEFAULT_EPS)
+            rows *= 1.0 / safe_denominator(xp, o[..., d:], DEFAULT_EPS)
             tick(names[8])
         runs.append((spent, faults))
         f0, t0 = _minor_faults(), clock()
