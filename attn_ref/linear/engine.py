@@ -84,29 +84,34 @@ POOL_MIN_ROWS = 1 << 16
 GEMM_ROWS = 128
 
 
-def _hide_in_chunks(xp, a):
-    """:func:`~attn_ref.linear.reference.hide` (top-left) of the in-chunk products
-    ``a = phi(Q_c) phi(K_c)^T`` ``(..., n, C, C)``, as a product with the 0/1 mask where
-    that is exact.
+def _intra_chunks(xp, qc, kt, vc):
+    """``(phi(Q_c) phi(K_c)^T * M) V_c`` for every chunk, ``M`` the top-left causal mask
+    (:func:`~attn_ref.linear.reference.hide`): ``qc (..., n, C, d')``, ``kt (..., n, d',
+    C)`` (``phi(K_c)^T`` row-major), ``vc (..., n, C, dv)``.
 
-    When every entry of ``a``, the hidden ones included, is finite, ``a * M`` is ``a``
-    where ``M`` is 1 and zero where it is 0: the same values as the select (a hidden
-    negative entry gives ``-0``, which adds nothing to the next product's sums). One
-    reduction decides it: a finite sum of ``a`` has no ``inf`` or NaN among its terms
-    (an ``inf`` makes it infinite or NaN, a NaN NaN); a sum that overflows though every
-    term is finite only takes the select. NumPy's ``where`` runs at a fifth of a
-    product's rate: on a causal block of 512 rows, 8 heads, ``d' = C = 64``, one thread,
-    323 us for the select against 60 us for the product. The sum is a quarter of the
-    reductions that bounded ``a`` by ``d' max|phi(q)| max|phi(k)|`` before (four, over
-    ``phi(Q)`` and ``phi(K)``, each as large as ``a``). Otherwise the select: a feature
-    map that overflows, non-finite inputs, and arrays that are not this code's own to
-    write (``owned_writeable``: lazy arrays whose values cannot be read, JAX's, and
-    torch tensors recording a graph, whose value read back torch warns about).
+    The future is hidden by a product with the 0/1 mask where that is exact, and the
+    result checked afterwards. A finite entry above the diagonal times 0 is ``0`` (or
+    ``-0``, which adds nothing), as the select gives; an ``inf`` or NaN there becomes
+    NaN, which makes every column of its row of the product NaN, so one column's sum
+    finds it (a non-finite entry below the diagonal makes that sum non-finite too).
+    Only then is the block taken again with the select. The check reads ``1 / dv`` of
+    what a sum of the ``C x C`` products would (``C / dv`` of the block's scores;
+    before, one reduction over every score, and before that four over ``phi(Q)`` and
+    ``phi(K)``). NumPy's ``where`` runs at a fifth of a product's rate: on a causal
+    block of 512 rows, 8 heads, ``d' = C = 64``, one thread, 323 us for the select
+    against 60 us for the product. The select always where the arrays are not this
+    code's own to write (``owned_writeable``: lazy arrays whose values cannot be read,
+    JAX's, and torch tensors recording a graph, whose value read back torch warns
+    about).
     """
-    if owned_writeable(a) and math.isfinite(float(xp.sum(a))):
+    a = qc @ kt
+    if owned_writeable(a):
         vis = causal_visible(xp, a.shape[-2], a.shape[-1], TOP_LEFT, array_api_compat.device(a))
-        return mul_into(a, xp.astype(vis, a.dtype))
-    return hide(xp, a, TOP_LEFT)
+        out = mul_into(a, xp.astype(vis, a.dtype)) @ vc
+        if math.isfinite(float(xp.sum(out[..., -1]))):
+            return out
+        a = qc @ kt  # the product overwrote a's entries above the diagonal
+    return hide(xp, a, TOP_LEFT) @ vc
 
 
 def pad_rows(xp, x, before, after, fill=0.0):
@@ -184,7 +189,7 @@ def chunked_values(xp, fq, fk, v, chunk_size, state=None):
     kt = transposed_copy(xp, kc)
     s = kt @ vc  # (..., n_chunks, d', dv)
     prefix = _exclusive_prefix(xp, s, state)
-    out = add_into(qc @ prefix[..., :-1, :, :], _hide_in_chunks(xp, qc @ kt) @ vc)
+    out = add_into(qc @ prefix[..., :-1, :, :], _intra_chunks(xp, qc, kt, vc))
     out = xp.reshape(out, tuple(out.shape[:-3]) + (n_chunks * c, out.shape[-1]))
     return out[..., :n, :], prefix[..., -1, :, :]
 
