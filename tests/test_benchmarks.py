@@ -591,6 +591,25 @@ def test_softmax_work_is_the_textbook_count():
     assert lin.transcendentals == 2 * n * d * h and lin.bytes == 4 * n * d * h * 4
 
 
+def test_causal_linear_work_adds_the_causal_half_of_each_chunk():
+    # The causal count is the non-causal one plus the in-chunk products' causal half,
+    # counted here pair by pair: key j <= query i of the same chunk, 2 d flops for the
+    # score and 2 (d + 1) for its product with [V, 1] (a count of the whole C x C
+    # products, or of the strict half, fails).
+    from dataclasses import astuple
+
+    from asv_benches.costs import Work, linear_causal_work, variant_work
+
+    n, d, c, h = 256, 8, 16, 3
+    pairs = sum(1 for i in range(n) for j in range(n) if j // c == i // c and j <= i)
+    causal = linear_causal_work(n, d, chunk_size=c, heads=h)
+    plain = variant_work("linear", n, {}, d=d, heads=h)
+    extra = Work(*(a - b for a, b in zip(astuple(causal), astuple(plain))))
+    assert extra.gemm_flops == pytest.approx(h * pairs * (2 * d + 2 * (d + 1)))
+    assert extra.transcendentals == 0 and extra.bytes == 0
+    assert extra.elementwise == pytest.approx(h * (n * c / 2 + n * d * (d + 1) / c))
+
+
 @pytest.mark.parametrize("name", sorted(C.BENCH_CONFIGS))
 def test_work_grows_as_the_benchmarked_cost(name):
     # The count's growth in N between the two largest benchmarked sizes is the

@@ -142,7 +142,7 @@ def _peak_extra(f):
 
 
 def linear(args):
-    from asv_benches.costs import variant_work
+    from asv_benches.costs import linear_causal_work, variant_work
     from attn_ref import linear_attention
 
     ns = [int(n) for n in args.ns.split(",")]
@@ -182,11 +182,13 @@ def linear(args):
         cau.append(t_cau)
         work = variant_work("linear", n, {}, d=D, heads=H)
         roof = work.seconds(rates)
+        roof_c = linear_causal_work(n, D, heads=H).seconds(rates)
         line = (f"N={n:6d}  floor {floor * 1e3:7.1f} ms | roofline {roof * 1e3:7.1f} ms (at one caller's "
                 f"rates {work.seconds(old) * 1e3:7.1f}) | non-causal "
                 f"{t_non * 1e3:8.1f} ms ({t_non / floor:5.2f}x floor, {t_non / roof:5.2f}x roofline) | "
-                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal) | system CPU "
-                f"{system['non'] * 1e3:.0f} / {system['cau'] * 1e3:.0f} ms")
+                f"causal {t_cau * 1e3:8.1f} ms ({t_cau / t_non:4.2f}x non-causal; its own roofline "
+                f"{roof_c * 1e3:.1f} ms, {roof_c / roof:4.2f}x non-causal's: {t_cau / roof_c:4.2f}x) | "
+                f"system CPU {system['non'] * 1e3:.0f} / {system['cau'] * 1e3:.0f} ms")
         if fla is not None and n == 16384:
             # fla's layout is (batch, time, heads, d)
             bthd = [torch.from_numpy(np.ascontiguousarray(x.transpose(1, 0, 2))[None]) for x in (q, k, v)]
