@@ -292,7 +292,8 @@ def _buffered_linear(q, k, v, block=512, rows=128):
             np.matmul(fq.reshape(h, -1, rows, d), state[:, None], out=read)
             num_den = read.reshape(h, block, dv + 1)
             den = num_den[..., dv:]
-            np.divide(num_den[..., :dv], safe_denominator(xp, den, DEFAULT_EPS), out=out[:, lo:lo + block])
+            np.multiply(num_den[..., :dv], 1.0 / safe_denominator(xp, den, DEFAULT_EPS),
+                        out=out[:, lo:lo + block])
         return out
 
     assert n % block == 0 and block % rows == 0
