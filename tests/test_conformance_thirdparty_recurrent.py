@@ -158,7 +158,7 @@ def _final_times(kernel, factor):
 PLANTS = [
     ("gdn: gate after the update", "gated_deltanet", lambda: tp.hf_gated_delta_rule(
         "recurrent", edits=[(_DECAY, ""), (_UPDATE, _UPDATE + _DECAY)]), {"out", "final_state"},
-     None),
+     "after the delta-rule update"),
     # its error in float32 is the size of bfloat16 rounding: it read "a plain bfloat16
     # implementation" until beta was fitted (tests/test_conformance_diagnoses.py)
     ("gdn: beta x 1.01", "gated_deltanet", lambda: tp.hf_gated_delta_rule(

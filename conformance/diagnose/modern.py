@@ -324,6 +324,15 @@ def _recurrent_sigs(prep):
         yield ("the gate is applied after the update (S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t): "
                "the current token decays too)",
                prep.reference("float64", arrays={**a, "k": a["k"] * decay}))
+    elif "g" in p and "beta" in p:
+        # Gated DeltaNet: alpha_t (S_{t-1} - beta_t (S_{t-1} k_t - v_t) k_t^T) is, with
+        # S' = alpha_t S_{t-1}, S' - beta_t (S' k_t - alpha_t v_t) k_t^T: the gated delta
+        # rule on values alpha_t v_t (an audit's JAX kernel so read "no known mistake")
+        alpha = np.exp(np.asarray(p["g"], dtype=np.float64))[..., None]
+        yield ("the gate is applied after the delta-rule update (S_t = alpha_t (S_{t-1} - "
+               "beta_t (S_{t-1} k_t - v_t) k_t^T): the correction reads the undecayed state and "
+               "the write decays too)",
+               prep.reference("float64", arrays={**a, "v": a["v"] * alpha}))
     T = prep.case.nq
     segs = list(zip(cu, cu[1:])) if cu is not None else [(0, T)]
     rows = [s0] if cu is None else [None if s0 is None else s0[i:i + 1] for i in range(len(segs))]
