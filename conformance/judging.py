@@ -1029,6 +1029,51 @@ def _dense_form(name):
     return dense
 
 
+def _performer_paper_rounding(q, k, v, /, *, projection, scale=None, feature_eps=0.0, eps=None,
+                              xp=None, **_):
+    """Non-causal FAVOR+ with positive features rounded as google-research's code and
+    performer-pytorch round them: ``u = (sqrt(scale) x) W^T`` but the diagonal
+    ``|x|^2 / 2`` taken from the unscaled ``x`` and multiplied by the scale afterwards,
+    the stabiliser the largest ``u`` of each query row and of all keys, the features
+    ``(exp(u - diag - c) + feature_eps) / sqrt(m)``, and the output as the numerator
+    times ``1 / denominator``. Without a floor (``feature_eps=0``) the stabiliser is the
+    largest exponent ``u - diag`` instead, as attn_ref's.
+
+    The same function (``scale |x|^2 / 2`` either way; the stabilisers cancel, and with
+    ``feature_eps`` they are the ones the floor is defined against). In bfloat16 the
+    diagonal from the unscaled ``x`` disagrees with the rounded ``sqrt(scale) x`` of the
+    product by a rounding, which the exponent then carries: performer-pytorch so failed
+    three of 74 rows at 1.05-1.08 against attn_ref's in-dtype form alone (an audit took
+    its steps one at a time: this diagonal 1.08 -> 0.74 and 1.06 -> 0.68, the reciprocal
+    1.05 -> 0.67).
+    """
+    root = math.sqrt(default_scale(q.shape[-1]) if scale is None else scale)
+    m = projection.shape[0]
+
+    def features(x, over_rows):
+        u = (x * root) @ xp.matrix_transpose(projection)
+        diag = xp.sum(x * x, axis=-1, keepdims=True) / 2 * (root * root)
+        # without a floor, the largest exponent (attn_ref's stabiliser: the largest u alone
+        # lets every feature of a large-logits row underflow to 0 / 0)
+        c = xp.max(u if feature_eps else u - diag, axis=-1, keepdims=True)
+        if over_rows and x.shape[-2] > 0:
+            c = xp.max(c, axis=-2, keepdims=True)
+        return (xp.exp(u - diag - c) + feature_eps) / math.sqrt(m)
+
+    fq, fk = features(q, False), features(k, True)
+    num = fq @ (xp.matrix_transpose(fk) @ v)
+    den = fq @ xp.matrix_transpose(xp.sum(fk, axis=-2, keepdims=True))
+    return num * (1.0 / den)
+
+
+def _performer_paper_applies(prep):
+    """float16/bfloat16, non-causal, positive stabilised features, a key to attend to."""
+    o = prep.options
+    return (_HALF(prep) and not prep.kwargs.get("causal") and o.get("kernel", "positive") == "positive"
+            and o.get("stabilize", True) and o.get("order", "linear") == "linear"
+            and prep.case.nk > 0 and prep.case.nq > 0)
+
+
 def _nystrom_torch_kernels(q, k, v, /, **kw):
     """:func:`_nystrom_fused_kernels` with its logits as a plain torch kernel makes them in
     float16/bfloat16: ``Q K^T`` by a half-precision matmul (float32 accumulation, rounded
@@ -1363,7 +1408,9 @@ for _name in RECURRENT:
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
                Form("chunks of 3", (("chunk_size", 3),)), PERTURBED,
-               Form("every operation in the dtype", in_dtype=True, applies=_HALF))
+               Form("every operation in the dtype", in_dtype=True, applies=_HALF),
+               Form("the FAVOR+ paper code's rounding, every operation in the dtype",
+                    fn=_performer_paper_rounding, in_dtype=True, applies=_performer_paper_applies))
 for _name in ("pooled", "query_reduced", "clustered"):
     register_forms(_name, AS_REGISTERED, FOLD)
 # Improved clustered attention: the k-means on the queries and each centroid's top-k keys
