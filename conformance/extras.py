@@ -842,10 +842,18 @@ def _state_candidates(prep, golden):
     for c in _CHUNKS:
         if all(hi - lo <= c for lo, hi in segs):
             continue
+
+        def not_carried(c=c):
+            # each sequence's last chunk from S = 0, or from its initial state where that
+            # chunk is its first (the state enters a sequence's first chunk as the output's
+            # candidate has it: an audit's packed sequence of 15 tokens read "no known mistake")
+            parts = []
+            for (lo, hi), s0 in zip(segs, _initial_rows(prep)):
+                start = lo + c * ((hi - lo - 1) // c)
+                parts.append(reference_on(prep, "float64", start, hi, s0 if start == lo else None))
+            return np.concatenate(parts, axis=0)
         out.append((f"the state not carried across chunks of {c}: the final state is the last "
-                    f"chunk's alone, from S = 0",
-                    lambda c=c: _per_sequence(prep, "float64", [(lo + c * ((hi - lo - 1) // c), hi)
-                                                                 for lo, hi in segs], initial=False)))
+                    f"chunk's alone, from S = 0", not_carried))
     if "beta" in prep.params:
         for c in wy_chunks(prep):
             out.append((f"the WY correction dropped (chunks of {c}): each chunk writes U = T beta V "

@@ -277,6 +277,15 @@ def test_chunk_mistakes_are_named_on_both_rows():
         rep = _run(variant_kernel("gla", change), "gla", ("float32",), case)
         assert [r.verdict for r in rep.results] == ["fail", "fail"], rep.table()
         assert all(expect in r.diagnosis for r in rep.results), rep.table()
+    # packed sequences with initial states, one of them within one chunk: that sequence's
+    # final state is its initial state's (an audit's JAX kernel read "no known mistake")
+    change = dict(VARIANT_CHANGES["gla"])["state not carried across chunks of 16"]
+    packed = [c for c in RECURRENT if {"initial_state", "cu_seqlens"} <= set(c.features)]
+    cuts = [dict(c.params)["cu_seqlens"] for c in packed]
+    assert packed and any(min(b - a for a, b in zip(cu, cu[1:])) <= 16 for cu in cuts)
+    rep = _run(variant_kernel("gla", change), "gla", ("float32",), packed)
+    final = [r for r in rep.results if r.output == "final_state" and r.verdict == "fail"]
+    assert final and all("not carried across chunks of 16" in r.diagnosis for r in final), rep.table()
 
 
 # ------------------------------------------------------- flash-linear-attention's naive
