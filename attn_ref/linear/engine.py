@@ -406,8 +406,9 @@ def _stream(xp, q, k, v, phi_q, phi_k, batch, alignment, chunk_size, block_size,
             # One read of the pass where its GEMM row chunks are its blocks' (whole blocks
             # chunked alike, _gemm_rows); else block by block, for the same bits.
             whole = hi - lo == step and _gemm_rows(block_size, fq.shape[-1], state.shape[-1]) is not None
-            for a in (0,) if whole or hi - lo <= block_size else range(0, hi - lo, block_size):
-                b = hi - lo if whole else min(a + block_size, hi - lo)
+            width = step if whole else block_size
+            for a in range(0, hi - lo, width):
+                b = min(a + width, hi - lo)
                 outs.put(lo + a, *_read(xp, _read_summary(xp, fq[..., a:b, :], state), normalize, eps))
         return outs.result()
     p_q, p_k, keep, tail = causal_plan(nq, nk, alignment)
