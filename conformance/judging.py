@@ -1029,8 +1029,7 @@ def _dense_form(name):
     return dense
 
 
-def _performer_paper_rounding(q, k, v, /, *, projection, scale=None, feature_eps=0.0, eps=None,
-                              xp=None, **_):
+def _performer_paper_rounding(q, k, v, /, *, projection, scale=None, feature_eps=0.0, xp=None, **_):
     """Non-causal FAVOR+ with positive features rounded as google-research's code and
     performer-pytorch round them: ``u = (sqrt(scale) x) W^T`` but the diagonal
     ``|x|^2 / 2`` taken from the unscaled ``x`` and multiplied by the scale afterwards,
@@ -1434,12 +1433,13 @@ register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("b
 # large logits in float32 HuggingFace's kernel erred 2.4x the fold's tolerance without it
 # In float16/bfloat16 the pseudo-inverse's iterations amplify the landmark kernel's
 # rounding by up to its condition number, so which rounding pattern a kernel happens to
-# make decides its error as much as the pattern's size: a third sample of it, the
-# in-dtype form on inputs moved by one ulp of the dtype. Without it an independent torch
-# kernel (logits by half-precision matmuls, softmax in float32 rounded once, the
+# make decides its error as much as the pattern's size. A plain torch kernel rounds its
+# logits (a half-precision matmul, then the scale) before the fused softmax; without a
+# form that does the same (_nystrom_torch_kernels) an independent such kernel (the
 # iterations in the dtype) failed one output row in each of seeds 0-2 at 1.18-1.5x
 # (bfloat16 basic:b2h3-q17k17-d16, float16 length:b1h2-q3k3-d32 and
-# near-ties:b1h2-q64k64-d32).
+# near-ties:b1h2-q64k64-d32). The in-dtype form on inputs moved by one ulp also passed
+# them, at about twice the tolerance: not kept.
 register_forms("nystrom", AS_REGISTERED, FOLD, SPLIT, PERTURBED,
                Form("every operation in the dtype", in_dtype=True, applies=_HALF),
                Form("softmax kernels rounded once", fn=_nystrom_fused_kernels, applies=_HALF),
