@@ -1696,14 +1696,17 @@ LSE_MISTAKES = ("lse_ignored", "lse_sign", "lse_ln2", "lse_log2e", "lse_masked_r
 _LSE_FACTOR = {"lse_ignored": 0.0, "lse_sign": -1.0, "lse_ln2": math.log(2), "lse_log2e": 1 / math.log(2)}
 
 
-def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None):
+def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None, leak=None):
     """Plain float64 softmax-attention gradients, optionally with one known mistake;
-    ``dlse`` the lse's cotangent ``(B, H, Nq)``, or None."""
+    ``dlse`` the lse's cotangent ``(B, H, Nq)``, or None. ``leak``: the keys that the
+    mask leaks recompute ``P`` over (``mask_leak``, ``mask_leak_lse``): None for every
+    key, or a boolean matrix (a sparse variant's backward that keeps the case's mask and
+    causal restriction but drops its own pattern)."""
     s = np.einsum("...id,...jd->...ij", q, k) * scale
     if bias is not None:
         s = s + bias
     if allowed is not None:
-        s_un = s
+        s_un = s if leak is None else np.where(leak, s, -np.inf)
         s = np.where(allowed, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -1716,8 +1719,10 @@ def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None):
         pb = e
     elif mistake == "mask_leak" and allowed is not None:
         mu = np.max(s_un, axis=-1, keepdims=True)
+        mu = np.where(np.isfinite(mu), mu, 0.0)
         eu = np.exp(s_un - mu)
-        pb = eu / eu.sum(-1, keepdims=True)
+        den_u = eu.sum(-1, keepdims=True)
+        pb = eu / np.where(den_u > 0, den_u, 1.0)
     elif mistake == "mask_leak_lse" and allowed is not None:
         # FlashAttention's recomputation from the saved lse, the mask left out: masked
         # keys get exp(s - lse), not renormalised (an audit's JAX custom_vjp kernel)
@@ -1807,10 +1812,13 @@ def _name_matches(got: dict, cand: dict, gold: dict, out: dict, words: str) -> N
 def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None) -> dict:
     """``{name: words}`` for failing gradients that a known mistake explains (``dlse``,
     ``dfinal_state``: the cotangents the kernel was handed, or None): softmax's backward
-    mistakes (:data:`MISTAKES`), the final state's cotangent ignored, then for every
-    variant those that need no knowledge of its function (:func:`_generic_grad_words`)."""
+    mistakes (:data:`MISTAKES`; for the sparse patterns on their own pattern, and the
+    pattern's leaks, :data:`PATTERN_LEAKS`), the final state's cotangent ignored, then for every
+    variant those that need no knowledge of its function (:func:`_generic_grad_words`),
+    the case's causal restriction changed (:func:`_causal_grad_words`) between its
+    zero or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
-        if prep.variant.name in ("softmax", "online_softmax") else {}
+        if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
     if dfinal_state is not None:
         try:
             cand = _reference_grads(prep, do, "float64", dlse=dlse)
@@ -1818,7 +1826,45 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
             cand = {}
         _name_matches(got, cand, gold, out, "the backward ignores dfinal_state (the final "
                                             "state's cotangent, fla's dht)")
-    return {**_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold), **out}
+    # A gradient that is exactly zero, or another gradient, is named so before a changed
+    # mask is tried, which may reproduce it too (pooled attention's dq on large logits
+    # is within its bound of zero); a changed mask before the factors and "nearly zero"
+    # (a causal top-left mask leaves one query a single key: linear attention's dq is
+    # then nearly zero because the mask is there).
+    out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold,
+                                   factors=False))
+    _causal_grad_words(prep, do, got, gold, out, dlse, dfinal_state)
+    out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold))
+    return out
+
+
+def _causal_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_state) -> None:
+    """Name in ``out`` the gradients that the reference VJP reproduces with the case's
+    causal restriction changed: on a causal case dropped ("the backward ignores the
+    causal mask": a causal linear attention's backward summing over every position
+    instead of the prefix) or, with ``N_q != N_k``, aligned the other way (top-left for
+    bottom-right and back); on a case that is not causal, added (either alignment). Any
+    variant with a ``causal`` option; one that cannot take the changed option (the
+    recurrent family is causal only) gets no candidate."""
+    causal = prep.kwargs.get("causal")
+    unequal = prep.case.nq != prep.case.nk
+    if not causal:
+        flips = [(a, f"the backward applies a causal ({a}) mask although the case is not causal")
+                 for a in (("top-left", "bottom-right") if unequal else ("top-left",))]
+    else:
+        flips = [(False, "the backward ignores the causal mask (its gradients are the "
+                         "non-causal attention's)")]
+        if unequal:
+            here = "bottom-right" if causal == "bottom-right" else "top-left"
+            there = "top-left" if here == "bottom-right" else "bottom-right"
+            flips.append((there, f"the backward aligns the causal mask {there} instead of {here}"))
+    for value, words in flips:
+        try:
+            cand = _reference_grads(replace(prep, kwargs={**prep.kwargs, "causal": value}), do,
+                                    "float64", dlse=dlse, dfinal_state=dfinal_state)
+        except Exception:  # the variant does not take this option: no candidate
+            continue
+        _name_matches(got, cand, gold, out, f"{words}")
 
 
 #: Constant factors a gradient is off by that a kernel's mistake explains, with their
@@ -1832,13 +1878,14 @@ _GRAD_FACTORS = (
 )
 
 
-def _generic_grad_words(prep, got: dict, gold: dict) -> dict:
+def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
     """Mistakes any variant's backward can make, named without its function: two
-    gradients exchanged (``dk`` returned as ``dv``...), a gradient that is the golden
-    times a constant (zero, the wrong sign, the scale applied twice or not at all, a
-    term counted twice) - each within the gradient's bound - or, where no named factor
-    fits, off by one constant factor it gives (a gradient 3 % off: "the golden times
-    1.03"). ``{name: words}`` for the gradients of ``got`` it explains."""
+    gradients exchanged (``dk`` returned as ``dv``...), a gradient that is zero, or
+    (``factors``) the golden times a constant (the wrong sign, the scale applied twice or
+    not at all, a term counted twice) - each within the gradient's bound - or, where no
+    named factor fits, off by one constant factor it gives (a gradient 3 % off: "the
+    golden times 1.03"; nearly zero). ``{name: words}`` for the gradients of ``got`` it
+    explains."""
     out = {}
     for n, h in got.items():
         g, keep, tmax, trms, _ = gold[n]
@@ -1860,6 +1907,8 @@ def _generic_grad_words(prep, got: dict, gold: dict) -> dict:
             continue
         if not np.any(h[sel]):
             out[n] = f"{grad_output(n)} is zero: the kernel computes no gradient for {n}"
+            continue
+        if not factors:
             continue
         c = float(np.sum(h[sel] * g[sel])) / gg
         def fits(f, h=h, g=g, keep=keep, tmax=tmax, trms=trms):
@@ -1883,18 +1932,52 @@ def _generic_grad_words(prep, got: dict, gold: dict) -> dict:
     return out
 
 
+#: The leaks of a sparse pattern's backward (:data:`conformance.judging.SPARSE_PATTERNS`):
+#: ``P`` recomputed over more keys than the variant's pattern allows, as ``(mistake of
+#: MISTAKES, keys it leaks to, words)``, tried before :data:`MISTAKES` (whose mask leaks
+#: then read as leaks of the pattern too). ``"case"``: the keys the case's mask and causal
+#: restriction allow (a window or block mask dropped from the recomputation, the case's
+#: own mask kept); None: every key.
+PATTERN_LEAKS = (
+    ("mask_leak", "case", "gradients leak through the sparse pattern: the backward recomputes "
+                          "P over every key the case's mask and causal restriction allow, "
+                          "without the variant's own pattern (window, blocks, global keys)"),
+    ("mask_leak_lse", "case", "gradients leak through the sparse pattern: the backward "
+                              "recomputes P = exp(S - lse) over every key the case's mask and "
+                              "causal restriction allow, the forward's lse over the pattern's keys"),
+    ("mask_leak", None, "gradients leak through the sparse pattern and the mask: the backward "
+                        "recomputes P over every key, without the variant's pattern or the "
+                        "case's mask and causal restriction"),
+    ("mask_leak_lse", None, "gradients leak through the sparse pattern and the mask: the "
+                            "backward recomputes P = exp(S - lse) over every key, the forward's "
+                            "lse over the pattern's keys"),
+)
+
+
 def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
-    """``{name: words}`` for failing softmax gradients that :data:`MISTAKES` explains."""
+    """``{name: words}`` for failing softmax gradients that :data:`MISTAKES` explains; for
+    a sparse pattern (:data:`conformance.judging.SPARSE_PATTERNS`) the same mistakes with
+    the variant's pattern as the mask (:func:`_sparse_pattern`, its causal restriction and
+    the case's mask included), after the pattern's leaks (:data:`PATTERN_LEAKS`)."""
     a = prep.arrays
     scale = prep.scale
-    allowed = allowed_matrix(prep.case, a, prep.kwargs)
+    case_allowed = allowed_matrix(prep.case, a, prep.kwargs)
+    tries = [(mistake, None, words) for mistake, words in MISTAKES.items()]
+    allowed = case_allowed
+    if prep.variant.name in SPARSE_PATTERNS:
+        allowed = _sparse_pattern(prep)
+        # a case with no mask or causal restriction of its own: its keys are every key,
+        # and only the pattern leaks
+        leaks = [(m, case_allowed if to == "case" else None, words) for m, to, words in PATTERN_LEAKS
+                 if case_allowed is not None or to == "case"]
+        tries = leaks + [t for t in tries if t[0] not in ("mask_leak", "mask_leak_lse")]
     out = {}
-    for mistake, words in MISTAKES.items():
+    for mistake, leak, words in tries:
         if dlse is None and mistake in LSE_MISTAKES:
             continue
         try:
             cand = _softmax_grads(a["q"], a["k"], a["v"], do, scale, a.get("bias"), allowed, mistake,
-                                  dlse=dlse)
+                                  dlse=dlse, leak=leak)
         except ValueError:
             continue
         for n, h in got.items():

@@ -701,6 +701,109 @@ def test_a_gradient_baseline_that_raises_is_an_error_not_a_skipped_form(monkeypa
     assert g["q"][4] is not None
 
 
+def sparse_backward(variant, mistake=None):
+    """An explicit NumPy backward of the sparse pattern ``variant`` (softmax over the keys
+    its pattern allows), optionally with one mistake: ``pattern_leak`` recomputes P over
+    the keys the case's mask and causal restriction allow (the window, blocks or global
+    keys dropped), ``mask_leak`` over every key, the others as :func:`make_backward`."""
+    from conformance.judging import softmax_pattern
+    from tests.helpers import allowed_keys
+
+    def backward(q, k, v, do, *, scale=None, **kw):
+        q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+        sc = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+        raw = q @ np.swapaxes(k, -1, -2) * sc
+
+        def probs(allowed):
+            s = np.where(allowed, raw, -np.inf)
+            m = np.max(s, -1, keepdims=True)
+            e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+            den = e.sum(-1, keepdims=True)
+            return e / np.where(den > 0, den, 1.0), e
+
+        p, e = probs(np.asarray(softmax_pattern(variant, q, k, xp=np, scale=scale, **kw)))
+        out = p @ v
+        if mistake == "pattern_leak":
+            p = probs(allowed_keys(q.shape[-2], k.shape[-2], kw.get("mask"), kw.get("causal")))[0]
+        elif mistake == "mask_leak":
+            p = probs(np.ones(raw.shape, dtype=bool))[0]
+        elif mistake == "p_unnormalised":
+            p = e
+        dv = np.swapaxes(p, -1, -2) @ do
+        d = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
+        ds = p * (do @ np.swapaxes(v, -1, -2) - d)
+        return tuple(x.astype(np.float32) for x in (ds @ k * sc, np.swapaxes(ds, -1, -2) @ q * sc, dv))
+
+    return backward
+
+
+@pytest.mark.parametrize("variant", SPARSE_PATTERNS)
+def test_a_sparse_patterns_backward_mistakes_are_named(variant):
+    """Every failing gradient of a sparse pattern read "no known mistake" (softmax's
+    backward mistakes were tried on softmax only): they are now tried with the variant's
+    pattern as the mask, after its leaks - P recomputed without the pattern (the case's
+    mask kept), or over every key."""
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("numpy"))
+    ok = verify(kernel, variant, backend="numpy", dtypes=("float32",), suite="quick",
+                backward=sparse_backward(variant), causal="both")
+    assert ok.passed, ok.table()
+    words = {"no_rowsum_term": MISTAKES["no_rowsum_term"],
+             "p_unnormalised": MISTAKES["p_unnormalised"],
+             "pattern_leak": "gradients leak through the sparse pattern: the backward recomputes "
+                             "P over every key the case's mask and causal restriction allow",
+             "mask_leak": "gradients leak through the sparse pattern"}
+    for mistake, want in words.items():
+        rep = verify(kernel, variant, backend="numpy", dtypes=("float32",), suite="quick",
+                     backward=sparse_backward(variant, mistake), causal="both")
+        failed = [r for r in rep.failures if r.output != "out"]
+        assert len(failed) >= 3 and not [r for r in rep.failures if r.output == "out"], rep.table()
+        named = [r for r in failed if want in r.diagnosis]
+        assert len(named) >= len(failed) * 9 // 10, (mistake, [r.diagnosis for r in failed])
+    # a leak the case's mask restricts reads as the pattern's and the mask's
+    rep = verify(kernel, variant, backend="numpy", dtypes=("float32",), suite="quick",
+                 backward=sparse_backward(variant, "mask_leak"), causal="both")
+    assert [r for r in rep.failures if "leak through the sparse pattern and the mask" in r.diagnosis]
+
+
+@pytest.mark.parametrize("variant, change, words", [
+    ("linear", "drop", "the backward ignores the causal mask"),
+    ("linear", "flip", "the backward aligns the causal mask"),
+    # local attention is self-attention only (Nq == Nk): its two alignments are one mask
+    ("local", "drop", "the backward ignores the causal mask"),
+    ("linear", "add", "mask although the case is not causal"),
+])
+def test_a_backward_with_the_causal_mask_changed_is_named(variant, change, words):
+    """A backward with the causal restriction dropped (a causal linear attention summing
+    over every position instead of the prefix), aligned the other way or applied to a
+    case that is not causal read "no known mistake" for every variant but softmax: the
+    reference VJP with the option changed is now a candidate for any variant that takes
+    ``causal``."""
+    torch = pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+    other = {"drop": lambda c: False if c else c,
+             "flip": lambda c: c and ("top-left" if c == "bottom-right" else "bottom-right"),
+             "add": lambda c: c or True}[change]
+
+    def backward(q, k, v, do, **kw):
+        kw = {**kw, "causal": other(kw.get("causal", False))}
+        q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        return torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do)
+
+    rep = verify(kernel, variant, backend="torch", dtypes=("float32",), suite="quick",
+                 backward=backward, causal="both")
+    failed = rep.failures
+    assert len(failed) >= 3 and all(r.output != "out" for r in failed), rep.table()
+    named = [r for r in failed if words in r.diagnosis]
+    assert len(named) >= len(failed) * 3 // 4, [r.diagnosis for r in failed]
+    assert all("causal" in r.diagnosis for r in failed), [r.diagnosis for r in failed]
+
+
 def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
     """A gradient row that fails and matches none of MISTAKES said nothing (an empty
     diagnosis, where a failing output row reads "no known mistake explains it")."""
