@@ -1815,8 +1815,8 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     mistakes (:data:`MISTAKES`; for the sparse patterns on their own pattern, and the
     pattern's leaks, :data:`PATTERN_LEAKS`), the final state's cotangent ignored, then for every
     variant those that need no knowledge of its function (:func:`_generic_grad_words`),
-    the case's causal restriction changed (:func:`_causal_grad_words`) between its
-    zero or exchanged gradients and its constant factors."""
+    the case's causal restriction or scale changed (:func:`_option_grad_words`) between
+    its zero or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
     if dfinal_state is not None:
@@ -1827,44 +1827,59 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
         _name_matches(got, cand, gold, out, "the backward ignores dfinal_state (the final "
                                             "state's cotangent, fla's dht)")
     # A gradient that is exactly zero, or another gradient, is named so before a changed
-    # mask is tried, which may reproduce it too (pooled attention's dq on large logits
-    # is within its bound of zero); a changed mask before the factors and "nearly zero"
+    # option is tried, which may reproduce it too (pooled attention's dq on large logits
+    # is within its bound of zero); a changed option before the factors and "nearly zero"
     # (a causal top-left mask leaves one query a single key: linear attention's dq is
     # then nearly zero because the mask is there).
     out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold,
                                    factors=False))
-    _causal_grad_words(prep, do, got, gold, out, dlse, dfinal_state)
+    _option_grad_words(prep, do, got, gold, out, dlse, dfinal_state)
     out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold))
     return out
 
 
-def _causal_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_state) -> None:
-    """Name in ``out`` the gradients that the reference VJP reproduces with the case's
-    causal restriction changed: on a causal case dropped ("the backward ignores the
-    causal mask": a causal linear attention's backward summing over every position
-    instead of the prefix) or, with ``N_q != N_k``, aligned the other way (top-left for
-    bottom-right and back); on a case that is not causal, added (either alignment). Any
-    variant with a ``causal`` option; one that cannot take the changed option (the
+def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_state) -> None:
+    """Name in ``out`` the gradients that the reference VJP reproduces with one of the
+    case's options changed in the backward only:
+
+    * the causal restriction: on a causal case dropped ("the backward ignores the causal
+      mask": a causal linear attention's backward summing over every position instead
+      of the prefix) or, with ``N_q != N_k``, aligned the other way (top-left for
+      bottom-right and back); on a case that is not causal, added (either alignment);
+    * the scale: the case's own scale replaced by the variant's default (a backward
+      that never reads the ``scale`` argument), or 1 (no scale at all).
+
+    Any variant that takes the option; one that cannot take the changed value (the
     recurrent family is causal only) gets no candidate."""
-    causal = prep.kwargs.get("causal")
+    kw = prep.kwargs
+    causal = kw.get("causal")
     unequal = prep.case.nq != prep.case.nk
     if not causal:
-        flips = [(a, f"the backward applies a causal ({a}) mask although the case is not causal")
-                 for a in (("top-left", "bottom-right") if unequal else ("top-left",))]
+        changes = [({**kw, "causal": a},
+                    f"the backward applies a causal ({a}) mask although the case is not causal")
+                   for a in (("top-left", "bottom-right") if unequal else ("top-left",))]
     else:
-        flips = [(False, "the backward ignores the causal mask (its gradients are the "
-                         "non-causal attention's)")]
+        changes = [({**kw, "causal": False}, "the backward ignores the causal mask (its "
+                                             "gradients are the non-causal attention's)")]
         if unequal:
             here = "bottom-right" if causal == "bottom-right" else "top-left"
             there = "top-left" if here == "bottom-right" else "bottom-right"
-            flips.append((there, f"the backward aligns the causal mask {there} instead of {here}"))
-    for value, words in flips:
+            changes.append(({**kw, "causal": there},
+                            f"the backward aligns the causal mask {there} instead of {here}"))
+    if kw.get("scale") is not None:
+        changes.append(({n: x for n, x in kw.items() if n != "scale"},
+                        f"the backward ignores the scale argument ({kw['scale']:.4g}): it uses "
+                        f"the variant's default scale"))
+    if prep.scale != 1.0:
+        changes.append(({**kw, "scale": 1.0},
+                        f"the backward applies no scale (1 instead of {prep.scale:.4g})"))
+    for kwargs, words in changes:
         try:
-            cand = _reference_grads(replace(prep, kwargs={**prep.kwargs, "causal": value}), do,
-                                    "float64", dlse=dlse, dfinal_state=dfinal_state)
+            cand = _reference_grads(replace(prep, kwargs=kwargs), do, "float64", dlse=dlse,
+                                    dfinal_state=dfinal_state)
         except Exception:  # the variant does not take this option: no candidate
             continue
-        _name_matches(got, cand, gold, out, f"{words}")
+        _name_matches(got, cand, gold, out, words)
 
 
 #: Constant factors a gradient is off by that a kernel's mistake explains, with their

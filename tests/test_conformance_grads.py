@@ -774,26 +774,32 @@ def test_a_sparse_patterns_backward_mistakes_are_named(variant):
     # local attention is self-attention only (Nq == Nk): its two alignments are one mask
     ("local", "drop", "the backward ignores the causal mask"),
     ("linear", "add", "mask although the case is not causal"),
+    ("local", "default", "the backward ignores the scale argument"),
+    ("nystrom", "one", "the backward applies no scale (1 instead of"),
 ])
-def test_a_backward_with_the_causal_mask_changed_is_named(variant, change, words):
+def test_a_backward_with_an_option_changed_is_named(variant, change, words):
     """A backward with the causal restriction dropped (a causal linear attention summing
     over every position instead of the prefix), aligned the other way or applied to a
-    case that is not causal read "no known mistake" for every variant but softmax: the
-    reference VJP with the option changed is now a candidate for any variant that takes
-    ``causal``."""
+    case that is not causal, or with the case's scale ignored or none at all, read "no
+    known mistake" for every variant but softmax: the reference VJP with the option
+    changed is now a candidate for any variant that takes it."""
     torch = pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
 
     kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
-    other = {"drop": lambda c: False if c else c,
-             "flip": lambda c: c and ("top-left" if c == "bottom-right" else "bottom-right"),
-             "add": lambda c: c or True}[change]
+    flip = {"top-left": "bottom-right", "bottom-right": "top-left", True: "bottom-right"}
+    change_kw = {
+        "drop": lambda kw: {**kw, "causal": False},
+        "flip": lambda kw: {**kw, "causal": flip.get(kw.get("causal"), kw.get("causal"))},
+        "add": lambda kw: {**kw, "causal": kw.get("causal") or True},
+        "default": lambda kw: {n: x for n, x in kw.items() if n != "scale"},
+        "one": lambda kw: {**kw, "scale": 1.0},
+    }[change]
 
     def backward(q, k, v, do, **kw):
-        kw = {**kw, "causal": other(kw.get("causal", False))}
         q_, k_, v_ = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-        return torch.autograd.grad(kernel(q_, k_, v_, **kw), (q_, k_, v_), do)
+        return torch.autograd.grad(kernel(q_, k_, v_, **change_kw(kw)), (q_, k_, v_), do)
 
     rep = verify(kernel, variant, backend="torch", dtypes=("float32",), suite="quick",
                  backward=backward, causal="both")
@@ -801,7 +807,12 @@ def test_a_backward_with_the_causal_mask_changed_is_named(variant, change, words
     assert len(failed) >= 3 and all(r.output != "out" for r in failed), rep.table()
     named = [r for r in failed if words in r.diagnosis]
     assert len(named) >= len(failed) * 3 // 4, [r.diagnosis for r in failed]
-    assert all("causal" in r.diagnosis for r in failed), [r.diagnosis for r in failed]
+    # no other mistake is named: the rest name the same option changed another way
+    # (where both reproduce the kernel) or none (nystrom's dv at scale 1 on one case,
+    # where the float32 kernel and the float64 candidate part by more than the bound)
+    option = "scale" if change in ("default", "one") else "causal"
+    assert all(option in r.diagnosis or r.diagnosis.startswith("no known mistake")
+               for r in failed), [r.diagnosis for r in failed]
 
 
 def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():
