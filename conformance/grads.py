@@ -1847,7 +1847,9 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
       of the prefix) or, with ``N_q != N_k``, aligned the other way (top-left for
       bottom-right and back); on a case that is not causal, added (either alignment);
     * the scale: the case's own scale replaced by the variant's default (a backward
-      that never reads the ``scale`` argument), or 1 (no scale at all).
+      that never reads the ``scale`` argument), or 1 (no scale at all);
+    * the initial state left out (a recurrent backward that takes ``h0`` as zero: its
+      ``dq`` and ``dg`` miss the state's terms).
 
     Any variant that takes the option; one that cannot take the changed value (the
     recurrent family is causal only) gets no candidate."""
@@ -1873,10 +1875,14 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
     if prep.scale != 1.0:
         changes.append(({**kw, "scale": 1.0},
                         f"the backward applies no scale (1 instead of {prep.scale:.4g})"))
-    for kwargs, words in changes:
+    changes = [(replace(prep, kwargs=kwargs), words) for kwargs, words in changes]
+    if "initial_state" in prep.arrays:
+        changes.append((replace(prep, arrays={n: x for n, x in prep.arrays.items()
+                                              if n != "initial_state"}),
+                        "the backward ignores the initial state (it takes h0 as zero)"))
+    for changed, words in changes:
         try:
-            cand = _reference_grads(replace(prep, kwargs=kwargs), do, "float64", dlse=dlse,
-                                    dfinal_state=dfinal_state)
+            cand = _reference_grads(changed, do, "float64", dlse=dlse, dfinal_state=dfinal_state)
         except Exception:  # the variant does not take this option: no candidate
             continue
         _name_matches(got, cand, gold, out, words)

@@ -600,3 +600,22 @@ def test_a_backward_that_ignores_the_final_states_cotangent_is_named():
                  backend="numpy", dtypes=("float64",), cases=todo, backward=backward, progress=False)
     failed = [r for r in rep.results if r.verdict == "fail" and r.output in ("dk", "dv")]
     assert failed and all("ignores dfinal_state" in r.diagnosis for r in failed), rep.table()
+
+
+@pytest.mark.parametrize("name", ["gla", "deltanet"])
+def test_a_backward_that_ignores_the_initial_state_is_named(name):
+    """A backward that takes h0 as zero (its forward right) fails dq and the gates' or
+    beta's gradients; they read "no known mistake" until the reference VJP without the
+    initial state became a candidate."""
+    vjp = VJPS[name]
+
+    def backward(q, k, v, do, *, dfinal_state=None, initial_state=None, **kw):
+        return vjp(q, k, v, do, dfinal_state=dfinal_state, **kw)
+
+    todo = [c for c in cases(name, "standard") if c.tag == "initial-state" and c.nq > 1]
+    rep = _run_numpy(name, backward, todo, dtypes=("float32",))
+    failed = [r for r in rep.failures if r.output != "dinitial_state"]
+    assert {"dq"} | EXTRA_ROWS[name] <= {r.output for r in failed}, rep.table()
+    assert not [r for r in rep.failures if r.output in ("out", "final_state")], rep.table()
+    named = [r for r in failed if "the backward ignores the initial state" in r.diagnosis]
+    assert len(named) >= len(failed) * 9 // 10, [(r.case, r.output, r.diagnosis) for r in failed]
