@@ -619,3 +619,22 @@ def test_a_backward_that_ignores_the_initial_state_is_named(name):
     assert not [r for r in rep.failures if r.output in ("out", "final_state")], rep.table()
     named = [r for r in failed if "the backward ignores the initial state" in r.diagnosis]
     assert len(named) >= len(failed) * 9 // 10, [(r.case, r.output, r.diagnosis) for r in failed]
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_a_backward_without_the_qk_normalisation_is_named(name):
+    """A delta-rule backward through unnormalised q and k (its forward normalised) makes
+    gradients up to 1e16 times the bound: the candidate with qk_l2norm=False reproduces
+    them to float32's rounding of that size, far past the bound of the right gradients,
+    so it is named by the share of the error it explains (the forward's rule)."""
+    vjp = VJPS[name]
+
+    def backward(q, k, v, do, *, dfinal_state=None, **kw):
+        return vjp(q, k, v, do, dfinal_state=dfinal_state, **{**kw, "qk_l2norm": False})
+
+    todo = [c for c in cases(name, "standard") if c.family == "recurrent"][:8]
+    rep = _run_numpy(name, backward, todo, dtypes=("float32",))
+    failed = rep.failures
+    assert len(failed) >= 20 and not [r for r in failed if r.output in ("out", "final_state")]
+    named = [r for r in failed if "the backward computes qk_l2norm=False" in r.diagnosis]
+    assert len(named) >= len(failed) * 9 // 10, [(r.case, r.output, r.diagnosis) for r in failed]
