@@ -1820,8 +1820,9 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     mistakes (:data:`MISTAKES`; for the sparse patterns on their own pattern, and the
     pattern's leaks, :data:`PATTERN_LEAKS`), the final state's cotangent ignored, then for every
     variant those that need no knowledge of its function (:func:`_generic_grad_words`),
-    the case's causal restriction or scale changed (:func:`_option_grad_words`) between
-    its zero or exchanged gradients and its constant factors."""
+    and the reference VJP with one of the case's options changed (causal restriction,
+    scale, initial state, a boolean option: :func:`_option_grad_words`) between its zero
+    or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
     if dfinal_state is not None:
