@@ -111,7 +111,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
-           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES"]
+           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options"]
 
 #: The online softmax's options that fix its summation order only (its tiles): the forms
 #: that compute its function another way (the lse's forward, the one-shot baselines,
@@ -540,6 +540,14 @@ def _initial_rows(prep):
     return [s0[i:i + 1] for i in range(s0.shape[0])]
 
 
+def boolean_options(prep):
+    """``(name, value)`` of each boolean option of the variant set for the case
+    (``prep.options``: the delta rule's ``qk_l2norm``), ``output_final_state`` aside (a
+    request, not the function): the diagnoses try each the other way."""
+    return [(n, v) for n, v in prep.options.items()
+            if isinstance(v, bool) and n != "output_final_state"]
+
+
 def _per_sequence(prep, dtype, ranges, initial=True):
     """States of the reference on ``ranges`` (one ``(lo, hi)`` per packed sequence), each
     from its sequence's initial state (``initial=False``: from zeros), stacked as the
@@ -861,6 +869,12 @@ def _state_candidates(prep, golden):
                         lambda c=c: without_wy(prep, c)[1]))
     for message, changed in gate_mistakes(prep):
         out.append((message, lambda changed=changed: _per_sequence(changed, "float64", segs)))
+    for name, value in boolean_options(prep):
+        out.append((f"the kernel computes {name}={not value} where the case asks for {name}={value}",
+                    lambda name=name, value=value: np.concatenate([
+                        reference_on(prep, "float64", lo, hi, s0,
+                                     options={**prep.options, name: not value})
+                        for (lo, hi), s0 in zip(segs, _initial_rows(prep))], axis=0)))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:

@@ -73,7 +73,7 @@ from .calling import (
     snapshot,
 )
 from .diagnose.base import UNEXPLAINED
-from .extras import BLOCK_SIZES, EXTRAS, RECURRENT, expected_outputs, split_outputs
+from .extras import BLOCK_SIZES, EXTRAS, RECURRENT, boolean_options, expected_outputs, split_outputs
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, SPARSE_PATTERNS, as_dtype, resolve_tolerance, softmax_pattern, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
@@ -1888,11 +1888,9 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
         changes.append((replace(prep, arrays={n: x for n, x in prep.arrays.items()
                                               if n != "initial_state"}),
                         "the backward ignores the initial state (it takes h0 as zero)"))
-    for name, value in prep.options.items():
-        if isinstance(value, bool) and name != "output_final_state":
-            changes.append((replace(prep, options={**prep.options, name: not value}),
-                            f"the backward computes {name}={not value} (the forward's "
-                            f"{name}={value})"))
+    for name, value in boolean_options(prep):
+        changes.append((replace(prep, options={**prep.options, name: not value}),
+                        f"the backward computes {name}={not value} (the forward's {name}={value})"))
     for changed, words in changes:
         try:
             cand = _reference_grads(changed, do, "float64", dlse=dlse, dfinal_state=dfinal_state)

@@ -255,6 +255,23 @@ def test_state_mistakes_fail_with_their_diagnosis(name):
             assert all(words in r.diagnosis for r in fails), rep.table()
 
 
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet"])
+def test_a_kernel_that_skips_the_qk_normalisation_is_named_on_both_rows(name):
+    """A delta-rule kernel that ignores ``qk_l2norm=True`` (its state grows geometrically
+    on the unnormalised rows, the error up to 1e27 times the bound) read "no known
+    mistake" on its output and its final state: the option the other way is now a
+    candidate of both (conformance.extras.boolean_options)."""
+    def unnormalised(q, k, v, kw):
+        return q, k, v, {**kw, "qk_l2norm": False}
+
+    rep = _run(variant_kernel(name, unnormalised), name, ("float32",), RECURRENT[:10])
+    fails = rep.failures
+    assert {r.output for r in fails} == {"out", "final_state"} and len(fails) >= 10, rep.table()
+    words = "the kernel computes qk_l2norm=False where the case asks for qk_l2norm=True"
+    named = [r for r in fails if words in r.diagnosis]
+    assert len(named) >= len(fails) * 9 // 10, [(r.case, r.output, r.diagnosis) for r in fails]
+
+
 @pytest.mark.parametrize("name", RECURRENT_VARIANTS)
 def test_final_state_mistakes_fail_the_final_state_row_only(name):
     for m, (_, _, words) in zip(final_state_mutants(name), FINAL_STATE_CHANGES):
