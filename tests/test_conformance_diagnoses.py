@@ -241,3 +241,26 @@ def test_a_state_that_reaches_one_chunk_back_is_named():
                  dtypes=("float32",), cases=todo, supports={"final_state": False}, progress=False)
     (row,) = [r for r in rep.results if r.output == "out"]
     assert row.verdict == "fail" and "reaches one chunk of 16 back" in row.diagnosis, rep.table()
+
+
+@pytest.mark.parametrize("variant, name, alt", [
+    ("linear", "feature_map", "relu"),
+    ("linear", "feature_map", "identity"),
+    ("performer", "kernel", "trigonometric"),
+])
+def test_another_named_feature_map_or_kernel_is_named(variant, name, alt):
+    """A linear-attention kernel with relu (or identity) features, or a Performer with
+    trigonometric features, against the cases' defaults (elu+1, positive) read "no known
+    mistake": the variant's other named choices are now tried, and the option that
+    declares the kernel's is given."""
+    def change(q, k, v, kw):
+        return q, k, v, {**kw, name: alt}
+
+    rep = verify(variant_kernel(variant, change), variant, backend="numpy", dtypes=("float32",),
+                 cases=[c for c in cases(variant, "standard") if not c.needs][:12], progress=False)
+    fails = rep.failures
+    words = f"the kernel's {name} is {alt!r}"
+    assert len(fails) >= 8, rep.table()
+    named = [r for r in fails if words in r.diagnosis]
+    assert len(named) >= len(fails) * 9 // 10, [(r.case, r.diagnosis) for r in fails]
+    assert f"options={{{name!r}: {alt!r}}}" in named[0].diagnosis

@@ -333,7 +333,32 @@ def _kmeans_iteration_sigs(prep):
 
 
 #: this module's signatures, in the order they are tried (registered by the package)
+def _named_choices():
+    # the choices of the variants' named-function options, from the package's own lists
+    from attn_ref.linear.options import FEATURE_MAPS
+    from attn_ref.performer import KERNELS
+
+    return {("linear", "feature_map"): FEATURE_MAPS, ("performer", "kernel"): KERNELS}
+
+
+def _named_choice_sigs(prep):
+    """Another of a variant's named functions than the case's: linear attention's feature
+    map (``elu+1``, ``relu``, ``identity``) or Performer's kernel (``positive``,
+    ``trigonometric``). A kernel written for the other choice computes another function
+    on purpose; a linear-attention kernel with ``relu`` features read "no known mistake"."""
+    for (variant, name), choices in _named_choices().items():
+        value = prep.options.get(name)
+        if prep.variant.name != variant or not isinstance(value, str):
+            continue
+        for alt in choices:
+            if alt != value:
+                yield (f"the kernel's {name} is {alt!r}, not the case's {value!r}: pass "
+                       f"options={{{name!r}: {alt!r}}} if that is its convention",
+                       prep.reference("float64", options={**prep.options, name: alt}))
+
+
 CONVENTIONS = (
+    Signature("named feature map or kernel", _named_choice_sigs),
     Signature("performer eps", _performer_eps_sigs),
     Signature("performer generalized kernel", _generalized_kernel_sigs),
     Signature("efficient attention", _efficient_attention_sigs),
