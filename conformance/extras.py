@@ -111,7 +111,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
-           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options"]
+           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS"]
 
 #: The online softmax's options that fix its summation order only (its tiles): the forms
 #: that compute its function another way (the lse's forward, the one-shot baselines,
@@ -540,12 +540,24 @@ def _initial_rows(prep):
     return [s0[i:i + 1] for i in range(s0.shape[0])]
 
 
+#: Boolean keywords of the references that are not the variant's function: the case's
+#: features (``causal``, ``gqa``) and a request for an extra output.
+NOT_BOOLEAN_OPTIONS = ("causal", "gqa", "output_final_state")
+
+
 def boolean_options(prep):
-    """``(name, value)`` of each boolean option of the variant set for the case
-    (``prep.options``: the delta rule's ``qk_l2norm``), ``output_final_state`` aside (a
-    request, not the function): the diagnoses try each the other way."""
-    return [(n, v) for n, v in prep.options.items()
-            if isinstance(v, bool) and n != "output_final_state"]
+    """``(name, value)`` of each boolean option of ``prep``'s variant as the case computes
+    it: set in ``prep.options`` (the delta rule's ``qk_l2norm``) or the reference's default
+    (linear attention's ``normalize``, routing's ``balanced``, Reformer's ``dedup``), the
+    keywords of :data:`NOT_BOOLEAN_OPTIONS` aside. The diagnoses try each the other way."""
+    import inspect
+
+    out = []
+    for n, p in inspect.signature(prep.variant.fn).parameters.items():
+        value = prep.options.get(n, p.default)
+        if isinstance(value, bool) and n not in NOT_BOOLEAN_OPTIONS:
+            out.append((n, value))
+    return out
 
 
 def _per_sequence(prep, dtype, ranges, initial=True):

@@ -264,3 +264,20 @@ def test_another_named_feature_map_or_kernel_is_named(variant, name, alt):
     named = [r for r in fails if words in r.diagnosis]
     assert len(named) >= len(fails) * 9 // 10, [(r.case, r.diagnosis) for r in fails]
     assert f"options={{{name!r}: {alt!r}}}" in named[0].diagnosis
+
+
+@pytest.mark.parametrize("variant, name", [("linear", "normalize"), ("routing", "balanced")])
+def test_a_boolean_option_the_other_way_is_named(variant, name):
+    """Linear attention without its denominator (normalize=False) and routing without
+    balanced clusters read "no known mistake" (routing once "the size a plain bfloat16
+    implementation makes", in float32): every boolean option of the reference, set or
+    default, is now tried the other way."""
+    def change(q, k, v, kw):
+        return q, k, v, {**kw, name: False}
+
+    rep = verify(variant_kernel(variant, change), variant, backend="numpy", dtypes=("float32",),
+                 cases=[c for c in cases(variant, "standard") if not c.needs][:12], progress=False)
+    fails = rep.failures
+    words = f"the kernel computes {name}=False where the case asks for {name}=True"
+    assert len(fails) >= 8, rep.table()
+    assert all(words in r.diagnosis for r in fails), [(r.case, r.diagnosis) for r in fails]

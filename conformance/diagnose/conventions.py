@@ -3,7 +3,9 @@ variant, which a kernel computes on purpose (performer-pytorch's feature floor, 
 generalized kernel, efficient attention, window padding, Nystromformer at m = N and
 lucidrains' front-padded landmarks, BigBird's and Reformer's in transformers). The
 diagnosis names the package and how the function differs, so that a user does not hunt
-for a rounding bug (tests/test_conformance_thirdparty.py)."""
+for a rounding bug (tests/test_conformance_thirdparty.py). Last, the variant's own
+choices the other way: another named feature map or kernel, a boolean option flipped -
+the options that declare them."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import math
 
 import numpy as np
 
+from ..extras import boolean_options
 from .base import (
     Signature,
     host_logits,
@@ -357,6 +360,20 @@ def _named_choice_sigs(prep):
                        prep.reference("float64", options={**prep.options, name: alt}))
 
 
+def _option_flip_sigs(prep):
+    """A boolean option of the variant the other way
+    (:func:`conformance.extras.boolean_options`): the delta rule without its ``q, k``
+    normalisation, its error up to ``1e27`` times the tolerance, linear attention without
+    its denominator, routing without balanced clusters read "no known mistake". An option
+    whose other value the reference refuses for the case is skipped, not the rest."""
+    for name, value in boolean_options(prep):
+        try:
+            cand = prep.reference("float64", options={**prep.options, name: not value})
+        except Exception:  # this value cannot be computed for the case: no candidate
+            continue
+        yield f"the kernel computes {name}={not value} where the case asks for {name}={value}", cand
+
+
 CONVENTIONS = (
     Signature("named feature map or kernel", _named_choice_sigs),
     Signature("performer eps", _performer_eps_sigs),
@@ -370,4 +387,7 @@ CONVENTIONS = (
     Signature("reformer round weights", _reformer_weights_sigs),
     Signature("reformer look-back and duplicates", _reformer_sigs),
     Signature("k-means iterations", _kmeans_iteration_sigs),
+    # last: a convention above that gives the same function names it more precisely
+    # (Performer's stabilize=False is "FAVOR+ features without the stabiliser")
+    Signature("boolean option flipped", _option_flip_sigs),
 )

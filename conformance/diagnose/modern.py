@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..extras import boolean_options
 from ..features import allowed_matrix, sequence_lengths
 from ..judging import option_names
 from ..tolerance import (
@@ -439,16 +438,6 @@ def _pinv_iterations_sigs(prep):
                    prep.reference("float64", options={**prep.options, "pinv_iterations": n}))
 
 
-def _option_flip_sigs(prep):
-    """A boolean option of the variant the other way
-    (:func:`conformance.extras.boolean_options`): the delta
-    rule without its ``q, k`` normalisation read "no known mistake", its error up to
-    ``1e27`` times the tolerance."""
-    for name, value in boolean_options(prep):
-        yield (f"the kernel computes {name}={not value} where the case asks for {name}={value}",
-               prep.reference("float64", options={**prep.options, name: not value}))
-
-
 #: this module's signatures, in the order they are tried (registered by the package)
 MODERN = (
     Signature("window", _window_sigs),
@@ -464,5 +453,4 @@ MODERN = (
     Signature("gates", _gate_sigs, functional=True),
     Signature("pinv init", _pinv_init_sigs),
     Signature("pinv iterations", _pinv_iterations_sigs),
-    Signature("boolean option flipped", _option_flip_sigs),
 )
