@@ -111,7 +111,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
-           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS"]
+           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices"]
 
 #: The online softmax's options that fix its summation order only (its tiles): the forms
 #: that compute its function another way (the lse's forward, the one-shot baselines,
@@ -557,6 +557,24 @@ def boolean_options(prep):
         value = prep.options.get(n, p.default)
         if isinstance(value, bool) and n not in NOT_BOOLEAN_OPTIONS:
             out.append((n, value))
+    return out
+
+
+def named_choices(prep):
+    """``(name, value, others)`` for each option of ``prep``'s variant that chooses one of
+    the variant's named functions - linear attention's ``feature_map`` (``elu+1``,
+    ``relu``, ``identity``), Performer's ``kernel`` (``positive``, ``trigonometric``) -
+    with the case's value and the other choices, from attn_ref's own lists. The diagnoses
+    try each other choice."""
+    from attn_ref.linear.options import FEATURE_MAPS
+    from attn_ref.performer import KERNELS
+
+    table = {("linear", "feature_map"): FEATURE_MAPS, ("performer", "kernel"): KERNELS}
+    out = []
+    for (variant, name), choices in table.items():
+        value = prep.options.get(name)
+        if prep.variant.name == variant and isinstance(value, str):
+            out.append((name, value, tuple(c for c in choices if c != value)))
     return out
 
 

@@ -73,7 +73,15 @@ from .calling import (
     snapshot,
 )
 from .diagnose.base import UNEXPLAINED
-from .extras import BLOCK_SIZES, EXTRAS, RECURRENT, boolean_options, expected_outputs, split_outputs
+from .extras import (
+    BLOCK_SIZES,
+    EXTRAS,
+    RECURRENT,
+    boolean_options,
+    expected_outputs,
+    named_choices,
+    split_outputs,
+)
 from .features import NotApplicable, allowed_matrix
 from .judging import BASE_KEYS, SPARSE_PATTERNS, as_dtype, resolve_tolerance, softmax_pattern, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
@@ -1857,7 +1865,9 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
     * the initial state left out (a recurrent backward that takes ``h0`` as zero: its
       ``dq`` and ``dg`` miss the state's terms);
     * a boolean option of the variant the other way (the delta rule's ``qk_l2norm``: a
-      backward through unnormalised ``q`` and ``k``).
+      backward through unnormalised ``q`` and ``k``);
+    * another of the variant's named functions (linear attention's backward through
+      ``relu`` features under an ``elu+1`` forward).
 
     Any variant that takes the option; one that cannot take the changed value (the
     recurrent family is causal only) gets no candidate."""
@@ -1891,6 +1901,10 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
     for name, value in boolean_options(prep):
         changes.append((replace(prep, options={**prep.options, name: not value}),
                         f"the backward computes {name}={not value} (the forward's {name}={value})"))
+    for name, value, others in named_choices(prep):
+        changes += [(replace(prep, options={**prep.options, name: alt}),
+                     f"the backward differentiates {name}={alt!r} (the forward's {name}={value!r})")
+                    for alt in others]
     for changed, words in changes:
         try:
             cand = _reference_grads(changed, do, "float64", dlse=dlse, dfinal_state=dfinal_state)
@@ -1924,7 +1938,11 @@ def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
         if h.shape != g.shape:
             continue
         for m in gold:
-            if m != n and isinstance(gold[m], tuple) and gold[m][0].shape == h.shape:
+            # a golden within its bound of zero (dq and dk of one key) is no other
+            # gradient to hold: a zero dv "held" it (linear attention with relu features
+            # at Nq = Nk = 1)
+            if m != n and isinstance(gold[m], tuple) and gold[m][0].shape == h.shape \
+                    and float(np.max(np.abs(gold[m][0]), initial=0.0)) > gold[m][2]:
                 mt = measure(h, gold[m][0], keep)
                 if not mt.nonfinite and mt.max_err <= gold[m][2] and mt.max_err < measure(h, g, keep).max_err:
                     out[n] = (f"matches a known mistake: {grad_output(n)} holds {grad_output(m)} "

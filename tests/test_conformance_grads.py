@@ -776,6 +776,8 @@ def test_a_sparse_patterns_backward_mistakes_are_named(variant):
     ("linear", "add", "mask although the case is not causal"),
     ("local", "default", "the backward ignores the scale argument"),
     ("nystrom", "one", "the backward applies no scale (1 instead of"),
+    ("linear", "relu", "the backward differentiates feature_map='relu'"),
+    ("linear", "unnormalised", "the backward computes normalize=False"),
 ])
 def test_a_backward_with_an_option_changed_is_named(variant, change, words):
     """A backward with the causal restriction dropped (a causal linear attention summing
@@ -795,6 +797,8 @@ def test_a_backward_with_an_option_changed_is_named(variant, change, words):
         "add": lambda kw: {**kw, "causal": kw.get("causal") or True},
         "default": lambda kw: {n: x for n, x in kw.items() if n != "scale"},
         "one": lambda kw: {**kw, "scale": 1.0},
+        "relu": lambda kw: {**kw, "feature_map": "relu"},
+        "unnormalised": lambda kw: {**kw, "normalize": False},
     }[change]
 
     def backward(q, k, v, do, **kw):
@@ -808,11 +812,14 @@ def test_a_backward_with_an_option_changed_is_named(variant, change, words):
     named = [r for r in failed if words in r.diagnosis]
     assert len(named) >= len(failed) * 3 // 4, [r.diagnosis for r in failed]
     # no other mistake is named: the rest name the same option changed another way
-    # (where both reproduce the kernel) or none (nystrom's dv at scale 1 on one case,
-    # where the float32 kernel and the float64 candidate part by more than the bound)
-    option = "scale" if change in ("default", "one") else "causal"
-    assert all(option in r.diagnosis or r.diagnosis.startswith("no known mistake")
-               for r in failed), [r.diagnosis for r in failed]
+    # (where both reproduce the kernel), a gradient that is zero (relu features of one
+    # query and one key: dv = 0), or none (nystrom's dv at scale 1 on one case, where the
+    # float32 kernel and the float64 candidate part by more than the bound)
+    option = {"default": "scale", "one": "scale", "relu": "feature_map",
+              "unnormalised": "normalize"}.get(change, "causal")
+    assert all(option in r.diagnosis or " is zero: " in r.diagnosis
+               or r.diagnosis.startswith("no known mistake") for r in failed), \
+        [r.diagnosis for r in failed]
 
 
 def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():

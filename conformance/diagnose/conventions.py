@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..extras import boolean_options
+from ..extras import boolean_options, named_choices
 from .base import (
     Signature,
     host_logits,
@@ -336,28 +336,16 @@ def _kmeans_iteration_sigs(prep):
 
 
 #: this module's signatures, in the order they are tried (registered by the package)
-def _named_choices():
-    # the choices of the variants' named-function options, from the package's own lists
-    from attn_ref.linear.options import FEATURE_MAPS
-    from attn_ref.performer import KERNELS
-
-    return {("linear", "feature_map"): FEATURE_MAPS, ("performer", "kernel"): KERNELS}
-
-
 def _named_choice_sigs(prep):
     """Another of a variant's named functions than the case's: linear attention's feature
     map (``elu+1``, ``relu``, ``identity``) or Performer's kernel (``positive``,
     ``trigonometric``). A kernel written for the other choice computes another function
     on purpose; a linear-attention kernel with ``relu`` features read "no known mistake"."""
-    for (variant, name), choices in _named_choices().items():
-        value = prep.options.get(name)
-        if prep.variant.name != variant or not isinstance(value, str):
-            continue
-        for alt in choices:
-            if alt != value:
-                yield (f"the kernel's {name} is {alt!r}, not the case's {value!r}: pass "
-                       f"options={{{name!r}: {alt!r}}} if that is its convention",
-                       prep.reference("float64", options={**prep.options, name: alt}))
+    for name, value, others in named_choices(prep):
+        for alt in others:
+            yield (f"the kernel's {name} is {alt!r}, not the case's {value!r}: pass "
+                   f"options={{{name!r}: {alt!r}}} if that is its convention",
+                   prep.reference("float64", options={**prep.options, name: alt}))
 
 
 def _option_flip_sigs(prep):
