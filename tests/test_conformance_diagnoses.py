@@ -243,6 +243,18 @@ def test_a_state_that_reaches_one_chunk_back_is_named():
     assert row.verdict == "fail" and "reaches one chunk of 16 back" in row.diagnosis, rep.table()
 
 
+def _fails_with_option(variant, name, value):
+    """The failing rows of the variant's reference run with option ``name=value`` on the
+    first twelve standard cases that need no feature."""
+    def change(q, k, v, kw):
+        return q, k, v, {**kw, name: value}
+
+    rep = verify(variant_kernel(variant, change), variant, backend="numpy", dtypes=("float32",),
+                 cases=[c for c in cases(variant, "standard") if not c.needs][:12], progress=False)
+    assert len(rep.failures) >= 8, rep.table()
+    return rep.failures
+
+
 @pytest.mark.parametrize("variant, name, alt", [
     ("linear", "feature_map", "relu"),
     ("linear", "feature_map", "identity"),
@@ -253,15 +265,8 @@ def test_another_named_feature_map_or_kernel_is_named(variant, name, alt):
     trigonometric features, against the cases' defaults (elu+1, positive) read "no known
     mistake": the variant's other named choices are now tried, and the option that
     declares the kernel's is given."""
-    def change(q, k, v, kw):
-        return q, k, v, {**kw, name: alt}
-
-    rep = verify(variant_kernel(variant, change), variant, backend="numpy", dtypes=("float32",),
-                 cases=[c for c in cases(variant, "standard") if not c.needs][:12], progress=False)
-    fails = rep.failures
-    words = f"the kernel's {name} is {alt!r}"
-    assert len(fails) >= 8, rep.table()
-    named = [r for r in fails if words in r.diagnosis]
+    fails = _fails_with_option(variant, name, alt)
+    named = [r for r in fails if f"the kernel's {name} is {alt!r}" in r.diagnosis]
     assert len(named) >= len(fails) * 9 // 10, [(r.case, r.diagnosis) for r in fails]
     assert f"options={{{name!r}: {alt!r}}}" in named[0].diagnosis
 
@@ -272,12 +277,6 @@ def test_a_boolean_option_the_other_way_is_named(variant, name):
     balanced clusters read "no known mistake" (routing once "the size a plain bfloat16
     implementation makes", in float32): every boolean option of the reference, set or
     default, is now tried the other way."""
-    def change(q, k, v, kw):
-        return q, k, v, {**kw, name: False}
-
-    rep = verify(variant_kernel(variant, change), variant, backend="numpy", dtypes=("float32",),
-                 cases=[c for c in cases(variant, "standard") if not c.needs][:12], progress=False)
-    fails = rep.failures
+    fails = _fails_with_option(variant, name, False)
     words = f"the kernel computes {name}=False where the case asks for {name}=True"
-    assert len(fails) >= 8, rep.table()
     assert all(words in r.diagnosis for r in fails), [(r.case, r.diagnosis) for r in fails]
