@@ -1800,26 +1800,46 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
                               f"the forward reads {what} as if contiguous (ignores the strides); "
                               "autograd's gradients follow it"))
     out = {}
-    for cand, words in tried:
-        _name_matches(got, cand, g, out, words)
+    for cand, words in tried:  # the first that fits: the fewest inputs named
+        out.update({n: f"matches a known mistake: {words}" for n, h in got.items()
+                    if n not in out and _fit(h, cand.get(n), g[n]) is not None})
     return out
 
 
-def _name_matches(got: dict, cand: dict, gold: dict, out: dict, words: str) -> None:
-    """Name ``words`` in ``out`` for each gradient of ``got`` not named yet that the
-    candidate ``cand`` (a mistake's gradients, float64) reproduces more closely than the
-    golden does: within the gradient's bound, or leaving at most
-    :data:`conformance.diagnose.base.UNEXPLAINED` of the kernel's error (the forward's
-    rule: a mistake that makes the gradients huge, the delta rule's without its ``q, k``
-    normalisation, is told by its shape, not to the bound of the right gradients)."""
-    for n, h in got.items():
-        if n in out or cand.get(n) is None or cand[n].shape != h.shape:
-            continue
-        g, keep, tmax, _, _ = gold[n]
-        mt, mg = measure(h, cand[n], keep), measure(h, g, keep)
-        if not mt.nonfinite and mt.max_err <= max(tmax, UNEXPLAINED * mg.max_err) \
-                and mt.max_err < mg.max_err:
-            out[n] = f"matches a known mistake: {words}"
+def _fit(h, cand, gold_n) -> float | None:
+    """How closely a mistake's gradient ``cand`` (float64) reproduces the kernel's ``h``:
+    its largest difference, or None unless it is closer than the golden and within the
+    gradient's bound or leaves at most :data:`conformance.diagnose.base.UNEXPLAINED` of the
+    kernel's error (the forward's rule: a mistake that makes the gradients huge, the delta
+    rule's without its ``q, k`` normalisation, is told by its shape, not to the bound of
+    the right gradients). A candidate with a non-finite value where the golden is finite
+    reproduces nothing (``measure`` leaves such values out: an overflowed candidate would
+    match any kernel)."""
+    g, keep, tmax, _, _ = gold_n
+    if cand is None or cand.shape != h.shape:
+        return None
+    mc = measure(cand, g, keep)
+    if mc.nonfinite:
+        return None
+    mt, mg = measure(h, cand, keep), measure(h, g, keep)
+    if mt.nonfinite or mt.max_err >= mg.max_err or mt.max_err > max(tmax, UNEXPLAINED * mg.max_err):
+        return None
+    return mt.max_err
+
+
+def _name_closest(got: dict, gold: dict, out: dict, tried) -> None:
+    """Name in ``out`` each gradient of ``got`` not named yet by the candidate of ``tried``
+    (``(words, {name: gradient})`` pairs) that reproduces it most closely (:func:`_fit`):
+    a dk without the scale is "no scale", not a causal mask that fits it less well."""
+    best = {}
+    for words, cand in tried:
+        for n, h in got.items():
+            if n in out:
+                continue
+            r = _fit(h, cand.get(n), gold[n])
+            if r is not None and (n not in best or r < best[n][0]):
+                best[n] = (r, words)
+    out.update({n: f"matches a known mistake: {words}" for n, (_, words) in best.items()})
 
 
 def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None) -> dict:
@@ -1829,32 +1849,34 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     pattern's leaks, :data:`PATTERN_LEAKS`), the final state's cotangent ignored, then for every
     variant those that need no knowledge of its function (:func:`_generic_grad_words`),
     and the reference VJP with one of the case's options changed (causal restriction,
-    scale, initial state, a boolean option: :func:`_option_grad_words`) between its zero
+    scale, initial state, a boolean option: :func:`_option_grad_candidates`), the closest, between its zero
     or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
-    if dfinal_state is not None:
-        try:
-            cand = _reference_grads(prep, do, "float64", dlse=dlse)
-        except Exception:  # the reference cannot take the case without it: no candidate
-            cand = {}
-        _name_matches(got, cand, gold, out, "the backward ignores dfinal_state (the final "
-                                            "state's cotangent, fla's dht)")
     # A gradient that is exactly zero, or another gradient, is named so before a changed
     # option is tried, which may reproduce it too (pooled attention's dq on large logits
-    # is within its bound of zero); a changed option before the factors and "nearly zero"
-    # (a causal top-left mask leaves one query a single key: linear attention's dq is
-    # then nearly zero because the mask is there).
+    # is within its bound of zero; a dk that holds dv on small gradients read "ignores
+    # dfinal_state"); the changed options, the closest of them, before the factors and
+    # "nearly zero" (a causal top-left mask leaves one query a single key: linear
+    # attention's dq is then nearly zero because the mask is there).
     out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold,
                                    factors=False))
-    _option_grad_words(prep, do, got, gold, out, dlse, dfinal_state)
+    tried = []
+    if dfinal_state is not None:
+        try:
+            tried.append(("the backward ignores dfinal_state (the final state's cotangent, "
+                          "fla's dht)", _reference_grads(prep, do, "float64", dlse=dlse)))
+        except Exception:  # the reference cannot take the case without it: no candidate
+            pass
+    tried += _option_grad_candidates(prep, do, dlse, dfinal_state)
+    _name_closest(got, gold, out, tried)
     out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold))
     return out
 
 
-def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_state) -> None:
-    """Name in ``out`` the gradients that the reference VJP reproduces with one of the
-    case's options changed in the backward only:
+def _option_grad_candidates(prep, do, dlse, dfinal_state) -> list:
+    """``(words, gradients)`` of the reference VJP with one of the case's options changed
+    in the backward only:
 
     * the causal restriction: on a causal case dropped ("the backward ignores the causal
       mask": a causal linear attention's backward summing over every position instead
@@ -1905,12 +1927,14 @@ def _option_grad_words(prep, do, got: dict, gold: dict, out: dict, dlse, dfinal_
         changes += [(replace(prep, options={**prep.options, name: alt}),
                      f"the backward differentiates {name}={alt!r} (the forward's {name}={value!r})")
                     for alt in others]
+    tried = []
     for changed, words in changes:
         try:
-            cand = _reference_grads(changed, do, "float64", dlse=dlse, dfinal_state=dfinal_state)
+            tried.append((words, _reference_grads(changed, do, "float64", dlse=dlse,
+                                                  dfinal_state=dfinal_state)))
         except Exception:  # the variant does not take this option: no candidate
             continue
-        _name_matches(got, cand, gold, out, words)
+    return tried
 
 
 #: Constant factors a gradient is off by that a kernel's mistake explains, with their
@@ -2021,7 +2045,7 @@ def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
         leaks = [(m, case_allowed if to == "case" else None, words) for m, to, words in PATTERN_LEAKS
                  if case_allowed is not None or to == "case"]
         tries = leaks + [t for t in tries if t[0] not in ("mask_leak", "mask_leak_lse")]
-    out = {}
+    best = {}
     for mistake, leak, words in tries:
         if dlse is None and mistake in LSE_MISTAKES:
             continue
@@ -2031,14 +2055,18 @@ def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
         except ValueError:
             continue
         for n, h in got.items():
-            if n in out or cand.get(n) is None:
+            if cand.get(n) is None:
                 continue
-            c = _reduce(cand[n], gold[n][0].shape)
-            if c.shape != h.shape:
+            # only a broadcast bias sums its gradient over axes: q, k, v must match as they
+            # are (dk summed over 7 keys fits the (1, d) dq of one query: "dq and dk are
+            # swapped" named a zero dq)
+            c = _reduce(cand[n], gold[n][0].shape) if n == "bias" else cand[n]
+            _, keep, tmax, _, _ = gold[n]
+            if c.shape != h.shape or measure(c, gold[n][0], keep).nonfinite:
                 continue
-            _, keep, tmax, trms, _ = gold[n]
             mt = measure(h, c, keep)
             mg = measure(h, gold[n][0], keep)
-            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err:
-                out[n] = f"matches a known mistake: {words}"
-    return out
+            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err \
+                    and (n not in best or mt.max_err < best[n][0]):
+                best[n] = (mt.max_err, words)
+    return {n: f"matches a known mistake: {words}" for n, (_, words) in best.items()}

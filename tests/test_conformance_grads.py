@@ -1467,3 +1467,18 @@ def test_a_longformer_that_gathers_its_keys_passes_half_precision_gradients(dtyp
     if dtype == "float16":
         bad = verify(scaled_gradient(_gathering_longformer, "v", 1.03), "longformer", **kw)
         assert any(r.output == "dv" and r.verdict == "fail" for r in bad.results), bad.table()
+
+
+def test_a_zero_dq_of_one_query_is_named_zero_not_swapped():
+    """With one query the swapped candidate's dq was dk summed over its keys, exactly 0
+    (dS's rows sum to 0): a zero dq read "dq and dk are swapped" (an audit, softmax and
+    block_sparse on every Nq = 1 case). Only a broadcast bias's gradient is summed."""
+    def backward(q, k, v, do, **kw):
+        g = make_backward()(q, k, v, do, **kw)
+        return {**g, "dq": np.zeros_like(g["dq"])}
+
+    one = [c for c in cases("softmax", "standard") if c.nq == 1 and c.nk > 1 and not c.needs]
+    rep = verify(np_kernel, "softmax", backend="numpy", cases=one, backward=backward)
+    rows = [r for r in rep.failures if r.output == "dq"]
+    assert rows and all(r.diagnosis.startswith("dq is zero") for r in rows), \
+        [(r.case, r.diagnosis) for r in rows]

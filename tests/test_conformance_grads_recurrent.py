@@ -638,3 +638,21 @@ def test_a_backward_without_the_qk_normalisation_is_named(name):
     assert len(failed) >= 20 and not [r for r in failed if r.output in ("out", "final_state")]
     named = [r for r in failed if "the backward computes qk_l2norm=False" in r.diagnosis]
     assert len(named) >= len(failed) * 9 // 10, [(r.case, r.output, r.diagnosis) for r in failed]
+
+
+def test_an_overflowing_candidate_names_nothing():
+    """The delta rule's VJP with qk_l2norm=False overflows to NaN on the 1000-token case,
+    and a NaN candidate was left out of its own error, so it "reproduced" any kernel: a
+    dk 2 % small read "the backward computes qk_l2norm=False" (an audit). Now a candidate
+    with a non-finite value where the golden is finite reproduces nothing."""
+    vjp = VJPS["deltanet"]
+
+    def backward(q, k, v, do, *, dfinal_state=None, **kw):
+        g = dict(vjp(q, k, v, do, dfinal_state=dfinal_state, **kw))
+        return {**g, "k": g["k"] * 0.98}
+
+    long = [c for c in cases("deltanet", "standard") if c.id.startswith("long:") and c.nq == 1000]
+    rep = _run_numpy("deltanet", backward, long[:1], dtypes=("float32",))
+    rows = [r for r in rep.failures if r.output == "dk"]
+    assert rows and all("the golden times 0.98" in r.diagnosis for r in rows), \
+        [(r.case, r.diagnosis) for r in rows]
