@@ -705,7 +705,8 @@ def sparse_backward(variant, mistake=None):
     """An explicit NumPy backward of the sparse pattern ``variant`` (softmax over the keys
     its pattern allows), optionally with one mistake: ``pattern_leak`` recomputes P over
     the keys the case's mask and causal restriction allow (the window, blocks or global
-    keys dropped), ``mask_leak`` over every key, the others as :func:`make_backward`."""
+    keys dropped), ``mask_leak`` over every key, ``plain`` is softmax attention's whole
+    backward over the case's keys, the others as :func:`make_backward`."""
     from conformance.judging import softmax_pattern
     from tests.helpers import allowed_keys
 
@@ -721,10 +722,12 @@ def sparse_backward(variant, mistake=None):
             den = e.sum(-1, keepdims=True)
             return e / np.where(den > 0, den, 1.0), e
 
-        p, e = probs(np.asarray(softmax_pattern(variant, q, k, xp=np, scale=scale, **kw)))
+        case = allowed_keys(q.shape[-2], k.shape[-2], kw.get("mask"), kw.get("causal"))
+        p, e = probs(case if mistake == "plain" else
+                     np.asarray(softmax_pattern(variant, q, k, xp=np, scale=scale, **kw)))
         out = p @ v
         if mistake == "pattern_leak":
-            p = probs(allowed_keys(q.shape[-2], k.shape[-2], kw.get("mask"), kw.get("causal")))[0]
+            p = probs(case)[0]
         elif mistake == "mask_leak":
             p = probs(np.ones(raw.shape, dtype=bool))[0]
         elif mistake == "p_unnormalised":
@@ -762,6 +765,15 @@ def test_a_sparse_patterns_backward_mistakes_are_named(variant):
         assert len(failed) >= 3 and not [r for r in rep.failures if r.output == "out"], rep.table()
         named = [r for r in failed if want in r.diagnosis]
         assert len(named) >= len(failed) * 9 // 10, (mistake, [r.diagnosis for r in failed])
+    # plain softmax's whole backward (its O and D too): dq and dk name it, dv (P^T dO,
+    # the leak's own) may read as the leak
+    rep = verify(kernel, variant, backend="numpy", dtypes=("float32",), suite="quick",
+                 backward=sparse_backward(variant, "plain"), causal="both")
+    failed = [r for r in rep.failures if r.output != "out"]
+    plain = [r for r in failed if "the backward is plain softmax attention's" in r.diagnosis]
+    assert len(plain) >= len(failed) // 2 and all(
+        r in plain or "leak through the sparse pattern" in r.diagnosis for r in failed), \
+        [(r.output, r.diagnosis) for r in failed]
     # a leak the case's mask restricts reads as the pattern's and the mask's
     rep = verify(kernel, variant, backend="numpy", dtypes=("float32",), suite="quick",
                  backward=sparse_backward(variant, "mask_leak"), causal="both")
