@@ -87,6 +87,7 @@ relative ``1e-4`` (float32) fails at ``T = 4096``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -550,8 +551,6 @@ def boolean_options(prep):
     it: set in ``prep.options`` (the delta rule's ``qk_l2norm``) or the reference's default
     (linear attention's ``normalize``, routing's ``balanced``, Reformer's ``dedup``), the
     keywords of :data:`NOT_BOOLEAN_OPTIONS` aside. The diagnoses try each the other way."""
-    import inspect
-
     out = []
     for n, p in inspect.signature(prep.variant.fn).parameters.items():
         value = prep.options.get(n, p.default)

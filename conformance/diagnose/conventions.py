@@ -335,7 +335,6 @@ def _kmeans_iteration_sigs(prep):
                    prep.reference("float64", options={**prep.options, "iterations": other}))
 
 
-#: this module's signatures, in the order they are tried (registered by the package)
 def _named_choice_sigs(prep):
     """Another of a variant's named functions than the case's: linear attention's feature
     map (``elu+1``, ``relu``, ``identity``) or Performer's kernel (``positive``,
@@ -362,6 +361,7 @@ def _option_flip_sigs(prep):
         yield f"the kernel computes {name}={not value} where the case asks for {name}={value}", cand
 
 
+#: this module's signatures, in the order they are tried (registered by the package)
 CONVENTIONS = (
     Signature("named feature map or kernel", _named_choice_sigs),
     Signature("performer eps", _performer_eps_sigs),
