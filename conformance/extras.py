@@ -89,7 +89,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -112,7 +112,8 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
-           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices"]
+           "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices",
+           "flipped_option_words"]
 
 #: The online softmax's options that fix its summation order only (its tiles): the forms
 #: that compute its function another way (the lse's forward, the one-shot baselines,
@@ -559,6 +560,12 @@ def boolean_options(prep):
     return out
 
 
+def flipped_option_words(name, value):
+    """The diagnosis of a kernel that computes the boolean option ``name`` the other way
+    round from the case's ``value`` (output and final state alike)."""
+    return f"the kernel computes {name}={not value} where the case asks for {name}={value}"
+
+
 def named_choices(prep):
     """``(name, value, others)`` for each option of ``prep``'s variant that chooses one of
     the variant's named functions - linear attention's ``feature_map`` (``elu+1``,
@@ -830,7 +837,6 @@ def gate_mistakes(prep):
     """
     if "g" not in prep.params:
         return
-    from dataclasses import replace
 
     g = np.asarray(prep.params["g"], dtype=np.float64)
     for lo in GATE_CLIPS:
@@ -899,11 +905,9 @@ def _state_candidates(prep, golden):
     for message, changed in gate_mistakes(prep):
         out.append((message, lambda changed=changed: _per_sequence(changed, "float64", segs)))
     for name, value in boolean_options(prep):
-        out.append((f"the kernel computes {name}={not value} where the case asks for {name}={value}",
-                    lambda name=name, value=value: np.concatenate([
-                        reference_on(prep, "float64", lo, hi, s0,
-                                     options={**prep.options, name: not value})
-                        for (lo, hi), s0 in zip(segs, _initial_rows(prep))], axis=0)))
+        flipped = replace(prep, options={**prep.options, name: not value})
+        out.append((flipped_option_words(name, value),
+                    lambda flipped=flipped: _per_sequence(flipped, "float64", segs)))
     out.append(("the state before the last token's update (S_{T-1}: the last step not written "
                 "back)", lambda: _per_sequence(prep, "float64", [(lo, hi - 1) for lo, hi in segs])))
     for c in _CHUNKS:

@@ -1705,6 +1705,17 @@ LSE_MISTAKES = ("lse_ignored", "lse_sign", "lse_ln2", "lse_log2e", "lse_masked_r
 _LSE_FACTOR = {"lse_ignored": 0.0, "lse_sign": -1.0, "lse_ln2": math.log(2), "lse_log2e": 1 / math.log(2)}
 
 
+def _row_softmax(s):
+    """``(m, e, den, p)`` of logits ``s`` whose masked entries are ``-inf``: the row
+    maximum (0 on a row with no key), ``exp(s - m)``, its row sums and the probabilities
+    (0 on a row with no key)."""
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)
+    den = e.sum(-1, keepdims=True)
+    return m, e, den, e / np.where(den > 0, den, 1.0)
+
+
 def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None, leak=None):
     """Plain float64 softmax-attention gradients, optionally with one known mistake;
     ``dlse`` the lse's cotangent ``(B, H, Nq)``, or None. ``leak``: the keys that the
@@ -1717,21 +1728,13 @@ def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None, l
     if allowed is not None:
         s_un = s if leak is None else np.where(leak, s, -np.inf)
         s = np.where(allowed, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)
-    den = e.sum(-1, keepdims=True)
-    p = e / np.where(den > 0, den, 1.0)
+    m, e, den, p = _row_softmax(s)
     out = p @ v
     pb = p
     if mistake == "p_unnormalised":
         pb = e
     elif mistake == "mask_leak" and allowed is not None:
-        mu = np.max(s_un, axis=-1, keepdims=True)
-        mu = np.where(np.isfinite(mu), mu, 0.0)
-        eu = np.exp(s_un - mu)
-        den_u = eu.sum(-1, keepdims=True)
-        pb = eu / np.where(den_u > 0, den_u, 1.0)
+        pb = _row_softmax(s_un)[3]
     elif mistake == "mask_leak_lse" and allowed is not None:
         # FlashAttention's recomputation from the saved lse, the mask left out: masked
         # keys get exp(s - lse), not renormalised (an audit's JAX custom_vjp kernel)
@@ -1806,15 +1809,15 @@ def _noncontiguous_grads_words(prep, do, got: dict, g: dict, layout: str) -> dic
     return out
 
 
-def _fit(h, cand, gold_n) -> float | None:
+def _fit(h, cand, gold_n, *, share=True) -> float | None:
     """How closely a mistake's gradient ``cand`` (float64) reproduces the kernel's ``h``:
     its largest difference, or None unless it is closer than the golden and within the
-    gradient's bound or leaves at most :data:`conformance.diagnose.base.UNEXPLAINED` of the
-    kernel's error (the forward's rule: a mistake that makes the gradients huge, the delta
-    rule's without its ``q, k`` normalisation, is told by its shape, not to the bound of
-    the right gradients). A candidate with a non-finite value where the golden is finite
-    reproduces nothing (``measure`` leaves such values out: an overflowed candidate would
-    match any kernel)."""
+    gradient's bound or (``share``) leaves at most
+    :data:`conformance.diagnose.base.UNEXPLAINED` of the kernel's error (the forward's
+    rule: a mistake that makes the gradients huge, the delta rule's without its ``q, k``
+    normalisation, is told by its shape, not to the bound of the right gradients). A
+    candidate with a non-finite value where the golden is finite reproduces nothing
+    (``measure`` leaves such values out: an overflowed candidate would match any kernel)."""
     g, keep, tmax, _, _ = gold_n
     if cand is None or cand.shape != h.shape:
         return None
@@ -1822,21 +1825,23 @@ def _fit(h, cand, gold_n) -> float | None:
     if mc.nonfinite:
         return None
     mt, mg = measure(h, cand, keep), measure(h, g, keep)
-    if mt.nonfinite or mt.max_err >= mg.max_err or mt.max_err > max(tmax, UNEXPLAINED * mg.max_err):
+    bound = max(tmax, UNEXPLAINED * mg.max_err) if share else tmax
+    if mt.nonfinite or mt.max_err >= mg.max_err or mt.max_err > bound:
         return None
     return mt.max_err
 
 
-def _name_closest(got: dict, gold: dict, out: dict, tried) -> None:
+def _name_closest(got: dict, gold: dict, out: dict, tried, *, share=True) -> None:
     """Name in ``out`` each gradient of ``got`` not named yet by the candidate of ``tried``
-    (``(words, {name: gradient})`` pairs) that reproduces it most closely (:func:`_fit`):
-    a dk without the scale is "no scale", not a causal mask that fits it less well."""
+    (``(words, {name: gradient})`` pairs) that reproduces it most closely (:func:`_fit`,
+    ``share`` as there): a dk without the scale is "no scale", not a causal mask that fits
+    it less well."""
     best = {}
     for words, cand in tried:
         for n, h in got.items():
             if n in out:
                 continue
-            r = _fit(h, cand.get(n), gold[n])
+            r = _fit(h, cand.get(n), gold[n], share=share)
             if r is not None and (n not in best or r < best[n][0]):
                 best[n] = (r, words)
     out.update({n: f"matches a known mistake: {words}" for n, (_, words) in best.items()})
@@ -1849,8 +1854,8 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     pattern's leaks, :data:`PATTERN_LEAKS`), the final state's cotangent ignored, then for every
     variant those that need no knowledge of its function (:func:`_generic_grad_words`),
     and the reference VJP with one of the case's options changed (causal restriction,
-    scale, initial state, a boolean option: :func:`_option_grad_candidates`), the closest, between its zero
-    or exchanged gradients and its constant factors."""
+    scale, initial state, a boolean option: :func:`_option_grad_candidates`), the
+    closest, between its zero or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
     # A gradient that is exactly zero, or another gradient, is named so before a changed
@@ -2052,7 +2057,7 @@ def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
                              "backward", case_allowed)
         tries = leaks + [plain] + [(m, None, w, allowed) for m, _, w, _ in tries
                                    if m not in ("mask_leak", "mask_leak_lse")]
-    best = {}
+    tried = []
     for mistake, leak, words, keys in tries:
         if dlse is None and mistake in LSE_MISTAKES:
             continue
@@ -2061,19 +2066,13 @@ def _softmax_grad_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
                                   dlse=dlse, leak=leak)
         except ValueError:
             continue
-        for n, h in got.items():
-            if cand.get(n) is None:
-                continue
-            # only a broadcast bias sums its gradient over axes: q, k, v must match as they
-            # are (dk summed over 7 keys fits the (1, d) dq of one query: "dq and dk are
-            # swapped" named a zero dq)
-            c = _reduce(cand[n], gold[n][0].shape) if n == "bias" else cand[n]
-            _, keep, tmax, _, _ = gold[n]
-            if c.shape != h.shape or measure(c, gold[n][0], keep).nonfinite:
-                continue
-            mt = measure(h, c, keep)
-            mg = measure(h, gold[n][0], keep)
-            if not mt.nonfinite and mt.max_err <= tmax and mt.max_err < mg.max_err \
-                    and (n not in best or mt.max_err < best[n][0]):
-                best[n] = (mt.max_err, words)
-    return {n: f"matches a known mistake: {words}" for n, (_, words) in best.items()}
+        # only a broadcast bias sums its gradient over axes: q, k, v must match as they
+        # are (dk summed over 7 keys fits the (1, d) dq of one query: "dq and dk are
+        # swapped" named a zero dq)
+        tried.append((words, {n: _reduce(x, gold[n][0].shape) if n == "bias" else x
+                              for n, x in cand.items() if n in got and x is not None}))
+    out = {}
+    # within the bound only, as these candidates were always named (the share of the
+    # error is the changed options' rule, for mistakes that make gradients huge)
+    _name_closest(got, gold, out, tried, share=False)
+    return out

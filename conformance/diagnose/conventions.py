@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..extras import boolean_options, named_choices
+from ..extras import boolean_options, flipped_option_words, named_choices
 from .base import (
     Signature,
     host_logits,
@@ -358,7 +358,7 @@ def _option_flip_sigs(prep):
             cand = prep.reference("float64", options={**prep.options, name: not value})
         except Exception:  # this value cannot be computed for the case: no candidate
             continue
-        yield f"the kernel computes {name}={not value} where the case asks for {name}={value}", cand
+        yield flipped_option_words(name, value), cand
 
 
 #: this module's signatures, in the order they are tried (registered by the package)
