@@ -199,9 +199,9 @@ def key_offset(xp, exponent, projection, kernel, causal):
 
     The causal bound ``max_f |w_f|^2/2 - log(finfo.max)/4`` depends on the projection
     alone (every exponent ``w.x - |x|^2/2`` is at most ``|w|^2/2``), so it cannot leak a
-    future key; it serves :func:`attn_ref.grad.performer_attention`, which differentiates
-    the same function through it. The forward pass uses the sharper per-key form
-    (per-key log-scales, :func:`row_offset` of the keys), which does not underflow for large ``d``.
+    future key; it serves only inputs without queries or keys. The forward and its VJP
+    use the per-key log-scales (:func:`stabilised_causal_features`): below this bound
+    by more than the dtype's exponent range, every key's features underflow to zero.
     """
     if not causal:
         m = xp.max(exponent, axis=-1, keepdims=True)
@@ -225,14 +225,20 @@ def _very_negative(xp, dtype):
     return -(xp.finfo(dtype).max / 4)
 
 
-def _logscaled_quadratic(xp, fq, fk, ck, alignment):
-    """Causal ``A_ij = (phi(q_i) . phi(k_j)) exp(c_j - R_i)`` (masked), ``R_i`` the visible max."""
-    dev = array_api_compat.device(fq)
-    vis = causal_visible(xp, fq.shape[-2], fk.shape[-2], alignment, dev)
+def logscaled_weights(xp, ck, nq, alignment):
+    """Causal ``w_ij = exp(c_j - R_i)``, zero where query ``i`` does not see key ``j``:
+    ``(..., Nq, Nk)`` from the per-key log-scales ``ck (..., Nk, 1)``, ``R_i`` the largest
+    ``c_j`` query ``i`` sees (every ``w_ij <= 1``, the largest 1)."""
+    dev = array_api_compat.device(ck)
+    vis = causal_visible(xp, nq, ck.shape[-2], alignment, dev)
     e = xp.where(vis, xp.matrix_transpose(ck), _very_negative(xp, ck.dtype))
     w = xp.exp(e - xp.max(e, axis=-1, keepdims=True))
-    a = (fq @ xp.matrix_transpose(fk)) * w
-    return xp.where(vis, a, xp.zeros((), dtype=a.dtype, device=dev))
+    return xp.where(vis, w, xp.zeros((), dtype=w.dtype, device=dev))
+
+
+def _logscaled_quadratic(xp, fq, fk, ck, alignment):
+    """Causal ``A_ij = (phi(q_i) . phi(k_j)) exp(c_j - R_i)`` (masked), ``R_i`` the visible max."""
+    return (fq @ xp.matrix_transpose(fk)) * logscaled_weights(xp, ck, fq.shape[-2], alignment)
 
 
 def _rescaled_prefix_scan(xp, t, tz, g):
@@ -262,7 +268,7 @@ def _rescaled_prefix_scan(xp, t, tz, g):
     return t, tz, g
 
 
-def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
+def logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
     """Square top-left causal attention with per-key log-weights ``c_j``, chunk by chunk.
 
     The chunked form of :mod:`attn_ref.linear` with online-softmax-style rescaling:
@@ -301,27 +307,48 @@ def _logscaled_chunked(xp, fq, fk, ck, v, chunk_size):
     return xp.reshape(num, shape + (num.shape[-1],))[..., :n, :], xp.reshape(den, shape + (1,))[..., :n, :]
 
 
-def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps):
-    """Causal, stabilised Performer: per-key offsets and past-only running maxima."""
+def stabilised_causal_features(xp, q, k, projection, kernel, scale):
+    """``(fq, fk, ck)``: features stabilised row by row and the keys' log-scales ``c_j``.
+
+    ``phi(k_j) = fk_j exp(c_j)`` exactly, ``c_j`` the largest exponent of key ``j``
+    (:func:`row_offset`); each query's own offset cancels in its normalisation. Held
+    apart, the log-scales meet only as differences ``c_j - R_i`` (:func:`logscaled_weights`,
+    :func:`logscaled_chunked`), so no key's features underflow however far its
+    exponents lie below the other keys' (large logits: every ``|x|^2 / 2`` in the
+    thousands).
+    """
     root = math.sqrt(scale)
     xq, xk = q * root, k * root
     eq = feature_exponent(xp, xq, projection, kernel)
     ek = feature_exponent(xp, xk, projection, kernel)
     ck = row_offset(xp, ek)
-    fq = features_from_exponent(xp, xq, projection, eq, row_offset(xp, eq), kernel)
-    fk = features_from_exponent(xp, xk, projection, ek, ck, kernel)
+    return (features_from_exponent(xp, xq, projection, eq, row_offset(xp, eq), kernel),
+            features_from_exponent(xp, xk, projection, ek, ck, kernel), ck)
+
+
+def logscaled_square(xp, fq, fk, ck, v, alignment):
+    """The causal problem as a square top-left one (:func:`attn_ref.linear.align_square`),
+    the log-scales too: ``(fq, fk, ck, v, (p_q, p_k, keep))``. Padded keys carry zero
+    features and a log-scale of ``-finfo.max / 4`` (nothing, and never a maximum)."""
+    p_q, p_k, keep, tail = causal_plan(fq.shape[-2], fk.shape[-2], alignment)
+    fq = pad_rows(xp, fq, p_q, 0)
+    fk, v, ck = fk[..., :keep, :], v[..., :keep, :], ck[..., :keep, :]
+    fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
+    ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
+    return fq, fk, ck, v, (p_q, p_k, keep)
+
+
+def _causal_stabilised(xp, q, k, v, projection, kernel, alignment, scale, order, chunk_size, eps):
+    """Causal, stabilised Performer: per-key offsets and past-only running maxima."""
+    fq, fk, ck = stabilised_causal_features(xp, q, k, projection, kernel, scale)
     if v is None:  # the weights
         return _logscaled_quadratic(xp, fq, fk, ck, alignment)
     if order == "quadratic":
         a = _logscaled_quadratic(xp, fq, fk, ck, alignment)
         return readout(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), True, eps)
     nq = fq.shape[-2]
-    p_q, p_k, keep, tail = causal_plan(nq, fk.shape[-2], alignment)
-    fq = pad_rows(xp, fq, p_q, 0)
-    fk, v, ck = fk[..., :keep, :], v[..., :keep, :], ck[..., :keep, :]
-    fk, v = pad_rows(xp, fk, p_k, tail), pad_rows(xp, v, p_k, tail)
-    ck = pad_rows(xp, ck, p_k, tail, fill=_very_negative(xp, ck.dtype))
-    num, den = _logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
+    fq, fk, ck, v, (p_q, _, _) = logscaled_square(xp, fq, fk, ck, v, alignment)
+    num, den = logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
     return readout(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], True, eps)
 
 

@@ -57,6 +57,28 @@ def test_matches_torch_autograd_and_jax_vjp_of_the_forward(form):
         assert_grads_close(got, want, backend)
 
 
+@pytest.mark.parametrize("options", [
+    {"causal": "top-left", "chunk_size": 4}, {"causal": "bottom-right", "chunk_size": 3},
+    {"causal": "top-left", "order": "quadratic"},
+    {"causal": "bottom-right", "kernel": "trigonometric", "chunk_size": 4}],
+    ids=["top-left", "bottom-right", "quadratic", "trigonometric"])
+def test_causal_gradient_on_large_logits_matches_torch_autograd(backend, options):
+    """Queries and keys 30 times the usual size: every key's feature exponents lie
+    hundreds below the others' (the oracle's large-logits cases). The VJP keeps each
+    key's log-scale apart, as the forward does; with one offset for all keys it had
+    every key's features underflow, NaN ``dq``, ``dk`` and ``dprojection`` and
+    ``dv = 0`` where torch autograd of the forward gives ``dv`` up to 15 (the oracle's
+    ``large-logits:b1h2-q65k63-d64-large_logits-causal-tl`` in float64 failed correct
+    kernels)."""
+    args, do = _case(3, nq=11, nk=9, d=8, dv=4, m=16)
+    args = {**args, "q": 30 * args["q"], "k": 30 * args["k"]}
+    want = torch_vjp(attn_ref.performer_attention, args, do, options)
+    assert np.max(np.abs(want["v"])) > 0.5
+    got = run_vjp(backend, grad.performer_attention, args, do, options)
+    # dq, dk and dprojection are about 1e-13 where a row is one key's, rounding of terms ~1
+    assert_grads_close(got, want, backend, rtol=1e-8, atol=1e-9)
+
+
 def test_stabilizer_does_not_change_the_gradient(backend):
     args, do = _case(2)
     a = run_vjp(backend, grad.performer_attention, args, do, {"stabilize": True})

@@ -92,7 +92,9 @@ def feature_map_backward(x, g, /, *, feature_map="elu+1", vjp=None, xp=None):
     return g * xp.where(x > zero, xp.ones_like(x), xp.exp(xp.minimum(x, zero)))
 
 
-def _readout_vjp(xp, num, den, do, normalize, eps):
+def readout_vjp(xp, num, den, do, normalize, eps):
+    """``(dnum, dden)`` of ``out = num / den`` (:func:`attn_ref.linear.readout`); ``dden``
+    is None without normalisation, zero where the denominator was floored."""
     if not normalize:
         return do, None
     sd = safe_denominator(xp, den, eps)
@@ -177,7 +179,7 @@ def _causal_linear_vjp(xp, fq, fk, v, do, alignment, chunk_size, normalize, eps)
     fq2, fk2, v2, start = align_square(xp, fq, fk, v, alignment)
     num, den = _chunked_causal(xp, fq2, fk2, v2, chunk_size)
     num, den = num[..., start:start + nq, :], den[..., start:start + nq, :]
-    dnum, dden = _readout_vjp(xp, num, den, do, normalize, eps)
+    dnum, dden = readout_vjp(xp, num, den, do, normalize, eps)
     length = fq2.shape[-2]
     dnum = pad_rows(xp, dnum, start, length - start - nq)
     dden = None if dden is None else pad_rows(xp, dden, start, length - start - nq)
@@ -211,11 +213,11 @@ def linear_from_features(fq, fk, v, do, /, *, causal=False, order="linear", chun
                 for n, x in (("fq", fq), ("fk", fk), ("v", v))}
     if order == "quadratic":
         num, den = quadratic_order(xp, fq, fk, v, alignment)
-        dnum, dden = _readout_vjp(xp, num, den, do, normalize, eps)
+        dnum, dden = readout_vjp(xp, num, den, do, normalize, eps)
         dfq, dfk, dv = _quadratic_vjp(xp, fq, fk, v, dnum, dden, alignment)
     elif alignment is None:
         num, den = _linear_noncausal(xp, fq, fk, v)
-        dnum, dden = _readout_vjp(xp, num, den, do, normalize, eps)
+        dnum, dden = readout_vjp(xp, num, den, do, normalize, eps)
         dfq, dfk, dv = _linear_vjp(xp, fq, fk, v, dnum, dden)
     else:
         dfq, dfk, dv = _causal_linear_vjp(xp, fq, fk, v, do, alignment, chunk_size, normalize, eps)

@@ -11,6 +11,20 @@ features. For ``x = sqrt(scale) q`` (or ``k``) and ``u = x W^T``:
   ``dh = rowsum(dphi * phi)`` for the exponent ``h = |x|^2/2``:
   ``dx = du W + dh x``, ``dW = du^T x``.
 
+Causal and stabilised, as the forward: the keys' features are held at their own
+log-scales ``c_j`` (``phi(k_j) = fk_j exp(c_j)``) and query ``i`` reads key ``j`` with
+the weight ``w_ij = exp(c_j - R_i)``, ``R_i`` the largest ``c_j`` it sees. With
+``dA_ij = dnum_i . v_j + dden_i`` (the readout's cotangents, :mod:`attn_ref.grad.linear`):
+``dfq_i = sum_j dA_ij w_ij fk_j``, ``dfk_j = sum_i dA_ij w_ij fq_i``,
+``dv_j = sum_i (fq_i . fk_j) w_ij dnum_i``. In the chunked order each is the forward's
+log-scaled chunked pass (:func:`attn_ref.performer.logscaled_chunked`): ``dfq`` reads
+``[dnum, dden]`` against ``[v, 1]``; ``dfk`` and ``dv`` run it backwards in time, with the
+queries' ``-R_i`` as the log-scales (their running maximum from the end is ``-R_j``, as
+``R`` never decreases), times ``exp(c_j - R_j) <= 1``. Held in the dtype instead, one
+offset for all keys underflowed every key's features on large logits in float64 (NaN
+``dq``, ``dk``, ``dprojection`` and ``dv = 0`` where torch autograd of the forward gave
+``dv`` up to 15).
+
 The stabiliser offsets are treated as constants (``stop_gradient``): a per-query
 offset, or one shared by every key a query sees, cancels in the normalised output, so
 its exact gradient is zero. With a feature floor (``feature_eps > 0``) the features are
@@ -24,12 +38,22 @@ is an input, and a model that learns its features needs it.
 
 from __future__ import annotations
 
+import functools
 import math
 
-from ..linear import zero_keyless_rows
-from ..performer import performer_features, prepare_performer
+import array_api_compat
+
+from ..linear import pad_rows, zero_keyless_rows
+from ..performer import (
+    logscaled_chunked,
+    logscaled_square,
+    logscaled_weights,
+    performer_features,
+    prepare_performer,
+    stabilised_causal_features,
+)
 from ._common import transpose, unbroadcast
-from .linear import linear_from_features
+from .linear import linear_from_features, readout_vjp
 
 __all__ = ["performer_attention"]
 
@@ -48,6 +72,49 @@ def _features_vjp(xp, x, projection, phi, dphi, kernel, feature_eps=0.0):
     du = (ds * xp.cos(u) - dc * xp.sin(u)) * e
     dh = xp.sum(dphi * phi, axis=-1, keepdims=True)
     return du @ projection + dh * x, transpose(xp, du) @ x
+
+
+def _prefix_max(xp, x):
+    """Running maximum of ``x (..., L, 1)`` down its rows: ``ceil(log2 L)`` doubling steps."""
+    n, s = x.shape[-2], 1
+    while s < n:
+        x = xp.maximum(x, xp.concat([x[..., :s, :], x[..., :n - s, :]], axis=-2))
+        s *= 2
+    return x
+
+
+def _logscaled_vjp(xp, fq, fk, ck, v, do, alignment, order, chunk_size, eps):
+    """``{"fq", "fk", "v"}`` cotangents of the causal log-scaled readout (module docstring)."""
+    nq, nk = fq.shape[-2], fk.shape[-2]
+    if order == "quadratic":
+        w = logscaled_weights(xp, ck, nq, alignment)
+        a = (fq @ transpose(xp, fk)) * w
+        dnum, dden = readout_vjp(xp, a @ v, xp.sum(a, axis=-1, keepdims=True), do, True, eps)
+        da = (dnum @ transpose(xp, v) + dden) * w
+        return {"fq": da @ fk, "fk": transpose(xp, da) @ fq, "v": transpose(xp, a) @ dnum}
+    fq, fk, ck, v, (p_q, p_k, keep) = logscaled_square(xp, fq, fk, ck, v, alignment)
+    num, den = logscaled_chunked(xp, fq, fk, ck, v, chunk_size)
+    dnum, dden = readout_vjp(xp, num[..., p_q:p_q + nq, :], den[..., p_q:p_q + nq, :], do, True, eps)
+    rest = fq.shape[-2] - p_q - nq
+    g = pad_rows(xp, xp.concat([dnum, dden], axis=-1), p_q, rest)
+    ones = xp.ones(tuple(v.shape[:-1]) + (1,), dtype=v.dtype, device=array_api_compat.device(v))
+    v1 = xp.concat([v, ones], axis=-1)
+    dfq, _ = logscaled_chunked(xp, g, v1, ck, fk, chunk_size)
+    r = _prefix_max(xp, ck)
+
+    def backwards(a, b, c):
+        # sum over the queries i >= j of (a_j . b_i) exp(c_j - R_i) c_i, in reversed time
+        flip = functools.partial(xp.flip, axis=-2)
+        out, _ = logscaled_chunked(xp, flip(a), flip(b), flip(-r), flip(c), chunk_size)
+        return flip(out) * xp.exp(ck - r)
+
+    dfk = backwards(v1, g, fq)
+    dv = backwards(fk, fq, g[..., :-1])
+
+    def keys(x):
+        return pad_rows(xp, x[..., p_k:p_k + keep, :], 0, nk - keep)
+
+    return {"fq": dfq[..., p_q:p_q + nq, :], "fk": keys(dfk), "v": keys(dv)}
 
 
 def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal=False, stabilize=True,
@@ -85,11 +152,15 @@ def performer_attention(q, k, v, do, /, *, projection, kernel="positive", causal
     """
     xp, alignment, scale, eps = prepare_performer(q, k, v, projection, kernel, causal, scale, eps, xp,
                                                   feature_eps, stabilize)
-    fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
     # the forward selects zeros on queries without a key: no cotangent reaches them
     do = zero_keyless_rows(xp, do, alignment, k.shape[-2])
-    g = linear_from_features(fq, fk, v, do, causal=alignment or False, order=order, chunk_size=chunk_size,
-                             eps=eps, xp=xp)
+    if alignment is not None and stabilize and q.shape[-2] > 0 and k.shape[-2] > 0:
+        fq, fk, ck = stabilised_causal_features(xp, q, k, projection, kernel, scale)
+        g = _logscaled_vjp(xp, fq, fk, ck, v, do, alignment, order, chunk_size, eps)
+    else:
+        fq, fk = performer_features(xp, q, k, projection, kernel, alignment, stabilize, scale, feature_eps)
+        g = linear_from_features(fq, fk, v, do, causal=alignment or False, order=order,
+                                 chunk_size=chunk_size, eps=eps, xp=xp)
     root = math.sqrt(scale)
     dxq, dwq = _features_vjp(xp, q * root, projection, fq, g["fq"], kernel, feature_eps)
     dxk, dwk = _features_vjp(xp, k * root, projection, fk, g["fk"], kernel, feature_eps)
