@@ -997,6 +997,33 @@ FP32_TERMS = frozenset({"softmax", "online_softmax", "linear", "local", "pooled"
                         "query_reduced", "clustered_topk", "synthesizer_dense"})
 
 
+#: The variants whose weights are a softmax of ``scale q . k`` over keys that a pattern or
+#: a rule selects, or over averages of keys or queries (pooled, query_reduced, clustered
+#: centroids, Sinkhorn's balanced sort), or of ``alpha r + (1 - alpha) scale q . k`` (the
+#: random Synthesizers): their terms are softmax's (:func:`_term_magnitudes`), the scale and
+#: the sizes of ``q`` and ``k`` as they are, no larger.
+SOFTMAX_LOGITS = frozenset({"softmax", "online_softmax", *SPARSE_PATTERNS, "pooled", "query_reduced",
+                            "clustered", "clustered_topk", "routing", "sinkhorn",
+                            "synthesizer_random", "synthesizer_random_mix"})
+
+
+def _abs_products_max(do, v, rows=512):
+    """``max_ij sum_c |dO_ic| |V_jc|``: the largest sum a ``dP_ij = dO_i . V_j`` rounds,
+    over every pair (a pattern's pairs among them), ``rows`` queries at a time.
+    ``O(Nq Nk dv)``, as the golden's own ``dO V^T``."""
+    do, v = np.abs(np.asarray(do, dtype=np.float64)), np.abs(np.asarray(v, dtype=np.float64))
+    try:
+        np.broadcast_shapes(do.shape[:-2], v.shape[:-2])
+    except ValueError:
+        # heads shared by groups of query heads (GQA): every query head with every key
+        # head, a bound of the pairs the grouping makes
+        do = np.max(do, axis=tuple(range(do.ndim - 2)), initial=0.0)
+        v = np.max(v, axis=tuple(range(v.ndim - 2)), initial=0.0)
+    vt = np.swapaxes(v, -1, -2)
+    return max((float(np.max(do[..., i:i + rows, :] @ vt)) for i in range(0, do.shape[-2], rows)),
+               default=0.0)
+
+
 def _term_magnitudes(prep, do, dlse=None):
     """Size of the largest single term of each gradient, for the ulp floor.
 
@@ -1017,7 +1044,16 @@ def _term_magnitudes(prep, do, dlse=None):
     (a linear-attention row with one key gives ``dq = 0`` from ``phi(k) (v.do) / z -
     phi(k) (out.do) / z``), so the same products bound its terms, with the scale and
     the key/query sizes taken at least 1 (feature maps such as ``elu + 1`` add 1 and
-    the default scale of linear attention is 1).
+    the default scale of linear attention is 1) - but for :data:`SOFTMAX_LOGITS`, whose
+    logits are softmax's: their scale and sizes as they are, and ``|dP|`` the largest
+    ``sum_c |dO_ic| |V_jc|`` (:func:`_abs_products_max`, what the product ``dO_i . V_j``
+    rounds) instead of ``max|dO|`` times the largest ``|V_j|_1``. Taken at least 1 and
+    from the norms, their floor was 8 to 40 times what a FlashAttention-style float32
+    backward errs: it passed local's zero ``dq`` on large logits (bound 0.032, ``dq``
+    0.0035, that backward's error 1e-4) and pooled's ``dk`` doubled on N = 1000. The
+    random Synthesizers' ``r`` enters as a bias does (``alpha r``): its terms are
+    ``|dP|`` (without them a correct torch kernel's ``dr`` failed at 1.5e4 times a bound
+    set by the baseline's exact cancellation on one-hot rows).
     """
     if do.size == 0:
         return {}
@@ -1025,11 +1061,13 @@ def _term_magnitudes(prep, do, dlse=None):
     if a["v"].size == 0 or a["q"].size == 0:
         return {}
     scale = prep.scale
-    dp = float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1)))
+    softmax_logits = prep.variant.name in SOFTMAX_LOGITS
+    dp = (_abs_products_max(do, a["v"]) if softmax_logits else
+          float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1))))
     if dlse is not None and dlse.size:
         dp += float(np.max(np.abs(dlse)))
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
-    if prep.variant.name not in ("softmax", "online_softmax"):
+    if not softmax_logits:
         scale, qmax, kmax = max(abs(scale), 1.0), max(qmax, 1.0), max(kmax, 1.0)
     if prep.variant.name == "linear" and {**prep.options, **prep.kwargs}.get(
             "feature_map", "elu+1") == "elu+1":
@@ -1040,7 +1078,9 @@ def _term_magnitudes(prep, do, dlse=None):
         # that a plain float32 backward resolves to 2e-9: a zero dq passed
         qmax = kmax = 1.0
     terms = {"q": scale * dp * kmax, "k": scale * dp * qmax,
-             "v": float(np.max(np.abs(do))), "bias": dp}
+             "v": float(np.max(np.abs(do))), "bias": dp,
+             # the random Synthesizers' logits: alpha r is a bias, alpha dS its gradient
+             "r": dp}
     if prep.variant.name in RECURRENT:
         # log gates: dg_t sums q_s dq_s - k_s dk_s over the later steps (the reverse
         # cumulative sum), terms of size |q| times a term of dq (|k| times one of dk);

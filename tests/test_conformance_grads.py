@@ -1244,6 +1244,56 @@ def test_linear_attentions_large_logit_gradients_are_judged_at_their_terms_size(
     assert len(dq) == len(todo) and all(r.verdict == "fail" for r in dq), rep.table(show_na=True)
 
 
+@pytest.mark.parametrize("variant, case_id, name, factor", [
+    ("local", "large-logits:b1h2-q64k64-d64-large_logits", "q", 0.0),
+    ("pooled", "long:b1h1-q1000k1000-d64-offset_values", "k", 2.0)])
+def test_softmax_logit_variants_gradients_are_judged_at_their_terms_size(variant, case_id, name, factor):
+    """The variants that are a softmax of ``scale q . k`` (conformance.grads.SOFTMAX_LOGITS)
+    take softmax's terms: their scale as it is (not at least 1) and ``dP`` as the largest
+    ``sum |dO_i| |V_j|`` (not ``max |dO|`` times the largest ``|V_j|_1``). Before, the floor
+    passed what an independent audit planted: local's zero ``dq`` on large logits (bound
+    0.032 on a ``dq`` of 0.0035, which a FlashAttention-style float32 backward resolves to
+    1e-4) and pooled's ``dk`` doubled on N = 1000 (ratio 0.77, where a correct float32
+    backward errs 1e-8). attn_ref under torch autograd still passes."""
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    pytest.importorskip("torch")
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+    todo = [c for c in cases(variant, "standard", grads=True) if c.id == case_id]
+    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
+    assert todo and verify(kernel, variant, grads=True, **kw).passed
+    rep = verify(scaled_gradient(kernel, name, factor), variant, grads=True, **kw)
+    rows = [r for r in rep.results if r.output == "d" + name]
+    assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+
+
+@pytest.mark.parametrize("variant, case_id", [
+    ("synthesizer_random", "long:b1h1-q1000k1000-d64-offset_values"),
+    ("synthesizer_random_mix", "long:b1h1-q1000k1000-d64-offset_values"),
+    ("synthesizer_random_mix", "large-logits:b1h2-q16k16-d8-large_logits"),
+    ("synthesizer_random_mix", "one-hot:b1h2-q65k65-d64-one_hot")])
+def test_random_synthesizer_dr_takes_the_terms_of_a_bias(variant, case_id):
+    """``alpha r`` is a bias of softmax attention, ``dr`` its ``alpha dS``: its floor is the
+    rounding of ``dS``'s cancelling terms (``|dP|``), as ``dbias``'s. Bound by its own size
+    and the float32 VJP's error alone, attn_ref under torch autograd failed ``dr`` at 2.6
+    (random, N = 1000 offset values), 24 (random_mix, same case) and 1.5e4 and 1e4 (random_mix,
+    rows one-hot: the VJP cancels exactly there, a kernel rounding ``P`` otherwise does not);
+    ``dr`` 3 % off still fails the N = 1000 case."""
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    pytest.importorskip("torch")
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+    todo = [c for c in cases(variant, "standard", grads=True) if c.id == case_id]
+    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
+    rep = verify(kernel, variant, grads=True, **kw)
+    assert todo and rep.passed, rep.table()
+    if case_id.startswith("long:"):
+        bad = verify(scaled_gradient(kernel, "r", 1.03), variant, grads=True, **kw)
+        assert [r.verdict for r in bad.results if r.output == "dr"] == ["fail"], bad.table()
+
+
 def _torch_synthesizer_and_sinkhorn(variant, mistake=None):
     """Independent torch kernels of the Synthesizers and of Sparse Sinkhorn attention,
     with ``mistake``: "scale" the parameter's gradient x 1.03 (``r``, ``w2``,
