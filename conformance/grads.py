@@ -1110,6 +1110,16 @@ def _term_magnitudes(prep, do, dlse=None):
              # the random Synthesizers' logits: alpha r is a bias, alpha dS its gradient
              "r": dp}
     pr = prep.params
+    kl1 = float(np.max(np.sum(np.abs(a["k"]), axis=-1), initial=0.0)) if a["k"].size else 0.0
+    vl1 = float(np.max(np.sum(np.abs(a["v"]), axis=-1), initial=0.0))
+    if prep.variant.name == "linformer":
+        # K' = E K, V' = F V: dE = dK' K^T with dK' = scale dS^T Q (dq's terms, |q| for
+        # |k|), summed over a key's d entries; dF = dV' V^T, dV' = P^T dO (dv's terms)
+        terms.update(e_proj=terms["k"] * kl1, f_proj=terms["v"] * vl1)
+    if prep.variant.name == "compressed":
+        # K' = conv(K, W_k): dW_k sums K times dK' = scale dS^T Q over the positions; dW_v
+        # V times dV' = P^T dO
+        terms.update(k_weight=terms["k"] * kmax, v_weight=terms["v"] * float(np.max(np.abs(a["v"]))))
     if prep.variant.name == "synthesizer_dense" and {"w1", "b1", "w2", "b2"} <= set(pr):
         # the dense Synthesizer's logits relu(q W1 + b1) W2 + b2: dS reaches b2 as a bias,
         # W2 through the hidden units H (dW2 = H^T dS), b1 and W1 through dH = dS W2^T
