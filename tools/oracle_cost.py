@@ -1,13 +1,14 @@
 """What the oracle itself costs: ``verify`` per suite and dtype, and the golden at long Nk.
 
     python tools/oracle_cost.py verify [--suites quick,standard,exhaustive,long]
-                                       [--dtypes float16,bfloat16,float32,float64]
+                                       [--dtypes float16,bfloat16,float32,float64] [--grads]
     python tools/oracle_cost.py golden [--nks 16384,65536] [--nq 256]
 
 ``verify``: one whole process per (suite, dtype), as a kernel author runs it,
 ``python -m conformance.cli verify tests.test_conformance_calibration:sdpa
 --backend torch --suite S --dtype D`` (PyTorch's SDPA with a mask and a bias, the
-calibration peer of ``tests/``), run from the repository root. Prints the wall time
+calibration peer of ``tests/``), run from the repository root; ``--grads`` adds the
+CLI's ``--grads`` (its gradients judged too, by torch autograd). Prints the wall time
 (imports included), the process's CPU time and the number of cases that passed, failed
 and were n/a (from ``--json``).
 
@@ -40,7 +41,7 @@ def _load():
         return " ".join(fh.read().split()[:3])
 
 
-def verify_cost(suites, dtypes):
+def verify_cost(suites, dtypes, grads=False):
     print(f"{'suite':<11} {'dtype':<9} {'wall s':>7} {'cpu s':>7} {'pass':>5} {'fail':>5} "
           f"{'n/a':>5}  load")
     for suite in suites:
@@ -49,7 +50,8 @@ def verify_cost(suites, dtypes):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "report.json")
                 cmd = [sys.executable, "-m", "conformance.cli", "verify", KERNEL, "--backend",
-                       "torch", "--suite", suite, "--dtype", dtype, "--json", out]
+                       "torch", "--suite", suite, "--dtype", dtype, "--json", out] + (
+                    ["--grads"] if grads else [])
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 t = time.perf_counter()
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -95,12 +97,13 @@ def main(argv=None) -> int:
     v = sub.add_parser("verify")
     v.add_argument("--suites", default="quick,standard,exhaustive,long")
     v.add_argument("--dtypes", default="float16,bfloat16,float32,float64")
+    v.add_argument("--grads", action="store_true", help="judge the gradients too")
     g = sub.add_parser("golden")
     g.add_argument("--nks", default="16384,65536")
     g.add_argument("--nq", type=int, default=256)
     args = p.parse_args(argv)
     if args.cmd == "verify":
-        verify_cost(args.suites.split(","), args.dtypes.split(","))
+        verify_cost(args.suites.split(","), args.dtypes.split(","), args.grads)
     else:
         golden_cost([int(n) for n in args.nks.split(",")], args.nq)
     return 0
