@@ -84,7 +84,12 @@ def _prefix_max(xp, x):
 
 
 def _logscaled_vjp(xp, fq, fk, ck, v, do, alignment, order, chunk_size, eps):
-    """``{"fq", "fk", "v"}`` cotangents of the causal log-scaled readout (module docstring)."""
+    """``{"fq", "fk", "v"}`` cotangents of the causal log-scaled readout (module docstring).
+
+    ``fq (..., Nq, m')``, ``fk (..., Nk, m')`` the row-stabilised features, ``ck (..., Nk, 1)``
+    the keys' log-scales, ``v (..., Nk, dv)``, ``do (..., Nq, dv)``. Chunked: the forward's
+    pass four times, ``O(N m' (dv + 1))`` each; quadratic: ``O(Nq Nk (m' + dv))``.
+    """
     nq, nk = fq.shape[-2], fk.shape[-2]
     if order == "quadratic":
         w = logscaled_weights(xp, ck, nq, alignment)
@@ -102,10 +107,11 @@ def _logscaled_vjp(xp, fq, fk, ck, v, do, alignment, order, chunk_size, eps):
     dfq, _ = logscaled_chunked(xp, g, v1, ck, fk, chunk_size)
     r = _prefix_max(xp, ck)
 
-    def backwards(a, b, c):
-        # sum over the queries i >= j of (a_j . b_i) exp(c_j - R_i) c_i, in reversed time
+    def backwards(at_key, at_query, values):
+        # row j: the sum over queries i >= j of (at_key_j . at_query_i) exp(c_j - R_i)
+        # values_i, as the forward pass in reversed time (its R'_j = -R_j) times exp(c_j - R_j)
         flip = functools.partial(xp.flip, axis=-2)
-        out, _ = logscaled_chunked(xp, flip(a), flip(b), flip(-r), flip(c), chunk_size)
+        out, _ = logscaled_chunked(xp, flip(at_key), flip(at_query), flip(-r), flip(values), chunk_size)
         return flip(out) * xp.exp(ck - r)
 
     dfk = backwards(v1, g, fq)
