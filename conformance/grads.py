@@ -1793,6 +1793,9 @@ MISTAKES = {
     "no_rowsum_term": "the rowsum(dO * O) term is missing from dS (dS = P * dP instead of "
                       "P * (dP - rowsum(dO * O)))",
     "ds_not_transposed": "dS is applied untransposed (dK = scale dS Q instead of scale dS^T Q)",
+    "dv_not_transposed": "P is applied untransposed (dV = P dO instead of P^T dO)",
+    "d_term_sign": "the rowsum(dO * O) term enters dS with the wrong sign (dS = P * (dP + "
+                   "rowsum(dO * O)) instead of P * (dP - rowsum(dO * O)))",
     "dk_no_scale": "dK is missing the softmax scale",
     "dq_no_scale": "dQ is missing the softmax scale",
     "p_unnormalised": "P is recomputed with the row maximum instead of the log-sum-exp "
@@ -1861,9 +1864,14 @@ def _softmax_grads(q, k, v, do, scale, bias, allowed, mistake=None, dlse=None, l
         pb = np.where(den > 0, np.exp(np.minimum(s_un - lse, 700.0)), 0.0)
     elif mistake == "mask_leak_lse":
         raise ValueError("no mask: the same gradients")
-    dv = np.swapaxes(pb, -1, -2) @ do
+    if mistake == "dv_not_transposed":
+        dv = pb @ do if pb.shape[-1] == pb.shape[-2] else None
+    else:
+        dv = np.swapaxes(pb, -1, -2) @ do
     dp = do @ np.swapaxes(v, -1, -2)
     dcoef = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
+    if mistake == "d_term_sign":
+        dcoef = -dcoef
     if dlse is not None:
         dl = np.asarray(dlse, dtype=np.float64)[..., None] * _LSE_FACTOR.get(mistake, 1.0)
         if mistake == "lse_masked_rows" and allowed is not None:

@@ -49,10 +49,10 @@ def make_backward(mistake=None):
             m = np.max(s, -1, keepdims=True)
             lse = m + np.log(np.sum(np.exp(s - m), -1, keepdims=True))
             p = np.exp(raw - lse)
-        dv = np.swapaxes(p, -1, -2) @ do
+        dv = p @ do if mistake == "dv_not_transposed" else np.swapaxes(p, -1, -2) @ do
         dp = do @ np.swapaxes(v, -1, -2)
         d = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
-        ds = p * (dp - d)
+        ds = p * (dp + d) if mistake == "d_term_sign" else p * (dp - d)
         dq = ds @ k * (1.0 if mistake == "dq_no_scale" else sc)
         if mistake == "ds_not_transposed":
             dk = ds @ q * sc
@@ -122,6 +122,10 @@ MUTANTS = {
     "p_unnormalised": "row maximum instead of the log-sum-exp",
     "mask_leak": "gradients leak through the mask",
     "dq_dk_swapped": "dq and dk are swapped",
+    # an independent audit's hand-written backwards: both read "no known mistake" on every
+    # failing row before (5 December 2026)
+    "dv_not_transposed": "P is applied untransposed",
+    "d_term_sign": "enters dS with the wrong sign",
 }
 
 
