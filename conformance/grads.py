@@ -1090,8 +1090,8 @@ def _term_magnitudes(prep, do, dlse=None):
         return {}
     scale = prep.scale
     softmax_logits = prep.variant.name in SOFTMAX_LOGITS
-    dp = (_abs_products_max(do, a["v"]) if softmax_logits else
-          float(np.max(np.abs(do))) * float(np.max(np.sum(np.abs(a["v"]), axis=-1))))
+    vl1 = float(np.max(np.sum(np.abs(a["v"]), axis=-1)))  # the largest |V_j|_1
+    dp = _abs_products_max(do, a["v"]) if softmax_logits else float(np.max(np.abs(do))) * vl1
     if dlse is not None and dlse.size:
         dp += float(np.max(np.abs(dlse)))
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
@@ -1110,11 +1110,10 @@ def _term_magnitudes(prep, do, dlse=None):
              # the random Synthesizers' logits: alpha r is a bias, alpha dS its gradient
              "r": dp}
     pr = prep.params
-    kl1 = float(np.max(np.sum(np.abs(a["k"]), axis=-1), initial=0.0)) if a["k"].size else 0.0
-    vl1 = float(np.max(np.sum(np.abs(a["v"]), axis=-1), initial=0.0))
     if prep.variant.name == "linformer":
         # K' = E K, V' = F V: dE = dK' K^T with dK' = scale dS^T Q (dq's terms, |q| for
         # |k|), summed over a key's d entries; dF = dV' V^T, dV' = P^T dO (dv's terms)
+        kl1 = float(np.max(np.sum(np.abs(a["k"]), axis=-1), initial=0.0)) if a["k"].size else 0.0
         terms.update(e_proj=terms["k"] * kl1, f_proj=terms["v"] * vl1)
     if prep.variant.name == "compressed":
         # K' = conv(K, W_k): dW_k sums K times dK' = scale dS^T Q over the positions; dW_v
@@ -1294,6 +1293,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     half_bounds = prep.dtype in LOW_PRECISION and (
         prep.variant.name in HALF_GRAD_VARIANTS
         or (prep.dtype == "bfloat16" and prep.variant.name in HALF_GRAD_BFLOAT16))
+    units = relu_kink_units(prep)  # once: dw1 and db1 both leave its units out
     for n, g in gold.items():
         keep = None
         if n == "q" and prep.keep is not None and prep.keep.shape[:-1] == g.shape[:-1]:
@@ -1305,8 +1305,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             # inputs: dq there is as arbitrary as a dead row's
             smooth = np.broadcast_to(~kinked[..., None], g.shape)
             keep = smooth if keep is None else keep & smooth
-        units = relu_kink_units(prep) if n in ("w1", "b1") else None
-        if units is not None and units.any() and g.shape[-1:] == units.shape:
+        if n in ("w1", "b1") and units is not None and units.any() and g.shape[-1:] == units.shape:
             # and the hidden units such a row reaches: dW1's column and db1's entry sum it
             keep = np.broadcast_to(~units, g.shape)
         if far is not None and n in far:

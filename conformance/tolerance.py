@@ -402,7 +402,26 @@ LOGITS_IN_DTYPE = _EmulatedClip(keep=True)
 LOGITS_IN_FLOAT32 = _EmulatedClip(keep=False)
 
 
-class GemmInDtypeArray(np.ndarray):
+class _MatmulArray(np.ndarray):
+    """An ndarray whose matrix products are its class's own (``_matmul``) and every other
+    operation NumPy's, each result wrapped back into the class (``_wrap``): what
+    :class:`GemmInDtypeArray` and :class:`SequentialGemmArray` share."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        cls = type(self)
+        inputs = tuple(_plain(x, _MatmulArray) for x in inputs)
+        if "out" in kwargs:
+            kwargs["out"] = tuple(_plain(x, _MatmulArray) for x in kwargs["out"])
+        if ufunc is np.matmul and method == "__call__":
+            return cls._wrap(cls._matmul(*inputs, **kwargs))
+        return cls._wrap(getattr(ufunc, method)(*inputs, **kwargs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        plain = _unwrap(args, _MatmulArray), _unwrap(kwargs, _MatmulArray)
+        return type(self)._wrap(func(*plain[0], **plain[1]))
+
+
+class GemmInDtypeArray(_MatmulArray):
     """A float32 ndarray whose matrix products round both operands to a narrower dtype.
 
     What a fused half-precision kernel on tensor cores computes: every elementwise
@@ -418,17 +437,13 @@ class GemmInDtypeArray(np.ndarray):
     #: the :class:`LowPrecisionArray` whose rounding the operands get
     rounding: type = LowPrecisionArray
 
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        inputs = tuple(_plain(x, GemmInDtypeArray) for x in inputs)
-        if ufunc is np.matmul and method == "__call__":
-            inputs = tuple(self.rounding.round(np.asarray(x, dtype=np.float32)) for x in inputs)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(_plain(x, GemmInDtypeArray) for x in kwargs["out"])
-        return _gemm_wrap(type(self), getattr(ufunc, method)(*inputs, **kwargs))
+    @classmethod
+    def _matmul(cls, *inputs, **kwargs):
+        return np.matmul(*(cls.rounding.round(np.asarray(x, dtype=np.float32)) for x in inputs), **kwargs)
 
-    def __array_function__(self, func, types, args, kwargs):
-        plain = _unwrap(args, GemmInDtypeArray), _unwrap(kwargs, GemmInDtypeArray)
-        return _gemm_wrap(type(self), func(*plain[0], **plain[1]))
+    @classmethod
+    def _wrap(cls, out):
+        return _gemm_wrap(cls, out)
 
 
 class BF16GemmArray(GemmInDtypeArray):
@@ -469,7 +484,7 @@ def gemm_in_dtype(x, dtype: str):
     return cls.rounding.round(np.asarray(x, dtype=np.float32)).view(cls)
 
 
-class SequentialGemmArray(np.ndarray):
+class SequentialGemmArray(_MatmulArray):
     """A float64 ndarray whose matrix products add their terms one at a time, in order.
 
     What a plain loop computes, and a BLAS that does not split the sum: PyTorch's float64
@@ -479,35 +494,24 @@ class SequentialGemmArray(np.ndarray):
     operation is NumPy's. :func:`sequential_gemm` makes one.
     """
 
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        inputs = tuple(_plain(x, SequentialGemmArray) for x in inputs)
-        if "out" in kwargs:
-            kwargs["out"] = tuple(_plain(x, SequentialGemmArray) for x in kwargs["out"])
-        if ufunc is np.matmul and method == "__call__" and not kwargs:
-            return _sequential_wrap(_sequential_matmul(*inputs))
-        return _sequential_wrap(getattr(ufunc, method)(*inputs, **kwargs))
+    @staticmethod
+    def _matmul(a, b, **kwargs):
+        """``a @ b`` summed term by term over the contracted axis (``O(M N K)``, ``K``
+        steps); with keywords (``out=``), or a vector operand, NumPy's."""
+        a, b = np.asarray(a), np.asarray(b)
+        if kwargs or a.ndim < 2 or b.ndim < 2:
+            return np.matmul(a, b, **kwargs)
+        acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
+                       dtype=np.result_type(a, b))
+        for i in range(a.shape[-1]):
+            acc += a[..., :, i, None] * b[..., i, None, :]
+        return acc
 
-    def __array_function__(self, func, types, args, kwargs):
-        plain = _unwrap(args, SequentialGemmArray), _unwrap(kwargs, SequentialGemmArray)
-        return _sequential_wrap(func(*plain[0], **plain[1]))
-
-
-def _sequential_matmul(a, b):
-    """``a @ b`` summed term by term over the contracted axis (``O(M N K)``, ``K`` steps)."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.ndim < 2 or b.ndim < 2:
-        return np.matmul(a, b)
-    acc = np.zeros(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1]),
-                   dtype=np.result_type(a, b))
-    for i in range(a.shape[-1]):
-        acc += a[..., :, i, None] * b[..., i, None, :]
-    return acc
-
-
-def _sequential_wrap(out):
-    if isinstance(out, tuple):
-        return tuple(_sequential_wrap(o) for o in out)
-    return out.view(SequentialGemmArray) if isinstance(out, np.ndarray) else out
+    @classmethod
+    def _wrap(cls, out):
+        if isinstance(out, tuple):
+            return tuple(cls._wrap(o) for o in out)
+        return out.view(cls) if isinstance(out, np.ndarray) else out
 
 
 def sequential_gemm(x):
