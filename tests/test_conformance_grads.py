@@ -50,14 +50,15 @@ def make_backward(mistake=None):
             lse = m + np.log(np.sum(np.exp(s - m), -1, keepdims=True))
             p = np.exp(raw - lse)
         dv = p @ do if mistake == "dv_not_transposed" else np.swapaxes(p, -1, -2) @ do
-        dp = do @ np.swapaxes(v, -1, -2)
+        dp = do @ np.swapaxes(k if mistake == "dp_reads_k" else v, -1, -2)
         d = 0.0 if mistake == "no_rowsum_term" else np.sum(do * out, -1, keepdims=True)
         ds = p * (dp + d) if mistake == "d_term_sign" else p * (dp - d)
-        dq = ds @ k * (1.0 if mistake == "dq_no_scale" else sc)
+        dq = ds @ (q if mistake == "dq_reads_q" else k) * (1.0 if mistake == "dq_no_scale" else sc)
         if mistake == "ds_not_transposed":
             dk = ds @ q * sc
         else:
-            dk = np.swapaxes(ds, -1, -2) @ q * (1.0 if mistake == "dk_no_scale" else sc)
+            dk = np.swapaxes(ds, -1, -2) @ (k if mistake == "dk_reads_k" else q) \
+                * (1.0 if mistake == "dk_no_scale" else sc)
         dbias = ds
         if bias is not None:
             dbias = ds.sum(tuple(range(ds.ndim - bias.ndim)))
@@ -126,6 +127,11 @@ MUTANTS = {
     # failing row before (5 December 2026)
     "dv_not_transposed": "P is applied untransposed",
     "d_term_sign": "enters dS with the wrong sign",
+    # an operand loaded from the wrong pointer: each read "no known mistake" (the audit's
+    # hand-written backwards, 5 December 2026)
+    "dp_reads_k": "dP is computed from K instead of V",
+    "dq_reads_q": "dQ is computed from Q instead of K",
+    "dk_reads_k": "dK is computed from K instead of Q",
 }
 
 
@@ -853,6 +859,68 @@ def test_a_backward_with_an_option_changed_is_named(variant, change, words):
     assert all(option in r.diagnosis or " is zero: " in r.diagnosis
                or r.diagnosis.startswith("no known mistake") for r in failed), \
         [r.diagnosis for r in failed]
+
+
+def _window_left_plus_one(kw):
+    left, right = kw["window"]
+    return {**kw, "window": (left + 1, right) if left >= 0 else (left, right + 1)}
+
+
+#: A backward that reads one input where another belongs, or leaves an input out: the
+#: change to the forward it differentiates (``(q, k, v, kw) -> (q, k, v, kw)``), the
+#: cases it changes, and the words that name it.
+MISREADS = {
+    "v_from_k": (lambda q, k, v, kw: (q, k, k, kw), lambda c: c.d == c.dv,
+                 "the backward reads k where it should read v"),
+    "k_from_q": (lambda q, k, v, kw: (q, q, v, kw), lambda c: c.nq == c.nk,
+                 "the backward reads q where it should read k"),
+    "no_bias": (lambda q, k, v, kw: (q, k, v, {n: x for n, x in kw.items() if n != "bias"}),
+                lambda c: c.bias, "the backward ignores the bias"),
+    "no_softcap": (lambda q, k, v, kw: (q, k, v, {**kw, "softcap": None}),
+                   lambda c: "softcap" in c.features, "the backward ignores the soft-cap"),
+    "no_alibi": (lambda q, k, v, kw: (q, k, v, {n: x for n, x in kw.items() if n != "alibi_slopes"}),
+                 lambda c: "alibi" in c.features, "the backward ignores the ALiBi slopes"),
+    "window": (lambda q, k, v, kw: (q, k, v, _window_left_plus_one(kw)),
+               lambda c: "window" in c.features and not c.param("seqlens_k"),
+               "extent is off by one (window ("),
+    "local_window": (lambda q, k, v, kw: (q, k, v, {**kw, "window": kw["window"] + 1}),
+                     lambda c: True, "the backward takes window="),
+}
+
+
+@pytest.mark.parametrize("variant, change", [
+    ("pooled", "v_from_k"), ("linear", "k_from_q"), ("softmax", "v_from_k"),
+    ("softmax", "no_bias"), ("softmax", "no_softcap"), ("softmax", "no_alibi"),
+    ("softmax", "window"), ("local", "local_window"),
+])
+def test_a_backward_that_misreads_or_ignores_an_input_is_named(variant, change):
+    """A backward that reads one input where another belongs (``dP = dO K^T``: the keys
+    loaded for the values; ``dv`` from ``P(q, q)``), ignores the bias, the soft-cap or the
+    ALiBi slopes, or takes the window off by one read "no known mistake" on every failing
+    row (an audit's planted backwards): the reference VJP so changed is a candidate now,
+    for every variant that takes it."""
+    torch = pytest.importorskip("torch")
+    from conformance import backends as B
+    from conformance.cli import reference_kernel
+
+    forward, applies, words = MISREADS[change]
+    kernel = reference_kernel(attn_ref.registry.get(variant), B.load("torch"))
+    todo = [c for c in cases(variant, "standard", grads=True) if applies(c)
+            and (c.nq > 8 or c.nk > 8)][:6]
+
+    def backward(q, k, v, do, **kw):
+        q_, k_, v_, kw_ = forward(q, k, v, kw)
+        # a leaf per argument: the changed forward's gradient with respect to each place
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q_, k_, v_)]
+        return torch.autograd.grad(kernel(*leaves, **kw_), leaves, do)
+
+    rep = verify(kernel, variant, backend="torch", dtypes=("float32",), cases=todo,
+                 backward=backward, causal="both")
+    failed = [r for r in rep.failures if r.output in ("dq", "dk", "dv")]
+    assert len(todo) >= 2 and len(failed) >= 3, rep.table()
+    assert not [r for r in rep.failures if r.output == "out"], rep.table()
+    named = [r for r in failed if words in r.diagnosis]
+    assert len(named) >= len(failed) * 3 // 4, [(r.case, r.output, r.diagnosis) for r in failed]
 
 
 def test_a_failing_gradient_no_mistake_explains_is_not_left_blank():

@@ -656,3 +656,50 @@ def test_an_overflowing_candidate_names_nothing():
     rows = [r for r in rep.failures if r.output == "dk"]
     assert rows and all("the golden times 0.98" in r.diagnosis for r in rows), \
         [(r.case, r.diagnosis) for r in rows]
+
+
+@pytest.mark.parametrize("name", ["retention", "gated_deltanet"])
+def test_a_backward_that_ignores_cu_seqlens_is_named(name):
+    """A backward that runs packed sequences as one (the state carried across their
+    boundaries; the first sequence's initial state, the last one's final-state
+    cotangent) read "no known mistake" (an audit's planted backward): the reference VJP
+    without ``cu_seqlens`` is a candidate now."""
+    vjp = VJPS[name]
+
+    def backward(q, k, v, do, *, dfinal_state=None, cu_seqlens=None, initial_state=None, **kw):
+        g = dict(vjp(q, k, v, do, dfinal_state=None if dfinal_state is None else dfinal_state[-1:],
+                     initial_state=None if initial_state is None else initial_state[:1], **kw))
+        if initial_state is not None:  # of the right shape: only dq, dk, dv... are judged wrong
+            g["initial_state"] = np.concatenate([g["initial_state"]] * initial_state.shape[0])
+        return g
+
+    todo = [c for c in cases(name, "standard") if c.family == "recurrent" and c.param("cu_seqlens")]
+    rep = _run_numpy(name, backward, todo, dtypes=("float32",))
+    failed = [r for r in rep.failures if r.output in ("dq", "dk", "dv")]
+    assert len(todo) >= 2 and len(failed) >= 4, rep.table()
+    assert not [r for r in rep.failures if r.output in ("out", "final_state")], rep.table()
+    named = [r for r in failed if "the backward ignores cu_seqlens" in r.diagnosis]
+    assert len(named) >= len(failed) * 3 // 4, [(r.case, r.output, r.diagnosis) for r in failed]
+
+
+@pytest.mark.parametrize("dense", [0.0, 0.015])
+def test_a_candidate_that_fits_the_peak_only_is_not_named(dense):
+    """A candidate past the bound is named when it leaves at most 1/50 of the kernel's
+    error, in the largest difference and now in the RMS one too (the forward's rule). A
+    dk that ignores dfinal_state and is also off everywhere else by 1.5 % of its error's
+    peak read "ignores dfinal_state", as a recurrent dk that held dv did (an audit): the
+    candidate explained the peak only."""
+    vjp = VJPS["retention"]
+
+    def backward(q, k, v, do, *, dfinal_state=None, **kw):
+        right = dict(vjp(q, k, v, do, dfinal_state=dfinal_state, **kw))
+        wrong = dict(vjp(q, k, v, do, **kw))
+        peak = np.max(np.abs(wrong["k"] - right["k"]))
+        sign = (-1.0) ** np.add.outer(np.arange(k.shape[-2]), np.arange(k.shape[-1]))
+        return {**right, "k": wrong["k"] + dense * peak * sign}
+
+    rep = _run_numpy("retention", backward, _few("retention", "chunks"), dtypes=("float64",))
+    rows = [r for r in rep.failures if r.output == "dk"]
+    assert rows and {r.output for r in rep.failures} == {"dk"}, rep.table()
+    named = [r for r in rows if "ignores dfinal_state" in r.diagnosis]
+    assert len(named) == (len(rows) if dense == 0 else 0), [(r.case, r.diagnosis) for r in rows]
