@@ -73,7 +73,14 @@ def sort_mask(xp, n_blocks, causal, device):
 def _lse(xp, x, axis):
     """Log-sum-exp along ``axis``; ``-inf`` for an all ``-inf`` line (never NaN)."""
     m = xp.max(x, axis=axis, keepdims=True)
-    ms = xp.where(xp.isfinite(m), m, xp.zeros_like(m))
+    # The shift is the maximum rounded to an integer (x - shift <= 1/2: nothing overflows,
+    # the largest term is at least e^-1/2). Autodiff differentiates round as zero, so
+    # the forward under autograd (torch, JAX) computes the log-sum-exp's exact backward,
+    # softmax(x) dlse; through the maximum itself, whose derivative cancels only in exact
+    # arithmetic, it put the rounding of 1 - sum(softmax) on the line's largest element:
+    # in bfloat16 d sort_logits was 0.62 off where it is 0.02 (N = 1000, 250 blocks;
+    # 0.056 with the rounded shift, and float32's error fell from 2.0e-5 to 2.8e-6).
+    ms = xp.where(xp.isfinite(m), xp.round(m), xp.zeros_like(m))
     t = xp.sum(xp.exp(x - ms), axis=axis, keepdims=True)
     return xp.where(t > 0, ms + xp.log(xp.where(t > 0, t, xp.ones_like(t))), m)
 

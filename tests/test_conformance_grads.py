@@ -502,7 +502,8 @@ def _reference_passes_one_gradient_off_fails(variant, dtype, factor, names, min_
     the variant's reference under
     torch autograd passes every gradient row (at least 18 judged), and with the gradient
     of each input of ``names`` scaled by ``factor`` fails two thirds of that gradient's
-    rows (at least 6 judged)."""
+    rows that the factor changes (at least 5 judged): a gradient that is zero in the
+    dtype (one query and one key, or underflowed on large logits) is the same scaled."""
     pytest.importorskip("torch")
     from conformance import backends as B
     from conformance.cli import reference_kernel
@@ -514,11 +515,13 @@ def _reference_passes_one_gradient_off_fails(variant, dtype, factor, names, min_
     ok = verify(kernel, variant, **kw)
     rows = [r for r in ok.results if r.output != "out" and r.verdict != "n/a"]
     assert len(rows) >= 18 and all(r.verdict == "pass" for r in rows), ok.table()
+    before = {(r.case, r.output): r.max_err for r in ok.results}
     for name in names:
         rep = verify(scaled_gradient(kernel, name, factor), variant, **kw)
-        rows = [r for r in rep.results if r.output == "d" + name and r.verdict != "n/a"]
+        rows = [r for r in rep.results if r.output == "d" + name and r.verdict != "n/a"
+                and r.max_err != before.get((r.case, r.output))]
         failed = [r for r in rows if r.verdict == "fail"]
-        assert len(rows) >= 6 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
+        assert len(rows) >= 5 and len(failed) >= len(rows) * 2 // 3, (name, rep.table())
 
 
 @pytest.mark.parametrize("variant", ["reformer", "sinkhorn"])
@@ -1381,6 +1384,20 @@ def test_nystrom_gradients_are_judged_at_its_softmaxes_weighted_terms(case_id, n
     rep = verify(scaled_gradient(kernel, name, factor), "nystrom", grads=True, **kw)
     rows = [r for r in rep.results if r.output == "d" + name]
     assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+
+
+def test_sinkhorn_under_autograd_passes_its_bfloat16_sort_gradient():
+    """attn_ref's Sinkhorn under torch autograd failed ``dsort_logits`` in bfloat16 on the
+    N = 1000 offset-values case at 2.49x its bound: one element 0.62 off where the golden
+    is 0.02, the rounding of ``1 - sum(softmax)`` that autograd passed through the maximum
+    of the Sinkhorn log-sum-exps (attn_ref.sorting shifts by the maximum rounded now, whose
+    derivative is zero). The bound is the baselines' and unchanged; the reference's forward
+    under autograd was the wrong one."""
+    kernel, todo = _torch_reference("sinkhorn", "long:b1h1-q1000k1000-d64-offset_values")
+    rep = verify(kernel, "sinkhorn", backend="torch", dtypes=("bfloat16",), cases=todo, grads=True,
+                 diagnose=False)
+    rows = [r for r in rep.results if r.output == "dsort_logits"]
+    assert rows and rep.passed, rep.table(show_na=True)
 
 
 @pytest.mark.parametrize("variant, case_id", [
