@@ -2200,10 +2200,9 @@ def _ignored_input_changes(prep, dfinal_state) -> list:
     of ``dfinal_state``."""
     out = []
     for name, words in IGNORABLE_INPUTS.items():
-        with_keys = {name, "seqlens_k"} if name == "seqlens_q" else {name}
-        if not with_keys & (set(prep.arrays) | {n for n, x in prep.kwargs.items() if x is not None}):
-            continue
         drop = {name, *_IGNORED_TOGETHER.get(name, ())}
+        if not drop & (set(prep.arrays) | {n for n, x in prep.kwargs.items() if x is not None}):
+            continue
         arrays = {n: x for n, x in prep.arrays.items() if n not in drop}
         kwargs = {n: x for n, x in prep.kwargs.items() if n not in drop}
         dfs = dfinal_state
