@@ -1034,6 +1034,13 @@ SOFTMAX_LOGITS = frozenset({"softmax", "online_softmax", *SPARSE_PATTERNS, "pool
                             "clustered", "clustered_topk", "routing", "sinkhorn",
                             "synthesizer_random", "synthesizer_random_mix"})
 
+#: The variants whose values enter unprojected, weighted by normalised weights that are no
+#: softmax of ``scale q . k`` (linear attention's ``phi(q) . phi(k) / z``, Performer's
+#: features, the dense Synthesizer's MLP logits): their cancelling ``dP_ij = dO_i . V_j``
+#: rounds ``sum_c |dO_ic| |V_jc|`` (:func:`_abs_products_max`), not ``max|dO|`` times the
+#: largest ``|V_j|_1``; the scale and sizes stay taken at least 1.
+UNPROJECTED_VALUES = frozenset({"linear", "performer", "synthesizer_dense"})
+
 
 def _abs_products_max(do, v, rows=512):
     """``max_ij sum_c |dO_ic| |V_jc|``: the largest sum a ``dP_ij = dO_i . V_j`` rounds,
@@ -1079,7 +1086,10 @@ def _term_magnitudes(prep, do, dlse=None):
     from the norms, their floor was 8 to 40 times what a FlashAttention-style float32
     backward errs: it passed local's zero ``dq`` on large logits (bound 0.032, ``dq``
     0.0035, that backward's error 1e-4) and pooled's ``dk`` doubled on N = 1000. The
-    random Synthesizers' ``r`` enters as a bias does (``alpha r``): its terms are
+    variants of :data:`UNPROJECTED_VALUES` take that ``|dP|`` too, their scale and sizes
+    still at least 1: with the norms, linear attention's ``dq`` 3 % off passed its N =
+    1000 offset-values case. The random Synthesizers' ``r`` enters as a bias does
+    (``alpha r``): its terms are
     ``|dP|`` (without them a correct torch kernel's ``dr`` failed at 1.5e4 times a bound
     set by the baseline's exact cancellation on one-hot rows).
     """
@@ -1091,7 +1101,8 @@ def _term_magnitudes(prep, do, dlse=None):
     scale = prep.scale
     softmax_logits = prep.variant.name in SOFTMAX_LOGITS
     vl1 = float(np.max(np.sum(np.abs(a["v"]), axis=-1)))  # the largest |V_j|_1
-    dp = _abs_products_max(do, a["v"]) if softmax_logits else float(np.max(np.abs(do))) * vl1
+    dp = _abs_products_max(do, a["v"]) if softmax_logits or prep.variant.name in UNPROJECTED_VALUES \
+        else float(np.max(np.abs(do))) * vl1
     if dlse is not None and dlse.size:
         dp += float(np.max(np.abs(dlse)))
     qmax, kmax = float(np.max(np.abs(a["q"]))), float(np.max(np.abs(a["k"])))
