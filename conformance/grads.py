@@ -1140,8 +1140,8 @@ def _term_magnitudes(prep, do, dlse=None):
                      w1=float(np.max(np.abs(a["q"]), initial=0.0)) * w2 * dp)
     if prep.variant.name in _POOLED_INPUT and "num_segments" in pr:
         # a pooled key (query) is its segment's mean: each of its terms reaches a position
-        # divided by the segment's size. Without it pooled's dk on N = 4096 keys in 4
-        # segments passed 2 % off (ratio 0.48, 8e4 times a correct backward's error)
+        # divided by the segment's size. Without it pooled's dk on N = 4096 keys passed
+        # 2 % off (ratio 0.31, 8e4 times a correct float32 backward's error)
         from attn_ref.reduced import segment_sizes
 
         name = _POOLED_INPUT[prep.variant.name]
@@ -1157,6 +1157,14 @@ def _term_magnitudes(prep, do, dlse=None):
         terms["g"] = max(qmax * terms["q"], kmax * terms["k"])
         terms["initial_state"] = scale * qmax * float(np.max(np.abs(do)))
     return terms
+
+
+def _call_options(prep) -> dict:
+    """The keywords the reference is called with on ``prep``: its signature's defaults,
+    then the case's parameters and options."""
+    p = inspect.signature(prep.variant.fn).parameters
+    return {**{n: x.default for n, x in p.items() if x.default is not inspect.Parameter.empty},
+            **prep.params, **prep.options}
 
 
 #: The variants that pool an input into segment means, and the input they pool.
@@ -1180,7 +1188,7 @@ def _compressed_terms(prep, do, kmax, dv_terms) -> dict:
     q, k, v = (np.asarray(a[n], dtype=np.float64) for n in BASE_KEYS)
     wk = np.asarray(pr["k_weight"], dtype=np.float64)
     wv = wk if pr.get("v_weight") is None else np.asarray(pr["v_weight"], dtype=np.float64)
-    stride = {**prep.params, **prep.options}.get("stride", 3)
+    stride = _call_options(prep)["stride"]
     kc, vc = (np.asarray(x) for x in compress_kv(array_api_compat.numpy, k, v, wk, wv, stride))
     if kc.size == 0 or do.size == 0:
         return {}
@@ -1210,9 +1218,7 @@ def _nystrom_terms(prep, do) -> dict:
     xnp = array_api_compat.numpy
 
     a = prep.arrays
-    p = inspect.signature(prep.variant.fn).parameters
-    opt = {n: x.default for n, x in p.items() if x.default is not inspect.Parameter.empty}
-    opt.update({**prep.params, **prep.options})
+    opt = _call_options(prep)
     m, segments = opt["num_landmarks"], opt["segments"]
     q, k, v = (np.asarray(a[n], dtype=np.float64) for n in BASE_KEYS)
     k1, k2, z, k3 = nystrom_kernels(xnp, q, k, m, opt["pinv_iterations"], prep.scale, opt["pinv_init"],
