@@ -1348,6 +1348,18 @@ def _torch_reference(variant, *case_ids):
     return reference_kernel(attn_ref.registry.get(variant), B.load("torch")), todo
 
 
+def _reference_passes_and_one_gradient_off_fails(variant, case_id, name, factor):
+    """On one standard case in float32: attn_ref's ``variant`` under torch autograd
+    passes, and with the gradient of ``name`` scaled by ``factor`` every row of that
+    gradient fails."""
+    kernel, todo = _torch_reference(variant, case_id)
+    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
+    assert todo and verify(kernel, variant, grads=True, **kw).passed
+    rep = verify(scaled_gradient(kernel, name, factor), variant, grads=True, **kw)
+    rows = [r for r in rep.results if r.output == "d" + name]
+    assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+
+
 @pytest.mark.parametrize("variant, case_id, name, factor", [
     ("local", "large-logits:b1h2-q64k64-d64-large_logits", "q", 0.0),
     ("pooled", "long:b1h1-q1000k1000-d64-offset_values", "k", 2.0),
@@ -1364,12 +1376,7 @@ def test_softmax_logit_variants_gradients_are_judged_at_their_terms_size(variant
     0.032 on a ``dq`` of 0.0035, which a FlashAttention-style float32 backward resolves to
     1e-4) and pooled's ``dk`` doubled on N = 1000 (ratio 0.77, where a correct float32
     backward errs 1e-8). attn_ref under torch autograd still passes."""
-    kernel, todo = _torch_reference(variant, case_id)
-    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
-    assert todo and verify(kernel, variant, grads=True, **kw).passed
-    rep = verify(scaled_gradient(kernel, name, factor), variant, grads=True, **kw)
-    rows = [r for r in rep.results if r.output == "d" + name]
-    assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+    _reference_passes_and_one_gradient_off_fails(variant, case_id, name, factor)
 
 
 @pytest.mark.parametrize("case_id, name, factor", [
@@ -1383,12 +1390,7 @@ def test_nystrom_gradients_are_judged_at_its_softmaxes_weighted_terms(case_id, n
     1600 on N = 1000 where ``dk`` was 0.002 and a float32 backward erred 1e-8, an
     independent audit's zero ``dk`` passed (ratio 0.97), and ``dq`` 3 % off passed three of
     the five long cases. attn_ref under torch autograd still passes."""
-    kernel, todo = _torch_reference("nystrom", case_id)
-    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False)
-    assert todo and verify(kernel, "nystrom", grads=True, **kw).passed
-    rep = verify(scaled_gradient(kernel, name, factor), "nystrom", grads=True, **kw)
-    rows = [r for r in rep.results if r.output == "d" + name]
-    assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+    _reference_passes_and_one_gradient_off_fails("nystrom", case_id, name, factor)
 
 
 @pytest.mark.parametrize("variant, case_id, name, factor", [
@@ -1409,12 +1411,7 @@ def test_linear_synthesizer_and_compressed_gradients_a_few_percent_off_fail(vari
     softmax over compressed keys and values: it takes softmax's terms over them
     (``_compressed_terms``; before, 2-3 % passed at 0.37 to 0.80). attn_ref under torch
     autograd still passes."""
-    kernel, todo = _torch_reference(variant, case_id)
-    kw = dict(backend="torch", dtypes=("float32",), cases=todo, diagnose=False, causal="both")
-    assert todo and verify(kernel, variant, grads=True, **kw).passed
-    rep = verify(scaled_gradient(kernel, name, factor), variant, grads=True, **kw)
-    rows = [r for r in rep.results if r.output == "d" + name]
-    assert rows and all(r.verdict == "fail" for r in rows), rep.table(show_na=True)
+    _reference_passes_and_one_gradient_off_fails(variant, case_id, name, factor)
 
 
 def test_sinkhorn_under_autograd_passes_its_bfloat16_sort_gradient():
