@@ -29,6 +29,7 @@ __all__ = [
     "allowed_matrix",
     "sequence_lengths",
     "default_scale",
+    "window_off_by_one",
 ]
 
 
@@ -164,6 +165,20 @@ def _gqa_build(case, rng, arrays, kwargs):
 
 def _window_build(case, rng, arrays, kwargs):
     kwargs["window"] = tuple(int(w) for w in case.param("window"))
+
+
+def window_off_by_one(window):
+    """``(side, new_window, nonnegative)`` for each bounded side of a sliding ``window =
+    (left, right)`` taken one wider and one narrower: ``side`` ``"left"``/``"right"``,
+    ``nonnegative`` False where the narrower extent is -1 (a window that also hides the
+    query's own position, not one a ``window`` keyword can state). An unbounded side
+    (-1) is never off by one. The diagnoses of a kernel's window (forward and backward)
+    try each."""
+    left, right = window
+    for side, dl, dr in (("left", 1, 0), ("left", -1, 0), ("right", 0, 1), ("right", 0, -1)):
+        bound = left if side == "left" else right
+        if bound >= 0:
+            yield side, (left + dl, right + dr), bound + dl + dr >= 0
 
 
 def _window_allowed(case, arrays, kwargs):

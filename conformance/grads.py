@@ -83,7 +83,7 @@ from .extras import (
     named_choices,
     split_outputs,
 )
-from .features import NotApplicable, allowed_matrix
+from .features import NotApplicable, allowed_matrix, window_off_by_one
 from .judging import BASE_KEYS, SPARSE_PATTERNS, as_dtype, resolve_tolerance, softmax_pattern, verdict_of
 from .layouts import from_layout, pair_layout, to_layout
 from .noncontiguous import (
@@ -2219,13 +2219,9 @@ def _changed_extent_kwargs(prep) -> list:
     kw, out = prep.kwargs, []
     w = kw.get("window")
     if w is not None:
-        left, right = w
-        for side, dl, dr in (("left", 1, 0), ("left", -1, 0), ("right", 0, 1), ("right", 0, -1)):
-            bound = left if side == "left" else right
-            if bound >= 0 and bound + dl + dr >= 0:
-                new = (left + dl, right + dr)
-                out.append(({**kw, "window": new}, f"the backward's sliding-window {side} extent "
-                                                   f"is off by one (window {new} instead of {tuple(w)})"))
+        out += [({**kw, "window": new}, f"the backward's sliding-window {side} extent is off by "
+                                        f"one (window {new} instead of {tuple(w)})")
+                for side, new, nonnegative in window_off_by_one(w) if nonnegative]
     c = kw.get("chunk")
     if c is not None:
         out += [({**kw, "chunk": o}, f"the backward's chunk size is off by one (chunk {o} "
@@ -2258,9 +2254,10 @@ def _ignored_input_changes(prep, dfinal_state) -> list:
     and end in the last one's final state: the cotangent of that state is the last row
     of ``dfinal_state``."""
     out = []
+    present = set(prep.arrays) | {n for n, x in prep.kwargs.items() if x is not None}
     for name, words in IGNORABLE_INPUTS.items():
         drop = {name, *_IGNORED_TOGETHER.get(name, ())}
-        if not drop & (set(prep.arrays) | {n for n, x in prep.kwargs.items() if x is not None}):
+        if not drop & present:
             continue
         arrays = {n: x for n, x in prep.arrays.items() if n not in drop}
         kwargs = {n: x for n, x in prep.kwargs.items() if n not in drop}

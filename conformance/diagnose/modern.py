@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..features import allowed_matrix, sequence_lengths
+from ..features import allowed_matrix, sequence_lengths, window_off_by_one
 from ..judging import option_names
 from ..tolerance import (
     LOW_PRECISION,
@@ -27,14 +27,9 @@ def _window_sigs(prep):
     w = prep.kwargs.get("window")
     if w is None:
         return
-    left, right = w
-    for side, dl, dr in (("left", 1, 0), ("left", -1, 0), ("right", 0, 1), ("right", 0, -1)):
-        bound = left if side == "left" else right
-        if bound < 0:
-            continue  # an unbounded side cannot be off by one
-        new = (left + dl, right + dr)
+    for side, new, nonnegative in window_off_by_one(w):
         words = f"the sliding window's {side} extent is off by one (window {new} instead of {tuple(w)})"
-        if bound + dl + dr >= 0:
+        if nonnegative:
             yield words, ref_with(prep, window=new)
             continue
         # extent 0 - 1: the window also hides the query's own position i + Lk - Lq
@@ -44,7 +39,7 @@ def _window_sigs(prep):
         if "mask" in prep.arrays:
             al = np.logical_and(al, prep.arrays["mask"])
         yield words, ref_with(prep, mask=al)
-    if left == -1:
+    if w[0] == -1:
         # -1 read as a number: the left bound j >= i + Lk - Lq + 1 (past the query itself)
         lq, lk = sequence_lengths(prep.case, prep.kwargs)
         i, j = np.arange(prep.case.nq)[:, None], np.arange(prep.case.nk)[None, :]
