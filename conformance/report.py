@@ -63,6 +63,13 @@ class CaseResult:
     def error(cls, message, *, verdict="error", **kw):
         return cls(verdict=verdict, diagnosis=message, **kw)
 
+    def unresolved(self, reason: str) -> None:
+        """Make a pass n/a with ``reason`` where the bounds cannot tell the golden from
+        zero (:func:`conformance.grads.prepare_grads`' ``"unresolved"``): a pass there says
+        nothing. A fail, an error or an empty ``reason`` leave the row as it is."""
+        if reason and self.verdict == "pass":
+            self.verdict, self.diagnosis = "n/a", reason
+
     @property
     def ok(self) -> bool:
         return self.verdict in ("pass", "n/a")

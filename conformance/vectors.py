@@ -111,7 +111,10 @@ Each entry of ``cases``:
     ``null``) are the plain implementation's errors they were derived from.
 ``output_tolerances`` (object)
     For each gradient output: its ``tol_max_abs``, ``tol_rms``,
-    ``baseline_max_abs``, ``baseline_rms``.
+    ``baseline_max_abs``, ``baseline_rms``, and ``unresolved`` (str, only where the
+    golden gradient is within those bounds of zero, so that zeros would pass too:
+    :func:`check_results` makes a pass of it an ``n/a`` row with that reason, as
+    :func:`conformance.verify` does; a fail stays a fail).
 ``grads_not_judged`` (object, with ``grads=True``)
     Gradient row name (``"dq"``...; ``"grads"`` when the case has none) -> why its
     golden is not exported (ill-conditioned in the dtype, every value moved by a near
@@ -448,6 +451,9 @@ def _add_grads(prep, arrays, layout, dtype):
         tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,
                       "baseline_max_abs": bm.max_err if bm else None,
                       "baseline_rms": bm.rms_err if bm else None}
+        if n in g.get("unresolved", {}):
+            # within the bounds of zero: a pass there reads n/a (CaseResult.unresolved)
+            tols[name]["unresolved"] = g["unresolved"][n]
     return outputs, tols, not_judged
 
 
@@ -846,6 +852,7 @@ def _judge_grads(entry, arrays, held, prep, layout, file, base, wanted):
         if problem:
             res.verdict = "fail"
             res.diagnosis = "; ".join(w for w in (problem, res.diagnosis) if w)
+        res.unresolved(tol.get("unresolved", ""))
         rows.append(res)
         if n[1:] in ("q", "k", "v", "bias"):  # what diagnose_grads knows
             canon = (lambda x: from_layout(x, layout)) if n[1:] in ("q", "k", "v") else (
