@@ -2148,7 +2148,7 @@ def _name_closest(got: dict, gold: dict, out: dict, tried, *, share=True) -> Non
             r = _fit(h, cand.get(n), gold[n], share=share)
             if r is not None and (n not in best or r < best[n][0]):
                 best[n] = (r, words)
-    out.update({n: f"matches a known mistake: {words}" for n, (_, words) in best.items()})
+    out.update({n: _KNOWN + words for n, (_, words) in best.items()})
 
 
 def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None) -> dict:
@@ -2162,6 +2162,16 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     closest, between its zero or exchanged gradients and its constant factors."""
     out = _softmax_grad_words(prep, do, got, gold, dlse) \
         if prep.variant.name in ("softmax", "online_softmax") + SPARSE_PATTERNS else {}
+    # A gradient that is exactly zero is named so first, and a softmax mistake that gives
+    # zeros on the case too only as what may explain them: where the golden is small
+    # besides (constant keys, one-hot rows) an audit's zeroed dk read "dq and dk are
+    # swapped" (dq is zero over constant keys) and the sparse patterns' zeroed dq and dk
+    # "the sparse pattern ignored"; on one key a backward that ignores dlse has dq = 0
+    for n, h in got.items():
+        if _is_zero(h, *gold[n][:2]):
+            known = out.get(n, "").removeprefix(_KNOWN)
+            out[n] = _ZERO_WORDS.format(out=grad_output(n), n=n) + (
+                f" (a known mistake gives zeros on this case too: {known})" if known else "")
     # A gradient that is exactly zero, or another gradient, is named so before a changed
     # option is tried, which may reproduce it too (pooled attention's dq on large logits
     # is within its bound of zero; a dk that holds dv on small gradients read "ignores
@@ -2349,6 +2359,21 @@ _GRAD_FACTORS = (
 )
 
 
+_ZERO_WORDS = "{out} is zero: the kernel computes no gradient for {n}"
+_KNOWN = "matches a known mistake: "
+
+
+def _is_zero(h, g, keep) -> bool:
+    """The kernel's gradient ``h`` is exactly zero where it is compared with a golden ``g``
+    that is not."""
+    if h.shape != g.shape:
+        return False
+    sel = np.isfinite(g) & np.isfinite(h)
+    if keep is not None:
+        sel &= np.broadcast_to(keep, g.shape)
+    return bool(np.any(g[sel])) and not np.any(h[sel])
+
+
 def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
     """Mistakes any variant's backward can make, named without its function: two
     gradients exchanged (``dk`` returned as ``dv``...), a gradient that is zero, or
@@ -2375,15 +2400,13 @@ def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
                     break
         if n in out:
             continue
+        if _is_zero(h, g, keep):
+            out[n] = _ZERO_WORDS.format(out=grad_output(n), n=n)
+            continue
         sel = np.isfinite(g) & np.isfinite(h) if keep is None else \
             np.broadcast_to(keep, g.shape) & np.isfinite(g) & np.isfinite(h)
         gg = float(np.sum(g[sel] * g[sel]))
-        if not sel.any() or gg == 0.0:
-            continue
-        if not np.any(h[sel]):
-            out[n] = f"{grad_output(n)} is zero: the kernel computes no gradient for {n}"
-            continue
-        if not factors:
+        if not factors or not sel.any() or gg == 0.0:
             continue
         c = float(np.sum(h[sel] * g[sel])) / gg
         def fits(f, h=h, g=g, keep=keep, tmax=tmax, trms=trms):

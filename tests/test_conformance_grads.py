@@ -1814,3 +1814,18 @@ def test_a_gradient_zero_but_for_the_goldens_rounding_is_judged():
         assert [r.verdict for r in rep.results if r.output == "dq"] == ["pass"], rep.table(show_na=True)
     rep = verify(_shifted_gradient(kernel, "q", 0.01), "softmax", **kw)
     assert [r.verdict for r in rep.results if r.output == "dq"] == ["fail"], rep.table(show_na=True)
+
+
+@pytest.mark.parametrize("variant, case_id, name", [
+    ("softmax", "constant-keys:b1h2-q65k65-d32-constant_keys", "k"),  # read "dq and dk are swapped"
+    ("local", "one-hot:b1h2-q65k65-d64-one_hot", "q"),  # "the sparse pattern ignored"
+    ("block_sparse", "one-hot:b1h2-q65k65-d64-one_hot", "k")])
+def test_a_zeroed_gradient_is_named_zero_before_softmax_mistakes(variant, case_id, name):
+    """A backward returning zeros for one gradient is diagnosed "is zero", not by a softmax
+    mistake that leaves it near zero on the case too (conformance.grads.diagnose_grads)."""
+    kernel, todo = _torch_reference(variant, case_id)
+    rep = verify(scaled_gradient(kernel, name, 0.0), variant, backend="torch", dtypes=("float32",),
+                 cases=todo, grads=True, causal="both")
+    rows = [r for r in rep.results if r.output == "d" + name]
+    assert rows and all(r.verdict == "fail" and r.diagnosis.startswith(f"d{name} is zero")
+                        for r in rows), rep.table()
