@@ -1540,11 +1540,14 @@ def _unresolved(prep, n, g, keep, tmax, trms, terms, bm) -> str:
     if size <= 0 or zero.max_err <= ZERO_ULPS * 2.0 ** (math.floor(math.log2(size)) - bits):
         return ""
     out = grad_output(n)
-    plain = "" if bm is None else f"; a plain {prep.dtype} backward errs {bm.max_err:.2g}"
+    why = [] if not terms else [f"the rounding of its cancelling terms (up to {terms:.2g}) hides it"]
+    if bm is not None:
+        why.append(f"a correct {prep.dtype} backward errs up to {bm.max_err:.2g} (the worst of "
+                   f"the oracle's baselines)")
     return (f"{out} not resolved in {prep.dtype}: the golden {out} is at most {zero.max_err:.2g} "
             f"(RMS {zero.rms_err:.2g}), within the bounds ({tmax:.2g}, RMS {trms:.2g}), so a "
-            f"zero {out} would pass too; the rounding of its cancelling terms (up to "
-            f"{size:.2g}) hides it{plain}. The kernel's {out} is within the bounds")
+            f"zero {out} would pass too" + "".join("; " + w for w in why)
+            + f". The kernel's {out} is within the bounds")
 
 
 # ------------------------------------------------------------- the kernel's gradients
