@@ -1536,8 +1536,9 @@ def _unresolved(prep, n, g, keep, tmax, trms, terms, bm) -> str:
     if zero.compared == 0 or zero.max_err > tmax or zero.rms_err > trms:
         return ""
     size = terms if terms else tmax
-    bits = 63 if prep.golden_dtype == "longdouble" else 52  # the golden's precision
-    if size <= 0 or zero.max_err <= ZERO_ULPS * 2.0 ** (math.floor(math.log2(size)) - bits):
+    # the golden's ulp of its terms: float64's, or longdouble's (11 bits more) for float64 kernels
+    golden_ulp = ulp(size, "float64") * (2.0 ** -11 if prep.golden_dtype == "longdouble" else 1.0)
+    if size <= 0 or zero.max_err <= ZERO_ULPS * golden_ulp:
         return ""
     out = grad_output(n)
     why = [] if not terms else [f"the rounding of its cancelling terms (up to {terms:.2g}) hides it"]
@@ -2384,13 +2385,13 @@ def _is_zero(h, g, keep) -> bool:
 
 
 def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
-    """Mistakes any variant's backward can make, named without its function: two
-    gradients exchanged (``dk`` returned as ``dv``...), a gradient that is zero, or
-    (``factors``) the golden times a constant (the wrong sign, the scale applied twice or
-    not at all, a term counted twice) - each within the gradient's bound - or, where no
-    named factor fits, off by one constant factor it gives (a gradient 3 % off: "the
-    golden times 1.03"; nearly zero). ``{name: words}`` for the gradients of ``got`` it
-    explains."""
+    """Mistakes any variant's backward can make, named without its function (a gradient
+    that is zero is named before, by :func:`diagnose_grads`): two gradients exchanged
+    (``dk`` returned as ``dv``...), or (``factors``) the golden times a constant (the
+    wrong sign, the scale applied twice or not at all, a term counted twice) - each
+    within the gradient's bound - or, where no named factor fits, off by one constant
+    factor it gives (a gradient 3 % off: "the golden times 1.03"; nearly zero).
+    ``{name: words}`` for the gradients of ``got`` it explains."""
     out = {}
     for n, h in got.items():
         g, keep, tmax, trms, _ = gold[n]
@@ -2408,9 +2409,6 @@ def _generic_grad_words(prep, got: dict, gold: dict, *, factors=True) -> dict:
                               f"(the two gradients exchanged)")
                     break
         if n in out:
-            continue
-        if _is_zero(h, g, keep):
-            out[n] = _ZERO_WORDS.format(out=grad_output(n), n=n)
             continue
         sel = np.isfinite(g) & np.isfinite(h) if keep is None else \
             np.broadcast_to(keep, g.shape) & np.isfinite(g) & np.isfinite(h)
