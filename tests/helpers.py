@@ -306,15 +306,21 @@ def autograd_function(forward, backward):
     return Function.apply
 
 
-def scaled_gradient(kernel, name, factor):
-    """``kernel`` with the gradient of its input ``name`` (``q``, ``k``, ``v`` or a keyword
-    input such as a parameter) scaled by ``factor`` under torch autograd (the forward
-    unchanged): a backward slightly wrong in one gradient."""
-    scale = autograd_function(lambda x: x.view_as(x), lambda g: g * factor)
+def changed_gradient(kernel, name, change):
+    """``kernel`` with the gradient ``g`` of its input ``name`` (``q``, ``k``, ``v`` or a
+    keyword input such as a parameter) replaced by ``change(g)`` under torch autograd (the
+    forward unchanged): a backward wrong in one gradient."""
+    through = autograd_function(lambda x: x.view_as(x), change)
 
     @functools.wraps(kernel)
     def run(q, k, v, **kw):
         x = {"q": q, "k": k, "v": v, **kw}  # name: q, k, v or a keyword input (a parameter)
-        x[name] = scale(x[name])
+        x[name] = through(x[name])
         return kernel(x.pop("q"), x.pop("k"), x.pop("v"), **x)
     return run
+
+
+def scaled_gradient(kernel, name, factor):
+    """``kernel`` with the gradient of its input ``name`` scaled by ``factor``
+    (:func:`changed_gradient`): a backward slightly wrong in one gradient."""
+    return changed_gradient(kernel, name, lambda g: g * factor)
