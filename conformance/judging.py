@@ -64,10 +64,13 @@ from .tolerance import (
     param_dtype,
     plain_array,
     round_to,
+    row_errors,
+    row_magnitudes,
     ulp,
 )
 
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
+           "worst_of", "row_words",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
            "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "SPARSE_PATTERNS", "lse_form",
            "lse_softmax_attention", "softmax_pattern",
@@ -130,6 +133,9 @@ class Prepared:
     baseline : Metrics
         Error of the plain implementation in ``dtype``.
     tol_max, tol_rms : float
+    tol_rows : float array (B, H, Nq) or None
+        The largest error each output row may have (:meth:`Tolerance.row_bounds`); None
+        where the baseline is unavailable.
     golden_dtype : str
         ``"longdouble"`` or ``"float64"``.
     plain : Metrics or None
@@ -166,6 +172,8 @@ class Prepared:
     golden_dtype: str
     #: error of the plain (first) form alone: the precision column's denominator
     plain: Any = None
+    #: each output row's own bound, (B, H, Nq) (Tolerance.row_bounds), or None
+    tol_rows: Any = None
     #: goldens of extra outputs computed with the output (``"lse"`` of a long case)
     golden_extras: dict = field(default_factory=dict)
     #: near ties of a discrete choice (conformance.ties.Ties, or None), and the
@@ -229,7 +237,7 @@ class Prepared:
     def check(self, out_host: np.ndarray, *, output: str = "out") -> CaseResult:
         """Judge a kernel output (host, canonical layout) against the golden (of the
         admissible choice nearest to it, where a discrete choice is a near tie)."""
-        m = measure(out_host, self.nearest_golden(out_host), self.keep)
+        m = measure(out_host, self.nearest_golden(out_host), self.keep, self.tol_rows)
         return judge(self, m, output=output)
 
 
@@ -238,8 +246,9 @@ def verdict_of(m, tol_max, tol_rms, what="output"):
 
     A non-finite golden is an oracle error, never a pass; a kernel value that is NaN/Inf
     where the golden is finite fails whatever the bounds. ``ratio`` is
-    ``max(max_err / tol_max, rms_err / tol_rms)`` (infinite for non-finite values; 0 for
-    an error of exactly 0 against a bound of 0).
+    ``max(max_err / tol_max, rms_err / tol_rms, row_ratio)`` (infinite for non-finite values;
+    0 for an error of exactly 0 against a bound of 0); ``m.row_ratio``, the worst row's error
+    over that row's bound, fails a kernel within the case's bounds.
     ``what`` names the output in the message (``"output"``, ``"dq"``...).
     """
     def part(err, tol):
@@ -247,14 +256,33 @@ def verdict_of(m, tol_max, tol_rms, what="output"):
         # pooled case before its first whole block) met exactly is a ratio of 0, not inf
         return err / tol if tol > 0 else (0.0 if err == 0 else math.inf)
 
-    ratio = max(part(m.max_err, tol_max), part(m.rms_err, tol_rms))
+    ratio = max(part(m.max_err, tol_max), part(m.rms_err, tol_rms), m.row_ratio)
     if m.golden_nonfinite:
         return "error", f"oracle: golden {what} has {m.golden_nonfinite} non-finite values", ratio
     if m.nonfinite:
         return "fail", f"{m.nonfinite} NaN/Inf values where the golden is finite", math.inf
     if m.max_err <= tol_max and m.rms_err <= tol_rms:
-        return "pass", "", ratio
+        if m.row_ratio <= 1.0:
+            return "pass", "", ratio
+        return "fail", row_words(m, what), ratio
     return "fail", "", ratio
+
+
+def row_words(m, what="output") -> str:
+    """Why a kernel within the case's bounds fails one row's (:attr:`Prepared.tol_rows`)."""
+    at = tuple(m.row_worst)
+    where = (f"batch {at[0]}, head {at[1]}, row {at[2]}" if len(at) == 3 else
+             ", ".join(map(str, at)))
+    return (f"{what} row ({where}) errs {m.row_err:.3g}, above its own "
+            f"bound {m.row_tol:.3g} (the case's bound is set by larger rows)")
+
+
+def worst_of(m, tol_max, tol_rms) -> tuple:
+    """Where measured errors ``m`` are worst: the largest error's index, or the row's
+    (``m.row_worst``) when only a row's own bound fails (:func:`verdict_of`)."""
+    on_row = (not m.nonfinite and m.max_err <= tol_max and m.rms_err <= tol_rms
+              and m.row_ratio > 1.0)
+    return tuple((m.row_worst if on_row else m.worst)[:3])
 
 
 def judge(prep: Prepared, m, *, output="out", **extra) -> CaseResult:
@@ -262,7 +290,7 @@ def judge(prep: Prepared, m, *, output="out", **extra) -> CaseResult:
     return CaseResult(
         case=prep.case.id, dtype=prep.dtype, output=output, shapes=extra.pop("shapes", {}),
         max_err=m.max_err, rms_err=m.rms_err, tol_max=prep.tol_max, tol_rms=prep.tol_rms,
-        ratio=ratio, worst=m.worst[:3], verdict=verdict, diagnosis=why,
+        ratio=ratio, worst=worst_of(m, prep.tol_max, prep.tol_rms), verdict=verdict, diagnosis=why,
         baseline_max=prep.baseline.max_err if prep.baseline else float("nan"),
         baseline_rms=prep.baseline.rms_err if prep.baseline else float("nan"),
         precision=precision(m, prep.plain),
@@ -677,6 +705,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                                         f"left out, their selection a tie of more tokens than "
                                         f"{dtype} resolves")
     bdt = "float64" if dtype == "float64" else dtype
+    base_rows = None
     try:
         bm = None
         for alt in baselines(prep, bdt):
@@ -685,7 +714,10 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                 if out is None:  # a form that does not apply after all (Form.run)
                     continue
                 out = prep.apply_semantics(out)
-                m = measure(out, prep.nearest_golden(out), keep)
+                near = prep.nearest_golden(out)
+                m = measure(out, near, keep)
+                rows = row_errors(out, near, keep)
+            base_rows = rows if base_rows is None else np.maximum(base_rows, rows)
             if m.nonfinite:
                 raise FloatingPointError(f"{m.nonfinite} non-finite values")
             if prep.plain is None:
@@ -702,6 +734,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # once fell back this way, 10x the baseline's error).
         prep.baseline_note = f"baseline in {dtype} unavailable ({exc}); tolerance from ulps"
         base_max = base_rms = 16 * _ulp(prep, dtype)
+        base_rows = None
     mag = float(np.max(np.abs(prep.golden))) if prep.golden.size else 0.0
     if base_max > ILL_CONDITIONED * mag and mag > 0:
         # the plain implementation disagrees with the golden at the size of the output
@@ -719,6 +752,19 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
     prep.tol_max, prep.tol_rms = tol.bounds(base_max, base_rms, floor_mag, dtype,
                                             elementwise_ulp_rms(prep.golden, dtype, keep),
                                             compared_count(prep.golden, keep))
+    if base_rows is not None and prep.golden.ndim >= 2:
+        # Each row by the maximum's rule too, at its own size: the floor at the row's
+        # magnitude (float32/float64: at least max|v|, as for the case; a row of zeros
+        # at the case's). Never below the case's bound scaled to the row's size (the
+        # relative error the case allows; a lucky baseline row then tightens nothing: a
+        # float64 kernel erred 17 ulps on one-hot rows whose baseline erred ~1), never
+        # above the case's bound.
+        size = row_magnitudes(prep.golden, keep)
+        floor_rows = np.maximum(size, floor_mag) if floor_mag > mag else size
+        floor_rows = np.where(floor_rows > 0, floor_rows, floor_mag)
+        relative = prep.tol_max * (size / mag) if mag > 0 else prep.tol_max
+        prep.tol_rows = np.minimum(np.maximum(tol.row_bounds(base_rows, floor_rows, dtype), relative),
+                                   prep.tol_max)
     return prep
 
 

@@ -65,6 +65,10 @@ __all__ = [
     "as_dtype",
     "Metrics",
     "measure",
+    "ROW_WINDOW",
+    "neighbourhood_max",
+    "row_errors",
+    "row_magnitudes",
     "ROUNDING_COSINE",
     "rounding_cosine",
     "UNTOLD",
@@ -111,6 +115,20 @@ class Tolerance:
         else:
             rms = self.fudge_rms * base_rms + self.floor_rms_ulps * ur
         return self.fudge * base_max + self.floor_ulps * u, rms
+
+    def row_bounds(self, base_rows: np.ndarray, floor_rows: np.ndarray, dtype: str) -> np.ndarray:
+        """The largest error each output row may have, ``(B, H, Nq)``: the maximum's rule
+        applied to the row alone, ``fudge * base + floor_ulps * ulp(floor)``, where ``base``
+        is the largest baseline error of the row and of its :data:`ROW_WINDOW` neighbours
+        on either side (:func:`row_errors`) and ``floor`` the row's own magnitude
+        (``floor_rows``).
+
+        The case's maximum is set by its largest outputs. A long causal row, an average of
+        many values, is far smaller than the first rows, so an error of 15 % on it hid
+        below the bound of a bfloat16 case's first rows. Neighbours, because one row's
+        baseline error is a sample of a few (``dv``) values that may round luckily."""
+        return self.fudge * neighbourhood_max(base_rows) + self.floor_ulps * elementwise_ulp(
+            floor_rows, dtype)
 
     def to_dict(self):
         return asdict(self)
@@ -533,10 +551,57 @@ class Metrics:
     nonfinite: int  # kernel values that are NaN/Inf where the golden is finite
     golden_nonfinite: int
     compared: int
+    #: the largest row error over its row's bound (measure's ``row_tol``; 0 without one),
+    #: and that row's index, error and bound
+    row_ratio: float = 0.0
+    row_worst: tuple = ()
+    row_err: float = 0.0
+    row_tol: float = 0.0
 
 
-def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None) -> Metrics:
-    """Errors of ``got`` against ``golden`` (float64), over elements where ``keep``."""
+#: Query rows on either side of a row whose baseline error its bound also takes
+#: (:meth:`Tolerance.row_bounds`).
+ROW_WINDOW = 4
+
+
+def row_errors(got, golden, keep=None) -> np.ndarray:
+    """The largest ``|got - golden|`` of each row (the last axis reduced) over the compared
+    finite values, ``golden.shape[:-1]``; 0 where a row compares none."""
+    got = np.asarray(got, dtype=np.float64)
+    golden = np.asarray(golden, dtype=np.float64)
+    sel = np.isfinite(golden) & np.isfinite(got)
+    if keep is not None:
+        sel &= np.broadcast_to(keep, golden.shape)
+    return np.max(np.where(sel, np.abs(got - np.where(sel, golden, 0.0)), 0.0), axis=-1,
+                  initial=0.0)
+
+
+def row_magnitudes(golden, keep=None) -> np.ndarray:
+    """``max |golden|`` of each row over the compared finite values, ``golden.shape[:-1]``."""
+    g = np.abs(np.asarray(golden, dtype=np.float64))
+    sel = np.isfinite(g)
+    if keep is not None:
+        sel &= np.broadcast_to(keep, g.shape)
+    return np.max(np.where(sel, g, 0.0), axis=-1, initial=0.0)
+
+
+def neighbourhood_max(rows: np.ndarray, window: int = ROW_WINDOW) -> np.ndarray:
+    """The maximum of each entry and its ``window`` neighbours either side along the last
+    axis (the query axis of a ``(B, H, Nq)`` array of rows)."""
+    rows = np.asarray(rows, dtype=np.float64)
+    out = rows.copy()
+    n = rows.shape[-1] if rows.ndim else 0
+    for s in range(1, min(window, n - 1) + 1):
+        np.maximum(out[..., s:], rows[..., :-s], out=out[..., s:])
+        np.maximum(out[..., :-s], rows[..., s:], out=out[..., :-s])
+    return out
+
+
+def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None,
+            row_tol: np.ndarray | None = None) -> Metrics:
+    """Errors of ``got`` against ``golden`` (float64), over elements where ``keep``; with
+    ``row_tol`` (each row's bound, ``golden.shape[:-1]``, or with a trailing axis of 1), also
+    the worst row's error over its bound (:attr:`Metrics.row_ratio`)."""
     got = np.asarray(got, dtype=np.float64)
     golden = np.asarray(golden, dtype=np.float64)
     keep = np.ones(golden.shape, dtype=bool) if keep is None else np.broadcast_to(keep, golden.shape)
@@ -553,6 +618,19 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None)
     else:
         worst = ()
     mag = float(np.max(np.abs(np.where(sel, golden, 0.0)))) if err.size else 0.0
+    rows = {}
+    if row_tol is not None and err.size:
+        tol = np.asarray(row_tol, dtype=np.float64)
+        if tol.ndim == err.ndim:
+            tol = tol[..., 0]
+        row_err = np.max(err, axis=-1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # a zero bound (a row of exact zeros) met exactly is a ratio of 0, not nan
+            r = np.where(tol > 0, row_err / np.where(tol > 0, tol, 1.0),
+                         np.where(row_err > 0, np.inf, 0.0))
+        at = np.unravel_index(int(np.argmax(r)), r.shape)
+        rows = {"row_ratio": float(r[at]), "row_worst": tuple(int(i) for i in at),
+                "row_err": float(row_err[at]), "row_tol": float(tol[at])}
     return Metrics(
         max_err=float(err.max()) if err.size else 0.0,
         rms_err=float(np.sqrt(np.sum(err * err) / max(n, 1))),
@@ -561,6 +639,7 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None)
         nonfinite=int(np.count_nonzero(bad)),
         golden_nonfinite=golden_bad,
         compared=n,
+        **rows,
     )
 
 

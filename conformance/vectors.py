@@ -18,6 +18,9 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
 * ``golden`` - float64, the expected output in the same layout (rows excluded by
   ``fully_masked="excluded"`` are NaN);
 * ``compare`` - bool, which golden elements are compared;
+* ``tol_rows`` - float64, the golden's shape with a last axis of 1: the largest error each
+  output row may have on its own (absent where the baseline was unavailable; files
+  written before it existed judge the case's bounds alone);
 * for the recurrent variants (``retention``, ``gla``, ``ssd``, ``deltanet``,
   ``gated_deltanet``): ``initial_state`` (kernel dtype, ``(N, H, d_k, d_v)``) when the
   case has one, ``golden_final_state`` - float64 ``(N, H, d_k, d_v)`` (``(d_k, d_v)``
@@ -44,7 +47,7 @@ they do not know). Top level:
     :func:`conformance.judging.with_options`); a callable option is recorded by name.
 ``layout`` (str)
     ``"bhnd"``, ``"bnhd"`` or ``"nd"``: the layout of ``q``, ``k``, ``v``, ``golden``,
-    ``compare``, ``do`` and the ``golden_d*`` gradients of ``q``, ``k``, ``v``.
+    ``compare``, ``tol_rows``, ``do`` and the ``golden_d*`` gradients of ``q``, ``k``, ``v``.
 ``semantics`` (object)
     The declared conventions (``fully_masked``, ``causal``; see
     :data:`conformance.judging.SEMANTICS`).
@@ -108,7 +111,11 @@ Each entry of ``cases``:
 ``tol_max_abs``, ``tol_rms`` (float)
     The bounds a kernel's max-abs and RMS errors over compared elements of the
     output must stay under; ``baseline_max_abs`` / ``baseline_rms`` (float or
-    ``null``) are the plain implementation's errors they were derived from.
+    ``null``) are the plain implementation's errors they were derived from. The file's
+    array ``tol_rows`` (float64, the output's shape with a last axis of 1; absent where
+    the baseline was unavailable) bounds each output row's largest error on its own
+    (:meth:`conformance.tolerance.Tolerance.row_bounds`): a row far smaller than the
+    case's largest may not hide an error below the case's bound.
 ``output_tolerances`` (object)
     For each gradient output: its ``tol_max_abs``, ``tol_rms``,
     ``baseline_max_abs``, ``baseline_rms``, and ``unresolved`` (str, only where the
@@ -122,9 +129,10 @@ Each entry of ``cases``:
 ``golden_precision`` (str)
     ``"float64"``, or ``"longdouble"`` for float64 kernels.
 
-A kernel passes a case when both errors are within bounds and it produced no NaN/Inf
-where the golden is finite, in the case's dtype. With ``grads=True`` (CLI ``--grads``) each file also holds
-``do`` (the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
+A kernel passes a case when both errors are within bounds, no row's largest error is
+above its ``tol_rows`` entry and it produced no NaN/Inf where the golden is finite, in
+the case's dtype. With ``grads=True`` (CLI ``--grads``) each file also holds ``do``
+(the output cotangent, kernel dtype) and ``golden_dq``/``golden_dk``/``golden_dv``
 (``golden_dbias`` when the case has a bias; float64, ``dq`` rows excluded by
 ``fully_masked="excluded"`` are NaN), and for the recurrent family ``golden_dg``,
 ``golden_dbeta``, ``golden_dinitial_state`` as the case has them, plus
@@ -191,7 +199,7 @@ import numpy as np
 from .catalogue import cases as _cases
 from .extras import EXTRAS, RECURRENT, final_state_golden, final_state_tolerance
 from .features import NotApplicable
-from .judging import parse_semantics, prepare, verdict_of, with_options
+from .judging import parse_semantics, prepare, verdict_of, with_options, worst_of
 from .layouts import from_layout, to_layout
 from .report import jsonable
 from .ties import SETTLED_SHARE, settled
@@ -276,6 +284,8 @@ def export_vectors(directory, variant="softmax", /, *, dtypes=("float32",), layo
             golden = np.where(keep, prep.golden, np.nan)
             arrays["golden"] = np.ascontiguousarray(to_layout(golden, layout))
             arrays["compare"] = np.ascontiguousarray(to_layout(keep, layout))
+            if prep.tol_rows is not None:
+                arrays["tol_rows"] = np.ascontiguousarray(to_layout(prep.tol_rows[..., None], layout))
             outputs, grad_tols, not_judged = ["golden"], {}, None
             if grads:
                 outputs, grad_tols, not_judged = _add_grads(prep, arrays, layout, dt)
@@ -783,10 +793,12 @@ def _judge_out(entry, arrays, out, tag, tagged, prep, layout, base, diagnose):
     else:
         golden = from_layout(arrays["golden"], layout)
         keep = from_layout(arrays["compare"], layout)
-        m = measure(got, np.where(keep, golden, 0.0), keep)
+        rows = from_layout(arrays["tol_rows"], layout) if "tol_rows" in arrays else None
+        m = measure(got, np.where(keep, golden, 0.0), keep, rows)
         verdict, why, ratio = verdict_of(m, entry["tol_max_abs"], entry["tol_rms"])
         res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=entry["tol_max_abs"],
-                         tol_rms=entry["tol_rms"], ratio=ratio, worst=m.worst[:3],
+                         tol_rms=entry["tol_rms"], ratio=ratio,
+                         worst=worst_of(m, entry["tol_max_abs"], entry["tol_rms"]),
                          verdict=verdict, diagnosis=why, **base)
     problem = _stored_dtype_problem(entry, out, tag, tagged)
     if problem:

@@ -694,3 +694,55 @@ def test_a_torch_half_precision_nystrom_passes_and_one_percent_off_fails(seed, d
     assert [r.verdict for r in rows] == ["pass"], [(r.verdict, r.ratio, r.diagnosis) for r in rows]
     if dtype == "float16":
         assert [r.verdict for r in run(1.01)] == ["fail"]
+
+
+def _sdpa(last_row=1.0):
+    """PyTorch's SDPA as a kernel, its last query row times ``last_row``."""
+    torch = pytest.importorskip("torch")
+
+    def kernel(q, k, v, *, causal=False, scale=None):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                              scale=scale)
+        if last_row != 1.0:
+            o = o.clone()
+            o[..., -1, :] *= last_row
+        return o
+    return kernel
+
+
+@pytest.mark.parametrize("dtype,factor", [("bfloat16", 1.1), ("float16", 1.02)])
+def test_an_error_on_one_small_row_fails_though_larger_rows_set_the_case_bound(dtype, factor):
+    # The last row of a 1000-key causal case averages 1000 values: at most 0.15 against 2.7
+    # for the first rows, whose rounding sets the case's bounds. Its output 10 % off
+    # (bfloat16) was within them (ratio 0.42 for 15 %); its own bound
+    # (Tolerance.row_bounds) fails it, and the diagnosis says where.
+    case = [c for c in cases("softmax", "standard") if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
+    kw = dict(backend="torch", dtypes=(dtype,), cases=case)
+    assert verify(_sdpa(), "softmax", **kw).passed
+    (r,) = verify(_sdpa(factor), "softmax", **kw).results
+    assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
+    assert "output row (batch 0, head 0, row 999) errs" in r.diagnosis, r.diagnosis
+    assert "wrong only on query row 999 (of Nq = 1000)" in r.diagnosis, r.diagnosis
+
+
+def test_a_rows_bound_is_between_the_cases_bound_scaled_to_the_row_and_the_cases_bound():
+    # never tighter than the relative error the case allows (a lucky baseline row tightens
+    # nothing), never looser than the case's bound; tighter than it on small rows
+    (case,) = [c for c in cases("softmax", "standard") if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
+    prep = prepare(case, "softmax", "bfloat16")
+    size = np.max(np.abs(prep.golden), axis=-1)
+    rows = prep.tol_rows
+    assert rows.shape == prep.golden.shape[:-1]
+    assert np.all(rows <= prep.tol_max) and np.all(rows >= prep.tol_max * size / size.max() * (1 - 1e-12))
+    assert rows[0, 0, -1] < prep.tol_max / 10, (rows[0, 0, -1], prep.tol_max)
+
+
+def test_neighbourhood_max_takes_the_window_either_side():
+    from conformance.tolerance import neighbourhood_max
+
+    x = np.zeros((2, 12))
+    x[0, 5], x[1, 0] = 1.0, 2.0
+    got = neighbourhood_max(x, 2)
+    assert got[0].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert got[1].tolist() == [2, 2, 2] + [0] * 9
+    assert np.array_equal(neighbourhood_max(x, 0), x)

@@ -365,3 +365,30 @@ def test_a_gradient_within_its_bounds_of_zero_reads_n_a_when_written_back(tmp_pa
         assert rep.passed and [r.verdict for r in rep.results if r.output == "dv"] == ["pass"]
     rep = written("off", lambda x: x + np.float32(0.01))
     assert [r.verdict for r in rep.results if r.output == "dq"] == ["fail"], rep.table(show_na=True)
+
+
+@pytest.mark.parametrize("from_file", [False, True])
+def test_an_error_on_one_small_row_fails_when_written_back(tmp_path, monkeypatch, from_file):
+    # the row bounds travel in the file (tol_rows): judged by the file alone (from_file:
+    # the case not prepared again) as by the oracle
+    import conformance.vectors as vec
+
+    case = [c for c in cases("softmax", "standard") if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
+    vectors = tmp_path / "v"
+    export_vectors(vectors, "softmax", dtypes=("bfloat16",), cases=case)
+    ((entry, a),) = load_vectors(vectors)
+    if from_file:
+        monkeypatch.setattr(vec, "_prepared", lambda *args: None)
+
+    def written(name, factor):
+        out = _float32_out(entry, a)
+        out[..., -1, :] *= np.float32(factor)
+        os.makedirs(tmp_path / name)
+        np.savez(tmp_path / name / entry["file"], **_tagged(entry, out))
+        return check_results(vectors, tmp_path / name)
+
+    assert written("right", 1.0).passed
+    (r,) = written("off", 1.1).results
+    assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
+    assert "row (batch 0, head 0, row 999)" in r.diagnosis, r.diagnosis
+    assert a["tol_rows"].shape == a["golden"].shape[:-1] + (1,)

@@ -241,8 +241,11 @@ def _row_errors(prep, got):
     return np.where(np.isfinite(err), err, np.inf).max(-1)
 
 
-def _where(prep, got, tol):
-    """Where the error lives, when that is a fact worth stating (measured, not guessed)."""
+def _where(prep, got, tol, by_row=False):
+    """Where the error lives, when that is a fact worth stating (measured, not guessed).
+
+    ``tol``: the case's bound, or each row's (``(B, H, Nq)``, with ``by_row``: a kernel
+    within the case's bounds that fails some rows' own, :attr:`Prepared.tol_rows`)."""
     row = _row_errors(prep, got)  # (B, H, Nq)
     bad = row > tol
     if not bad.any():
@@ -254,6 +257,10 @@ def _where(prep, got, tol):
         if r0 > 0 and r0 % bs == 0 and nq % bs and r0 == (nq // bs) * bs:
             return (f"the error lives only in the last partial query block: rows {r0}..{nq - 1} "
                     f"(block size {bs})")
+    if by_row:
+        words = _few_rows(row, tol, bad, rows, nq)
+        if words:
+            return words
     # some batch entries or heads are wrong and every other one is within tolerance
     nb, nh = bad.shape[0], bad.shape[1]
     b_bad, h_bad = np.nonzero(bad.any((1, 2)))[0], np.nonzero(bad.any((0, 2)))[0]
@@ -277,6 +284,31 @@ def _where(prep, got, tol):
     if np.all(got[sel] == 0) and np.any(prep.golden[sel] != 0):
         words += "; the output there is all zeros (never written)"
     return words + _kmeans_tie(prep, bad.any(2))
+
+
+#: a failure confined to a few query rows is named so when they are at most this share of
+#: the rows and every other row errs at most ``FEW_ROWS_SLACK`` of its own bound
+FEW_ROWS_SHARE, FEW_ROWS_SLACK = 0.25, 0.5
+
+
+def _few_rows(row, tol, bad, rows, nq):
+    """"Wrong only on query rows ..." for a kernel failing some rows' own bounds (``tol``,
+    ``(B, H, Nq)``) while the others are well within theirs; else None."""
+    if len(rows) > FEW_ROWS_SHARE * nq:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(tol > 0, row / np.where(tol > 0, tol, 1.0), np.where(row > 0, np.inf, 0.0))
+    if ratio[~bad].max(initial=0.0) > FEW_ROWS_SLACK:
+        return None
+    words = (f"the output is wrong only on query {'row' if len(rows) == 1 else 'rows'} "
+             f"{_span(rows)} (of Nq = {nq})")
+    b_bad, h_bad = np.nonzero(bad.any((1, 2)))[0], np.nonzero(bad.any((0, 2)))[0]
+    if bad.shape[0] > 1 and len(b_bad) < bad.shape[0]:
+        words += f", batch {'entry' if len(b_bad) == 1 else 'entries'} {_span(b_bad)}"
+    if bad.shape[1] > 1 and len(h_bad) < bad.shape[1]:
+        words += f", {'head' if len(h_bad) == 1 else 'heads'} {_span(h_bad)}"
+    return (words + f"; every other row errs at most {ratio[~bad].max(initial=0.0):.2g} of its own "
+            f"bound")
 
 
 def _kmeans_heads(prep, got, tol, words):
@@ -559,7 +591,11 @@ def diagnose(prep, got, res, rerun=None) -> str | None:
             return best[1]
         return (" - or ".join([best[1]] + same[:2])
                 + " (these mistakes give the same output on this case)")
-    order = (lambda: _lse_softmax(prep, res), lambda: _where(prep, got, res.tol_max),
+    # within the case's bounds, failing some rows' own (Tolerance.row_bounds): where is
+    # told by those
+    by_row = prep.tol_rows is not None and res.max_err <= res.tol_max and res.rms_err <= res.tol_rms
+    order = (lambda: _lse_softmax(prep, res),
+             lambda: _where(prep, got, prep.tol_rows if by_row else res.tol_max, by_row),
              lambda: _precision(prep, res, rerun, got))
     if prep.variant.name in RECURRENT and prep.dtype in LOW_PRECISION:
         # a state kept in the dtype errs most on the heads of longest memory: "wrong only
