@@ -84,7 +84,15 @@ from .extras import (
     split_outputs,
 )
 from .features import NotApplicable, allowed_matrix, window_off_by_one
-from .judging import BASE_KEYS, SPARSE_PATTERNS, as_dtype, resolve_tolerance, softmax_pattern, verdict_of
+from .judging import (
+    BASE_KEYS,
+    SPARSE_PATTERNS,
+    as_dtype,
+    resolve_tolerance,
+    softmax_pattern,
+    verdict_of,
+    worst_of,
+)
 from .layouts import from_layout, pair_layout, to_layout
 from .noncontiguous import (
     autograd_of_reads,
@@ -110,6 +118,8 @@ from .tolerance import (
     param_dtype,
     plain_array,
     round_to,
+    row_errors,
+    row_magnitudes,
     sequential_gemm,
     ulp,
 )
@@ -1330,6 +1340,9 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     ``"unresolved"``: ``{name: why}`` for the gradients whose golden is within the bounds
     of zero though not zero (:func:`_unresolved`): a kernel's pass there reads n/a.
 
+    ``"rows"``: ``{name: bounds}``, each row's own bound of a gradient of two or more axes
+    (:func:`_row_bounds`; its last axis reduced).
+
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
     plain implementation in the dtype errs so much that the bound's baseline term
@@ -1443,9 +1456,10 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
                                             f"the others left out for a tie of more tokens than "
                                             f"{prep.dtype} resolves")
         again = None if rerun is None else functools.partial(_gradient_of, rerun, n)
-        ms = [measure(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts,
-                                    prep.tie_exact), keep)
-              for b in bases if n in b]
+        nears = [(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts,
+                                prep.tie_exact)) for b in bases if n in b]
+        ms = [measure(x, near, keep) for x, near in nears]
+        base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms) if not m.nonfinite]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
@@ -1502,9 +1516,43 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             why = _unresolved(prep, n, g, keep, tmax, trms, terms.get(n), bm)
             if why:
                 out.setdefault("unresolved", {})[n] = why
+            if base_rows and n in ROW_GRADIENTS and prep.dtype in ROW_DTYPES and own > 0:
+                out.setdefault("rows", {})[n] = _row_bounds(
+                    tol, g, keep, np.max(base_rows, axis=0), own, mag, floor, tmax, prep.dtype)
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
     return out
+
+
+#: The gradients judged row by row as well (:func:`_row_bounds`): those of the token
+#: rows. A parameter's rows (Performer's random features) are no sequence, and a row of
+#: a projection's gradient sums every token: a correct float32 kernel erred up to 2 times
+#: bounds taken from its neighbours.
+ROW_GRADIENTS = ("q", "k", "v")
+#: ... in these dtypes. Not float16: there the floor (4 ulps of the row) is 8 times
+#: narrower than bfloat16's, and attn_ref's online softmax differentiated by torch autograd
+#: (its P rescaled in float16 at every key block) erred 1.3 % on the dk row of a key that a
+#: decode window's first queries read (12 float16 ulps of the row; 1.14 times its bound,
+#: 0.15 of the gradient's): a row's error there follows the cancelling terms, which the
+#: baselines' rows do not show.
+ROW_DTYPES = ("float32", "float64", "bfloat16")
+
+
+def _row_bounds(tol, g, keep, base_rows, own, mag, floor, tmax, dtype):
+    """Each row's own bound of gradient ``g`` (its last axis reduced: a query's ``dq``, a
+    key's ``dk`` and ``dv``), as the output's (:meth:`conformance.tolerance.Tolerance.row_bounds`,
+    :attr:`conformance.judging.Prepared.tol_rows`): the maximum's rule at the row's size
+    (``base_rows``: the baselines' largest error per row; the floor at the row's largest
+    value, or at the case's, ``mag``, in float32 and float64 and where the gradient's terms
+    set it, plus the float32 floor of the terms ``floor``), never below ``tmax`` scaled to
+    the row's size (``own``: the gradient's largest value), never above ``tmax``."""
+    size = row_magnitudes(g, keep)
+    # float32/float64: at the case's floor, as the output's at max|v| (a row's terms are
+    # not its size: nystrom's dv rows of 1e-28 on large logits erred 2 times theirs)
+    floor_rows = np.maximum(size, mag) if mag > own or dtype not in LOW_PRECISION else size
+    floor_rows = np.where(floor_rows > 0, floor_rows, mag)
+    bound = tol.row_bounds(base_rows, floor_rows, dtype, g.shape[-1]) + floor
+    return np.minimum(np.maximum(bound, tmax * size / own), tmax)
 
 
 #: A golden gradient at most this many ulps of its terms (:func:`_term_magnitudes`) in the
@@ -1896,7 +1944,7 @@ def grad_results(ctx, prep, inputs, kw, shapes, dtype, returned=()) -> list:
         # against the gradient of the admissible choice nearest to it at a near tie
         again = None if g.get("rerun") is None else functools.partial(_gradient_of, g["rerun"], n)
         m = measure(h, nearest(h, gold, g["ties"].get(n, []), keep, again, prep.tie_conflicts,
-                               prep.tie_exact), keep)
+                               prep.tie_exact), keep, g.get("rows", {}).get(n))
         res = _judge(prep, m, out_name, tmax, trms, bm)
         res.time_s, res.shapes = elapsed, shapes
         res.unresolved(g.get("unresolved", {}).get(n, ""))
@@ -1943,7 +1991,8 @@ def _primal_row(ctx, prep, primal, row_base) -> list:
 def _judge(prep, m, output, tmax, trms, bm):
     verdict, why, ratio = verdict_of(m, tmax, trms, output)
     return CaseResult(case=prep.case.id, dtype=prep.dtype, output=output, max_err=m.max_err,
-                      rms_err=m.rms_err, tol_max=tmax, tol_rms=trms, ratio=ratio, worst=m.worst[:3],
+                      rms_err=m.rms_err, tol_max=tmax, tol_rms=trms, ratio=ratio,
+                      worst=worst_of(m, tmax, trms),
                       verdict=verdict, diagnosis=why,
                       baseline_max=bm.max_err if bm else float("nan"),
                       baseline_rms=bm.rms_err if bm else float("nan"))

@@ -754,17 +754,16 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                                             compared_count(prep.golden, keep))
     if base_rows is not None and prep.golden.ndim >= 2:
         # Each row by the maximum's rule too, at its own size: the floor at the row's
-        # magnitude (float32/float64: at least max|v|, as for the case; a row of zeros
-        # at the case's). Never below the case's bound scaled to the row's size (the
-        # relative error the case allows; a lucky baseline row then tightens nothing: a
-        # float64 kernel erred 17 ulps on one-hot rows whose baseline erred ~1), never
-        # above the case's bound.
+        # magnitude (float32/float64: the case's, max|v| at least, as a row's rounding
+        # is in units of its terms; a row of zeros at the case's). Never below the case's
+        # bound scaled to the row's size (the relative error the case allows; a lucky
+        # baseline row then tightens nothing: a float64 kernel erred 17 ulps on one-hot
+        # rows whose baseline erred ~1), never above the case's bound.
         size = row_magnitudes(prep.golden, keep)
-        floor_rows = np.maximum(size, floor_mag) if floor_mag > mag else size
-        floor_rows = np.where(floor_rows > 0, floor_rows, floor_mag)
+        floor_rows = np.where((size > 0) & (dtype in LOW_PRECISION), size, floor_mag)
         relative = prep.tol_max * (size / mag) if mag > 0 else prep.tol_max
-        prep.tol_rows = np.minimum(np.maximum(tol.row_bounds(base_rows, floor_rows, dtype), relative),
-                                   prep.tol_max)
+        bound = tol.row_bounds(base_rows, floor_rows, dtype, prep.golden.shape[-1])
+        prep.tol_rows = np.minimum(np.maximum(bound, relative), prep.tol_max)
     return prep
 
 

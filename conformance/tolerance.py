@@ -66,6 +66,7 @@ __all__ = [
     "Metrics",
     "measure",
     "ROW_WINDOW",
+    "ROW_VALUES",
     "neighbourhood_max",
     "row_errors",
     "row_magnitudes",
@@ -116,18 +117,23 @@ class Tolerance:
             rms = self.fudge_rms * base_rms + self.floor_rms_ulps * ur
         return self.fudge * base_max + self.floor_ulps * u, rms
 
-    def row_bounds(self, base_rows: np.ndarray, floor_rows: np.ndarray, dtype: str) -> np.ndarray:
+    def row_bounds(self, base_rows: np.ndarray, floor_rows: np.ndarray, dtype: str,
+                   row_length: int = 1) -> np.ndarray:
         """The largest error each output row may have, ``(B, H, Nq)``: the maximum's rule
         applied to the row alone, ``fudge * base + floor_ulps * ulp(floor)``, where ``base``
-        is the largest baseline error of the row and of its :data:`ROW_WINDOW` neighbours
-        on either side (:func:`row_errors`) and ``floor`` the row's own magnitude
-        (``floor_rows``).
+        is the largest baseline error of the row and of its neighbours on either side
+        (:func:`row_errors`; :data:`ROW_WINDOW` of them, more where rows hold fewer than
+        :data:`ROW_VALUES` / 8 values each, ``row_length``, so that the neighbourhood holds
+        at least :data:`ROW_VALUES`) and ``floor`` the row's own magnitude (``floor_rows``).
 
         The case's maximum is set by its largest outputs. A long causal row, an average of
         many values, is far smaller than the first rows, so an error of 15 % on it hid
         below the bound of a bfloat16 case's first rows. Neighbours, because one row's
-        baseline error is a sample of a few (``dv``) values that may round luckily."""
-        return self.fudge * neighbourhood_max(base_rows) + self.floor_ulps * elementwise_ulp(
+        baseline error is a sample of a few values that may round luckily (rows of one
+        value: a pooled ``dv`` with ``d = 1`` in bfloat16 erred 1.19 times a bound taken
+        over 9 of them)."""
+        window = max(ROW_WINDOW, math.ceil((ROW_VALUES / max(row_length, 1) - 1) / 2))
+        return self.fudge * neighbourhood_max(base_rows, window) + self.floor_ulps * elementwise_ulp(
             floor_rows, dtype)
 
     def to_dict(self):
@@ -560,8 +566,9 @@ class Metrics:
 
 
 #: Query rows on either side of a row whose baseline error its bound also takes
-#: (:meth:`Tolerance.row_bounds`).
-ROW_WINDOW = 4
+#: (:meth:`Tolerance.row_bounds`), and the least number of values those rows hold
+#: together (more rows where rows are short).
+ROW_WINDOW, ROW_VALUES = 4, 64
 
 
 def row_errors(got, golden, keep=None) -> np.ndarray:

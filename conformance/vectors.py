@@ -20,7 +20,9 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
 * ``compare`` - bool, which golden elements are compared;
 * ``tol_rows`` - float64, the golden's shape with a last axis of 1: the largest error each
   output row may have on its own (absent where the baseline was unavailable; files
-  written before it existed judge the case's bounds alone);
+  written before it existed judge the case's bounds alone); ``tol_rows_dq``,
+  ``tol_rows_dk``... likewise for each exported gradient of two or more axes (its last
+  axis reduced: a query's ``dq``, a key's ``dk``), laid out as ``golden_dq``...;
 * for the recurrent variants (``retention``, ``gla``, ``ssd``, ``deltanet``,
   ``gated_deltanet``): ``initial_state`` (kernel dtype, ``(N, H, d_k, d_v)``) when the
   case has one, ``golden_final_state`` - float64 ``(N, H, d_k, d_v)`` (``(d_k, d_v)``
@@ -454,9 +456,15 @@ def _add_grads(prep, arrays, layout, dtype):
             continue
         gold = np.where(keep, gold, np.nan)
         head_major = n in prep.arrays and n not in ("q", "k", "v")
-        arrays[name] = np.ascontiguousarray(
-            (gold[0, 0] if layout == "nd" else gold) if head_major else
-            gold if n not in ("q", "k", "v") else to_layout(gold, layout))
+
+        def stored(x, head_major=head_major, n=n):
+            return np.ascontiguousarray((x[0, 0] if layout == "nd" else x) if head_major else
+                                        x if n not in ("q", "k", "v") else to_layout(x, layout))
+
+        arrays[name] = stored(gold)
+        if n in g.get("rows", {}):
+            # each row's own bound (conformance.grads._row_bounds), laid out as the gradient
+            arrays["tol_rows_" + grad_output(n)] = stored(g["rows"][n][..., None])
         outputs.append(name)
         tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,
                       "baseline_max_abs": bm.max_err if bm else None,
@@ -854,10 +862,11 @@ def _judge_grads(entry, arrays, held, prep, layout, file, base, wanted):
             continue
         tol = entry["output_tolerances"][f"golden_{n}"]
         keep = np.isfinite(golden)  # NaN: excluded rows, values a near tie moves
-        m = measure(got, np.where(keep, golden, 0.0), keep)
+        m = measure(got, np.where(keep, golden, 0.0), keep, arrays.get("tol_rows_" + n))
         verdict, why, ratio = verdict_of(m, tol["tol_max_abs"], tol["tol_rms"], n)
         res = CaseResult(max_err=m.max_err, rms_err=m.rms_err, tol_max=tol["tol_max_abs"],
-                         tol_rms=tol["tol_rms"], ratio=ratio, worst=m.worst[:3], verdict=verdict,
+                         tol_rms=tol["tol_rms"], ratio=ratio,
+                         worst=worst_of(m, tol["tol_max_abs"], tol["tol_rms"]), verdict=verdict,
                          diagnosis=why, baseline_max=_nan_if_none(tol.get("baseline_max_abs")),
                          baseline_rms=_nan_if_none(tol.get("baseline_rms")), **row)
         problem = _stored_dtype_problem(entry, got, tag, tagged, n, _grad_dtype(entry, n[1:]))

@@ -1834,3 +1834,30 @@ def test_a_candidate_within_the_bounds_of_the_golden_names_nothing(variant, case
     rows = [r for r in rep.results if r.output == "d" + name]
     assert rows and all(r.verdict == "fail" and "is the golden times" in r.diagnosis
                         for r in rows), rep.table()
+
+
+def _last_row_times(factor):
+    """A gradient's last row (a query's dq, a key's dk or dv) times ``factor``."""
+    def change(g):
+        g = g.clone()
+        g[..., -1, :] *= factor
+        return g
+    return change
+
+
+@pytest.mark.parametrize("name,case_id", [("q", "long:b1h1-q1000k1000-d64-causal-tl"),
+                                          ("k", "causal:b2h1-q65k65-d32-causal-tl")])
+def test_a_gradient_off_on_one_small_row_fails_though_larger_rows_set_its_bound(name, case_id):
+    # The last query of a 1000-key causal case reads every key: its dq row is small beside
+    # the first rows'; the last key is read by the last query alone: its dk row is small.
+    # 10 % off, each passed the gradient's bounds in bfloat16 (ratios 0.29 and 0.18); each
+    # row's own bound (conformance.grads._row_bounds) fails it.
+    kernel, todo = _torch_reference("softmax", case_id)
+    kw = dict(backend="torch", dtypes=("bfloat16",), cases=todo, causal="both")
+    assert verify(kernel, "softmax", grads=True, **kw).passed
+    rep = verify(changed_gradient(kernel, name, _last_row_times(1.1)), "softmax", grads=True, **kw)
+    (r,) = [r for r in rep.results if r.output == "d" + name]
+    assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
+    last = todo[0].nq - 1 if name == "q" else todo[0].nk - 1
+    assert f"d{name} row (batch" in r.diagnosis and f"row {last}) errs" in r.diagnosis, r.diagnosis
+    assert r.worst[-1] == last, r.worst

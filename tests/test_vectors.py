@@ -392,3 +392,31 @@ def test_an_error_on_one_small_row_fails_when_written_back(tmp_path, monkeypatch
     assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
     assert "row (batch 0, head 0, row 999)" in r.diagnosis, r.diagnosis
     assert a["tol_rows"].shape == a["golden"].shape[:-1] + (1,)
+
+
+def test_a_gradient_off_on_one_small_row_fails_when_written_back(tmp_path):
+    # each gradient's row bounds travel in the file (tol_rows_dq...), judged by it alone
+    case = [c for c in cases("softmax", "standard", grads=True)
+            if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
+    vectors = tmp_path / "v"
+    export_vectors(vectors, "softmax", dtypes=("bfloat16",), cases=case, grads=True)
+
+    def written(name, factor):
+        os.makedirs(tmp_path / name)
+        for entry, a in load_vectors(vectors):
+            arrays = _tagged(entry, _float32_out(entry, a))
+            for n, x in _softmax_backward(entry, a).items():
+                if n == "dq":
+                    x = x.copy()
+                    x[..., -1, :] *= np.float32(factor)
+                t = _tagged(entry, x.astype(np.float32))
+                arrays[n], arrays[n + "_dtype"] = t["out"], t["out_dtype"]
+            np.savez(tmp_path / name / entry["file"], **arrays)
+        return check_results(vectors, tmp_path / name)
+
+    assert written("right", 1.0).passed
+    (r,) = [r for r in written("off", 1.1).results if r.output == "dq"]
+    assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
+    assert "dq row (batch 0, head 0, row 999)" in r.diagnosis, r.diagnosis
+    ((entry, a),) = load_vectors(vectors)
+    assert a["tol_rows_dq"].shape == a["golden_dq"].shape[:-1] + (1,)
