@@ -273,8 +273,9 @@ def row_words(m, what="output") -> str:
     at = tuple(m.row_worst)
     where = (f"batch {at[0]}, head {at[1]}, row {at[2]}" if len(at) == 3 else
              ", ".join(map(str, at)))
+    whole = "the case's" if what == "output" else f"{what}'s"
     return (f"{what} row ({where}) errs {m.row_err:.3g}, above its own "
-            f"bound {m.row_tol:.3g} (the case's bound is set by larger rows)")
+            f"bound {m.row_tol:.3g} ({whole} bound is set by larger rows)")
 
 
 def worst_of(m, tol_max, tol_rms) -> tuple:
