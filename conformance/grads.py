@@ -1340,8 +1340,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     ``"unresolved"``: ``{name: why}`` for the gradients whose golden is within the bounds
     of zero though not zero (:func:`_unresolved`): a kernel's pass there reads n/a.
 
-    ``"rows"``: ``{name: bounds}``, each row's own bound of a gradient of two or more axes
-    (:func:`_row_bounds`; its last axis reduced).
+    ``"rows"``: ``{name: bounds}``, each row's own bound of ``dq``, ``dk`` and ``dv`` in the
+    dtypes of :data:`ROW_DTYPES` (:func:`_row_bounds`; the last axis reduced).
 
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
@@ -1529,15 +1529,15 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
 #: a projection's gradient sums every token: a correct float32 kernel erred up to 2 times
 #: bounds taken from its neighbours.
 ROW_GRADIENTS = ("q", "k", "v")
-#: ... in these dtypes. In bfloat16 a row's bound takes its baselines' errors this many
-#: times over: attn_ref's online softmax differentiated by torch autograd (its P rescaled
-#: in the dtype at every key block) erred 1.01 times the bound of once on a decode case's
-#: dk row (seed 1; 0.65 of twice). Not float16, whose floor (4 ulps of the row) is 8
-#: times narrower than bfloat16's: that kernel's dk row of a key a decode window's first
-#: queries read erred 1.3 % (12 ulps; 1.14 times once, 0.64 twice), and SDPA's dk on
-#: large logits 1.19 times twice. A row's error there follows the cancelling terms of its
-#: gradient, which the baselines' rows show only in part (a floor at each row's own terms
-#: would say it; not built).
+#: The dtypes whose gradients are judged row by row, and how many times over a bfloat16
+#: row's bound takes its baselines' errors: attn_ref's online softmax differentiated by
+#: torch autograd (its P rescaled in the dtype at every key block) erred 1.01 times the
+#: bound of once on a decode case's dk row (seed 1; 0.65 of twice). Not float16, whose
+#: floor (4 ulps of the row) is 8 times narrower than bfloat16's: that kernel's dk row of
+#: a key a decode window's first queries read erred 1.3 % (12 ulps; 1.14 times once, 0.64
+#: twice), and SDPA's dk on large logits 1.19 times twice. A row's error there follows the
+#: cancelling terms of its gradient, which the baselines' rows show only in part (a floor
+#: at each row's own terms would say it; not built).
 ROW_DTYPES, ROW_SLACK = ("float32", "float64", "bfloat16"), 2.0
 
 
