@@ -119,7 +119,6 @@ from .tolerance import (
     plain_array,
     round_to,
     row_errors,
-    row_magnitudes,
     sequential_gemm,
     ulp,
 )
@@ -1341,7 +1340,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     of zero though not zero (:func:`_unresolved`): a kernel's pass there reads n/a.
 
     ``"rows"``: ``{name: bounds}``, each row's own bound of ``dq``, ``dk`` and ``dv`` in the
-    dtypes of :data:`ROW_DTYPES` (:func:`_row_bounds`; the last axis reduced).
+    dtypes of :data:`ROW_DTYPES` (:meth:`Tolerance.row_bounds`; the last axis reduced).
 
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
@@ -1459,7 +1458,9 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         nears = [(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts,
                                 prep.tie_exact)) for b in bases if n in b]
         ms = [measure(x, near, keep) for x, near in nears]
-        base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms) if not m.nonfinite]
+        by_row = n in ROW_GRADIENTS and prep.dtype in ROW_DTYPES
+        base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms)
+                     if by_row and not m.nonfinite]
         ms = [m for m in ms if not m.nonfinite]
         bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
@@ -1516,15 +1517,18 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
             why = _unresolved(prep, n, g, keep, tmax, trms, terms.get(n), bm)
             if why:
                 out.setdefault("unresolved", {})[n] = why
-            if base_rows and n in ROW_GRADIENTS and prep.dtype in ROW_DTYPES and own > 0:
-                out.setdefault("rows", {})[n] = _row_bounds(
-                    tol, g, keep, np.max(base_rows, axis=0), own, mag, floor, tmax, prep.dtype)
+            if base_rows and own > 0:
+                # each row by the maximum's rule too, at its own size (the output's rule:
+                # Tolerance.row_bounds), the float32 floor of the terms added as to tmax
+                out.setdefault("rows", {})[n] = tol.row_bounds(
+                    np.max(base_rows, axis=0), g, tmax, mag, prep.dtype, keep=keep,
+                    slack=ROW_SLACK if prep.dtype in LOW_PRECISION else 1.0, extra_floor=floor)
         out[n] = (g, keep, tmax, trms, bm)
     cache[key] = out
     return out
 
 
-#: The gradients judged row by row as well (:func:`_row_bounds`): those of the token
+#: The gradients judged row by row as well (:meth:`Tolerance.row_bounds`): those of the token
 #: rows. A parameter's rows (Performer's random features) are no sequence, and a row of
 #: a projection's gradient sums every token: a correct float32 kernel erred up to 2 times
 #: bounds taken from its neighbours.
@@ -1539,25 +1543,6 @@ ROW_GRADIENTS = ("q", "k", "v")
 #: cancelling terms of its gradient, which the baselines' rows show only in part (a floor
 #: at each row's own terms would say it; not built).
 ROW_DTYPES, ROW_SLACK = ("float32", "float64", "bfloat16"), 2.0
-
-
-def _row_bounds(tol, g, keep, base_rows, own, mag, floor, tmax, dtype):
-    """Each row's own bound of gradient ``g`` (its last axis reduced: a query's ``dq``, a
-    key's ``dk`` and ``dv``), as the output's (:meth:`conformance.tolerance.Tolerance.row_bounds`,
-    :attr:`conformance.judging.Prepared.tol_rows`): the maximum's rule at the row's size
-    (``base_rows``: the baselines' largest error per row; the floor at the row's largest
-    value, or at the case's, ``mag``, in float32 and float64 and where the gradient's terms
-    set it, plus the float32 floor of the terms ``floor``), never below ``tmax`` scaled to
-    the row's size (``own``: the gradient's largest value), never above ``tmax``; in
-    bfloat16 the baselines' errors taken :data:`ROW_SLACK` times."""
-    size = row_magnitudes(g, keep)
-    # float32/float64: at the case's floor, as the output's at max|v| (a row's terms are
-    # not its size: nystrom's dv rows of 1e-28 on large logits erred 2 times theirs)
-    floor_rows = np.maximum(size, mag) if mag > own or dtype not in LOW_PRECISION else size
-    floor_rows = np.where(floor_rows > 0, floor_rows, mag)
-    slack = ROW_SLACK if dtype in LOW_PRECISION else 1.0
-    bound = tol.row_bounds(slack * base_rows, floor_rows, dtype, g.shape[-1]) + floor
-    return np.minimum(np.maximum(bound, tmax * size / own), tmax)
 
 
 #: A golden gradient at most this many ulps of its terms (:func:`_term_magnitudes`) in the

@@ -65,7 +65,6 @@ from .tolerance import (
     plain_array,
     round_to,
     row_errors,
-    row_magnitudes,
     ulp,
 )
 
@@ -754,17 +753,10 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                                             elementwise_ulp_rms(prep.golden, dtype, keep),
                                             compared_count(prep.golden, keep))
     if base_rows is not None and prep.golden.ndim >= 2:
-        # Each row by the maximum's rule too, at its own size: the floor at the row's
-        # magnitude (float32/float64: the case's, max|v| at least, as a row's rounding
-        # is in units of its terms; a row of zeros at the case's). Never below the case's
-        # bound scaled to the row's size (the relative error the case allows; a lucky
-        # baseline row then tightens nothing: a float64 kernel erred 17 ulps on one-hot
-        # rows whose baseline erred ~1), never above the case's bound.
-        size = row_magnitudes(prep.golden, keep)
-        floor_rows = np.where((size > 0) & (dtype in LOW_PRECISION), size, floor_mag)
-        relative = prep.tol_max * (size / mag) if mag > 0 else prep.tol_max
-        bound = tol.row_bounds(base_rows, floor_rows, dtype, prep.golden.shape[-1])
-        prep.tol_rows = np.minimum(np.maximum(bound, relative), prep.tol_max)
+        # each row by the maximum's rule too, at its own size (float32/float64: the
+        # floor at the case's, max|v| at least, as a row's rounding is in units of its terms)
+        prep.tol_rows = tol.row_bounds(base_rows, prep.golden, prep.tol_max, floor_mag, dtype,
+                                       keep=keep)
     return prep
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "neighbourhood_max",
     "row_errors",
     "row_magnitudes",
+    "ratios",
     "ROUNDING_COSINE",
     "rounding_cosine",
     "UNTOLD",
@@ -117,24 +118,42 @@ class Tolerance:
             rms = self.fudge_rms * base_rms + self.floor_rms_ulps * ur
         return self.fudge * base_max + self.floor_ulps * u, rms
 
-    def row_bounds(self, base_rows: np.ndarray, floor_rows: np.ndarray, dtype: str,
-                   row_length: int = 1) -> np.ndarray:
-        """The largest error each output row may have, ``(B, H, Nq)``: the maximum's rule
-        applied to the row alone, ``fudge * base + floor_ulps * ulp(floor)``, where ``base``
-        is the largest baseline error of the row and of its neighbours on either side
-        (:func:`row_errors`; :data:`ROW_WINDOW` of them, more where rows hold fewer than
-        :data:`ROW_VALUES` / 8 values each, ``row_length``, so that the neighbourhood holds
-        at least :data:`ROW_VALUES`) and ``floor`` the row's own magnitude (``floor_rows``).
+    def row_bounds(self, base_rows: np.ndarray, golden: np.ndarray, bound: float, floor_mag: float,
+                   dtype: str, *, keep: np.ndarray | None = None, slack: float = 1.0,
+                   extra_floor: float = 0.0) -> np.ndarray:
+        """The largest error each row of ``golden`` may have (its last axis reduced: an
+        output's or ``dq``'s query rows, ``dk``'s and ``dv``'s key rows), ``golden.shape[:-1]``:
+        the maximum's rule applied to the row alone, ``fudge * base + floor_ulps * ulp(floor)
+        + extra_floor``, never below ``bound`` (the case's) scaled to the row's size, never
+        above ``bound``.
+
+        ``base`` is ``slack`` times the largest baseline error (``base_rows``,
+        :func:`row_errors`) of the row and of its neighbours on either side
+        (:data:`ROW_WINDOW` of them, more where rows hold fewer than :data:`ROW_VALUES` / 8
+        values each, so that the neighbourhood holds at least :data:`ROW_VALUES`).
+        ``floor`` is the case's floor magnitude ``floor_mag``, or in float16/bfloat16,
+        where that is the golden's own largest value, the row's largest value (over
+        ``keep``; ``floor_mag`` for a row of zeros). In float32 and float64 the case's
+        floor sits at the size of the terms (``max|v|`` for an output), which a row's
+        rounding follows too: Nystrom's ``dv`` rows of 1e-28 on large logits erred twice
+        a floor at their own size.
 
         The case's maximum is set by its largest outputs. A long causal row, an average of
         many values, is far smaller than the first rows, so an error of 15 % on it hid
         below the bound of a bfloat16 case's first rows. Neighbours, because one row's
         baseline error is a sample of a few values that may round luckily (rows of one
         value: a pooled ``dv`` with ``d = 1`` in bfloat16 erred 1.19 times a bound taken
-        over 9 of them)."""
-        window = max(ROW_WINDOW, math.ceil((ROW_VALUES / max(row_length, 1) - 1) / 2))
-        return self.fudge * neighbourhood_max(base_rows, window) + self.floor_ulps * elementwise_ulp(
-            floor_rows, dtype)
+        over 9 of them). The relative term, because a lucky baseline row must tighten
+        nothing: a float64 kernel erred 17 ulps on one-hot rows whose baseline erred ~1."""
+        size = row_magnitudes(golden, keep)
+        largest = float(np.max(np.abs(golden))) if np.size(golden) else 0.0
+        own = dtype in LOW_PRECISION and floor_mag <= largest
+        floor_rows = np.where(own & (size > 0), size, floor_mag)
+        window = max(ROW_WINDOW, math.ceil((ROW_VALUES / max(golden.shape[-1], 1) - 1) / 2))
+        rows = (self.fudge * neighbourhood_max(slack * base_rows, window)
+                + self.floor_ulps * elementwise_ulp(floor_rows, dtype) + extra_floor)
+        relative = bound * (size / largest) if largest > 0 else bound
+        return np.minimum(np.maximum(rows, relative), bound)
 
     def to_dict(self):
         return asdict(self)
@@ -604,6 +623,14 @@ def neighbourhood_max(rows: np.ndarray, window: int = ROW_WINDOW) -> np.ndarray:
     return out
 
 
+def ratios(err, tol) -> np.ndarray:
+    """``err / tol`` elementwise, where a zero bound met exactly (a row of exact zeros) is a
+    ratio of 0 and exceeded an infinite one."""
+    err, tol = np.asarray(err, dtype=np.float64), np.asarray(tol, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tol > 0, err / np.where(tol > 0, tol, 1.0), np.where(err > 0, np.inf, 0.0))
+
+
 def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None,
             row_tol: np.ndarray | None = None) -> Metrics:
     """Errors of ``got`` against ``golden`` (float64), over elements where ``keep``; with
@@ -631,10 +658,7 @@ def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None,
         if tol.ndim == err.ndim:
             tol = tol[..., 0]
         row_err = np.max(err, axis=-1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            # a zero bound (a row of exact zeros) met exactly is a ratio of 0, not nan
-            r = np.where(tol > 0, row_err / np.where(tol > 0, tol, 1.0),
-                         np.where(row_err > 0, np.inf, 0.0))
+        r = ratios(row_err, tol)
         at = np.unravel_index(int(np.argmax(r)), r.shape)
         rows = {"row_ratio": float(r[at]), "row_worst": tuple(int(i) for i in at),
                 "row_err": float(row_err[at]), "row_tol": float(tol[at])}

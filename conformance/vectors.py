@@ -464,7 +464,7 @@ def _add_grads(prep, arrays, layout, dtype):
 
         arrays[name] = stored(gold)
         if n in g.get("rows", {}):
-            # each row's own bound (conformance.grads._row_bounds), laid out as the gradient
+            # each row's own bound (conformance.tolerance.Tolerance.row_bounds), laid out as the gradient
             arrays["tol_rows_" + grad_output(n)] = stored(g["rows"][n][..., None])
         outputs.append(name)
         tols[name] = {"tol_max_abs": tmax, "tol_rms": trms,

@@ -1851,7 +1851,7 @@ def test_a_gradient_off_on_one_small_row_fails_though_larger_rows_set_its_bound(
     # The last query of a 1000-key causal case reads every key: its dq row is small beside
     # the first rows'; the last key is read by the last query alone: its dk row is small.
     # 10 % off, each passed the gradient's bounds in bfloat16 (ratios 0.29 and 0.18); each
-    # row's own bound (conformance.grads._row_bounds) fails it (1.69 and 1.17).
+    # row's own bound (Tolerance.row_bounds) fails it (1.69 and 1.17).
     kernel, todo = _torch_reference("softmax", case_id)
     kw = dict(backend="torch", dtypes=("bfloat16",), cases=todo, causal="both")
     assert verify(kernel, "softmax", grads=True, **kw).passed

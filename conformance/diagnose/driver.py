@@ -17,6 +17,7 @@ from ..tolerance import (
     MANTISSA_BITS,
     host_dtype,
     measure,
+    ratios,
     round_to,
     rounding_caveat,
     rounding_cosine,
@@ -296,8 +297,7 @@ def _few_rows(row, tol, bad, rows, nq):
     ``(B, H, Nq)``) while the others are well within theirs; else None."""
     if len(rows) > FEW_ROWS_SHARE * nq:
         return None
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(tol > 0, row / np.where(tol > 0, tol, 1.0), np.where(row > 0, np.inf, 0.0))
+    ratio = ratios(row, tol)
     if ratio[~bad].max(initial=0.0) > FEW_ROWS_SLACK:
         return None
     words = (f"the output is wrong only on query {'row' if len(rows) == 1 else 'rows'} "
