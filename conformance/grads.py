@@ -1136,6 +1136,14 @@ def _term_magnitudes(prep, do, dlse=None):
         # |k|), summed over a key's d entries; dF = dV' V^T, dV' = P^T dO (dv's terms)
         kl1 = float(np.max(np.sum(np.abs(a["k"]), axis=-1), initial=0.0)) if a["k"].size else 0.0
         terms.update(e_proj=terms["k"] * kl1, f_proj=terms["v"] * vl1)
+    if prep.variant.name == "performer":
+        # phi(x) = exp(W x - |x|^2 / 2 - c) / sqrt(m) at x = sqrt(scale) q (or k): dW sums
+        # g_if x_i over the tokens, g_if = phi_if dphi_if a sum of terms phi_if phi_jf
+        # (v_j - out_i).do_i / z_i, each at most |dP| (z_i sums every phi_if phi_jf), which
+        # cancel (a query of one key: dW = 0 but for their rounding). Without it the
+        # gradient's own size set the floor: a correct float16 kernel's dW of 1.6e-6 failed
+        # a bound of 3e-17 there
+        terms["projection"] = dp * math.sqrt(scale) * max(qmax, kmax)
     if prep.variant.name == "compressed" and "k_weight" in pr:
         terms.update(_compressed_terms(prep, do, kmax, terms["v"]))
     if prep.variant.name == "synthesizer_dense" and {"w1", "b1", "w2", "b2"} <= set(pr):
