@@ -38,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import array_api_compat.numpy
 import numpy as np
 
 from .calling import reference_features
@@ -59,6 +60,7 @@ from .tolerance import (
     as_dtype,
     compared_count,
     elementwise_ulp_rms,
+    gemm_in_dtype,
     lp_array,
     measure,
     param_dtype,
@@ -1184,6 +1186,35 @@ def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=Non
                              scale=scale, xp=xp, **kw)
 
 
+def _linformer_fused(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=None, **kw):
+    """Linformer as a half-precision kernel that projects and then calls a fused
+    attention (SDPA, FlashAttention) computes it: ``E K`` and ``F V`` stored in the
+    dtype, the logits, softmax and accumulators in float32, every matrix product's
+    operands in the dtype (:func:`~conformance.tolerance.gemm_in_dtype`), the output
+    rounded once.
+
+    The same function. Where the logits are large the rounding of the projected keys
+    (``ulp(|E K|)`` in every logit, times ``|q|``) and that of a half-precision logits
+    product (the plain form's) move the output by different, unrelated amounts: on
+    ``large-logits:b1h2-q64k64-d64`` in float16 (logits up to 2700, ``|E K|`` 172) the
+    plain form erred 0.025 and attn_ref's Linformer on torch (this rounding) 0.30, 5.9
+    times the bound the plain form set.
+    """
+    from attn_ref import linformer_attention
+
+    # the dtype the emulated inputs round to (None: plain float32/float64 arrays)
+    dtype = next((n for n, c in LOW_PRECISION.items() if type(q) is c), None)
+    if dtype is None:
+        return linformer_attention(q, k, v, e_proj=e_proj, f_proj=f_proj, scale=scale, xp=xp, **kw)
+
+    def fused(x):
+        return None if x is None else gemm_in_dtype(plain_array(x), dtype)
+
+    out = linformer_attention(fused(q), fused(k), fused(v), e_proj=fused(e_proj), f_proj=fused(f_proj),
+                              scale=scale, xp=array_api_compat.numpy, **kw)
+    return lp_array(np.asarray(out, dtype=np.float32), dtype)
+
+
 def keywise_projection(p, x):
     """``p @ x`` for ``p (..., r, N)``, ``x (..., N, d)`` summed over the ``N`` keys one at
     a time in the arrays' dtype (each partial sum rounded): Linformer's ``E K`` as a
@@ -1487,7 +1518,9 @@ register_forms("nystrom", AS_REGISTERED, FOLD, SPLIT, PERTURBED,
 # one by one (a loop, torch's float64 matmul on CPU); in float16/bfloat16 the plain
 # fp32-accumulating form already dominates
 register_forms("linformer", AS_REGISTERED, FOLD,
-               Form("projections summed key by key", fn=_linformer_key_by_key, applies=_FULL))
+               Form("projections summed key by key", fn=_linformer_key_by_key, applies=_FULL),
+               Form("projections stored in the dtype, fused attention", fn=_linformer_fused,
+                    applies=_HALF))
 # Reformer: sort-chunk-attend-unsort, and the dense masked softmax it equals
 register_forms("reformer", AS_REGISTERED, FOLD, Form("dense masked softmax", fn=_dense_form("reformer")),
                Form("every operation in the dtype", in_dtype=True, applies=_HALF))
