@@ -108,6 +108,7 @@ from .tolerance import (
     LOGITS_IN_DTYPE,
     LOGITS_IN_FLOAT32,
     LOW_PRECISION,
+    ROW_SLACK,
     Tolerance,
     compared_count,
     elementwise_ulp,
@@ -1562,16 +1563,17 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
 #: a projection's gradient sums every token: a correct float32 kernel erred up to 2 times
 #: bounds taken from its neighbours.
 ROW_GRADIENTS = ("q", "k", "v")
-#: The dtypes whose gradients are judged row by row, and how many times over a bfloat16
-#: row's bound takes its baselines' errors: attn_ref's online softmax differentiated by
-#: torch autograd (its P rescaled in the dtype at every key block) erred 1.01 times the
-#: bound of once on a decode case's dk row (seed 1; 0.65 of twice). Not float16, whose
-#: floor (4 ulps of the row) is 8 times narrower than bfloat16's: that kernel's dk row of
-#: a key a decode window's first queries read erred 1.3 % (12 ulps; 1.14 times once, 0.64
-#: twice), and SDPA's dk on large logits 1.19 times twice. A row's error there follows the
-#: cancelling terms of its gradient, which the baselines' rows show only in part (a floor
-#: at each row's own terms would say it; not built).
-ROW_DTYPES, ROW_SLACK = ("float32", "float64", "bfloat16"), 2.0
+#: The dtypes whose gradients are judged row by row; a bfloat16 row's bound takes its
+#: baselines' errors :data:`~conformance.tolerance.ROW_SLACK` times over (attn_ref's online
+#: softmax differentiated by torch autograd, its P rescaled in the dtype at every key
+#: block, erred 1.01 times the bound of once on a decode case's dk row, seed 1; 0.65 of
+#: twice). Not float16, whose floor (4 ulps of the row) is 8 times narrower than
+#: bfloat16's: that kernel's dk row of a key a decode window's first queries read erred
+#: 1.3 % (12 ulps; 1.14 times once, 0.64 twice), and SDPA's dk on large logits 1.19 times
+#: twice. A row's error there follows the cancelling terms of its gradient, which the
+#: baselines' rows show only in part (a floor at each row's own terms would say it; not
+#: built).
+ROW_DTYPES = ("float32", "float64", "bfloat16")
 
 
 #: A golden gradient at most this many ulps of its terms (:func:`_term_magnitudes`) in the

@@ -54,6 +54,7 @@ from .tolerance import (
     LOGITS_IN_FLOAT32,
     LOW_PRECISION,
     MANTISSA_BITS,
+    ROW_SLACK,
     LowPrecisionArray,
     Metrics,
     Tolerance,
@@ -758,7 +759,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
         # each row by the maximum's rule too, at its own size (float32/float64: the
         # floor at the case's, max|v| at least, as a row's rounding is in units of its terms)
         prep.tol_rows = tol.row_bounds(base_rows, prep.golden, prep.tol_max, floor_mag, dtype,
-                                       keep=keep)
+                                       keep=keep, slack=ROW_SLACK if dtype in LOW_PRECISION else 1.0)
     return prep
 
 

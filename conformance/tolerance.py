@@ -67,6 +67,7 @@ __all__ = [
     "measure",
     "ROW_WINDOW",
     "ROW_VALUES",
+    "ROW_SLACK",
     "neighbourhood_max",
     "row_errors",
     "row_magnitudes",
@@ -588,6 +589,17 @@ class Metrics:
 #: (:meth:`Tolerance.row_bounds`), and the least number of values those rows hold
 #: together (more rows where rows are short).
 ROW_WINDOW, ROW_VALUES = 4, 64
+#: How many times over a float16/bfloat16 row's bound takes its baselines' errors
+#: (:meth:`Tolerance.row_bounds`' ``slack``): a neighbourhood's largest error is a sample
+#: of a few hundred values, and where rounding is amplified (near ties, large logits)
+#: the baseline's may be lucky where a correct kernel's is not. Taken once, correct
+#: kernels failed rows: HuggingFace's Longformer output on
+#: ``near-ties:b1h2-q64k64-d32`` at 1.18 (float16, seed 1) and 1.06 (bfloat16, seed 3),
+#: lucidrains' Linformer on ``long:b1h1-q64k4096-d32`` at 1.06 (float16, seed 1), and
+#: attn_ref's online softmax under torch autograd a bfloat16 decode case's ``dk`` row
+#: at 1.01. Taken twice, last output rows 15 % (bfloat16) or 5 % (float16) off passed
+#: 56 of 2741 judged rows of every variant's standard cases, where once passed 49.
+ROW_SLACK = 2.0
 
 
 def row_errors(got, golden, keep=None) -> np.ndarray:

