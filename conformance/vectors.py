@@ -22,8 +22,9 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
   output row may have on its own (absent where the baseline was unavailable; files
   written before it existed judge the case's bounds alone); ``tol_rows_dq``,
   ``tol_rows_dk``, ``tol_rows_dv`` likewise for those gradients (a query's ``dq``, a key's
-  ``dk``; float32, float64 and bfloat16 cases: ``conformance.grads.ROW_DTYPES``), laid
-  out as ``golden_dq``...;
+  ``dk``; every dtype's cases, but float16 ones exported for a kernel declaring
+  ``backward="fp32-accumulate"``: ``conformance.grads.ROW_DTYPES``), laid out as
+  ``golden_dq``...;
 * for the recurrent variants (``retention``, ``gla``, ``ssd``, ``deltanet``,
   ``gated_deltanet``): ``initial_state`` (kernel dtype, ``(N, H, d_k, d_v)``) when the
   case has one, ``golden_final_state`` - float64 ``(N, H, d_k, d_v)`` (``(d_k, d_v)``
