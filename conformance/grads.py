@@ -1370,8 +1370,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
     of zero though not zero (:func:`_unresolved`): a kernel's pass there reads n/a.
 
     ``"rows"``: ``{name: bounds}``, each row's own bound of ``dq``, ``dk`` and ``dv`` in the
-    dtypes of :data:`ROW_DTYPES`, and float16 but under the fused bounds
-    (:meth:`Tolerance.row_bounds`; the last axis reduced).
+    dtypes of :data:`ROW_DTYPES` (:data:`FUSED_ROW_DTYPES` under the fused bounds;
+    :meth:`Tolerance.row_bounds`; the last axis reduced).
 
     ``"ill"``: ``{name: why}`` for the gradients no bound can be derived for, as the
     forward's ill-conditioned cases (:data:`conformance.judging.ILL_CONDITIONED`): the
@@ -1489,8 +1489,7 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         nears = [(b[n], nearest(b[n], g, ties.get(n, []), keep, again, prep.tie_conflicts,
                                 prep.tie_exact)) for b in bases if n in b]
         ms = [measure(x, near, keep) for x, near in nears]
-        by_row = n in ROW_GRADIENTS and (prep.dtype in ROW_DTYPES or (prep.dtype == "float16"
-                                                                     and not fused))
+        by_row = n in ROW_GRADIENTS and prep.dtype in (FUSED_ROW_DTYPES if fused else ROW_DTYPES)
         base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms)
                      if by_row and not m.nonfinite]
         ms = [m for m in ms if not m.nonfinite]
@@ -1566,8 +1565,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
 #: a projection's gradient sums every token: a correct float32 kernel erred up to 2 times
 #: bounds taken from its neighbours.
 ROW_GRADIENTS = ("q", "k", "v")
-#: The dtypes whose gradients are judged row by row under every bound, float16 too but for
-#: the fused bounds (``backward="fp32-accumulate"``). A float16/bfloat16 row's bound takes
+#: The dtypes whose gradients are judged row by row, and those under the fused bounds
+#: (``backward="fp32-accumulate"``), float16 left out. A float16/bfloat16 row's bound takes
 #: its baselines' errors :data:`~conformance.tolerance.ROW_SLACK` times over: taken once,
 #: attn_ref's online softmax differentiated by torch autograd (its P rescaled in the dtype
 #: at every key block) erred 1.01 times a bfloat16 decode case's dk row bound (seed 1; 0.65
@@ -1578,7 +1577,8 @@ ROW_GRADIENTS = ("q", "k", "v")
 #: float16 row's floor, 4 ulps of the row, is 8 times narrower than bfloat16's, and there
 #: its error follows the cancelling terms of the row, which the fused baselines' rows show
 #: only in part (a floor at each row's own terms would say it; not built).
-ROW_DTYPES = ("float32", "float64", "bfloat16")
+ROW_DTYPES = ("float32", "float64", "bfloat16", "float16")
+FUSED_ROW_DTYPES = ("float32", "float64", "bfloat16")
 
 
 #: A golden gradient at most this many ulps of its terms (:func:`_term_magnitudes`) in the

@@ -1144,7 +1144,7 @@ def _nystrom_fused_kernels(q, k, v, /, *, num_landmarks, pinv_iterations=6, pinv
     from attn_ref.softmax import attention_weights
 
     # the dtype the emulated inputs round to (None: plain float32/float64 arrays)
-    dtype = next((n for n, c in LOW_PRECISION.items() if type(q) is c), None)
+    dtype = _emulated_dtype(q)
 
     def exact(x):
         return np.asarray(plain_array(x), dtype=np.float64) if dtype else x
@@ -1187,6 +1187,12 @@ def _linformer_key_by_key(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=Non
                              scale=scale, xp=xp, **kw)
 
 
+def _emulated_dtype(x):
+    """The dtype an emulated input rounds to (:class:`LowPrecisionArray`), or None for a plain
+    float32/float64 array."""
+    return type(x).dtype_name if isinstance(x, LowPrecisionArray) else None
+
+
 def _linformer_fused(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=None, **kw):
     """Linformer as a half-precision kernel that projects and then calls a fused
     attention (SDPA, FlashAttention) computes it: ``E K`` and ``F V`` stored in the
@@ -1203,8 +1209,7 @@ def _linformer_fused(q, k, v, /, *, e_proj, f_proj=None, scale=None, xp=None, **
     """
     from attn_ref import linformer_attention
 
-    # the dtype the emulated inputs round to (None: plain float32/float64 arrays)
-    dtype = next((n for n, c in LOW_PRECISION.items() if type(q) is c), None)
+    dtype = _emulated_dtype(q)
     if dtype is None:
         return linformer_attention(q, k, v, e_proj=e_proj, f_proj=f_proj, scale=scale, xp=xp, **kw)
 

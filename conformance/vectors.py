@@ -23,8 +23,8 @@ pickle: ``np.load(path, allow_pickle=False)``, or cnpy / xtensor-io in C++) hold
   written before it existed judge the case's bounds alone); ``tol_rows_dq``,
   ``tol_rows_dk``, ``tol_rows_dv`` likewise for those gradients (a query's ``dq``, a key's
   ``dk``; every dtype's cases, but float16 ones exported for a kernel declaring
-  ``backward="fp32-accumulate"``: ``conformance.grads.ROW_DTYPES``), laid out as
-  ``golden_dq``...;
+  ``backward="fp32-accumulate"``: ``conformance.grads.ROW_DTYPES``,
+  ``FUSED_ROW_DTYPES``), laid out as ``golden_dq``...;
 * for the recurrent variants (``retention``, ``gla``, ``ssd``, ``deltanet``,
   ``gated_deltanet``): ``initial_state`` (kernel dtype, ``(N, H, d_k, d_v)``) when the
   case has one, ``golden_final_state`` - float64 ``(N, H, d_k, d_v)`` (``(d_k, d_v)``
