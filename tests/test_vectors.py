@@ -394,12 +394,13 @@ def test_an_error_on_one_small_row_fails_when_written_back(tmp_path, monkeypatch
     assert a["tol_rows"].shape == a["golden"].shape[:-1] + (1,)
 
 
-def test_a_gradient_off_on_one_small_row_fails_when_written_back(tmp_path):
+@pytest.mark.parametrize("dtype, factor", [("bfloat16", 1.1), ("float16", 1.02)])
+def test_a_gradient_off_on_one_small_row_fails_when_written_back(tmp_path, dtype, factor):
     # each gradient's row bounds travel in the file (tol_rows_dq...), judged by it alone
     case = [c for c in cases("softmax", "standard", grads=True)
             if c.id == "long:b1h1-q1000k1000-d64-causal-tl"]
     vectors = tmp_path / "v"
-    export_vectors(vectors, "softmax", dtypes=("bfloat16",), cases=case, grads=True)
+    export_vectors(vectors, "softmax", dtypes=(dtype,), cases=case, grads=True)
 
     def written(name, factor):
         os.makedirs(tmp_path / name)
@@ -415,7 +416,7 @@ def test_a_gradient_off_on_one_small_row_fails_when_written_back(tmp_path):
         return check_results(vectors, tmp_path / name)
 
     assert written("right", 1.0).passed
-    (r,) = [r for r in written("off", 1.1).results if r.output == "dq"]
+    (r,) = [r for r in written("off", factor).results if r.output == "dq"]
     assert r.verdict == "fail" and r.max_err <= r.tol_max and r.rms_err <= r.tol_rms, r
     assert "dq row (batch 0, head 0, row 999)" in r.diagnosis, r.diagnosis
     ((entry, a),) = load_vectors(vectors)
