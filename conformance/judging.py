@@ -66,6 +66,7 @@ from .tolerance import (
     measure,
     param_dtype,
     plain_array,
+    ratios,
     round_to,
     row_errors,
     ulp,
@@ -253,12 +254,9 @@ def verdict_of(m, tol_max, tol_rms, what="output"):
     over that row's bound, fails a kernel within the case's bounds.
     ``what`` names the output in the message (``"output"``, ``"dq"``...).
     """
-    def part(err, tol):
-        # a zero bound (a golden of exact zeros: every query of a causal compressed or
-        # pooled case before its first whole block) met exactly is a ratio of 0, not inf
-        return err / tol if tol > 0 else (0.0 if err == 0 else math.inf)
-
-    ratio = max(part(m.max_err, tol_max), part(m.rms_err, tol_rms), m.row_ratio)
+    # a zero bound (a golden of exact zeros: every query of a causal compressed or pooled
+    # case before its first whole block) met exactly is a ratio of 0, not inf (ratios)
+    ratio = max(float(ratios(m.max_err, tol_max)), float(ratios(m.rms_err, tol_rms)), m.row_ratio)
     if m.golden_nonfinite:
         return "error", f"oracle: golden {what} has {m.golden_nonfinite} non-finite values", ratio
     if m.nonfinite:

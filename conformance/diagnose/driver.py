@@ -259,7 +259,7 @@ def _where(prep, got, tol, by_row=False):
             return (f"the error lives only in the last partial query block: rows {r0}..{nq - 1} "
                     f"(block size {bs})")
     if by_row:
-        words = _few_rows(row, tol, bad, rows, nq)
+        words = _few_rows(row, tol, nq)
         if words:
             return words
     # some batch entries or heads are wrong and every other one is within tolerance
@@ -301,14 +301,15 @@ def _rows_beyond_the_case(prep, got):
     case, is named by its rounding."""
     if prep.tol_rows is None:
         return None
-    row = _row_errors(prep, got)
-    off = row > prep.tol_rows
-    return _few_rows(row, prep.tol_rows, off, np.nonzero(off.any((0, 1)))[0], prep.case.nq)
+    return _few_rows(_row_errors(prep, got), prep.tol_rows, prep.case.nq)
 
 
-def _few_rows(row, tol, bad, rows, nq):
-    """"Wrong only on query rows ..." for a kernel failing some rows' own bounds (``tol``,
-    ``(B, H, Nq)``) while the others are well within theirs; else None."""
+def _few_rows(row, tol, nq):
+    """"Wrong only on query rows ..." for a kernel whose rows' largest errors ``row`` exceed
+    some rows' own bounds (``tol``, ``(B, H, Nq)``) while the others are well within
+    theirs; else None."""
+    bad = row > tol
+    rows = np.nonzero(bad.any((0, 1)))[0]
     if len(rows) > FEW_ROWS_SHARE * nq:
         return None
     ratio = ratios(row, tol)
