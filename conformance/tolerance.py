@@ -52,6 +52,8 @@ __all__ = [
     "host_dtype",
     "bf16_round",
     "f16_round",
+    "stochastic_round",
+    "stochastic_array",
     "LowPrecisionArray",
     "BF16Array",
     "F16Array",
@@ -284,6 +286,38 @@ def f16_round(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def stochastic_round(x, dtype: str, rng: np.random.Generator) -> np.ndarray:
+    """Round each value to one of its two neighbours in ``dtype`` (``"bfloat16"``,
+    ``"float16"``) at random, the upper with probability its closeness (stochastic
+    rounding: unbiased, each error below one ulp), returned as float32.
+
+    A draw of a rounding pattern. Where a computation amplifies its rounding by much and
+    in a direction that depends on the pattern (Nystrom's pseudo-inverse: ``dZ = -Z dK Z``),
+    a correct kernel's error is one draw from a wide distribution, which the
+    round-to-nearest baseline, one other draw, does not show; a few draws of this rounding
+    do (:class:`StochasticArray`). In float32 bits as :func:`bf16_round`: a random integer
+    below ``2^drop`` added to the pattern, then the low ``drop`` bits cleared; float16's
+    subnormal range on its grid of ``2^-24``, magnitudes past 65504 to infinity, NaN kept.
+    """
+    a = np.array(x, dtype=np.float32)
+    shape, a = a.shape, a.reshape(-1)  # 1-d: a 0-d sum would be a scalar, not a view
+    drop = 16 if dtype == "bfloat16" else 13
+    r = a.view(np.uint32) + rng.integers(0, 1 << drop, size=a.shape, dtype=np.uint32)
+    np.bitwise_and(r, (0xFFFFFFFF >> drop) << drop, out=r)
+    out = r.view(np.float32)
+    if dtype == "float16":
+        m = np.abs(a)
+        small = m < 2.0 ** -14
+        if np.any(small):
+            u = rng.random(int(np.sum(small)), dtype=np.float32)
+            grid = np.floor(m[small] * np.float32(2.0 ** 24) + u)
+            out[small] = np.copysign(grid * np.float32(2.0 ** -24), a[small])
+        with np.errstate(invalid="ignore"):
+            np.copyto(out, np.copysign(np.float32(np.inf), a), where=np.abs(out) > 65504)
+    np.copyto(out, a, where=np.isnan(a))
+    return out.reshape(shape)
+
+
 def host_dtype(dtype: str):
     """The NumPy dtype holding values of ``dtype`` on the host (bfloat16 -> float32)."""
     return np.float32 if dtype == "bfloat16" else np.dtype(dtype)
@@ -352,6 +386,26 @@ class F16Array(LowPrecisionArray):
 
 
 LOW_PRECISION = {"bfloat16": BF16Array, "float16": F16Array}
+
+
+class StochasticArray(LowPrecisionArray):
+    """A :class:`LowPrecisionArray` whose every result is rounded stochastically
+    (:func:`stochastic_round`) from the class's own generator; :func:`stochastic_array`
+    makes one, its dtype and seed fixed."""
+
+    rng: np.random.Generator
+
+    @classmethod
+    def round(cls, x):
+        return stochastic_round(x, cls.dtype_name, cls.rng)
+
+
+def stochastic_array(dtype: str, seed) -> type:
+    """A fresh :class:`StochasticArray` class for ``dtype`` with its generator seeded
+    ``seed``: ``x.view(cls)`` of values already in ``dtype`` computes with every result
+    rounded at random, the same draws for the same seed."""
+    return type(f"Stochastic{dtype.capitalize()}Array", (StochasticArray,),
+                {"dtype_name": dtype, "rng": np.random.default_rng(seed)})
 
 
 def _plain(x, cls=None):

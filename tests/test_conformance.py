@@ -22,7 +22,17 @@ from conformance.judging import judge
 from conformance.mutants import MUTANTS, correct_kernel, run_mutant
 from conformance.oracle import session
 from conformance.report import Progress
-from conformance.tolerance import DEFAULTS, BF16Array, bf16_round, f16_round, measure, round_to, ulp
+from conformance.tolerance import (
+    DEFAULTS,
+    BF16Array,
+    bf16_round,
+    f16_round,
+    measure,
+    round_to,
+    stochastic_array,
+    stochastic_round,
+    ulp,
+)
 from tests.helpers import run_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,6 +179,57 @@ def test_bf16_array_rounds_every_operation():
     for out in (a @ a.T, np.exp(a), a / 3.0, np.sum(a, axis=-1), np.where(a > 1, a * 1.1, a)):
         assert isinstance(out, BF16Array)
         assert np.array_equal(np.asarray(out), bf16_round(np.asarray(out)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_stochastic_rounding_picks_a_neighbour_without_bias(dtype):
+    # every result is one of the two values of the dtype around x (x itself where x is
+    # one), the upper one as often as x is close to it, the same draws for the same seed
+    rn = bf16_round if dtype == "bfloat16" else f16_round
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-9, 4, 20000)).astype(np.float32)
+    x[:100] = rn(x[:100])  # already in the dtype
+    got = stochastic_round(x, dtype, np.random.default_rng(0))
+    assert got.dtype == np.float32 and got.shape == x.shape
+    assert np.array_equal(rn(got), got)  # in the dtype
+    assert np.array_equal(got[:100], x[:100])
+    # within one ulp of x: its two neighbours (float16's below 2^-14 on the grid 2^-24)
+    bits = 7 if dtype == "bfloat16" else 10
+    step = np.ldexp(1.0, np.frexp(x)[1] - 1 - bits)
+    if dtype == "float16":
+        step = np.maximum(step, 2.0 ** -24)
+    assert np.all(np.abs(got.astype(np.float64) - x) < step)
+    assert 0.2 < np.mean(got != rn(x)) < 0.3  # a quarter of uniform fractions go the far way
+    assert np.array_equal(stochastic_round(x, dtype, np.random.default_rng(0)), got)
+    assert not np.array_equal(stochastic_round(x, dtype, np.random.default_rng(1)), got)
+    # unbiased: 0.3 of an ulp above 1 goes up 30 % of the time
+    one = np.full(20000, 1 + 0.3 * 2.0 ** -(7 if dtype == "bfloat16" else 10), dtype=np.float32)
+    up = np.mean(stochastic_round(one, dtype, np.random.default_rng(2)) > 1)
+    assert abs(up - 0.3) < 0.02, up
+    assert stochastic_round(np.float32(2.0), dtype, rng).shape == ()  # 0-d stays 0-d
+    nan = stochastic_round(np.array([np.nan, -np.inf]), dtype, rng)
+    assert np.isnan(nan[0]) and nan[1] == -np.inf
+
+
+def test_stochastic_float16_rounds_subnormals_on_their_grid_and_overflows_to_infinity():
+    rng = np.random.default_rng(4)
+    tiny = np.full(20000, 2.0 ** -20 + 0.25 * 2.0 ** -24, dtype=np.float32)
+    got = stochastic_round(tiny, "float16", rng)
+    assert set(np.unique(got)) == {np.float32(2.0 ** -20), np.float32(2.0 ** -20 + 2.0 ** -24)}
+    assert abs(np.mean(got > 2.0 ** -20) - 0.25) < 0.02
+    assert np.all(stochastic_round(np.array([-7e4, 7e4], dtype=np.float32), "float16", rng)
+                  == [-np.inf, np.inf])
+
+
+def test_stochastic_array_rounds_every_operation_at_random():
+    cls = stochastic_array("bfloat16", 5)
+    a = bf16_round(np.linspace(0.1, 3.0, 12).reshape(3, 4)).view(cls)
+    out = a / 3.0
+    assert type(out) is cls and np.array_equal(np.asarray(out), bf16_round(np.asarray(out)))
+    exact = np.asarray(a, dtype=np.float64) / 3.0
+    assert not np.array_equal(np.asarray(out), bf16_round(exact))  # not all to nearest
+    again = bf16_round(np.linspace(0.1, 3.0, 12).reshape(3, 4)).view(stochastic_array("bfloat16", 5))
+    assert np.array_equal(np.asarray(again / 3.0), np.asarray(out))
 
 
 def test_floor_makes_tolerance_positive_for_exact_baselines():
