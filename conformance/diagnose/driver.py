@@ -310,7 +310,8 @@ def _few_rows(row, tol, nq):
     theirs; else None."""
     bad = row > tol
     rows = np.nonzero(bad.any((0, 1)))[0]
-    if len(rows) > FEW_ROWS_SHARE * nq:
+    if not len(rows) or len(rows) > FEW_ROWS_SHARE * nq:
+        # no row beyond its own bound (the case's RMS bound failed alone), or many
         return None
     ratio = ratios(row, tol)
     if ratio[~bad].max(initial=0.0) > FEW_ROWS_SLACK:
