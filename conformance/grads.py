@@ -417,9 +417,9 @@ def _products_in_dtype_vjp(prep, do, dtype):
     """The reference VJP with every matrix product's operands in the float16/bfloat16
     ``dtype`` and everything else in float32 (:func:`~conformance.tolerance.gemm_in_dtype`),
     each gradient rounded once. Linformer's ``E K`` and ``F V`` enter the logits and
-    ``P V`` rounded, as stored projections do; Nystrom's three softmax kernels are exact
-    until they enter a product, as a fused softmax returns them (float32 inside, rounded
-    once), and so is every step of its pseudo-inverse."""
+    ``P V`` rounded, as stored projections do; Nystrom's three softmax kernels and every
+    step of its pseudo-inverse stay in float32 until they enter a product, as a fused
+    softmax returns its weights (float32 inside, rounded once)."""
     g = _reference_grads(prep, do, dtype, xp=array_api_compat.numpy,
                          host=lambda x: gemm_in_dtype(plain_array(x), dtype))
     return {n: round_to(np.asarray(x, dtype=np.float32), param_dtype(n, dtype)) for n, x in g.items()}

@@ -1555,12 +1555,12 @@ register_forms("compressed", AS_REGISTERED, FOLD, Form("query blocks of 7", (("b
 # them, at about twice the tolerance: not kept. The scale on q as lucidrains'
 # nystrom-attention applies it: under torch.autocast in float16 its output failed
 # large-logits:b1h2-q16k16-d8-large_logits at 1.37 (seed 2; 1.10 with the draws below
-# alone) and passes with it. In float16, four
-# draws of stochastic rounding (rounding_draw): the pseudo-inverse amplifies the rounding
-# in a direction its pattern decides, and lucidrains' under autocast failed
-# length:b1h2-q64k64-d32 at 1.02 (seed 0) against the round-to-nearest forms alone. Not
-# in bfloat16, where no correct kernel failed and they would halve the detection (3 %
-# off failing 16 of 41 rows instead of 32; docs/conformance.md, "Rounding draws").
+# alone) and passes with it. In float16, four draws of stochastic rounding
+# (rounding_draw): the pseudo-inverse amplifies the rounding in a direction its pattern
+# decides, and lucidrains' under autocast failed length:b1h2-q64k64-d32 at 1.02 (seed 0)
+# against the round-to-nearest forms alone. Not in bfloat16, where they would halve the
+# detection (3 % off failing 16 of 41 rows instead of 32) and leave the one failure of a
+# correct kernel there as it is (docs/conformance.md, "Rounding draws").
 register_forms("nystrom", AS_REGISTERED, FOLD, SPLIT, PERTURBED, Form("scale on q", scale_q=True),
                Form("every operation in the dtype", in_dtype=True, applies=_HALF),
                Form("softmax kernels rounded once", fn=_nystrom_fused_kernels, applies=_HALF),

@@ -61,7 +61,7 @@ def _lse_softmax(prep, res, got):
     try:
         with np.errstate(all="ignore"):
             # in float16/bfloat16 every step in the dtype, the log-sum-exp rounded to it
-            # (log_softmax(S).exp() and HuggingFace's Reformer on half tensors)
+            # (HuggingFace's Reformer attentions and trax on half tensors)
             out = prep.reference(prep.dtype, fn=with_lse, xp=LOGITS_IN_DTYPE if half else None)
             m = measure(prep.apply_semantics(out), prep.golden, prep.keep)
     except Exception:  # a form that cannot be built for this case says nothing
