@@ -57,7 +57,6 @@ from .tolerance import (
     MANTISSA_BITS,
     ROW_SLACK,
     LowPrecisionArray,
-    Metrics,
     Tolerance,
     as_dtype,
     compared_count,
@@ -730,9 +729,9 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
             # the largest of each measure over the forms, each from whichever form makes
             # it: kept only where a form's largest error was larger, a form with a
             # smaller largest error and a larger RMS error left the RMS bound lower
-            bm = m if bm is None else Metrics(**{**(m if m.max_err > bm.max_err else bm).__dict__,
-                                                 "max_err": max(bm.max_err, m.max_err),
-                                                 "rms_err": max(bm.rms_err, m.rms_err)})
+            bm = m if bm is None else replace(m if m.max_err > bm.max_err else bm,
+                                              max_err=max(bm.max_err, m.max_err),
+                                              rms_err=max(bm.rms_err, m.rms_err))
         prep.baseline = bm
         base_max, base_rms = bm.max_err, bm.rms_err
     except ArithmeticError as exc:
@@ -856,6 +855,12 @@ class Form:
     # with in_dtype, every result rounded stochastically instead of to nearest: draw
     # ``draw`` of a rounding pattern (:func:`rounding_draw`)
     draw: int | None = None
+
+    @property
+    def moves_scale(self) -> bool:
+        """The form moves the logit scale into ``q`` (and ``k``): the same function only for
+        a variant that takes a scale (:func:`forms` leaves it out elsewhere)."""
+        return self.fold_scale or self.split_scale or self.scale_q
 
     def run(self, prep, dtype):
         """This form on ``prep``'s rounded inputs, computed in ``dtype`` (None: an emulated
@@ -1604,7 +1609,7 @@ def forms(prep, dtype) -> list[Form]:
     if dtype in LOW_PRECISION:
         fs = tuple(f for f in fs if not f.blockwise) or fs[:1]
     if "scale" not in reference_features(prep.variant) or prep.case.d == 0:
-        fs = tuple(f for f in fs if not (f.fold_scale or f.split_scale))
+        fs = tuple(f for f in fs if not f.moves_scale)
     return [f for f in fs if f.applies is None or f.applies(prep)]
 
 
