@@ -283,12 +283,12 @@ def test_a_boolean_option_the_other_way_is_named(variant, name):
 
 
 def _sdpa_times(factor):
-    """PyTorch's SDPA (4-D inputs) with its output times ``factor``."""
-    torch = pytest.importorskip("torch")
+    """PyTorch's SDPA (4-D inputs, the calibration's kernel) with its output times ``factor``."""
+    pytest.importorskip("torch")
+    from tests.test_conformance_calibration import sdpa
 
     def kernel(q, k, v, *, causal=False, scale=None):
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal), scale=scale)
-        return o * factor
+        return sdpa(q, k, v, is_causal=bool(causal), scale=scale) * factor
     return kernel
 
 
