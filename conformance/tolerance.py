@@ -60,6 +60,7 @@ __all__ = [
     "LOW_PRECISION",
     "lp_array",
     "LOGITS_IN_DTYPE",
+    "ROW_SUMS_IN_FLOAT32",
     "LOGITS_IN_FLOAT32",
     "GemmInDtypeArray",
     "gemm_in_dtype",
@@ -485,6 +486,35 @@ class _EmulatedClip:
 #: reference run on ``LowPrecisionArray`` inputs through it computes its softmax logits
 #: and weights in the dtype
 LOGITS_IN_DTYPE = _EmulatedClip(keep=True)
+
+
+class _RowSumsInFloat32(_EmulatedClip):
+    """:data:`LOGITS_IN_DTYPE` whose sums over the last axis of a
+    :class:`LowPrecisionArray`, kept for a broadcast (``sum(x, axis=-1, keepdims=True)``:
+    a softmax's denominator, its VJP's ``rowsum(P * dP)``), accumulate in float32 and
+    stay float32 (a plain ndarray) until they meet an array of the dtype, whose
+    operation rounds its result. torch's softmax and softmax backward on float16 and
+    bfloat16 tensors compute so, each in one kernel: the backward reads ``P`` as stored,
+    rounded to the dtype, and rounds ``P (dP - rowsum(P dP))`` once (the emulation rounds
+    the difference and the product, and gave torch's bits on the row measured). Where a
+    row's largest weight rounds to 1 that differs from a rounded row sum: ``dS`` of the
+    largest logit is ``-sum_{j != max} P_j dP_j`` instead of about 0, a ``dq`` row many
+    times its own size where ``dP`` is nearly constant along the row (Nystrom's ``K1``
+    rows). Any other sum rounds as the emulated type's do."""
+
+    def __init__(self):
+        super().__init__(keep=True)
+
+    def sum(self, x, /, *, axis=None, dtype=None, keepdims=False):
+        import array_api_compat.numpy as npx
+
+        if keepdims and isinstance(x, LowPrecisionArray) and axis in (-1, x.ndim - 1):
+            return npx.sum(_plain(x), axis=axis, dtype=dtype, keepdims=True)
+        return npx.sum(x, axis=axis, dtype=dtype, keepdims=keepdims)
+
+
+#: :class:`_RowSumsInFloat32`: every step in the dtype but a softmax's row sums
+ROW_SUMS_IN_FLOAT32 = _RowSumsInFloat32()
 
 #: The NumPy namespace the oracle runs references through by default
 #: (:meth:`conformance.judging.Prepared.reference`, the reference VJPs of

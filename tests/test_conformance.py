@@ -24,9 +24,13 @@ from conformance.oracle import session
 from conformance.report import Progress
 from conformance.tolerance import (
     DEFAULTS,
+    LOGITS_IN_DTYPE,
+    ROW_SUMS_IN_FLOAT32,
     BF16Array,
+    F16Array,
     bf16_round,
     f16_round,
+    lp_array,
     measure,
     round_to,
     stochastic_array,
@@ -230,6 +234,31 @@ def test_stochastic_array_rounds_every_operation_at_random():
     assert not np.array_equal(np.asarray(out), bf16_round(exact))  # not all to nearest
     again = bf16_round(np.linspace(0.1, 3.0, 12).reshape(3, 4)).view(stochastic_array("bfloat16", 5))
     assert np.array_equal(np.asarray(again / 3.0), np.asarray(out))
+
+
+def test_row_sums_in_float32_leave_a_softmax_backward_unrounded_until_it_meets_the_dtype():
+    """torch's softmax backward on float16 weights: rowsum(P dP) in float32, not rounded
+    before it is subtracted. With the largest weight rounded to 1 the rounded row sum
+    cancels dP of the largest logit exactly (dS 0 there); the float32 one leaves
+    -P_2 dP_2, as torch does. Every other sum, and a sum without keepdims, still rounds."""
+    from attn_ref.grad._common import softmax_vjp
+
+    torch = pytest.importorskip("torch")
+    p = lp_array(np.array([[1 - 2.0 ** -20, 2.0 ** -20 * 19]]), "float16")  # rounds to [1, 1.8e-5]
+    dp = lp_array(np.array([[-1.634766, -1.664062]]), "float16")
+    assert float(p[0, 0]) == 1.0
+    row = ROW_SUMS_IN_FLOAT32.sum(p * dp, axis=-1, keepdims=True)
+    assert type(row) is np.ndarray and float(row[0, 0]) != float(lp_array(row, "float16")[0, 0])
+    for axis in (0, None):
+        assert isinstance(ROW_SUMS_IN_FLOAT32.sum(p * dp, axis=axis, keepdims=True), F16Array)
+    assert isinstance(ROW_SUMS_IN_FLOAT32.sum(p * dp, axis=-1), F16Array)
+    ds = softmax_vjp(ROW_SUMS_IN_FLOAT32, p, dp)
+    want = torch.ops.aten._softmax_backward_data(
+        torch.tensor(np.asarray(dp), dtype=torch.float16), torch.tensor(np.asarray(p), dtype=torch.float16),
+        -1, torch.float16)
+    np.testing.assert_array_equal(np.asarray(ds, dtype=np.float32), want.float().numpy())
+    assert float(ds[0, 0]) != 0.0
+    assert float(softmax_vjp(LOGITS_IN_DTYPE, p, dp)[0, 0]) == 0.0  # the rounded row sum
 
 
 def test_floor_makes_tolerance_positive_for_exact_baselines():
