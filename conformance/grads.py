@@ -1544,7 +1544,10 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms)
                      if by_row and not m.nonfinite]
         ms = [m for m in ms if not m.nonfinite]
-        bm = max(ms, key=lambda m: (m.max_err, m.rms_err)) if ms else None
+        # each measure the largest over the baselines, from whichever makes it, as the
+        # forward's (a baseline with the smaller largest error can have the larger RMS)
+        bm = replace(max(ms, key=lambda m: m.max_err),
+                     rms_err=max(m.rms_err for m in ms)) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
         mag = own if fp32_terms else max(own, terms.get(n, 0.0))
         tol = ((FUSED_GRAD_DEFAULTS if fused else HALF_GRAD_DEFAULTS if half_bounds
