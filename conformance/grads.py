@@ -2331,6 +2331,51 @@ def diagnose_grads(prep, do, got: dict, gold: dict, dlse=None, dfinal_state=None
     tried += _option_grad_candidates(prep, do, dlse, dfinal_state)
     _name_closest(got, gold, out, tried)
     out.update(_generic_grad_words(prep, {n: h for n, h in got.items() if n not in out}, gold))
+    out.update(_cancelled_in_dtype_words(prep, do, {n: h for n, h in got.items() if n not in out},
+                                         gold, dlse))
+    return out
+
+
+#: A gradient cancelled in the dtype (:func:`_cancelled_in_dtype_words`): the kernel's
+#: largest error within this many of the dtype's ulps of the terms
+CANCEL_ULPS = 4
+
+
+def _cancelled_in_dtype_words(prep, do, got: dict, gold: dict, dlse=None) -> dict:
+    """``{name: words}`` for the float16/bfloat16 gradients of the variants whose bounds
+    take their terms' cancellation in float32 (:data:`FP32_TERMS`, the recurrent family)
+    where the golden is zero to float32's resolution of those terms (at most 16 of its
+    ulps of them, :func:`_term_magnitudes`) and the kernel's largest error is within
+    :data:`CANCEL_ULPS` of the dtype's ulps of them: what cancelling the terms in the dtype
+    leaves. performer-pytorch in bfloat16 normalises in the dtype, and the one key's ``dk``
+    of ``length1:b1h1-q1k1-d4`` (zero: the output is ``v`` whatever ``k``) erred 0.002 on
+    terms of 1.06, 8650 times its bound, and read "no known mistake". Only a golden that
+    is zero is named so: on any other a mistake the size of a few of the dtype's ulps of
+    the terms (a gradient 3 % off) would read as rounding."""
+    if prep.dtype not in LOW_PRECISION or not got or not (
+            prep.variant.name in FP32_TERMS or prep.variant.name in RECURRENT):
+        return {}
+    terms = _term_magnitudes(prep, do, dlse)
+    out = {}
+    for n, h in got.items():
+        t = terms.get(n, 0.0)
+        g, keep = gold[n][0], gold[n][1]
+        if not t or h.shape != g.shape:
+            continue
+        sel = np.isfinite(g) & np.isfinite(h)
+        if keep is not None:
+            sel &= np.broadcast_to(keep, g.shape)
+        if not sel.all() or not sel.any():
+            continue  # non-finite values are a fault, not a rounding
+        size = float(np.max(np.abs(g[sel])))
+        err = float(np.max(np.abs(h[sel] - g[sel])))
+        unit = ulp(t, prep.dtype)
+        if size <= 16 * ulp(t, "float32") and 0.0 < err <= CANCEL_ULPS * unit:
+            out[n] = (f"{grad_output(n)} is zero but for the rounding of terms that cancel (terms up "
+                      f"to {t:.3g}, the golden at most {size:.2g}): the kernel's {err:.2g} is "
+                      f"{err / unit:.2g} ulp of {prep.dtype} at their size, what cancelling them in "
+                      f"{prep.dtype} leaves (low precision); the bound takes their cancellation in "
+                      f"float32, as a kernel that keeps its terms in float32 makes it")
     return out
 
 

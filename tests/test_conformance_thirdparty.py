@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from conformance import cases, verify
+from tests.helpers import changed_gradient
 
 torch = pytest.importorskip("torch")
 nn = torch.nn
@@ -427,6 +428,25 @@ def test_performer_pytorch_in_bfloat16_passes_and_3_percent_off_fails(case_id, s
     rows = run(1.0)
     assert [r.verdict for r in rows] == ["pass"], [(r.ratio, r.diagnosis) for r in rows]
     assert [r.verdict for r in run(1.03)] == ["fail"]
+
+
+def test_performer_pytorch_bfloat16_dk_of_one_key_reads_as_terms_cancelled_in_bfloat16():
+    """One key: the output is v whatever k, so dk is zero but for the rounding of its
+    terms (1.06 here), which performer-pytorch cancels in bfloat16 (0.002, 8650 times a
+    bound that takes float32's cancellation). It fails, and said "no known mistake"; it
+    now names the cancellation. dv 3 % off on the same case (its golden is dO, not zero)
+    is not named so."""
+    kw = dict(backend="torch", dtypes=("bfloat16",), grads=True, options=FLOOR, supports=PERFORMER,
+              progress=False, time_limit=None)
+    rep = verify(performer_kernel, "performer", cases=[_case("performer", "length1:b1h1-q1k1-d4")], **kw)
+    (dk,) = [r for r in rep.results if r.output == "dk"]
+    assert dk.verdict == "fail" and "is zero but for the rounding of terms that cancel" in dk.diagnosis, \
+        dk.diagnosis
+    assert "ulp of bfloat16 at their size" in dk.diagnosis
+    wrong = changed_gradient(performer_kernel, "v", lambda g: g * 1.03)
+    rep = verify(wrong, "performer", cases=[_case("performer", "length1:b1h1-q1k1-d4")], **kw)
+    (dv,) = [r for r in rep.results if r.output == "dv"]
+    assert dv.verdict == "fail" and "terms that cancel" not in dv.diagnosis, dv.diagnosis
 
 
 def _scaled_output(q, k, v, *, projection, factor=1.0):
