@@ -2362,11 +2362,9 @@ def _cancelled_in_dtype_words(prep, do, got: dict, gold: dict, dlse=None) -> dic
         g, keep = gold[n][0], gold[n][1]
         if not t or h.shape != g.shape:
             continue
-        sel = np.isfinite(g) & np.isfinite(h)
-        if keep is not None:
-            sel &= np.broadcast_to(keep, g.shape)
-        if not sel.all() or not sel.any():
-            continue  # non-finite values are a fault, not a rounding
+        sel = np.ones(g.shape, dtype=bool) if keep is None else np.broadcast_to(keep, g.shape)
+        if not sel.any() or not (np.isfinite(g[sel]).all() and np.isfinite(h[sel]).all()):
+            continue  # non-finite values where judged are a fault, not a rounding
         size = float(np.max(np.abs(g[sel])))
         err = float(np.max(np.abs(h[sel] - g[sel])))
         unit = ulp(t, prep.dtype)
