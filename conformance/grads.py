@@ -117,6 +117,7 @@ from .tolerance import (
     elementwise_ulp,
     elementwise_ulp_rms,
     gemm_in_dtype,
+    largest_errors,
     lp_array,
     measure,
     param_dtype,
@@ -1544,10 +1545,8 @@ def prepare_grads(prep, tolerance=None, final_state=False, backward=None, lse=Fa
         base_rows = [row_errors(x, near, keep) for (x, near), m in zip(nears, ms)
                      if by_row and not m.nonfinite]
         ms = [m for m in ms if not m.nonfinite]
-        # each measure the largest over the baselines, from whichever makes it, as the
-        # forward's (a baseline with the smaller largest error can have the larger RMS)
-        bm = replace(max(ms, key=lambda m: m.max_err),
-                     rms_err=max(m.rms_err for m in ms)) if ms else None
+        # each measure the largest over the baselines, as the forward's over its forms
+        bm = largest_errors(ms) if ms else None
         own = float(np.max(np.abs(g))) if g.size else 0.0
         mag = own if fp32_terms else max(own, terms.get(n, 0.0))
         tol = ((FUSED_GRAD_DEFAULTS if fused else HALF_GRAD_DEFAULTS if half_bounds
@@ -2362,12 +2361,10 @@ def _cancelled_in_dtype_words(prep, do, got: dict, gold: dict, dlse=None) -> dic
         g, keep = gold[n][0], gold[n][1]
         if not t or h.shape != g.shape:
             continue
-        sel = np.ones(g.shape, dtype=bool) if keep is None else np.broadcast_to(keep, g.shape)
-        if not sel.any() or not (np.isfinite(g[sel]).all() and np.isfinite(h[sel]).all()):
+        m = measure(h, g, keep)
+        if not m.compared or m.nonfinite or m.golden_nonfinite:
             continue  # non-finite values where judged are a fault, not a rounding
-        size = float(np.max(np.abs(g[sel])))
-        err = float(np.max(np.abs(h[sel] - g[sel])))
-        unit = ulp(t, prep.dtype)
+        size, err, unit = m.magnitude, m.max_err, ulp(t, prep.dtype)
         if size <= 16 * ulp(t, "float32") and 0.0 < err <= CANCEL_ULPS * unit:
             out[n] = (f"{grad_output(n)} is zero but for the rounding of terms that cancel (terms up "
                       f"to {t:.3g}, the golden at most {size:.2g}): the kernel's {err:.2g} is "

@@ -62,6 +62,7 @@ from .tolerance import (
     compared_count,
     elementwise_ulp_rms,
     gemm_in_dtype,
+    largest_errors,
     lp_array,
     measure,
     param_dtype,
@@ -726,12 +727,7 @@ def _prepare(case, v, dtype, seed, sem, tol) -> Prepared:
                 raise FloatingPointError(f"{m.nonfinite} non-finite values")
             if prep.plain is None:
                 prep.plain = m
-            # the largest of each measure over the forms, each from whichever form makes
-            # it: kept only where a form's largest error was larger, a form with a
-            # smaller largest error and a larger RMS error left the RMS bound lower
-            bm = m if bm is None else replace(m if m.max_err > bm.max_err else bm,
-                                              max_err=max(bm.max_err, m.max_err),
-                                              rms_err=max(bm.rms_err, m.rms_err))
+            bm = m if bm is None else largest_errors((bm, m))
         prep.baseline = bm
         base_max, base_rms = bm.max_err, bm.rms_err
     except ArithmeticError as exc:

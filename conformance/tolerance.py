@@ -34,7 +34,7 @@ with their own golden and baseline; pass a per-output :class:`Tolerance` through
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -68,6 +68,7 @@ __all__ = [
     "as_dtype",
     "Metrics",
     "measure",
+    "largest_errors",
     "ROW_WINDOW",
     "ROW_VALUES",
     "ROW_SLACK",
@@ -725,6 +726,16 @@ def ratios(err, tol) -> np.ndarray:
     err, tol = np.asarray(err, dtype=np.float64), np.asarray(tol, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(tol > 0, err / np.where(tol > 0, tol, 1.0), np.where(err > 0, np.inf, 0.0))
+
+
+def largest_errors(ms) -> Metrics:
+    """A baseline's :class:`Metrics` over several forms: ``max_err`` and ``rms_err`` each
+    the largest over ``ms``, from whichever form makes it, the rest the first form with
+    the largest ``max_err``. Kept only where a form's largest error was larger, a form
+    with a smaller largest error and a larger RMS error left the RMS bound lower (886 of
+    6157 standard output bounds, 2355 of 22301 gradient ones)."""
+    ms = list(ms)
+    return replace(max(ms, key=lambda m: m.max_err), rms_err=max(m.rms_err for m in ms))
 
 
 def measure(got: np.ndarray, golden: np.ndarray, keep: np.ndarray | None = None,
