@@ -111,7 +111,9 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "extra_results", "lse_golden", "lse_tolerance", "lse_store", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
-           "FLA_CHUNK", "chunk_running_sums", "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
+           "FLA_CHUNK", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
+           "nearest_gate_running_sums",
+           "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
            "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices",
            "flipped_option_words"]
 
@@ -852,6 +854,112 @@ def gate_mistakes(prep):
                    replace(prep, params={**prep.params, "g": np.where(low, FLUSHED_GATE, g)}))
 
 
+#: windows longer than :data:`FLA_CHUNK` over which :func:`gate_running_sums` takes the
+#: running sums (and the whole sequence): the bound takes chunks of ``FLA_CHUNK``
+RUNNING_SUM_WINDOWS = (128, 256)
+
+
+def _running_sums_rounded(a, acc, order):
+    """The running sums of ``a (..., T, e)`` along ``T`` as an implementation in ``acc``
+    rounds them: ``"rounded"`` each exact sum rounded once (torch's CPU ``cumsum`` of
+    float32, which accumulates in double), ``"sequential"`` one addition at a time in ``acc``,
+    ``"scan"`` a Hillis-Steele scan in ``acc`` (Triton's ``tl.cumsum``)."""
+    if order == "rounded":  # from sums in long double: float64 sums too are rounded once
+        return round_to(np.cumsum(a.astype(np.longdouble), axis=-2).astype(np.float64), acc)
+    if order == "sequential":
+        out, run = np.empty_like(a), np.zeros_like(a[..., :1, :])
+        for t in range(a.shape[-2]):
+            run = round_to(run + a[..., t:t + 1, :], acc)
+            out[..., t:t + 1, :] = run
+        return out
+    b, shift = a, 1
+    while shift < a.shape[-2]:
+        b = np.concatenate([b[..., :shift, :], round_to(b[..., shift:, :] + b[..., :-shift, :], acc)],
+                           axis=-2)
+        shift *= 2
+    return b
+
+
+def gate_running_sums(prep):
+    """``(message, prep')`` for kernels that form the decays ``exp(b_i - b_j)`` from running
+    sums ``b`` of the log gates over windows longer than :data:`FLA_CHUNK` (each of
+    :data:`RUNNING_SUM_WINDOWS` shorter than a sequence, and the whole sequence), rounded
+    in the kernel's arithmetic (its dtype; float32 too for float16/bfloat16) in each
+    order of :func:`_running_sums_rounded`; a rounding that another order or dtype
+    repeats is given once.
+
+    Such a kernel computes the function exactly for the gates ``g'_t = b_t - b_{t-1}``
+    (the rounded sums' differences, exact in float64): ``prep'`` is ``prep`` with those
+    gates, so its reference computes what the kernel does, but for the kernel's other
+    roundings. Each exponent then errs by about an ulp of ``|b_i|``, which grows with
+    the window (fla's ``naive_parallel_simple_gla`` takes them over the whole sequence:
+    ``long:b1h1-q1000k1000-d64-causal-tl``, float32, failed at 6.7, read "the error grows
+    with N"). Nothing where the running sums stay within one chunk of ``FLA_CHUNK``.
+    """
+    if "g" not in prep.params:
+        return
+    g = np.asarray(prep.params["g"], dtype=np.float64)
+    scalar = g.ndim == 3  # (B, H, T) or (B, H, T, d_k)
+    a = g[..., None] if scalar else g
+    segs = _segments(prep)
+    longest = max(b - a0 for a0, b in segs)
+    if longest <= FLA_CHUNK:
+        return
+    accs = dict.fromkeys((prep.dtype if prep.dtype not in LOW_PRECISION else "float32", prep.dtype))
+    seen = []
+    for w in [w for w in RUNNING_SUM_WINDOWS if w < longest] + [longest]:
+        where = "the whole sequence" if w == longest else f"windows of {w} steps"
+        for acc in accs:
+            for order in ("rounded", "sequential", "scan"):
+                changed, top = np.empty_like(a), 0.0
+                for a0, b0 in segs:
+                    for c0 in range(a0, b0, w):
+                        c1 = min(c0 + w, b0)
+                        run = _running_sums_rounded(a[..., c0:c1, :], acc, order)
+                        top = max(top, float(np.max(np.abs(run), initial=0.0)))
+                        changed[..., c0:c1, :] = np.diff(run, axis=-2, prepend=0.0)
+                if any(np.array_equal(changed, x) for x in seen):
+                    continue
+                seen.append(changed)
+                how = {"rounded": "each rounded once", "sequential": "added one step at a time",
+                       "scan": "by a parallel scan"}[order]
+                yield (f"the decays exp(b_i - b_j) are formed from running sums b of the log gates "
+                       f"over {where} ({how}, in {acc}), not over chunks of {FLA_CHUNK} or from "
+                       f"nearer reference points: each exponent errs by about an ulp of |b_i|, "
+                       f"which grows with the window (|b| reaches {top:.4g} here); take them per "
+                       f"chunk (fla's chunk_local_cumsum) or as sums between the two steps",
+                       replace(prep, params={**prep.params,
+                                             "g": changed[..., 0] if scalar else changed}))
+
+
+def nearest_gate_running_sums(prep, got, make, keep=None, key=None):
+    """``(message, candidate)`` of :func:`gate_running_sums` whose ``make(prep')`` is
+    nearest ``got`` (the largest difference over ``keep`` and ``got``'s finite values), or
+    None. One rounding of the kind is named, not each: several orders and dtypes can be
+    within the bound of a kernel's output and would read as so many mistakes. With
+    ``key``, the candidates are made once per prepared case and kind of output (a
+    reference run each, up to 18 of them; the signature and the driver both ask)."""
+    store = prep.golden_extras if key is not None else {}
+    slot = ("gate running sums", key)
+    if slot not in store:
+        made = []
+        for message, changed in gate_running_sums(prep):
+            try:
+                made.append((message, np.asarray(make(changed), dtype=np.float64)))
+            except Exception:  # a candidate that cannot be built here says nothing
+                continue
+        store[slot] = made
+    ok = np.isfinite(got) if keep is None else np.broadcast_to(keep, got.shape) & np.isfinite(got)
+    best = None
+    for message, cand in store[slot]:
+        if cand.shape != got.shape:
+            continue
+        off = float(np.max(np.abs(cand - got)[ok], initial=0.0))
+        if best is None or off < best[0]:
+            best = (off, message, cand)
+    return None if best is None else best[1:]
+
+
 def _state_candidates(prep, golden):
     """``(message, make)`` pairs, ``make()`` the state a mistake would return."""
     segs = _segments(prep)
@@ -1048,6 +1156,11 @@ def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
         # mistakes that give the same state on this case cannot be told apart: name each
         return named[0] if len(named) == 1 else (
             " - or ".join(named[:3]) + " (these mistakes give the same final state on this case)")
+    # a rounding, not another function: of the running sums' roundings, the nearest alone
+    near = nearest_gate_running_sums(prep, got, lambda c: _per_sequence(c, "float64", _segments(prep)),
+                                     key="final_state")
+    if near is not None and fits(near[1]):
+        return near[0].replace("the decays exp(b_i - b_j) are", "the state's decays exp(B - b_t) are", 1)
     lower = {"float64": ("float32",), "float32": ()}.get(prep.dtype, ())
     for dt in lower:
         try:

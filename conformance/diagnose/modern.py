@@ -381,6 +381,21 @@ def _gate_sigs(prep):
         yield message, changed.reference("float64")
 
 
+def _running_sum_sigs(prep, got):
+    """Decays from running sums of the log gates over windows longer than fla's chunks
+    (:func:`conformance.extras.gate_running_sums`): a rounding, not another function;
+    the one nearest the kernel's output alone
+    (:func:`conformance.extras.nearest_gate_running_sums`)."""
+    if prep.variant.family != "recurrent":
+        return
+    from ..extras import nearest_gate_running_sums
+
+    near = nearest_gate_running_sums(prep, got, lambda c: finish(prep, c.reference("float64")),
+                                     prep.keep, key="out")
+    if near is not None:
+        yield near
+
+
 def _wy_sigs(prep):
     """The delta rule's chunk form without the WY correction
     (:func:`conformance.extras.delta_rule_without_wy`), at the chunk sizes of
@@ -446,6 +461,7 @@ MODERN = (
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
     Signature("gates", _gate_sigs, functional=True),
+    Signature("gate running sums", _running_sum_sigs, needs_output=True, fit=True),
     Signature("pinv init", _pinv_init_sigs),
     Signature("pinv iterations", _pinv_iterations_sigs),
 )
