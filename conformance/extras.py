@@ -112,7 +112,8 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
-           "nearest_gate_running_sums",
+           "l2norm_conventions", "l2norm_roundings",
+           "known_roundings", "nearest_rounding",
            "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
            "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices",
            "flipped_option_words"]
@@ -932,18 +933,86 @@ def gate_running_sums(prep):
                                              "g": changed[..., 0] if scalar else changed}))
 
 
-def nearest_gate_running_sums(prep, got, make, keep=None, key=None):
-    """``(message, candidate)`` of :func:`gate_running_sums` whose ``make(prep')`` is
+def _normalised(prep, q, k, words):
+    """``(words, prep')``: ``prep`` with ``q`` and ``k`` replaced (float64 values of the
+    kernel's normalised ones) and ``qk_l2norm`` off, so that its reference computes on
+    them."""
+    return words, replace(prep, arrays={**prep.arrays, "q": q, "k": k},
+                          options={**prep.options, "qk_l2norm": False})
+
+
+def l2norm_conventions(prep):
+    """``(message, prep')`` for the delta rule's ``qk_l2norm`` taken another way that
+    changes this case (another function): ``q`` and ``k`` scaled to unit length,
+    ``x / max(|x|, eps)`` (``torch.nn.functional.normalize``, whose ``eps`` is 1e-12),
+    where fla's ``l2norm`` divides by ``sqrt(|x|^2 + 1e-6)``: the two differ where
+    ``|x|^2`` is not far above 1e-6 (``small_qk`` cases: a kernel so written failed
+    float32 at 3.5e4, read "the size a plain bfloat16 implementation makes")."""
+    if not {**prep.options, **prep.kwargs}.get("qk_l2norm"):
+        return
+    q, k = (np.asarray(prep.arrays[n], dtype=np.float64) for n in "qk")
+    unit = [x / np.maximum(np.sqrt(np.sum(x * x, axis=-1, keepdims=True)), 1e-12) for x in (q, k)]
+    yield _normalised(prep, *unit, "q and k scaled to unit length, x / max(|x|, eps) "
+                      "(torch.nn.functional.normalize), where fla's l2norm (qk_l2norm) takes "
+                      "x / sqrt(|x|^2 + 1e-6)")
+
+
+def l2norm_roundings(prep):
+    """``(message, prep')`` for a float16/bfloat16 kernel that normalises ``q`` and ``k``
+    (``qk_l2norm``) in the dtype, where fla's ``l2norm`` divides by the float32 norm and
+    rounds once (:func:`conformance.tolerance.normalized_in_dtype`, the bound's form):
+    ``torch.nn.functional.normalize`` on half tensors (the norm rounded to the dtype,
+    then the quotient) and ``x * rsqrt(sum(x * x) + 1e-6)`` in the dtype (each product,
+    the sum, the reciprocal square root rounded; the form of HuggingFace's ``l2norm``,
+    which HF's gated delta rule applies after its float32 cast). Either scales a whole
+    row by one rounding of its norm, half an ulp of the dtype, where the bound takes
+    rounding each element alone: a delta rule's state, ``|k|^2`` off 1 at every write,
+    failed at 1.1-2.1 (bfloat16, seeds 0-2) reading "no known mistake"."""
+    from attn_ref.recurrent.delta import L2NORM_EPS
+
+    if prep.dtype not in LOW_PRECISION or not {**prep.options, **prep.kwargs}.get("qk_l2norm"):
+        return
+    dt = prep.dtype
+    q, k = (np.asarray(prep.arrays[n], dtype=np.float64) for n in "qk")
+
+    def divided(x):
+        return round_to(x / round_to(np.sqrt(np.sum(x * x, axis=-1, keepdims=True)), dt), dt)
+
+    def rsqrt(x):
+        sq = round_to(np.sum(round_to(x * x, dt), axis=-1, keepdims=True), dt)
+        return round_to(x * round_to(1.0 / np.sqrt(round_to(sq + L2NORM_EPS, dt)), dt), dt)
+
+    yield _normalised(prep, divided(q), divided(k),
+                      f"q and k normalised in {dt}: the norm rounded to {dt} and q, k divided by "
+                      f"it (torch.nn.functional.normalize on {dt} tensors), where fla's l2norm "
+                      f"divides by the float32 norm and rounds once: every row scaled by one "
+                      f"rounding of its norm")
+    yield _normalised(prep, rsqrt(q), rsqrt(k),
+                      f"q and k normalised in {dt}: x * rsqrt(sum(x * x) + 1e-6) with every step "
+                      f"rounded to {dt}, where fla's l2norm computes in float32 and rounds once: "
+                      f"every row scaled by the rounding of its norm")
+
+
+def known_roundings(prep):
+    """Roundings of the variant's function that the bound does not take, each as
+    ``(message, prep')`` whose reference computes what such a kernel does but for its
+    other roundings: :func:`gate_running_sums` and :func:`l2norm_roundings`."""
+    yield from gate_running_sums(prep)
+    yield from l2norm_roundings(prep)
+
+
+def nearest_rounding(prep, got, make, keep=None, key=None):
+    """``(message, candidate)`` of :func:`known_roundings` whose ``make(prep')`` is
     nearest ``got`` (the largest difference over ``keep`` and ``got``'s finite values), or
     None. One rounding of the kind is named, not each: several orders and dtypes can be
     within the bound of a kernel's output and would read as so many mistakes. With
     ``key``, the candidates are made once per prepared case and kind of output (a
-    reference run each, up to 18 of them; the signature and the driver both ask)."""
+    reference run each, up to 20 of them; the signature and the driver both ask)."""
     store = prep.golden_extras if key is not None else {}
-    slot = ("gate running sums", key)
+    slot = ("known roundings", key)
     if slot not in store:
         made = []
-        for message, changed in gate_running_sums(prep):
+        for message, changed in known_roundings(prep):
             try:
                 made.append((message, np.asarray(make(changed), dtype=np.float64)))
             except Exception:  # a candidate that cannot be built here says nothing
@@ -984,6 +1053,8 @@ def _state_candidates(prep, golden):
                     "sequence starts from the previous one's final state",
                     lambda: np.concatenate([reference_on(prep, "float64", 0, hi, first)
                                             for _, hi in segs], axis=0)))
+    for message, changed in l2norm_conventions(prep):
+        out.append((message, lambda changed=changed: _per_sequence(changed, "float64", segs)))
     decay = _step_decay(prep)
     if decay is not None:
         out.append(("the gate applied after the update (S_t = diag(alpha_t) (S_{t-1} + k_t^T v_t): "
@@ -1157,8 +1228,8 @@ def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
         return named[0] if len(named) == 1 else (
             " - or ".join(named[:3]) + " (these mistakes give the same final state on this case)")
     # a rounding, not another function: of the running sums' roundings, the nearest alone
-    near = nearest_gate_running_sums(prep, got, lambda c: _per_sequence(c, "float64", _segments(prep)),
-                                     key="final_state")
+    near = nearest_rounding(prep, got, lambda c: _per_sequence(c, "float64", _segments(prep)),
+                            key="final_state")
     if near is not None and fits(near[1]):
         return near[0].replace("the decays exp(b_i - b_j) are", "the state's decays exp(B - b_t) are", 1)
     lower = {"float64": ("float32",), "float32": ()}.get(prep.dtype, ())

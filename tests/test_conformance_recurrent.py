@@ -959,7 +959,7 @@ FLA_NAIVE_FORMS = {
 }
 
 
-def fla_naive_form_kernel(label, *, compute="float32"):
+def fla_naive_form_kernel(label, *, compute="float32", l2norm=None):
     """fla's naive chunk/parallel form ``label`` (:data:`FLA_NAIVE_FORMS`) as an oracle kernel.
 
     Conventions, each a step here: the layout; ``qk_l2norm`` as in
@@ -967,7 +967,9 @@ def fla_naive_form_kernel(label, *, compute="float32"):
     dtype; ``delta_rule_chunkwise`` needs ``T`` a multiple of its chunk of 32 (zero
     padding: a zero key writes nothing) and takes no initial state;
     ``naive_parallel_simple_gla`` takes no state at all. ``compute="input"``: the float32
-    downcasts replaced by the input dtype (:func:`_fla_module`)."""
+    downcasts replaced by the input dtype (:func:`_fla_module`). ``l2norm``: the
+    normalisation of ``q`` and ``k`` under ``qk_l2norm`` (fla's, :func:`_fla_l2norm`, by
+    default)."""
     import torch.nn.functional as F
 
     name, family, fn_name, layout = FLA_NAIVE_FORMS[label]
@@ -996,7 +998,8 @@ def fla_naive_form_kernel(label, *, compute="float32"):
                qk_l2norm=False, **steps):
         steps = {n: x for n, x in steps.items() if n in ("g", "beta")}
         if qk_l2norm:
-            q, k = _fla_l2norm(q), _fla_l2norm(k)
+            norm = _fla_l2norm if l2norm is None else l2norm
+            q, k = norm(q), norm(k)
         o, final = per_sequence(lambda *a: call(*a, output_final_state), q, k, v, steps,
                                 initial_state, cu_seqlens)
         return (o, final) if output_final_state and final is not None else o
@@ -1046,3 +1049,39 @@ def test_fla_naive_parallel_simple_gla_fails_long_sequences_named(dtype):
     assert row.verdict == "fail", rep.table()
     assert "running sums b of the log gates over the whole sequence" in row.diagnosis, rep.table()
     assert _fla_form_verify("ssd-chunk", dtype, 0, todo).passed
+
+
+def _normalize(x):
+    """``torch.nn.functional.normalize``: ``x / max(|x|, 1e-12)``, in ``x``'s dtype."""
+    import torch
+
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+@pytest.mark.slow
+def test_qk_normalised_otherwise_is_named():
+    """fla's chunked gated delta rule with ``q`` and ``k`` normalised by
+    ``torch.nn.functional.normalize`` instead of fla's ``l2norm``: in float32 it is another
+    function where ``|x|^2`` is near fla's 1e-6 (``small_qk``: failed at 3.5e4, read "the
+    size a plain bfloat16 implementation makes"); in bfloat16 the norm rounded to the
+    dtype scales each row by its rounding, and final states fail at 1.0-2.3 (read "no
+    known mistake of the final state explains it"). Both now named."""
+    pytest.importorskip("torch")
+    name = "gated_deltanet"
+    small = [c for c in cases(name, "standard") if c.id.startswith("small-qk:")]
+    kernel = fla_naive_form_kernel("gated_deltanet-chunk", l2norm=_normalize)
+    rep = verify(kernel, name, backend="torch", dtypes=("float32",), seed=0, progress=False,
+                 supports={"causal": "always"}, causal="top-left", cases=small)
+    assert [r.verdict for r in rep.results] == ["fail", "fail"], rep.table()
+    assert all("scaled to unit length" in r.diagnosis for r in rep.results), rep.table()
+    todo = [c for c in cases(name, "standard") if c.tag in ("chunks", "initial-state")]
+    rep = verify(kernel, name, backend="torch", dtypes=("bfloat16",), seed=1, progress=False,
+                 supports={"causal": "always"}, causal="top-left", cases=todo)
+    states = [r for r in rep.results if r.output == "final_state" and r.verdict == "fail"]
+    assert len(states) >= 3, rep.table()
+    assert all("q and k normalised in bfloat16" in r.diagnosis for r in states), rep.table()
+    # with fla's l2norm the same kernel passes those cases
+    fla = verify(fla_naive_form_kernel("gated_deltanet-chunk"), name, backend="torch",
+                 dtypes=("bfloat16",), seed=1, progress=False, supports={"causal": "always"},
+                 causal="top-left", cases=todo)
+    assert fla.passed, fla.table()

@@ -381,19 +381,30 @@ def _gate_sigs(prep):
         yield message, changed.reference("float64")
 
 
-def _running_sum_sigs(prep, got):
-    """Decays from running sums of the log gates over windows longer than fla's chunks
-    (:func:`conformance.extras.gate_running_sums`): a rounding, not another function;
-    the one nearest the kernel's output alone
-    (:func:`conformance.extras.nearest_gate_running_sums`)."""
+def _rounding_sigs(prep, got):
+    """Roundings of the recurrent function the bound does not take
+    (:func:`conformance.extras.known_roundings`: decays from running sums over windows
+    longer than fla's chunks, ``q`` and ``k`` normalised in a half dtype): the one
+    nearest the kernel's output alone (:func:`conformance.extras.nearest_rounding`)."""
     if prep.variant.family != "recurrent":
         return
-    from ..extras import nearest_gate_running_sums
+    from ..extras import nearest_rounding
 
-    near = nearest_gate_running_sums(prep, got, lambda c: finish(prep, c.reference("float64")),
-                                     prep.keep, key="out")
+    near = nearest_rounding(prep, got, lambda c: finish(prep, c.reference("float64")),
+                            prep.keep, key="out")
     if near is not None:
         yield near
+
+
+def _l2norm_sigs(prep):
+    """The delta rule's ``qk_l2norm`` taken another way
+    (:func:`conformance.extras.l2norm_conventions`)."""
+    if prep.variant.family != "recurrent":
+        return
+    from ..extras import l2norm_conventions
+
+    for message, changed in l2norm_conventions(prep):
+        yield message, changed.reference("float64")
 
 
 def _wy_sigs(prep):
@@ -461,7 +472,8 @@ MODERN = (
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
     Signature("gates", _gate_sigs, functional=True),
-    Signature("gate running sums", _running_sum_sigs, needs_output=True, fit=True),
+    Signature("l2norm convention", _l2norm_sigs, functional=True),
+    Signature("known roundings", _rounding_sigs, needs_output=True, fit=True),
     Signature("pinv init", _pinv_init_sigs),
     Signature("pinv iterations", _pinv_iterations_sigs),
 )
