@@ -4,10 +4,12 @@ HuggingFace transformers' PyTorch fallbacks (:mod:`tests.thirdparty_recurrent`; 
 ``model`` extra installs transformers), which the oracle was never tuned on:
 
 * the gated delta rule of Qwen3-Next (chunked and token by token) as ``gated_deltanet``,
-* Mamba-2's chunked SSD scan (``mamba2_chunk_scan``) as ``ssd``.
+* Mamba-2's chunked SSD scan (``mamba2_chunk_scan``) as ``ssd``,
+* MiniMax-Text-01's lightning attention (``MiniMaxLightningAttention``) as ``retention``
+  (float32 and float64; in bfloat16 it holds its state in the dtype and fails).
 
-Each passes every row of the standard suite in float32, bfloat16 and float16 (forward,
-final state) and, run in float64 with its float32 casts replaced by the input dtype, in
+The first two pass every row of the standard suite in float32, bfloat16 and float16
+(forward, final state) and, run in float64 with its float32 casts replaced by the input dtype, in
 float64; as it is, in float64, it fails every row as a float32 computation (it casts to
 float32). Its gradients (torch autograd) pass on the short recurrent cases. Small
 mistakes planted in its source or its call fail, on the row they break. docs/conformance.md,
@@ -236,3 +238,57 @@ def test_a_state_reaching_one_chunk_back_fails_the_slow_decay_output(name):
     g = prepare(slow, name).params["g"]
     assert GATE_NORMALIZER == 64 and -0.03 < float(g.mean()) < -0.005, float(g.mean())
     assert float(plain.params["g"].mean()) < -0.5
+
+
+# ----------------------------------------------- MiniMax's lightning attention (retention)
+
+
+def _minimax(dtype, seed, block_size=256, edits=(), todo=None):
+    return verify(tp.hf_minimax_lightning(block_size=block_size, edits=edits), "retention",
+                  backend="torch", dtypes=(dtype,), seed=seed, progress=False,
+                  supports={"causal": "always", "value_dim": False}, causal="top-left",
+                  time_limit=None, cases=cases("retention", "standard") if todo is None else todo)
+
+
+@pytest.mark.parametrize("block_size", [256, 64])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_minimax_lightning_attention_passes_every_row(dtype, block_size):
+    """MiniMax-Text-01's lightning attention (transformers' PyTorch path) is retention with
+    gamma = exp(-slope): in blocks of its config's 256 and of 64 (T = 100 and 200 then
+    cross blocks), from a zero state and, token by token, from a cached one; every
+    row of the standard suite but d_v != d_k (which it does not take) passes."""
+    for seed in _seeds(dtype):
+        _check(_minimax(dtype, seed, block_size), f"minimax-{block_size} {dtype}", seed,
+               at_least=2 * 19)
+
+
+def test_minimax_lightning_attention_in_half_precision_keeps_its_state_there():
+    """The module computes in its dtype, its state too (a bfloat16 model's layer): in
+    bfloat16 15 or 16 of its 23 output rows fail (seeds 0-2, ratios up to 6.3), 12 or 13
+    of them named as a state kept in bfloat16; the rest (its products and decays are
+    bfloat16 too) read "no known mistake", never another mistake; every final state
+    fails (held in bfloat16)."""
+    rep = _minimax("bfloat16", CI_SEED["bfloat16"])
+    fails = [r for r in rep.results if r.verdict == "fail" and r.output == "out"]
+    named = [r for r in fails if "state in bfloat16" in r.diagnosis]
+    assert len(named) >= len(fails) // 2 > 0, rep.table()
+    assert all(r in named or r.diagnosis.startswith("no known mistake") for r in fails), rep.table()
+
+
+# in its blocks of 64 at T = 100: (edit, the rows it breaks)
+MINIMAX_PLANTS = [
+    # the partial last block's keys take the first decays, not the last: the state it hands on
+    (("current_key_decay = self.key_decay[:, -current_block_size:]",
+      "current_key_decay = self.key_decay[:, :current_block_size]"), {"final_state"}),
+    # the carried state read without each query's decay since the block's start
+    (("attn_output_inter = torch.matmul(current_query_states * current_query_decay, attn_weights_inter)",
+      "attn_output_inter = torch.matmul(current_query_states, attn_weights_inter)"), {"out"}),
+]
+
+
+@pytest.mark.parametrize("edit, rows", MINIMAX_PLANTS, ids=["key-decay-slice", "no-query-decay"])
+def test_minimax_lightning_attention_a_little_wrong_fails(edit, rows):
+    todo = [c for c in cases("retention", "standard") if c.nq == 100 and c.tag == "chunks"]
+    assert todo
+    rep = _minimax("float32", 0, 64, (edit,), todo)
+    assert {r.output for r in rep.failures} == rows, rep.table()

@@ -24,6 +24,16 @@ kernels: the recurrent family"):
   and must not round to a half dtype. ``dt`` is detached where it meets ``x`` (the
   forward unchanged), so that ``dg`` is that of ``dt * A = g`` alone.
 
+* :func:`hf_minimax_lightning`: ``MiniMaxLightningAttention`` (MiniMax-Text-01's lightning
+  attention, the model's PyTorch path): retention with ``gamma = exp(-slope)`` per head,
+  in blocks of ``block_size`` (the config's, 256) from a zero state, token by token from
+  a cached one (the initial state). Its ``forward`` takes hidden states: ``qkv_proj`` is
+  the identity, the activation ``"linear"``, and the RMS norm, the output gate and
+  ``out_proj`` after the attention are edited out of its source; its buffers of decays
+  are rebuilt from the case's ``gamma`` by its own ``decay_factors``; it takes no scale
+  (``q`` is scaled before the call) and ``d_v = d_k`` only. The module computes in the
+  input's dtype, its state too.
+
 ``compute="input"`` runs the same source with its float32 casts replaced by the input's
 dtype (the float64 calibration, as for fla's naive files); ``edits`` plant a mistake by
 replacing one line of the source (:func:`edited`), each asserted to match exactly once.
@@ -154,4 +164,70 @@ def hf_mamba2_chunk_scan(*, module="mamba2", chunk_size=64, edits=(), compute="f
                              None if packed_as_one else cu_seqlens, output_final_state)
 
     kernel.__name__ = f"hf_{module}_chunk_scan"
+    return kernel
+
+
+class _LinearCache:
+    """The one piece of HF's cache ``MiniMaxLightningAttention.forward`` reads and writes:
+    the linear state (the initial state in, the final state out)."""
+
+    def __init__(self, state):
+        self.state, self.final = state, None
+
+    def get_linear_cache(self, layer_idx):
+        return self.state
+
+    def set_linear_cache(self, layer_idx, state):
+        self.final = state
+
+
+def hf_minimax_lightning(*, block_size=256, edits=()):
+    """MiniMax's ``MiniMaxLightningAttention`` (module docstring) as an oracle kernel for
+    ``retention``; ``edits`` plant a mistake in its ``forward``'s source."""
+    import torch
+    from transformers import MiniMaxConfig
+
+    mm = _module("minimax")
+    src = textwrap.dedent(inspect.getsource(mm.MiniMaxLightningAttention.forward))
+    src = src[src.index("def "):]  # drop the decorators
+    for old, new in ((
+            "    attn_output = self.norm(attn_output)\n"
+            "    attn_output = F.sigmoid(self.output_gate(hidden_states)) * attn_output\n"
+            "    attn_output = self.out_proj(attn_output)\n", ""),) + tuple(edits):
+        assert src.count(old) == 1, f"forward: {old!r} found {src.count(old)} times"
+        src = src.replace(old, new)
+    scope = dict(mm.__dict__)
+    exec(compile(src, mm.__file__, "exec"), scope)
+    forward, layers = scope["forward"], {}
+
+    def call(q, k, v, gamma, s0):
+        B, H, T, d = q.shape
+        if (H, d, q.dtype) not in layers:
+            cfg = MiniMaxConfig(hidden_size=3 * H * d, num_attention_heads=H, head_dim=d,
+                                block_size=block_size, hidden_act="linear", num_hidden_layers=2,
+                                layer_types=["linear_attention"] * 2)
+            layer = mm.MiniMaxLightningAttention(cfg, 0).to(q.dtype)
+            with torch.no_grad():
+                layer.qkv_proj.weight.copy_(torch.eye(3 * H * d, dtype=q.dtype))
+            layers[H, d, q.dtype] = layer
+        layer = layers[H, d, q.dtype]
+        w = torch.float64 if q.dtype == torch.float64 else torch.float32
+        slope = -torch.log(torch.as_tensor(gamma, dtype=w)).reshape(H, 1, 1)
+        layer.slope_rate = slope.to(q.dtype)
+        layer.query_decay, layer.key_decay, layer.diagonal_decay = (
+            x.to(q.dtype) for x in layer.decay_factors(slope))
+        # the per-head q, k, v of each token side by side, as qkv_proj's output splits them
+        hidden = torch.cat([q, k, v], dim=-1).transpose(1, 2).reshape(B, T, 3 * H * d)
+        cache = None if s0 is None else _LinearCache(s0.to(q.dtype))
+        with torch.no_grad():
+            out, state = forward(layer, hidden, None, None, cache=cache)
+        return out.reshape(B, T, H, d).transpose(1, 2), state if cache is None else cache.final
+
+    def kernel(q, k, v, *, gamma, scale=None, initial_state=None, output_final_state=False,
+               cu_seqlens=None):
+        q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+        go = lambda q, k, v, st, s0: call(q, k, v, gamma, s0)  # noqa: E731
+        return _per_sequence(go, q, k, v, {}, initial_state, cu_seqlens, output_final_state)
+
+    kernel.__name__ = f"hf_minimax_lightning_{block_size}"
     return kernel
