@@ -98,8 +98,10 @@ from .report import CaseResult
 from .tolerance import (
     LOW_PRECISION,
     MANTISSA_BITS,
+    LowPrecisionArray,
     as_dtype,
     normalized_in_dtype,
+    plain_array,
     round_to,
     rounding_caveat,
     rounding_cosine,
@@ -111,7 +113,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "extra_results", "lse_golden", "lse_tolerance", "lse_store", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
-           "FLA_CHUNK", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
+           "FLA_CHUNK", "fp32_state_form", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
            "l2norm_conventions", "l2norm_roundings",
            "known_roundings", "nearest_rounding",
            "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
@@ -831,6 +833,103 @@ GATE_FLUSHES = (1e-4, 1e-6)
 FLUSHED_GATE = -1e4
 
 
+def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_dtype=False,
+                    final_state=False):
+    """The recurrent variant ``name`` as a plain fp32-accumulating kernel in half precision.
+
+    Parameters
+    ----------
+    name : str
+        A variant of :mod:`attn_ref.recurrent` (``"retention"``, ``"gla"``...).
+    store_every : int, optional
+        Also round the state to the dtype at every ``store_every``-th step, as fla's chunk
+        kernels store it between chunks (``FLA_CHUNK``); 1 is a kernel whose state is
+        held in the dtype (the mistake :mod:`conformance.diagnose` names).
+    store_dtype : str, optional
+        The dtype the state is stored in (``"bfloat16"``, ``"float16"``); by default the
+        inputs' own.
+    normalized_in_dtype : bool
+        With ``qk_l2norm=True``: normalise ``q`` and ``k`` in float32 and store them in the
+        dtype before the recurrence, as a model that calls fla's ``l2norm`` (float32
+        inside, output in the input dtype) before the kernel does.
+    final_state : bool
+        Return ``(output, final states)``, the states ``(N, H, d_k, d_v)`` as the float64
+        values they hold (one per batch entry, or per packed sequence), stored as the
+        state is.
+
+    Returns
+    -------
+    callable
+        A function with the reference's signature. On :class:`LowPrecisionArray` inputs
+        (``q, k, v``, gates, ``beta``, the initial state, as the dtype holds them) it
+        computes the chunk form (chunks of ``FLA_CHUNK``) with the state and products in
+        float32 and rounds the output to the dtype once: what ``attn_ref.recurrent``
+        computes for half inputs, and fla's kernels. Every setting computes the
+        variant's function in exact arithmetic; on other arrays (float64) nothing is
+        rounded. ``O(T / C)`` reference calls per sequence (``C = store_every``).
+    """
+
+    def form(q, k, v, /, *, xp=None, cu_seqlens=None, initial_state=None, **kw):
+        from attn_ref.registry import get
+
+        fn = get(name).fn
+        cls = type(q) if isinstance(q, LowPrecisionArray) else None
+        rnd = (lambda x: x) if cls is None else cls.round
+        store = rnd if store_dtype is None or cls is None else LOW_PRECISION[store_dtype].round
+        q, k, v, initial_state, cu_seqlens = (plain_array(x) for x in (q, k, v, initial_state,
+                                                                         cu_seqlens))
+        kw = {n: plain_array(x) for n, x in kw.items()}
+        kw.update(form="chunk", chunk_size=FLA_CHUNK, output_final_state=True, xp=xp)
+        if normalized_in_dtype and kw.get("qk_l2norm") and cls is not None:
+            from .tolerance import normalized_in_dtype as unit_in_dtype  # the name is the flag's here
+
+            q, k = (np.asarray(unit_in_dtype(x, cls.dtype_name), dtype=np.float32) for x in (q, k))
+            kw["qk_l2norm"] = False
+        nb, steps = q.ndim - 2, q.shape[-2]  # the time axis follows the batch axes
+
+        def cut(x, a, b):
+            per_step = isinstance(x, np.ndarray) and x.ndim > nb and x.shape[nb] == steps
+            return x[(slice(None),) * nb + (slice(a, b),)] if per_step else x
+
+        def run(a, b, s):
+            """Steps ``a:b`` of one sequence from the state ``s``: its output and state."""
+            outs = []
+            step = store_every or b - a
+            for c in range(a, b, step):
+                e = min(c + step, b)
+                o, s = fn(cut(q, c, e), cut(k, c, e), cut(v, c, e), initial_state=s,
+                          **{n: cut(x, c, e) for n, x in kw.items()})
+                s = store(np.asarray(s))
+                outs.append(o)
+            return np.concatenate(outs, axis=-2), s
+
+        bounds = [0, q.shape[-2]] if cu_seqlens is None else [int(t) for t in cu_seqlens]
+        outs, states = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if initial_state is None:  # q is (1, ...) with packed sequences: one state each
+                s0 = np.zeros(q.shape[:nb] + (k.shape[-1], v.shape[-1]), dtype=q.dtype)
+            else:
+                s0 = initial_state if cu_seqlens is None else initial_state[i:i + 1]
+            if a == b:
+                states.append(np.asarray(s0))
+                continue
+            o, s = run(a, b, s0)
+            outs.append(o)
+            states.append(np.asarray(s))
+        if not outs:
+            out = xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+        else:
+            out = rnd(np.concatenate(outs, axis=-2))
+            out = out if cls is None else out.view(cls)
+        if final_state:
+            return out, np.concatenate([np.asarray(s, dtype=np.float64) for s in states], axis=0)
+        return out
+
+    form.__name__ = f"{name}_fp32_state" + ("" if store_every is None else
+                                            f"_stored_every_{store_every}")
+    return form
+
+
 def gate_mistakes(prep):
     """``(message, prep')`` for each known mistake in the log gates ``g`` that changes them
     on this case: the gates clipped at each of :data:`GATE_CLIPS` (``g < -5`` taken as -5:
@@ -1191,6 +1290,46 @@ def wy_chunks(prep):
     return split + whole
 
 
+def _state_in_half_words(prep, got, golden, err):
+    """A float16/bfloat16 kernel's final state whose error (``err``) is the size of one held
+    in a half dtype and rounded at every step (within a factor of 3; of the dtype and
+    bfloat16, the nearer): the bound takes a float32 state. The output's diagnosis names
+    such a state from its own error; the final state read "no known mistake of the final
+    state explains it" (MiniMax's lightning attention in bfloat16, 23 of 23 rows). The
+    size alone cannot tell it from a mistake of that size: the words say so unless the
+    two errors share a direction."""
+    if prep.dtype not in LOW_PRECISION or err <= 0:
+        return None
+    best = None
+    for store in dict.fromkeys((prep.dtype, "bfloat16")):
+        form = fp32_state_form(prep.variant.name, 1, store, final_state=True)
+        held = {}
+
+        def fn(*a, form=form, held=held, **kw):
+            out, held["state"] = form(*a, **kw)
+            return out
+
+        try:
+            prep.reference(prep.dtype, fn=fn)
+        except Exception:  # a form that cannot run here says nothing
+            continue
+        state = held.get("state")
+        if state is None or state.shape != golden.shape:
+            continue
+        be = float(np.max(np.abs(state - golden), initial=0.0))
+        off = abs(math.log(err / be)) if be > 0 else math.inf
+        if off <= math.log(3.0) and (best is None or off < best[0]):
+            best = (off, store, be, state)
+    if best is None:
+        return None
+    _, store, be, state = best
+    cos, least = rounding_cosine(got - golden, state - golden)
+    return (f"the state is held in {store}, rounded at every step: its error ({err:.2g}) is the "
+            f"size such a state makes ({be:.2g}), where the bound takes a float32 state "
+            f"(fla's chunk kernels store it in the dtype only between chunks of {FLA_CHUNK})"
+            + rounding_caveat(cos, least))
+
+
 def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
     """Words naming the bug class of a failing final state (host, canonical layout);
     ``state_dtype`` the dtype the kernel returned it in."""
@@ -1232,6 +1371,9 @@ def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:
                             key="final_state")
     if near is not None and fits(near[1]):
         return near[0].replace("the decays exp(b_i - b_j) are", "the state's decays exp(B - b_t) are", 1)
+    words = _state_in_half_words(prep, got, golden, err)
+    if words:
+        return words
     lower = {"float64": ("float32",), "float32": ()}.get(prep.dtype, ())
     for dt in lower:
         try:

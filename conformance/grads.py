@@ -324,7 +324,7 @@ def _fp32_state_grads(prep, do, dtype, dfinal_state=None, normalized_in_dtype=Fa
     """The recurrent VJP as a float16/bfloat16 kernel computes it: the inputs as the dtype
     holds them, the state, its cotangent and every product in float32, each gradient
     rounded once to its input's dtype - the backward of the forward's baseline
-    :func:`conformance.judging.fp32_state_form` (the one function, at float32 precision).
+    :func:`conformance.extras.fp32_state_form` (the one function, at float32 precision).
 
     ``normalized_in_dtype``: with ``qk_l2norm=True``, ``q`` and ``k`` normalised in
     float32 and stored in the dtype before the recurrence (fla's ``l2norm`` before the

@@ -44,7 +44,7 @@ import numpy as np
 
 from .calling import reference_features
 from .catalogue import case_gates
-from .extras import BLOCK_SIZES, FLA_CHUNK, RECURRENT
+from .extras import BLOCK_SIZES, FLA_CHUNK, RECURRENT, fp32_state_form
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
@@ -77,7 +77,7 @@ from .tolerance import (
 __all__ = ["SEMANTICS", "BASE_KEYS", "ILL_CONDITIONED", "Prepared", "prepare", "judge", "verdict_of",
            "worst_of", "row_words",
            "Form", "FORMS", "register_forms", "forms", "baselines", "precision",
-           "fp32_state_form", "FLA_CHUNK", "LSE_VARIANTS", "SPARSE_PATTERNS", "lse_form",
+           "FLA_CHUNK", "LSE_VARIANTS", "SPARSE_PATTERNS", "lse_form",
            "lse_softmax_attention", "softmax_pattern",
            "parse_semantics", "resolve_tolerance", "as_dtype", "variant_of",
            "option_names", "with_options", "freeze"]
@@ -1005,91 +1005,6 @@ def _elu_plus_one(prep):
     return (prep.options.get("feature_map", "elu+1") == "elu+1"
             and prep.dtype in ("float32", "float64"))
 
-
-
-def fp32_state_form(name, store_every=None, store_dtype=None, *, normalized_in_dtype=False):
-    """The recurrent variant ``name`` as a plain fp32-accumulating kernel in half precision.
-
-    Parameters
-    ----------
-    name : str
-        A variant of :mod:`attn_ref.recurrent` (``"retention"``, ``"gla"``...).
-    store_every : int, optional
-        Also round the state to the dtype at every ``store_every``-th step, as fla's chunk
-        kernels store it between chunks (``FLA_CHUNK``); 1 is a kernel whose state is
-        held in the dtype (the mistake :mod:`conformance.diagnose` names).
-    store_dtype : str, optional
-        The dtype the state is stored in (``"bfloat16"``, ``"float16"``); by default the
-        inputs' own.
-    normalized_in_dtype : bool
-        With ``qk_l2norm=True``: normalise ``q`` and ``k`` in float32 and store them in the
-        dtype before the recurrence, as a model that calls fla's ``l2norm`` (float32
-        inside, output in the input dtype) before the kernel does.
-
-    Returns
-    -------
-    callable
-        A function with the reference's signature. On :class:`LowPrecisionArray` inputs
-        (``q, k, v``, gates, ``beta``, the initial state, as the dtype holds them) it
-        computes the chunk form (chunks of ``FLA_CHUNK``) with the state and products in
-        float32 and rounds the output to the dtype once: what ``attn_ref.recurrent``
-        computes for half inputs, and fla's kernels. Every setting computes the
-        variant's function in exact arithmetic; on other arrays (float64) nothing is
-        rounded. ``O(T / C)`` reference calls per sequence (``C = store_every``).
-    """
-
-    def form(q, k, v, /, *, xp=None, cu_seqlens=None, initial_state=None, **kw):
-        from attn_ref.registry import get
-
-        fn = get(name).fn
-        cls = type(q) if isinstance(q, LowPrecisionArray) else None
-        rnd = (lambda x: x) if cls is None else cls.round
-        store = rnd if store_dtype is None or cls is None else LOW_PRECISION[store_dtype].round
-        q, k, v, initial_state, cu_seqlens = (plain_array(x) for x in (q, k, v, initial_state,
-                                                                         cu_seqlens))
-        kw = {n: plain_array(x) for n, x in kw.items()}
-        kw.update(form="chunk", chunk_size=FLA_CHUNK, output_final_state=True, xp=xp)
-        if normalized_in_dtype and kw.get("qk_l2norm") and cls is not None:
-            from .tolerance import normalized_in_dtype as unit_in_dtype
-
-            q, k = (np.asarray(unit_in_dtype(x, cls.dtype_name), dtype=np.float32) for x in (q, k))
-            kw["qk_l2norm"] = False
-        nb, steps = q.ndim - 2, q.shape[-2]  # the time axis follows the batch axes
-
-        def cut(x, a, b):
-            per_step = isinstance(x, np.ndarray) and x.ndim > nb and x.shape[nb] == steps
-            return x[(slice(None),) * nb + (slice(a, b),)] if per_step else x
-
-        def run(a, b, s):
-            """Steps ``a:b`` of one sequence from the state ``s``: its output."""
-            outs = []
-            step = store_every or b - a
-            for c in range(a, b, step):
-                e = min(c + step, b)
-                o, s = fn(cut(q, c, e), cut(k, c, e), cut(v, c, e), initial_state=s,
-                          **{n: cut(x, c, e) for n, x in kw.items()})
-                s = store(np.asarray(s))
-                outs.append(o)
-            return np.concatenate(outs, axis=-2)
-
-        bounds = [0, q.shape[-2]] if cu_seqlens is None else [int(t) for t in cu_seqlens]
-        outs = []
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            if a == b:
-                continue
-            if initial_state is None:  # q is (1, ...) with packed sequences: one state each
-                s0 = np.zeros(q.shape[:nb] + (k.shape[-1], v.shape[-1]), dtype=q.dtype)
-            else:
-                s0 = initial_state if cu_seqlens is None else initial_state[i:i + 1]
-            outs.append(run(a, b, s0))
-        if not outs:
-            return xp.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
-        out = rnd(np.concatenate(outs, axis=-2))
-        return out if cls is None else out.view(cls)
-
-    form.__name__ = f"{name}_fp32_state" + ("" if store_every is None else
-                                            f"_stored_every_{store_every}")
-    return form
 
 
 def _dense_form(name):

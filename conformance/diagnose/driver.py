@@ -9,8 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..extras import RECURRENT, nearest_rounding
-from ..judging import FLA_CHUNK, fp32_state_form
+from ..extras import FLA_CHUNK, RECURRENT, fp32_state_form, nearest_rounding
 from ..ties import kmeans_margins
 from ..tolerance import (
     LOGITS_IN_DTYPE,
