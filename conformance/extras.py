@@ -96,6 +96,7 @@ import numpy as np
 
 from .report import CaseResult
 from .tolerance import (
+    FLOAT32_PARAMS,
     LOW_PRECISION,
     MANTISSA_BITS,
     LowPrecisionArray,
@@ -114,7 +115,7 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
            "FLA_CHUNK", "fp32_state_form", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
-           "l2norm_conventions", "l2norm_roundings",
+           "decays_in_dtype", "l2norm_conventions", "l2norm_roundings",
            "known_roundings", "nearest_rounding",
            "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
            "wy_chunks", "WY_CHUNKS", "BLOCK_SIZES", "boolean_options", "NOT_BOOLEAN_OPTIONS", "named_choices",
@@ -954,6 +955,35 @@ def gate_mistakes(prep):
                    replace(prep, params={**prep.params, "g": np.where(low, FLUSHED_GATE, g)}))
 
 
+def decays_in_dtype(prep):
+    """``(message, prep')`` for a float16/bfloat16 kernel holding a per-head decay that
+    kernels keep in float32 (:data:`conformance.tolerance.FLOAT32_PARAMS`: retention's
+    ``gamma``) in its dtype: ``gamma`` rounded, its log (a slope, ``gamma = exp(-slope)``)
+    rounded, or both; each only where it changes ``gamma``. Another function: in
+    bfloat16 ``1 - 2^-9`` rounds to 1 (no decay) from the fifth head on. A torch
+    retention loop so written failed two outputs (named) and two final states, one of
+    them read "the state is held in bfloat16" by the size of its error."""
+    if prep.dtype not in LOW_PRECISION:
+        return
+    dt = prep.dtype
+    for name in sorted(FLOAT32_PARAMS & set(prep.params)):
+        x = np.asarray(prep.params[name], dtype=np.float64)
+        if not np.all(x > 0):
+            continue
+        from_log = np.exp(round_to(np.log(x), dt))
+        seen = [x]
+        for how, held in ((f"rounded to {dt}", round_to(x, dt)),
+                          (f"as exp of its log rounded to {dt} (a slope held in {dt})", from_log),
+                          (f"as exp of its log rounded to {dt}, the exponential rounded too",
+                           round_to(from_log, dt))):
+            if any(np.array_equal(held, y) for y in seen):
+                continue
+            seen.append(held)
+            yield (f"the decay {name} held in {dt}: {how}, where kernels keep it in float32 (the "
+                   f"decays 1 - 2^(-5-h) are not all {dt} numbers; rounded, they are another "
+                   f"function)", replace(prep, params={**prep.params, name: held}))
+
+
 #: windows longer than :data:`FLA_CHUNK` over which :func:`gate_running_sums` takes the
 #: running sums (and the whole sequence): the bound takes chunks of ``FLA_CHUNK``
 RUNNING_SUM_WINDOWS = (128, 256)
@@ -1152,7 +1182,7 @@ def _state_candidates(prep, golden):
                     "sequence starts from the previous one's final state",
                     lambda: np.concatenate([reference_on(prep, "float64", 0, hi, first)
                                             for _, hi in segs], axis=0)))
-    for message, changed in l2norm_conventions(prep):
+    for message, changed in [*l2norm_conventions(prep), *decays_in_dtype(prep)]:
         out.append((message, lambda changed=changed: _per_sequence(changed, "float64", segs)))
     decay = _step_decay(prep)
     if decay is not None:
@@ -1295,9 +1325,10 @@ def _state_in_half_words(prep, got, golden, err):
     in a half dtype and rounded at every step (within a factor of 3; of the dtype and
     bfloat16, the nearer): the bound takes a float32 state. The output's diagnosis names
     such a state from its own error; the final state read "no known mistake of the final
-    state explains it" (MiniMax's lightning attention in bfloat16, 23 of 23 rows). The
-    size alone cannot tell it from a mistake of that size: the words say so unless the
-    two errors share a direction."""
+    state explains it" (a torch GLA loop rounding its state to bfloat16 at every step:
+    25 of 25 rows). The size alone cannot tell it from a mistake of that size: named only
+    where the two errors share a direction
+    (:func:`conformance.tolerance.rounding_cosine`)."""
     if prep.dtype not in LOW_PRECISION or err <= 0:
         return None
     best = None
@@ -1324,10 +1355,14 @@ def _state_in_half_words(prep, got, golden, err):
         return None
     _, store, be, state = best
     cos, least = rounding_cosine(got - golden, state - golden)
+    if cos < least:
+        # the size alone: a retention kernel holding gamma in bfloat16 errs that much too
+        # (cosine -0.04), and was named so before its own candidate joined
+        return None
     return (f"the state is held in {store}, rounded at every step: its error ({err:.2g}) is the "
-            f"size such a state makes ({be:.2g}), where the bound takes a float32 state "
-            f"(fla's chunk kernels store it in the dtype only between chunks of {FLA_CHUNK})"
-            + rounding_caveat(cos, least))
+            f"size such a state makes ({be:.2g}) and shares its direction (cosine {cos:.2f}), "
+            f"where the bound takes a float32 state (fla's chunk kernels store it in the dtype "
+            f"only between chunks of {FLA_CHUNK})")
 
 
 def diagnose_final_state(prep, got, golden, tol, state_dtype=None) -> str:

@@ -407,6 +407,17 @@ def _l2norm_sigs(prep):
         yield message, changed.reference("float64")
 
 
+def _decay_in_dtype_sigs(prep):
+    """A per-head decay held in the kernel's half dtype
+    (:func:`conformance.extras.decays_in_dtype`)."""
+    if prep.variant.family != "recurrent":
+        return
+    from ..extras import decays_in_dtype
+
+    for message, changed in decays_in_dtype(prep):
+        yield message, changed.reference("float64")
+
+
 def _wy_sigs(prep):
     """The delta rule's chunk form without the WY correction
     (:func:`conformance.extras.delta_rule_without_wy`), at the chunk sizes of
@@ -472,6 +483,7 @@ MODERN = (
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
     Signature("gates", _gate_sigs, functional=True),
+    Signature("decay in the dtype", _decay_in_dtype_sigs, functional=True),
     Signature("l2norm convention", _l2norm_sigs, functional=True),
     Signature("known roundings", _rounding_sigs, needs_output=True, fit=True),
     Signature("pinv init", _pinv_init_sigs),
