@@ -370,15 +370,19 @@ def _recurrent_sigs(prep):
                f"{' or '.join(map(str, sizes))}): the outputs of tokens {where} are zero", out)
 
 
-def _gate_sigs(prep):
-    """Mistakes in the log gates (:func:`conformance.extras.gate_mistakes`): clipped, or
-    their decays flushed to 0 below a threshold."""
+def _changed_function_sigs(prep):
+    """Another function of the recurrent family, each as a ``prep'`` whose reference
+    computes it: mistakes in the log gates (:func:`conformance.extras.gate_mistakes`:
+    clipped, or their decays flushed to 0 below a threshold), the delta rule's
+    ``qk_l2norm`` taken another way (:func:`conformance.extras.l2norm_conventions`), a
+    per-head decay held in a half dtype (:func:`conformance.extras.decays_in_dtype`)."""
     if prep.variant.family != "recurrent":
         return
-    from ..extras import gate_mistakes
+    from ..extras import decays_in_dtype, gate_mistakes, l2norm_conventions
 
-    for message, changed in gate_mistakes(prep):
-        yield message, changed.reference("float64")
+    for changes in (gate_mistakes, decays_in_dtype, l2norm_conventions):
+        for message, changed in changes(prep):
+            yield message, changed.reference("float64")
 
 
 def _rounding_sigs(prep, got):
@@ -394,28 +398,6 @@ def _rounding_sigs(prep, got):
                             prep.keep, key="out")
     if near is not None:
         yield near
-
-
-def _l2norm_sigs(prep):
-    """The delta rule's ``qk_l2norm`` taken another way
-    (:func:`conformance.extras.l2norm_conventions`)."""
-    if prep.variant.family != "recurrent":
-        return
-    from ..extras import l2norm_conventions
-
-    for message, changed in l2norm_conventions(prep):
-        yield message, changed.reference("float64")
-
-
-def _decay_in_dtype_sigs(prep):
-    """A per-head decay held in the kernel's half dtype
-    (:func:`conformance.extras.decays_in_dtype`)."""
-    if prep.variant.family != "recurrent":
-        return
-    from ..extras import decays_in_dtype
-
-    for message, changed in decays_in_dtype(prep):
-        yield message, changed.reference("float64")
 
 
 def _wy_sigs(prep):
@@ -482,9 +464,7 @@ MODERN = (
     Signature("varlen", _varlen_sigs),
     Signature("recurrent", _recurrent_sigs),
     Signature("wy", _wy_sigs),
-    Signature("gates", _gate_sigs, functional=True),
-    Signature("decay in the dtype", _decay_in_dtype_sigs, functional=True),
-    Signature("l2norm convention", _l2norm_sigs, functional=True),
+    Signature("changed function", _changed_function_sigs, functional=True),
     Signature("known roundings", _rounding_sigs, needs_output=True, fit=True),
     Signature("pinv init", _pinv_init_sigs),
     Signature("pinv iterations", _pinv_iterations_sigs),
