@@ -19,6 +19,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -1156,3 +1157,33 @@ def test_gamma_held_in_bfloat16_is_named():
     half = verify(_retention_gamma_in_dtype, "retention", backend="torch", dtypes=("float16",),
                   seed=0, progress=False, supports={"causal": "always"}, causal="top-left", cases=five)
     assert half.passed, half.table()
+
+
+# mistakes planted in fla's chunked gated delta rule: (old, new) in its source
+FLA_CHUNK_PLANTS = {
+    # running sums of the gates exclusive of the current step (an exclusive scan)
+    "exclusive-cumsum": ("decay = decay.squeeze(-1).cumsum(-1)\n",
+                         "decay = decay.squeeze(-1).cumsum(-1) - decay.squeeze(-1)\n"),
+    # the UT transform's forward substitution stops one row short: position 63 of each
+    # chunk writes with an uncorrected row of (I + L)^-1
+    "inverse-last-row": ("for i in range(1, chunk_size):", "for i in range(1, chunk_size - 1):"),
+    # the in-chunk product without its diagonal: a query does not read its own key's write
+    "diagonal-excluded": ("attn = (q_i @ k_i.transpose(-1, -2) * L_mask[:, :, i]).masked_fill_(mask, 0)",
+                          "attn = (q_i @ k_i.transpose(-1, -2) * L_mask[:, :, i])"
+                          ".masked_fill_(mask | torch.eye(chunk_size, dtype=torch.bool), 0)"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(FLA_CHUNK_PLANTS))
+def test_fla_chunk_form_a_little_wrong_fails(plant, monkeypatch):
+    """Each planted mistake fails rows of the standard suite in float32 (measured, seed 0:
+    53, 20 and 27 of 54 rows; in bfloat16 53, 7 and 27)."""
+    pytest.importorskip("torch")
+    old, new = FLA_CHUNK_PLANTS[plant]
+    with open(fla_naive_path("gated_delta_rule")) as f:
+        source = f.read()
+    assert source.count(old) == 1, plant
+    mod = fla_naive_module("gated_delta_rule", source.replace(old, new), f"_fla_plant_{plant}")
+    monkeypatch.setattr(sys.modules[__name__], "_fla_module", lambda family, compute: mod)
+    rep = _fla_form_verify("gated_deltanet-chunk", "float32", 0)
+    assert rep.counts["fail"] >= 10, rep.table()
