@@ -1187,3 +1187,19 @@ def test_fla_chunk_form_a_little_wrong_fails(plant, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_fla_module", lambda family, compute: mod)
     rep = _fla_form_verify("gated_deltanet-chunk", "float32", 0)
     assert rep.counts["fail"] >= 10, rep.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", ["ssd-chunk", "gated_deltanet-chunk", "deltanet-chunkwise"])
+def test_fla_naive_chunk_forms_pass_the_gradient_oracle(label):
+    """torch autograd through fla's chunked forms: every gradient row of the recurrent
+    cases up to T = 100 passes (float32 and float64 seeds 0-1 measured: at most 0.87 and
+    0.31; bfloat16, the gated delta rule, 0.67). CI: float32, seed 0."""
+    name = FLA_NAIVE_FORMS[label][0]
+    todo = [c for c in cases(name, "standard") if c.family == "recurrent" and c.nq <= 100]
+    pytest.importorskip("torch")
+    rep = verify(fla_naive_form_kernel(label), name, backend="torch", dtypes=("float32",), seed=0,
+                 progress=False, supports={"causal": "always"}, causal="top-left", cases=todo,
+                 grads=True)
+    assert rep.passed, rep.table()
+    assert {"dq", "dk", "dv"} <= {r.output for r in rep.results if r.verdict == "pass"}, rep.table()

@@ -293,3 +293,16 @@ def test_minimax_lightning_attention_a_little_wrong_fails(edit, rows):
     assert todo
     rep = _minimax("float32", 0, 64, (edit,), todo)
     assert {r.output for r in rep.failures} == rows, rep.table()
+
+
+def test_minimax_lightning_attention_passes_every_gradient_row():
+    """torch autograd through its blocks and its cached-state path: ``dq``, ``dk``, ``dv``
+    and ``dinitial_state`` pass on the recurrent cases up to T = 100 (float32 and float64,
+    seeds 0-1, both block sizes, measured; CI: float32, blocks of 64)."""
+    todo = [c for c in cases("retention", "standard") if c.family == "recurrent" and c.nq <= 100]
+    rep = verify(tp.hf_minimax_lightning(block_size=64), "retention", backend="torch",
+                 dtypes=("float32",), seed=CI_SEED["float32"], progress=False,
+                 supports={"causal": "always", "value_dim": False}, causal="top-left",
+                 time_limit=None, cases=todo, grads=True)
+    _check(rep, "minimax-64 grads float32", CI_SEED["float32"],
+           want_rows=("out", "final_state", "dq", "dk", "dv", "dinitial_state"), at_least=20)

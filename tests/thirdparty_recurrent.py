@@ -206,7 +206,7 @@ def hf_minimax_lightning(*, block_size=256, edits=()):
             cfg = MiniMaxConfig(hidden_size=3 * H * d, num_attention_heads=H, head_dim=d,
                                 block_size=block_size, hidden_act="linear", num_hidden_layers=2,
                                 layer_types=["linear_attention"] * 2)
-            layer = mm.MiniMaxLightningAttention(cfg, 0).to(q.dtype)
+            layer = mm.MiniMaxLightningAttention(cfg, 0).to(q.dtype).requires_grad_(False)
             with torch.no_grad():
                 layer.qkv_proj.weight.copy_(torch.eye(3 * H * d, dtype=q.dtype))
             layers[H, d, q.dtype] = layer
@@ -219,8 +219,7 @@ def hf_minimax_lightning(*, block_size=256, edits=()):
         # the per-head q, k, v of each token side by side, as qkv_proj's output splits them
         hidden = torch.cat([q, k, v], dim=-1).transpose(1, 2).reshape(B, T, 3 * H * d)
         cache = None if s0 is None else _LinearCache(s0.to(q.dtype))
-        with torch.no_grad():
-            out, state = forward(layer, hidden, None, None, cache=cache)
+        out, state = forward(layer, hidden, None, None, cache=cache)
         return out.reshape(B, T, H, d).transpose(1, 2), state if cache is None else cache.final
 
     def kernel(q, k, v, *, gamma, scale=None, initial_state=None, output_final_state=False,
