@@ -1029,7 +1029,7 @@ def gate_running_sums(prep):
     if "g" not in prep.params:
         return
     g = np.asarray(prep.params["g"], dtype=np.float64)
-    scalar = g.ndim == 3  # (B, H, T) or (B, H, T, d_k)
+    scalar = g.ndim < 4  # one gate a step, (B, H, T) or broadcast, or GLA's (B, H, T, d_k)
     a = g[..., None] if scalar else g
     segs = _segments(prep)
     longest = max(b - a0 for a0, b in segs)
@@ -1104,8 +1104,9 @@ def l2norm_roundings(prep):
     dt = prep.dtype
     q, k = (np.asarray(prep.arrays[n], dtype=np.float64) for n in "qk")
 
-    def divided(x):
-        return round_to(x / round_to(np.sqrt(np.sum(x * x, axis=-1, keepdims=True)), dt), dt)
+    def divided(x):  # normalize's x / max(|x|, eps), eps = 1e-12: zero rows stay zero
+        norm = round_to(np.sqrt(np.sum(x * x, axis=-1, keepdims=True)), dt)
+        return round_to(x / np.maximum(norm, 1e-12), dt)
 
     def rsqrt(x):
         sq = round_to(np.sum(round_to(x * x, dt), axis=-1, keepdims=True), dt)
