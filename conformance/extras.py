@@ -114,7 +114,8 @@ __all__ = ["Extra", "EXTRAS", "register_extra", "extras_of", "requested_keywords
            "extra_results", "lse_golden", "lse_tolerance", "lse_store", "diagnose_lse", "LSE_FUDGE",
            "RECURRENT", "reference_on", "final_state_golden", "state_magnitudes", "final_state_tolerance",
            "diagnose_final_state", "STATE_FUDGE", "delta_rule_without_wy", "without_wy",
-           "FLA_CHUNK", "fp32_state_form", "chunk_running_sums", "RUNNING_SUM_WINDOWS", "gate_running_sums",
+           "FLA_CHUNK", "MAMBA2_CHUNK", "fp32_state_form", "chunk_running_sums", "RUNNING_SUM_WINDOWS",
+           "gate_running_sums",
            "decays_in_dtype", "l2norm_conventions", "l2norm_roundings",
            "known_roundings", "nearest_rounding",
            "GATE_CLIPS", "GATE_FLUSHES", "FLUSHED_GATE", "gate_mistakes",
@@ -644,6 +645,10 @@ def _log_decays(prep, k):
 #: chunk_h.py``, ``chunk_fwd_h(..., states_in_fp32=False)``), and form the decays from
 #: running sums of the log gates over each chunk (``chunk_local_cumsum``)
 FLA_CHUNK = 64
+#: Mamba-2's chunk size (``mamba_ssm``'s ``mamba_chunk_scan_combined``, ``chunk_size=256``
+#: in its configs): its Triton kernels take the in-chunk decays ``exp(b_i - b_j)`` from
+#: running sums over chunks this long (``_chunk_cumsum_fwd``), one of SSD's baselines
+MAMBA2_CHUNK = 256
 
 
 def chunk_running_sums(a, chunk=FLA_CHUNK):

@@ -44,7 +44,7 @@ import numpy as np
 
 from .calling import reference_features
 from .catalogue import case_gates
-from .extras import BLOCK_SIZES, FLA_CHUNK, RECURRENT, fp32_state_form
+from .extras import BLOCK_SIZES, FLA_CHUNK, MAMBA2_CHUNK, RECURRENT, fp32_state_form
 from .features import FEATURES, NotApplicable, allowed_matrix, default_scale
 from .long import is_long, long_reference
 from .report import CaseResult
@@ -1373,10 +1373,11 @@ register_forms("linear", Form("quadratic order", (("order", "quadratic"),)),
 # heads, T = 1000, float16), loose enough to pass a kernel whose state is bfloat16. There
 # the baseline is the two fp32-accumulating implementations real kernels are instead.
 def _fla_ssd_chunks(q, k, v, /, *, g, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, xp=None, **kw):
+                    cu_seqlens=None, xp=None, chunk=FLA_CHUNK, **kw):
     """SSD as fla's chunk kernels compute it, in the arrays' dtype: per chunk of
-    :data:`FLA_CHUNK` steps the running sums ``b`` of the log decays from the chunk's
-    start (``chunk_local_cumsum``, a parallel scan), the in-chunk decays
+    ``chunk`` steps (:data:`FLA_CHUNK`; Mamba-2's kernels take :data:`MAMBA2_CHUNK`) the
+    running sums ``b`` of the log decays from the chunk's start (``chunk_local_cumsum``, a
+    parallel scan), the in-chunk decays
     ``exp(b_i - b_j)`` from their differences, ``O = (Q K^T * D) V + (Q * exp(b)) S``
     and ``S <- exp(B) S + (K * exp(B - b))^T V``. The same function as the reference,
     which takes each exponent relative to a nearer reference point
@@ -1392,7 +1393,7 @@ def _fla_ssd_chunks(q, k, v, /, *, g, scale=None, initial_state=None, output_fin
         # packed sequences (batch 1): each its own chunks from its own start and state
         cu = [int(x) for x in np.asarray(cu_seqlens)]
         runs = [_fla_ssd_chunks(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], g=g[..., a:b],
-                                scale=scale, output_final_state=True,
+                                scale=scale, output_final_state=True, chunk=chunk,
                                 initial_state=None if initial_state is None else initial_state[i:i + 1])
                 for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))]
         out = np.concatenate([o for o, _ in runs], axis=-2)
@@ -1401,12 +1402,12 @@ def _fla_ssd_chunks(q, k, v, /, *, g, scale=None, initial_state=None, output_fin
     s = np.zeros(q.shape[:-2] + (q.shape[-1], v.shape[-1]), dtype=q.dtype) \
         if initial_state is None else initial_state
     outs = []
-    for c0 in range(0, q.shape[-2], FLA_CHUNK):
-        qc, kc, vc = (x[..., c0:c0 + FLA_CHUNK, :] for x in (q, k, v))
+    for c0 in range(0, q.shape[-2], chunk):
+        qc, kc, vc = (x[..., c0:c0 + chunk, :] for x in (q, k, v))
         # the running sums by a parallel (Hillis-Steele) scan, as Triton's tl.cumsum and
         # torch's CPU cumsum associate them: a sequential sum's errors cancel between
         # neighbours, a scan's do not, and with strong gates only neighbours matter
-        b, n, shift = g[..., c0:c0 + FLA_CHUNK], min(FLA_CHUNK, q.shape[-2] - c0), 1
+        b, n, shift = g[..., c0:c0 + chunk], min(chunk, q.shape[-2] - c0), 1
         while shift < n:
             b = np.concatenate([b[..., :shift], b[..., shift:] + b[..., :-shift]], axis=-1)
             shift *= 2
@@ -1417,6 +1418,17 @@ def _fla_ssd_chunks(q, k, v, /, *, g, scale=None, initial_state=None, output_fin
         s = np.exp(b[..., -1:])[..., None] * s + mt(kc * np.exp(b[..., -1:] - b)[..., None]) @ vc
     out = np.concatenate(outs, axis=-2) if outs else np.zeros_like(v)
     return (out, s) if output_final_state else out
+
+
+def _mamba2_ssd_chunks(q, k, v, /, **kw):
+    """:func:`_fla_ssd_chunks` in Mamba-2's chunks of :data:`MAMBA2_CHUNK`: ``mamba_ssm``'s
+    kernels round SSD so, each in-chunk exponent a difference of running sums over up to
+    256 steps. A torch kernel written so failed ``long:b1h1-q1000k1000-d64-causal-tl`` at
+    1.6-2.5 (float32, seeds 0-2) against fla's chunks of 64 alone; with it, the ssd bounds of the
+    standard cases longer than 64 steps rose (45 of 112, seeds 0-1, float32 and float64;
+    the long case 4-6.7x, a strong-gate case 10.5x in float64) and every planted mistake
+    still fails (docs/conformance.md, "SSD's Mamba-2 form")."""
+    return _fla_ssd_chunks(q, k, v, chunk=MAMBA2_CHUNK, **kw)
 
 
 _FULL = lambda prep: prep.dtype in ("float32", "float64")  # noqa: E731
@@ -1434,7 +1446,10 @@ for _name in RECURRENT:
                    Form("parallel, masked T x T", (("form", "parallel"),), applies=_FULL),
                    Form("chunks of 64", (("chunk_size", 64),), applies=_FULL),
                    *((Form("fla's chunks: decays from differences of chunk running sums",
-                           fn=_fla_ssd_chunks, applies=_FULL),) if _name == "ssd" else ()),
+                           fn=_fla_ssd_chunks, applies=_FULL),
+                      Form(f"Mamba-2's chunks of {MAMBA2_CHUNK}: decays from differences of chunk "
+                           f"running sums", fn=_mamba2_ssd_chunks, applies=_FULL))
+                     if _name == "ssd" else ()),
                    PERTURBED)
 # FAVOR+: exp(w . sqrt(scale) q - scale |q|^2 / 2) is not linear in q: no fold either
 register_forms("performer", AS_REGISTERED, Form("quadratic order", (("order", "quadratic"),)),
