@@ -838,6 +838,14 @@ def test_a_clipped_gate_fails_in_bfloat16():
             assert not fails or all("clipped at -5" in r.diagnosis for r in outs), rep.table()
 
 
+def _torch_verify(kernel, name, dtype, seed=0, todo=None, **kw):
+    """``verify`` of a torch kernel, causal top-left, on the standard suite (or ``todo``)."""
+    pytest.importorskip("torch")
+    return verify(kernel, name, backend="torch", dtypes=(dtype,), seed=seed, progress=False,
+                  supports={"causal": "always"}, causal="top-left",
+                  cases=cases(name, "standard") if todo is None else todo, **kw)
+
+
 def _torch_ssd_chunks(factor=1.0, chunk=64):
     """SSD in chunks of ``chunk`` as fla's kernels (64) and Mamba-2's (256) compute it
     (torch, no attn_ref): the running sums of the log decays by torch.cumsum, the in-chunk
@@ -876,13 +884,9 @@ def test_mamba2_style_ssd_in_chunks_of_256_passes(dtype):
     had that form (conformance.judging, "Mamba-2's chunks of 256"), and passes every row
     now (seeds 0-2 measured: at most 0.57 in float32, 0.46 in float64). 1 % off, every
     output row fails."""
-    rep = verify(_torch_ssd_chunks(chunk=256), "ssd", backend="torch", dtypes=(dtype,), seed=0,
-                 progress=False, supports={"causal": "always"}, causal="top-left",
-                 cases=cases("ssd", "standard"))
+    rep = _torch_verify(_torch_ssd_chunks(chunk=256), "ssd", dtype)
     assert rep.passed, rep.table()
-    bad = verify(_torch_ssd_chunks(1.01, chunk=256), "ssd", backend="torch", dtypes=(dtype,),
-                 seed=0, progress=False, supports={"causal": "always"}, causal="top-left",
-                 cases=cases("ssd", "standard"))
+    bad = _torch_verify(_torch_ssd_chunks(1.01, chunk=256), "ssd", dtype)
     outs = [r for r in bad.results if r.output == "out" and r.verdict != "n/a"]
     assert outs and all(r.verdict == "fail" for r in outs), bad.table()
 
@@ -940,9 +944,8 @@ _WINDOW_CASES = ("long:b1h1-q1000k1000-d64-causal-tl", "strong-gates:b1h3-q65k65
 
 
 def _gla_torch(kernel, dtype, seed=0):
-    return verify(kernel, "gla", backend="torch", dtypes=(dtype,), seed=seed, progress=False,
-                  supports={"causal": "always"}, causal="top-left",
-                  cases=[c for c in cases("gla", "standard") if c.id in _WINDOW_CASES])
+    return _torch_verify(kernel, "gla", dtype, seed,
+                         [c for c in cases("gla", "standard") if c.id in _WINDOW_CASES])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -1034,13 +1037,10 @@ def fla_naive_form_kernel(label, *, compute="float32", l2norm=None):
     return kernel
 
 
-def _fla_form_verify(label, dtype, seed, todo=None):
-    pytest.importorskip("torch")
-    name = FLA_NAIVE_FORMS[label][0]
+def _fla_form_verify(label, dtype, seed, todo=None, **kw):
     compute = "input" if dtype == "float64" else "float32"
-    return verify(fla_naive_form_kernel(label, compute=compute), name, backend="torch",
-                  dtypes=(dtype,), seed=seed, progress=False, supports={"causal": "always"},
-                  causal="top-left", cases=cases(name, "standard") if todo is None else todo)
+    return _torch_verify(fla_naive_form_kernel(label, compute=compute), FLA_NAIVE_FORMS[label][0],
+                         dtype, seed, todo, **kw)
 
 
 @pytest.mark.slow
@@ -1093,20 +1093,16 @@ def test_qk_normalised_otherwise_is_named():
     name = "gated_deltanet"
     small = [c for c in cases(name, "standard") if c.id.startswith("small-qk:")]
     kernel = fla_naive_form_kernel("gated_deltanet-chunk", l2norm=_normalize)
-    rep = verify(kernel, name, backend="torch", dtypes=("float32",), seed=0, progress=False,
-                 supports={"causal": "always"}, causal="top-left", cases=small)
+    rep = _torch_verify(kernel, name, "float32", 0, small)
     assert [r.verdict for r in rep.results] == ["fail", "fail"], rep.table()
     assert all("scaled to unit length" in r.diagnosis for r in rep.results), rep.table()
     todo = [c for c in cases(name, "standard") if c.tag in ("chunks", "initial-state")]
-    rep = verify(kernel, name, backend="torch", dtypes=("bfloat16",), seed=1, progress=False,
-                 supports={"causal": "always"}, causal="top-left", cases=todo)
+    rep = _torch_verify(kernel, name, "bfloat16", 1, todo)
     states = [r for r in rep.results if r.output == "final_state" and r.verdict == "fail"]
     assert len(states) >= 3, rep.table()
     assert all("q and k normalised in bfloat16" in r.diagnosis for r in states), rep.table()
     # with fla's l2norm the same kernel passes those cases
-    fla = verify(fla_naive_form_kernel("gated_deltanet-chunk"), name, backend="torch",
-                 dtypes=("bfloat16",), seed=1, progress=False, supports={"causal": "always"},
-                 causal="top-left", cases=todo)
+    fla = _torch_verify(fla_naive_form_kernel("gated_deltanet-chunk"), name, "bfloat16", 1, todo)
     assert fla.passed, fla.table()
 
 
@@ -1132,10 +1128,8 @@ def test_a_final_state_held_in_bfloat16_is_named():
     """Its final states fail (25 of 25 named, seeds 0 and 1; they read "no known mistake
     of the final state explains it"), the error the size of the reference's state rounded
     at every step and in its direction, so without the words that it cannot tell."""
-    pytest.importorskip("torch")
-    rep = verify(_gla_state_in_dtype, "gla", backend="torch", dtypes=("bfloat16",), seed=0,
-                 progress=False, supports={"causal": "always"}, causal="top-left",
-                 cases=[c for c in cases("gla", "standard") if c.tag in ("chunks", "initial-state")])
+    rep = _torch_verify(_gla_state_in_dtype, "gla", "bfloat16", 0,
+                        [c for c in cases("gla", "standard") if c.tag in ("chunks", "initial-state")])
     states = [r for r in rep.results if r.output == "final_state" and r.verdict == "fail"]
     assert len(states) >= 5, rep.table()
     for r in states:
@@ -1168,16 +1162,13 @@ def test_gamma_held_in_bfloat16_is_named():
     fail, output and final state, each named (before: "wrong only on head 4" and, on a
     final state, "the state is held in bfloat16" by size); float16 holds these decays
     exactly and passes."""
-    pytest.importorskip("torch")
     five = [c for c in cases("retention", "standard") if c.batch[1] >= 5]
     assert five
-    rep = verify(_retention_gamma_in_dtype, "retention", backend="torch", dtypes=("bfloat16",),
-                 seed=0, progress=False, supports={"causal": "always"}, causal="top-left", cases=five)
+    rep = _torch_verify(_retention_gamma_in_dtype, "retention", "bfloat16", 0, five)
     fails = [r for r in rep.results if r.verdict == "fail"]
     assert {r.output for r in fails} == {"out", "final_state"}, rep.table()
     assert all(r.diagnosis.startswith("the decay gamma held in bfloat16") for r in fails), rep.table()
-    half = verify(_retention_gamma_in_dtype, "retention", backend="torch", dtypes=("float16",),
-                  seed=0, progress=False, supports={"causal": "always"}, causal="top-left", cases=five)
+    half = _torch_verify(_retention_gamma_in_dtype, "retention", "float16", 0, five)
     assert half.passed, half.table()
 
 
@@ -1219,9 +1210,6 @@ def test_fla_naive_chunk_forms_pass_the_gradient_oracle(label):
     0.31; bfloat16, the gated delta rule, 0.67). CI: float32, seed 0."""
     name = FLA_NAIVE_FORMS[label][0]
     todo = [c for c in cases(name, "standard") if c.family == "recurrent" and c.nq <= 100]
-    pytest.importorskip("torch")
-    rep = verify(fla_naive_form_kernel(label), name, backend="torch", dtypes=("float32",), seed=0,
-                 progress=False, supports={"causal": "always"}, causal="top-left", cases=todo,
-                 grads=True)
+    rep = _fla_form_verify(label, "float32", 0, todo, grads=True)
     assert rep.passed, rep.table()
     assert {"dq", "dk", "dv"} <= {r.output for r in rep.results if r.verdict == "pass"}, rep.table()

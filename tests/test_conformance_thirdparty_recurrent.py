@@ -41,10 +41,12 @@ def _seeds(dtype):
     return list(range(SEEDS)) if SEEDS else [CI_SEED[dtype]]
 
 
-def _verify(kernel, name, dtype, seed=0, todo=None, **kw):
+def _verify(kernel, name, dtype, seed=0, todo=None, supports=(), **kw):
+    """``verify`` on torch, causal top-left, the standard suite (or ``todo``); ``supports``
+    adds declarations to ``causal``."""
     return verify(kernel, name, backend="torch", dtypes=(dtype,), seed=seed, progress=False,
-                  supports={"causal": "always"}, causal="top-left", time_limit=None,
-                  cases=cases(name, "standard") if todo is None else todo, **kw)
+                  supports={"causal": "always", **dict(supports)}, causal="top-left",
+                  time_limit=None, cases=cases(name, "standard") if todo is None else todo, **kw)
 
 
 def _check(rep, label, seed, want_rows=("out", "final_state"), at_least=2 * 21):
@@ -243,11 +245,10 @@ def test_a_state_reaching_one_chunk_back_fails_the_slow_decay_output(name):
 # ----------------------------------------------- MiniMax's lightning attention (retention)
 
 
-def _minimax(dtype, seed, block_size=256, edits=(), todo=None):
-    return verify(tp.hf_minimax_lightning(block_size=block_size, edits=edits), "retention",
-                  backend="torch", dtypes=(dtype,), seed=seed, progress=False,
-                  supports={"causal": "always", "value_dim": False}, causal="top-left",
-                  time_limit=None, cases=cases("retention", "standard") if todo is None else todo)
+def _minimax(dtype, seed, block_size=256, edits=(), todo=None, **kw):
+    # it takes d_v = d_k only
+    return _verify(tp.hf_minimax_lightning(block_size=block_size, edits=edits), "retention", dtype,
+                   seed, todo, supports={"value_dim": False}, **kw)
 
 
 @pytest.mark.parametrize("block_size", [256, 64])
@@ -300,9 +301,6 @@ def test_minimax_lightning_attention_passes_every_gradient_row():
     and ``dinitial_state`` pass on the recurrent cases up to T = 100 (float32 and float64,
     seeds 0-1, both block sizes, measured; CI: float32, blocks of 64)."""
     todo = [c for c in cases("retention", "standard") if c.family == "recurrent" and c.nq <= 100]
-    rep = verify(tp.hf_minimax_lightning(block_size=64), "retention", backend="torch",
-                 dtypes=("float32",), seed=CI_SEED["float32"], progress=False,
-                 supports={"causal": "always", "value_dim": False}, causal="top-left",
-                 time_limit=None, cases=todo, grads=True)
+    rep = _minimax("float32", CI_SEED["float32"], 64, todo=todo, grads=True)
     _check(rep, "minimax-64 grads float32", CI_SEED["float32"],
            want_rows=("out", "final_state", "dq", "dk", "dv", "dinitial_state"), at_least=20)

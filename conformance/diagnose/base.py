@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..extras import nearest_rounding
 from ..features import allowed_matrix
 from ..tolerance import (
     measure,
@@ -17,7 +18,7 @@ from ..tolerance import (
 
 __all__ = ["Signature", "SIGNATURES", "register_signature", "AS_CASE", "host_logits",
            "softmax_host", "finish", "ref_with", "UNEXPLAINED", "reproduces",
-           "SCALE_FIT_RANGE", "compared", "fit_factor", "off_by"]
+           "SCALE_FIT_RANGE", "compared", "fit_factor", "off_by", "nearest_output_rounding"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,15 @@ def ref_with(prep, **changes):
         else:
             target[k] = v
     return prep.reference("float64", arrays=arrays, kwargs=kwargs)
+
+
+def nearest_output_rounding(prep, got):
+    """``(message, output)`` of the recurrent family's known rounding nearest the
+    kernel's output (:func:`conformance.extras.nearest_rounding`), or None; made once per
+    prepared case for the signature that names it and the driver's rule past the
+    signatures' reach, which both ask."""
+    return nearest_rounding(prep, got, lambda c: finish(prep, c.reference("float64")),
+                            prep.keep, key="out")
 
 
 # ----------------------------------------------- does a mistake reproduce the output

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..extras import FLA_CHUNK, RECURRENT, fp32_state_form, nearest_rounding
+from ..extras import FLA_CHUNK, RECURRENT, fp32_state_form
 from ..ties import kmeans_margins
 from ..tolerance import (
     LOGITS_IN_DTYPE,
@@ -25,8 +25,8 @@ from ..tolerance import (
 from .base import (
     SIGNATURES,
     compared,
-    finish,
     host_logits,
+    nearest_output_rounding,
     reproduces,
 )
 from .modern import eager_softmax
@@ -346,7 +346,7 @@ def _few_rows(row, tol, nq):
 
 def _known_rounding(prep, got):
     """A recurrent kernel that fails as one of the roundings the bound does not take
-    fails (:func:`conformance.extras.nearest_rounding`: decays from running sums over a
+    fails (:func:`conformance.diagnose.base.nearest_output_rounding`: decays from running sums over a
     window longer than fla's chunks, ``q`` and ``k`` normalised in a half dtype): that
     rounding fails this case too, and the kernel is within the case's bounds of it
     (largest, RMS and each row's). The signatures name a mistake past the case's largest
@@ -358,8 +358,7 @@ def _known_rounding(prep, got):
     mistake explains it"."""
     if prep.variant.family != "recurrent":
         return None
-    near = nearest_rounding(prep, got, lambda c: finish(prep, c.reference("float64")),
-                            prep.keep, key="out")
+    near = nearest_output_rounding(prep, got)
     if near is None:
         return None
     message, cand = near

@@ -16,6 +16,7 @@ from .base import (
     Signature,
     finish,
     fit_factor,
+    nearest_output_rounding,
     off_by,
     ref_with,
 )
@@ -389,13 +390,10 @@ def _rounding_sigs(prep, got):
     """Roundings of the recurrent function the bound does not take
     (:func:`conformance.extras.known_roundings`: decays from running sums over windows
     longer than fla's chunks, ``q`` and ``k`` normalised in a half dtype): the one
-    nearest the kernel's output alone (:func:`conformance.extras.nearest_rounding`)."""
+    nearest the kernel's output alone (:func:`conformance.diagnose.base.nearest_output_rounding`)."""
     if prep.variant.family != "recurrent":
         return
-    from ..extras import nearest_rounding
-
-    near = nearest_rounding(prep, got, lambda c: finish(prep, c.reference("float64")),
-                            prep.keep, key="out")
+    near = nearest_output_rounding(prep, got)
     if near is not None:
         yield near
 
